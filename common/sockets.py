@@ -1,0 +1,160 @@
+"""ZeroMQ ROUTER/DEALER helpers over asyncio, speaking the multipart frames of :mod:`common.wire`.
+
+A frame list on the wire is ``[header, *binary]`` from a DEALER, and ``[identity, header, *binary]``
+at a ROUTER. Binary frames are sent zero-copy (``copy=False``) when large.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from common import wire
+from common.errors import WireError
+
+log = structlog.get_logger()
+
+Frames = Sequence[bytes | memoryview]
+_ZERO_COPY_MIN = 64 * 1024
+
+
+def _ensure_ipc_dir(endpoint: str) -> None:
+    if endpoint.startswith("ipc://"):
+        Path(endpoint[len("ipc://") :]).parent.mkdir(parents=True, exist_ok=True)
+
+
+def _copy_flag(frames: Frames) -> bool:
+    return all(len(f) < _ZERO_COPY_MIN for f in frames)
+
+
+class Router:
+    """A bound ROUTER socket: receive validated messages from many peers, reply to any of them."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, max_msg_bytes: int = 256 << 20) -> None:
+        _ensure_ipc_dir(endpoint)
+        self.endpoint = endpoint
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.bind(endpoint)
+
+    async def recv(self) -> tuple[bytes, wire.Message, list[bytes]]:
+        """Next well-formed message as (peer identity, header, binary frames).
+
+        A malformed frame is answered with an ``Error`` (code ``invalid_request``) and skipped.
+        """
+        while True:
+            parts = await self.sock.recv_multipart()
+            if len(parts) < 2:
+                log.warning("wire.short_frame", endpoint=self.endpoint, parts=len(parts))
+                continue
+            identity, header, binary = parts[0], parts[1], parts[2:]
+            try:
+                return identity, wire.decode(header), binary
+            except WireError as exc:
+                log.warning("wire.malformed", endpoint=self.endpoint, error=str(exc))
+                await self.send(identity, wire.Error(code="invalid_request", message=str(exc)))
+
+    async def send(self, identity: bytes, msg: wire.Msg, binary: Frames = ()) -> None:
+        frames = [identity, wire.encode(msg), *binary]
+        await self.sock.send_multipart(frames, copy=_copy_flag(binary))
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class Dealer:
+    """A connected DEALER: request/reply matched by ``mid`` plus unsolicited messages to a handler.
+
+    Replies (messages whose ``mid`` matches a pending request) resolve that request's future; any
+    other message goes to ``on_message`` if given, else is logged and dropped.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        *,
+        identity: bytes | None = None,
+        on_message: Callable[[wire.Message, list[bytes]], Awaitable[None]] | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if identity is not None:
+            self.sock.setsockopt(zmq.IDENTITY, identity)
+        self.sock.connect(endpoint)
+        self._on_message = on_message
+        self._pending: dict[int, asyncio.Future[tuple[wire.Message, list[bytes]]]] = {}
+        self._mids = itertools.count(1)
+        self._reader: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        while True:
+            parts = await self.sock.recv_multipart()
+            try:
+                msg = wire.decode(parts[0])
+            except WireError as exc:
+                log.warning("wire.malformed", endpoint=self.endpoint, error=str(exc))
+                continue
+            future = self._pending.pop(msg.mid, None) if msg.mid else None
+            if future is not None:
+                if not future.done():
+                    future.set_result((msg, parts[1:]))
+            elif self._on_message is not None:
+                try:
+                    await self._on_message(msg, parts[1:])
+                except Exception:  # a handler bug must not kill the reader
+                    log.exception("dealer.handler_failed", endpoint=self.endpoint)
+            else:
+                log.debug("dealer.unmatched", endpoint=self.endpoint, type=type(msg).__name__)
+
+    async def send(self, msg: wire.Msg, binary: Frames = ()) -> None:
+        await self.sock.send_multipart([wire.encode(msg), *binary], copy=_copy_flag(binary))
+
+    async def request(self, msg: wire.Msg, binary: Frames = (), *, timeout: float = 10.0) -> tuple[wire.Message, list[bytes]]:
+        """Send ``msg`` with a fresh ``mid`` and wait for the reply carrying it."""
+        self.start()
+        msg.mid = next(self._mids)
+        future: asyncio.Future[tuple[wire.Message, list[bytes]]] = asyncio.get_running_loop().create_future()
+        self._pending[msg.mid] = future
+        try:
+            await self.send(msg, binary)
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._pending.pop(msg.mid, None)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self.sock.close(0)
+
+
+async def probe_health(endpoint: str, timeout: float = 2.0) -> wire.HealthReply | None:
+    """Ask a service for its health; None when it does not answer in time."""
+    ctx = zmq.asyncio.Context.instance()
+    dealer = Dealer(ctx, endpoint)
+    try:
+        reply, _ = await dealer.request(wire.Health(), timeout=timeout)
+    except (asyncio.TimeoutError, zmq.ZMQError):
+        return None
+    finally:
+        dealer.close()
+    return reply if isinstance(reply, wire.HealthReply) else None
+
+
+def reply_mid(request: Any) -> int:
+    """The ``mid`` a reply to ``request`` must carry."""
+    return int(getattr(request, "mid", 0) or 0)

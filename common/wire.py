@@ -1,0 +1,281 @@
+"""Typed schemas of every internal message, and their msgpack encoding.
+
+A message on a socket is a multipart frame: one msgpack header (a tagged struct below, tag field
+``type``), then zero or more raw binary frames (packed mask bitsets, tensors) that the header
+describes. Receivers decode with :func:`decode`, which validates the header against these schemas
+and raises :class:`common.errors.WireError` on anything malformed.
+
+The controller runtime's main and side channels keep the JSON shapes of seed 001 instead (``op``
+requests, ``type: ok|error`` replies); their schemas live in :mod:`common.aici_wire`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from common.errors import WireError
+
+
+class Msg(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True):
+    """Base of every internal message. ``mid`` matches a reply to its request."""
+
+    mid: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and top-k alternatives
+
+
+class SamplingPatch(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Fields a client may change mid-stream (``control: modify``); None leaves a field as it is."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: list[str] | None = None
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class SampledToken(msgspec.Struct, array_like=True):
+    """One generated token with its logprob and top alternatives (empty when not requested)."""
+
+    token_id: int
+    logprob: float
+    top: list[TokenLogprob] = []
+
+
+# ---------------------------------------------------------------------------------------------
+# Common replies
+
+
+class Ok(Msg, tag="ok"):
+    data: dict[str, Any] = {}
+
+
+class Error(Msg, tag="error"):
+    code: str
+    message: str
+    rid: str = ""
+
+
+class Health(Msg, tag="health"):
+    pass
+
+
+class HealthReply(Msg, tag="health_reply"):
+    service: str
+    ready: bool
+    detail: dict[str, Any] = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# gateway -> scheduler
+
+
+class Submit(Msg, tag="submit"):
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    priority: int = 0  # 0 interactive ... 10 batch
+    timeout_s: float = 0.0  # 0: the scheduler's default
+
+
+class Cancel(Msg, tag="cancel"):
+    rid: str
+
+
+class Pause(Msg, tag="pause"):
+    rid: str
+
+
+class Resume(Msg, tag="resume"):
+    rid: str
+
+
+class Modify(Msg, tag="modify"):
+    rid: str
+    patch: SamplingPatch
+
+
+# scheduler -> gateway
+
+
+class TokenEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What one step produced for one request.
+
+    ``text`` is the newly releasable text: it never contains a partial stop string nor a partial
+    UTF-8 character; held-back text is released on a later event or dropped when it completes a
+    stop string. ``tokens`` are the tokens generated this step (a stop string may end text before
+    the last of them).
+    """
+
+    rid: str
+    tokens: list[SampledToken] = []
+    text: str = ""
+    finish_reason: str | None = None  # "length" | "stop" | "cancelled" | "timeout" | "error"
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Events(Msg, tag="events"):
+    """All token events of one step for one gateway: one message per step, never one per token."""
+
+    events: list[TokenEvent]
+
+
+class RequestFailed(Msg, tag="request_failed"):
+    """A request ended in an error; ``code`` is one of the WebSocket protocol's error types."""
+
+    rid: str
+    code: str
+    message: str
+    recoverable: bool = False
+    recovery_action: str = "none"
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduler <-> worker
+
+
+class SeqStep(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One sequence's part of a step: feed ``tokens`` (a prompt chunk, or the last sampled token)
+    and, when ``sample`` is set, sample the next token. ``sampling`` is sent when a sequence starts
+    or its parameters change. ``mask_row`` indexes the step's mask frame (-1: no mask)."""
+
+    seq_id: int
+    tokens: list[int]
+    sample: bool = True
+    sampling: SamplingParams | None = None
+    mask_row: int = -1
+
+
+class Step(Msg, tag="step"):
+    """One batched forward pass. ``free`` lists sequences to drop before it runs.
+
+    When any ``mask_row`` is set, one binary frame follows: ``n_rows`` packed bitsets, little-endian
+    bit order, ``ceil(vocab_size / 32)`` uint32 words a row; bit set = token allowed.
+    """
+
+    step_id: int
+    seqs: list[SeqStep]
+    free: list[int] = []
+
+
+class SeqFailure(msgspec.Struct, kw_only=True):
+    seq_id: int
+    message: str
+
+
+class StepResult(Msg, tag="step_result"):
+    step_id: int
+    samples: dict[int, SampledToken]  # seq_id -> sampled token (only for seqs with sample=True)
+    failures: list[SeqFailure] = []
+    forward_ms: float = 0.0
+
+
+class WorkerHello(Msg, tag="worker_hello"):
+    """A worker announces itself (before loading) and reports loading progress until ready."""
+
+    worker_id: str
+    stage: str  # "loading" | "ready" | "failed"
+    progress: int = 0
+    message: str = ""
+    model: str = ""
+    vocab_size: int = 0
+    max_model_len: int = 0
+    eos_token_ids: list[int] = []
+    device: str = ""
+    kv_capacity_tokens: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# gateway -> session store
+
+
+class RecordRequest(Msg, tag="record_request"):
+    rid: str
+    surface: str  # "websocket" | "rest" | "openai" | ...
+    model: str
+    prompt: str
+    params: dict[str, Any] = {}
+    created_at: float = 0.0
+
+
+class RecordCompletion(Msg, tag="record_completion"):
+    rid: str
+    generated_text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str = ""
+
+
+class RecordFeedback(Msg, tag="record_feedback"):
+    rid: str
+    rating: float
+    text: str = ""
+    position: int | None = None
+
+
+class GetRequest(Msg, tag="get_request"):
+    rid: str
+
+
+Message = Union[
+    Ok,
+    Error,
+    Health,
+    HealthReply,
+    Submit,
+    Cancel,
+    Pause,
+    Resume,
+    Modify,
+    Events,
+    RequestFailed,
+    Step,
+    StepResult,
+    WorkerHello,
+    RecordRequest,
+    RecordCompletion,
+    RecordFeedback,
+    GetRequest,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(header: bytes) -> Message:
+    """Decode and validate a header frame; malformed input raises WireError, never anything else."""
+    try:
+        return _decoder.decode(header)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise WireError(f"malformed message: {exc}") from exc

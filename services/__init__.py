@@ -1,0 +1,1 @@
+"""The five Tiller processes; each is run as ``python -m services.<name>``."""

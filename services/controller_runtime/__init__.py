@@ -1,0 +1,1 @@
+"""Tiller controller runtime service."""

@@ -1,0 +1,1 @@
+"""Tiller gateway service."""

@@ -1,0 +1,1 @@
+"""Tiller session store service."""
