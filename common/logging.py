@@ -23,4 +23,5 @@ def configure_logging(service: str, level: str = "info") -> structlog.stdlib.Bou
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    return structlog.get_logger().bind(service=service)
+    structlog.contextvars.bind_contextvars(service=service)
+    return structlog.get_logger()

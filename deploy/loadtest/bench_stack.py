@@ -1,0 +1,143 @@
+"""Whole-stack benchmark: plain ``transformers.generate`` vs Tiller streams over WebSocket, in one run.
+
+Prints tokens/s of plain generate on one prompt, of one Tiller stream, and the aggregate of N
+concurrent Tiller streams, with time-to-first-token and inter-token latency p50/p99, and the ratios
+against the baseline measured in the same run. Starts its own stack unless ``--url`` is given.
+
+    python deploy/loadtest/bench_stack.py [--tokens 128] [--streams 16] [--url ws://127.0.0.1:8080/generate]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+
+
+@dataclass
+class StreamStats:
+    tokens: int = 0
+    ttft_s: float = 0.0
+    gaps_s: list[float] = field(default_factory=list)
+    total_s: float = 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def plain_generate(tokens: int) -> float:
+    """Tokens/s of plain transformers greedy generation on the same model and prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.config import Settings
+    from common.model_source import load_tokenizer, resolve_model
+
+    settings = Settings()
+    tokenizer = load_tokenizer(settings)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(settings, weights=True).directory, dtype=torch.float32)
+    ids = torch.tensor([tokenizer(PROMPT).input_ids])
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=8, do_sample=False)  # warm-up
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        elapsed = time.perf_counter() - start
+    generated = out.shape[1] - ids.shape[1]
+    del model
+    return generated / elapsed
+
+
+async def one_stream(url: str, tokens: int) -> StreamStats:
+    import websockets
+
+    stats = StreamStats()
+    config = {
+        "type": "config",
+        "prompt": PROMPT,
+        "parameters": {"max_tokens": tokens, "temperature": 0, "ignore_eos": True},
+    }
+    async with websockets.connect(url, max_size=None) as ws:
+        start = time.perf_counter()
+        await ws.send(json.dumps(config))
+        last = None
+        async for raw in ws:
+            msg = json.loads(raw)
+            now = time.perf_counter()
+            if msg["type"] == "token":
+                stats.tokens += 1
+                if last is None:
+                    stats.ttft_s = now - start
+                else:
+                    stats.gaps_s.append(now - last)
+                last = now
+            elif msg["type"] == "completion":
+                stats.total_s = now - start
+                break
+            elif msg["type"] == "error":
+                raise RuntimeError(f"stream failed: {msg}")
+    return stats
+
+
+async def streams(url: str, n: int, tokens: int) -> tuple[float, list[StreamStats]]:
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one_stream(url, tokens) for _ in range(n)))
+    elapsed = time.perf_counter() - start
+    return sum(r.tokens for r in results) / elapsed, results
+
+
+def describe(label: str, tok_s: float, results: list[StreamStats], baseline: float) -> str:
+    ttft = [r.ttft_s * 1000 for r in results]
+    gaps = [g * 1000 for r in results for g in r.gaps_s]
+    return (
+        f"{label:28s} {tok_s:8.1f} tok/s  ({tok_s / baseline:5.2f}x plain)  "
+        f"TTFT p50 {percentile(ttft, 0.5):7.1f} ms p99 {percentile(ttft, 0.99):7.1f} ms  "
+        f"ITL p50 {percentile(gaps, 0.5):6.1f} ms p99 {percentile(gaps, 0.99):6.1f} ms"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--url", help="a running stack's WebSocket URL; default: start one")
+    args = parser.parse_args()
+
+    baseline = plain_generate(args.tokens)
+    stack = None
+    url = args.url
+    if url is None:
+        from tests.stack import start_stack
+
+        stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-bench-")))
+        url = stack.ws_url
+    try:
+        asyncio.run(one_stream(url, 8))  # warm-up
+        single_tok_s, single = asyncio.run(streams(url, 1, args.tokens))
+        many_tok_s, many = asyncio.run(streams(url, args.streams, args.tokens))
+    finally:
+        if stack is not None:
+            stack.down()
+    print(f"model SmolLM2-135M-Instruct, {args.tokens} greedy tokens per stream, CPU threads as configured")
+    print(f"{'plain transformers.generate':28s} {baseline:8.1f} tok/s")
+    print(describe("tiller, 1 stream", single_tok_s, single, baseline))
+    print(describe(f"tiller, {args.streams} streams (aggregate)", many_tok_s, many, baseline))
+    print(f"per-stream median {statistics.median(r.tokens / r.total_s for r in many):.1f} tok/s")
+
+
+if __name__ == "__main__":
+    main()

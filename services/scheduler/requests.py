@@ -1,0 +1,75 @@
+"""The scheduler's view of one live request: its prompt, progress, stop conditions and text stream."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from common import wire
+from common.textstream import TextStream
+
+
+class State(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class LiveRequest:
+    """A request from admission to its last event. ``seq_id`` is the worker-side sequence."""
+
+    submit: wire.Submit
+    gateway: bytes
+    order: int  # arrival order, the tie-breaker after priority
+    text: TextStream
+    deadline: float
+    arrived_at: float = field(default_factory=time.monotonic)
+    state: State = State.QUEUED
+    paused: bool = False  # a paused request keeps its place (and KV) but is not stepped or admitted
+    reserved: int = 0  # KV tokens reserved on its worker at admission
+    seq_id: int = -1
+    worker: bytes = b""
+    fed: int = 0  # prompt tokens already fed to the worker
+    generated: list[int] = field(default_factory=list)
+    pending: int | None = None  # the last sampled token, fed on the next step
+    sampling_dirty: bool = True  # send SamplingParams with the next SeqStep
+
+    @property
+    def rid(self) -> str:
+        return self.submit.rid
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.submit.prompt_ids
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.submit.priority, self.order)
+
+    @property
+    def needed_tokens(self) -> int:
+        """KV the request may grow to: reserved at admission so a burst queues instead of overflowing."""
+        return len(self.prompt) + self.submit.max_tokens
+
+    def next_feed(self, chunk: int) -> tuple[list[int], bool]:
+        """Tokens to feed this step and whether to sample after them."""
+        if self.fed < len(self.prompt):
+            tokens = self.prompt[self.fed : self.fed + chunk]
+            return tokens, self.fed + len(tokens) == len(self.prompt)
+        assert self.pending is not None
+        return [self.pending], True
+
+    def apply_patch(self, patch: wire.SamplingPatch) -> None:
+        sampling = self.submit.sampling
+        for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
+            value = getattr(patch, name)
+            if value is not None:
+                setattr(sampling, name, value)
+        if patch.max_tokens is not None:
+            self.submit.max_tokens = patch.max_tokens
+        if patch.stop is not None:
+            self.submit.stop = patch.stop
+            self.text.stop = list(patch.stop)
+        self.sampling_dirty = True

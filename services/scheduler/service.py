@@ -1,0 +1,475 @@
+"""The scheduler: admission, continuous batching and the step loop.
+
+Gateways connect to the frontend ROUTER and submit requests; workers connect to the worker ROUTER,
+announce themselves and execute one batched ``Step`` per message. Each loop iteration admits queued
+requests, sends every worker one ``Step`` for its sequences, applies the sampled tokens (stop
+conditions, detokenization, stop strings) and sends every gateway one ``Events`` message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import defaultdict
+
+import structlog
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
+
+from common import aici_wire, wire
+from common.config import Settings
+from common.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    MEMORY_PRESSURE,
+    MODEL_LOADING_ERROR,
+    ERROR_TRAITS,
+    WireError,
+)
+from common.model_source import load_tokenizer
+from common.sockets import Router, ensure_ipc_dir, reply_mid
+from common.textstream import TextStream
+from services.scheduler.requests import LiveRequest, State
+from services.scheduler.workers import WorkerInfo, WorkerPool
+
+log = structlog.get_logger()
+
+# How long a worker may stay silent after its connection dropped before it is declared dead.
+SUSPECT_GRACE_S = 2.0
+# How often idle workers are pinged, and after how long without an answer they are dropped.
+LIVENESS_PING_S = 2.0
+LIVENESS_DEAD_S = 10.0
+
+
+class WorkerLost(Exception):
+    pass
+
+
+class Scheduler:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.limits = settings.limits
+        self.tokenizer = load_tokenizer(settings)
+        ctx = zmq.asyncio.Context.instance()
+        self.frontend = Router(ctx, settings.endpoint("scheduler"))
+        self.worker_router = Router(ctx, settings.endpoint("worker"))
+        self.controller = self._controller_socket(ctx, settings.endpoint("controller_main"))
+        self.controller_lock = asyncio.Lock()
+        self.pool = WorkerPool()
+        self.requests: dict[str, LiveRequest] = {}
+        self.queue: list[LiveRequest] = []
+        self.running: dict[int, LiveRequest] = {}  # seq_id -> request (running or paused)
+        self.to_free: dict[bytes, list[int]] = defaultdict(list)
+        self.outbox: dict[bytes, list[wire.TokenEvent]] = defaultdict(list)
+        self.wake = asyncio.Event()
+        self.orders = itertools.count()
+        self.seq_ids = itertools.count(1)
+        self.step_ids = itertools.count(1)
+
+    @staticmethod
+    def _controller_socket(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
+        ensure_ipc_dir(endpoint)
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        return sock
+
+    # ------------------------------------------------------------------------------------------
+    # model facts, from the first ready worker
+
+    def _model_facts(self) -> wire.WorkerHello | None:
+        ready = self.pool.ready()
+        return ready[0].hello if ready else None
+
+    def _max_model_len(self) -> int:
+        facts = self._model_facts()
+        return facts.max_model_len if facts else self.limits.max_model_len
+
+    # ------------------------------------------------------------------------------------------
+    # frontend
+
+    async def serve_frontend(self) -> None:
+        while True:
+            gateway, msg, _ = await self.frontend.recv()
+            try:
+                reply = await self._handle_frontend(gateway, msg)
+            except Exception as exc:  # a bug handling one message must not stop the scheduler
+                log.exception("scheduler.frontend_failed", type=type(msg).__name__)
+                reply = wire.Error(code=INTERNAL_ERROR, message=f"scheduler failed: {exc}")
+            reply.mid = reply_mid(msg)
+            await self.frontend.send(gateway, reply)
+            self._flush_events()
+
+    async def _handle_frontend(self, gateway: bytes, msg: wire.Message) -> wire.Msg:
+        if isinstance(msg, wire.Submit):
+            return self._submit(gateway, msg)
+        if isinstance(msg, wire.Health):
+            return await self._health()
+        if isinstance(msg, (wire.Cancel, wire.Pause, wire.Resume, wire.Modify)):
+            request = self.requests.get(msg.rid)
+            if request is None or request.gateway != gateway:
+                return wire.Error(code=INVALID_REQUEST, message=f"no live request {msg.rid!r}", rid=msg.rid)
+            return self._control(request, msg)
+        return wire.Error(code=INVALID_REQUEST, message=f"the scheduler does not take {type(msg).__name__} messages")
+
+    def _submit(self, gateway: bytes, submit: wire.Submit) -> wire.Msg:
+        def refuse(code: str, message: str) -> wire.Error:
+            return wire.Error(code=code, message=message, rid=submit.rid)
+
+        if submit.rid in self.requests:
+            return refuse(INVALID_REQUEST, f"request id {submit.rid!r} is already live")
+        if not submit.prompt_ids:
+            return refuse(INVALID_REQUEST, "the prompt has no tokens")
+        facts = self._model_facts()
+        if facts is None and self.pool.summary()["stage"] == "failed":
+            return refuse(MODEL_LOADING_ERROR, f"the model failed to load: {self.pool.summary()['message']}")
+        if facts is not None and not all(0 <= t < facts.vocab_size for t in submit.prompt_ids):
+            return refuse(INVALID_REQUEST, f"prompt token ids must lie in [0, {facts.vocab_size})")
+        max_len = self._max_model_len()
+        if len(submit.prompt_ids) >= max_len:
+            return refuse(
+                CONTEXT_LENGTH_EXCEEDED,
+                f"the prompt has {len(submit.prompt_ids)} tokens; the context holds {max_len} "
+                "including at least one generated token",
+            )
+        if submit.max_tokens < 1:
+            return refuse(INVALID_REQUEST, "max_tokens must be at least 1")
+        if len(self.queue) >= self.limits.max_queued:
+            return refuse(MEMORY_PRESSURE, f"{len(self.queue)} requests are already waiting; try again shortly")
+        submit.max_tokens = min(submit.max_tokens, max_len - len(submit.prompt_ids))
+        if facts is not None and facts.kv_capacity_tokens:
+            # a request larger than a worker's whole KV pool could never be admitted
+            submit.max_tokens = min(submit.max_tokens, facts.kv_capacity_tokens - len(submit.prompt_ids))
+            if submit.max_tokens < 1:
+                return refuse(CONTEXT_LENGTH_EXCEEDED, f"the prompt does not fit the KV cache ({facts.kv_capacity_tokens} tokens)")
+        timeout = submit.timeout_s if submit.timeout_s > 0 else self.limits.request_timeout_s
+        request = LiveRequest(
+            submit=submit,
+            gateway=gateway,
+            order=next(self.orders),
+            text=TextStream(self.tokenizer, stop=list(submit.stop)),
+            deadline=time.monotonic() + timeout,
+        )
+        self.requests[submit.rid] = request
+        self.queue.append(request)
+        self.wake.set()
+        structlog.contextvars.bind_contextvars(request_id=submit.rid)
+        log.info("scheduler.submitted", prompt_tokens=len(submit.prompt_ids), max_tokens=submit.max_tokens)
+        structlog.contextvars.unbind_contextvars("request_id")
+        return wire.Ok(data={"queued": len(self.queue)})
+
+    def _control(self, request: LiveRequest, msg: wire.Msg) -> wire.Msg:
+        if isinstance(msg, wire.Cancel):
+            self._finish(request, "cancelled")
+        elif isinstance(msg, wire.Pause):
+            request.paused = True
+        elif isinstance(msg, wire.Resume):
+            request.paused = False
+            self.wake.set()
+        elif isinstance(msg, wire.Modify):
+            request.apply_patch(msg.patch)
+            if request.state is not State.QUEUED:
+                request.submit.max_tokens = min(request.submit.max_tokens, self._max_model_len() - len(request.prompt))
+                if len(request.generated) >= request.submit.max_tokens:
+                    self._finish(request, "length")
+        return wire.Ok(data={"state": request.state.value, "paused": request.paused})
+
+    async def _health(self) -> wire.HealthReply:
+        facts = self._model_facts()
+        controller = await self._ping_controller()
+        detail = {
+            "worker": self.pool.summary(),
+            "model": self.settings.served_model_name,
+            "vocab_size": facts.vocab_size if facts else 0,
+            "max_model_len": self._max_model_len(),
+            "eos_token_ids": facts.eos_token_ids if facts else [],
+            "kv_capacity_tokens": sum(w.capacity for w in self.pool.ready()),
+            "queued": len(self.queue),
+            "running": len(self.running),
+            "paused": sum(1 for r in self.requests.values() if r.paused),
+            "controller_runtime": controller,
+        }
+        return wire.HealthReply(service="scheduler", ready=facts is not None and controller == "ok", detail=detail)
+
+    async def _ping_controller(self) -> str:
+        async with self.controller_lock:
+            try:
+                await self.controller.send(aici_wire.encode({"op": "ping"}))
+                if not await self.controller.poll(1000):
+                    # the reply may still come later: reconnect so it cannot be taken for the next one
+                    self.controller.close(0)
+                    self.controller = self._controller_socket(
+                        zmq.asyncio.Context.instance(), self.settings.endpoint("controller_main")
+                    )
+                    return "unreachable"
+                reply = aici_wire.decode_reply(await self.controller.recv())
+            except WireError as exc:
+                return f"bad reply: {exc}"
+        return "ok" if reply["type"] == "ok" and reply["data"].get("pong") == 1 else "bad reply"
+
+    # ------------------------------------------------------------------------------------------
+    # workers
+
+    async def serve_workers(self) -> None:
+        while True:
+            identity, msg, _ = await self.worker_router.recv()
+            self.pool.touch(identity)
+            if isinstance(msg, wire.WorkerHello):
+                info = self.pool.on_hello(identity, msg)
+                log.info("scheduler.worker", worker=identity.decode(errors="replace"), stage=msg.stage,
+                         progress=msg.progress, message=msg.message)
+                if info.ready:
+                    self.wake.set()
+            elif isinstance(msg, wire.StepResult):
+                worker = self.pool.workers.get(identity)
+                if worker and worker.in_flight and worker.in_flight_step == msg.step_id and not worker.in_flight.done():
+                    worker.in_flight.set_result(msg)
+            elif isinstance(msg, wire.HealthReply):
+                pass  # touch() above was the point
+            else:
+                log.warning("scheduler.worker_unexpected", type=type(msg).__name__)
+
+    async def watch_worker_disconnects(self) -> None:
+        """A dropped worker connection makes every worker suspect until it answers again."""
+        monitor = self.worker_router.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        while True:
+            await recv_monitor_message(monitor)
+            now = time.monotonic()
+            for worker in self.pool.workers.values():
+                worker.suspect_since = now
+                if worker.in_flight is None:
+                    await self.worker_router.send(worker.identity, wire.Health())
+
+    async def check_liveness(self) -> None:
+        while True:
+            await asyncio.sleep(LIVENESS_PING_S / 4)
+            now = time.monotonic()
+            for worker in list(self.pool.workers.values()):
+                if worker.in_flight is not None:
+                    continue
+                silent = now - worker.last_seen
+                suspect = worker.suspect_since is not None and now - worker.suspect_since > SUSPECT_GRACE_S
+                if suspect or silent > LIVENESS_DEAD_S:
+                    self._lose_worker(worker, "the worker stopped answering")
+                elif silent > LIVENESS_PING_S:
+                    await self.worker_router.send(worker.identity, wire.Health())
+            self._expire_deadlines()
+            self._flush_events()
+
+    def _lose_worker(self, worker: WorkerInfo, reason: str) -> None:
+        log.warning("scheduler.worker_lost", worker=worker.identity.decode(errors="replace"), reason=reason)
+        self.pool.drop(worker.identity)
+        self.to_free.pop(worker.identity, None)
+        for request in list(self.running.values()):
+            if request.worker == worker.identity:
+                self._fail(request, INTERNAL_ERROR, f"{reason}; the request was lost, retry it")
+
+    # ------------------------------------------------------------------------------------------
+    # the step loop
+
+    async def step_loop(self) -> None:
+        while True:
+            self._expire_deadlines()
+            self._admit()
+            steps = self._build_steps()
+            if not steps:
+                self._flush_events()
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            results = await asyncio.gather(*(self._run_step(worker, step) for worker, step, _ in steps))
+            for (worker, _, batch), result in zip(steps, results):
+                if result is not None:
+                    self._apply(worker, batch, result)
+            self._flush_events()
+
+    def _admit(self) -> None:
+        if not self.queue:
+            return
+        self.queue.sort(key=lambda r: r.sort_key)
+        admitted: list[LiveRequest] = []
+        for request in self.queue:
+            if len(self.running) >= self.limits.max_batch_size:
+                break
+            if request.paused:
+                continue
+            worker = self.pool.pick_for(request.needed_tokens)
+            if worker is None:
+                break  # keep priority order: nothing behind it jumps the queue
+            request.state = State.RUNNING
+            request.seq_id = next(self.seq_ids)
+            request.worker = worker.identity
+            request.reserved = request.needed_tokens
+            worker.reserved_tokens += request.reserved
+            self.running[request.seq_id] = request
+            admitted.append(request)
+        if admitted:
+            self.queue = [r for r in self.queue if r.state is State.QUEUED]
+
+    def _build_steps(self) -> list[tuple[WorkerInfo, wire.Step, list[tuple[LiveRequest, wire.SeqStep]]]]:
+        budget = self.limits.step_token_budget
+        per_worker: dict[bytes, list[tuple[LiveRequest, wire.SeqStep]]] = defaultdict(list)
+        # decoding sequences first (one token each), then prompt chunks within the token budget
+        ordered = sorted(
+            (r for r in self.running.values() if not r.paused),
+            key=lambda r: (r.fed < len(r.prompt), r.sort_key),
+        )
+        for request in ordered:
+            if budget <= 0:
+                break
+            tokens, sample = request.next_feed(min(self.limits.prefill_chunk_tokens, budget))
+            budget -= len(tokens)
+            seq = wire.SeqStep(seq_id=request.seq_id, tokens=tokens, sample=sample)
+            if request.sampling_dirty:
+                seq.sampling = request.submit.sampling
+                request.sampling_dirty = False
+            per_worker[request.worker].append((request, seq))
+        steps = []
+        for identity in set(per_worker) | {i for i, seqs in self.to_free.items() if seqs}:
+            worker = self.pool.workers.get(identity)
+            if worker is None:
+                continue
+            batch = per_worker.get(identity, [])
+            step = wire.Step(step_id=next(self.step_ids), seqs=[s for _, s in batch], free=self.to_free.pop(identity, []))
+            steps.append((worker, step, batch))
+        return steps
+
+    async def _run_step(self, worker: WorkerInfo, step: wire.Step) -> wire.StepResult | None:
+        loop = asyncio.get_running_loop()
+        worker.in_flight = loop.create_future()
+        worker.in_flight_step = step.step_id
+        deadline = time.monotonic() + self.limits.worker_step_timeout_s
+        try:
+            await self.worker_router.send(worker.identity, step)
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(worker.in_flight), timeout=0.25)
+                except asyncio.TimeoutError:
+                    now = time.monotonic()
+                    suspect = worker.suspect_since is not None and now - worker.suspect_since > SUSPECT_GRACE_S
+                    if now > deadline or suspect or worker.identity not in self.pool.workers:
+                        raise WorkerLost("the worker died or did not finish its step in time")
+        except WorkerLost as exc:
+            self._lose_worker(worker, str(exc))
+            return None
+        finally:
+            worker.in_flight = None
+            worker.in_flight_step = -1
+
+    def _apply(self, worker: WorkerInfo, batch: list[tuple[LiveRequest, wire.SeqStep]], result: wire.StepResult) -> None:
+        failures = {f.seq_id: f.message for f in result.failures}
+        eos = set(worker.hello.eos_token_ids)
+        max_len = self._max_model_len()
+        for request, seq in batch:
+            if request.state is State.FINISHED:
+                continue  # cancelled while its step ran
+            if seq.seq_id in failures:
+                self._fail(request, INTERNAL_ERROR, f"the worker failed this sequence: {failures[seq.seq_id]}")
+                continue
+            if request.fed < len(request.prompt):
+                request.fed += len(seq.tokens)
+            else:
+                request.pending = None
+            if not seq.sample:
+                continue
+            sampled = result.samples.get(seq.seq_id)
+            if sampled is None:
+                self._fail(request, INTERNAL_ERROR, "the worker returned no token for this sequence")
+                continue
+            self._on_token(request, sampled, eos, max_len)
+
+    def _on_token(self, request: LiveRequest, sampled: wire.SampledToken, eos: set[int], max_len: int) -> None:
+        token = sampled.token_id
+        request.generated.append(token)
+        request.pending = token
+        submit = request.submit
+        event = wire.TokenEvent(rid=request.rid, tokens=[sampled])
+        if token in submit.stop_token_ids or (token in eos and not submit.ignore_eos):
+            self._finish(request, "stop", event, stop_reason=token)
+            return
+        event.text = request.text.push([token])
+        if request.text.stopped_by is not None:
+            self._finish(request, "stop", event, stop_reason=request.text.stopped_by)
+        elif len(request.generated) >= submit.max_tokens or len(request.prompt) + len(request.generated) >= max_len:
+            self._finish(request, "length", event)
+        else:
+            self.outbox[request.gateway].append(event)
+
+    def _finish(
+        self,
+        request: LiveRequest,
+        reason: str,
+        event: wire.TokenEvent | None = None,
+        stop_reason: str | int | None = None,
+    ) -> None:
+        if request.state is State.FINISHED:
+            return
+        event = event or wire.TokenEvent(rid=request.rid)
+        if reason != "stop" or isinstance(stop_reason, int):
+            event.text += request.text.flush()
+        event.finish_reason = reason
+        event.stop_reason = stop_reason
+        event.prompt_tokens = len(request.prompt)
+        event.completion_tokens = len(request.generated)
+        self.outbox[request.gateway].append(event)
+        self._release(request)
+        structlog.contextvars.bind_contextvars(request_id=request.rid)
+        log.info("scheduler.finished", reason=reason, completion_tokens=len(request.generated))
+        structlog.contextvars.unbind_contextvars("request_id")
+
+    def _fail(self, request: LiveRequest, code: str, message: str) -> None:
+        if request.state is State.FINISHED:
+            return
+        recoverable, action, _ = ERROR_TRAITS[code]
+        self._release(request)
+        self._flush_events()
+        asyncio.get_running_loop().create_task(
+            self.frontend.send(
+                request.gateway,
+                wire.RequestFailed(rid=request.rid, code=code, message=message, recoverable=recoverable,
+                                   recovery_action=action),
+            )
+        )
+
+    def _release(self, request: LiveRequest) -> None:
+        if request.state is State.QUEUED:
+            self.queue.remove(request)
+        elif request.seq_id in self.running:
+            del self.running[request.seq_id]
+            worker = self.pool.workers.get(request.worker)
+            if worker is not None:
+                worker.reserved_tokens -= request.reserved
+                self.to_free[request.worker].append(request.seq_id)
+        request.state = State.FINISHED
+        self.requests.pop(request.rid, None)
+        self.wake.set()
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for request in list(self.requests.values()):
+            if now > request.deadline:
+                self._finish(request, "timeout")
+
+    def _flush_events(self) -> None:
+        if not self.outbox:
+            return
+        outbox, self.outbox = self.outbox, defaultdict(list)
+        loop = asyncio.get_running_loop()
+        for gateway, events in outbox.items():
+            loop.create_task(self.frontend.send(gateway, wire.Events(events=events)))
+
+    async def run(self) -> None:
+        log.info("scheduler.listening", frontend=self.frontend.endpoint, workers=self.worker_router.endpoint)
+        await asyncio.gather(
+            self.serve_frontend(),
+            self.serve_workers(),
+            self.step_loop(),
+            self.check_liveness(),
+            self.watch_worker_disconnects(),
+        )

@@ -1,0 +1,56 @@
+"""Session store service: a ROUTER answering record/feedback/lookup messages from SQLite."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import structlog
+import zmq.asyncio
+
+from common import wire
+from common.config import Settings
+from common.sockets import Router, reply_mid
+from services.session_store.db import Store
+
+log = structlog.get_logger()
+
+
+class SessionStore:
+    def __init__(self, settings: Settings) -> None:
+        self.store = Store(settings.db_path)
+        self.router = Router(zmq.asyncio.Context.instance(), settings.endpoint("session_store"))
+
+    def handle(self, msg: wire.Message) -> wire.Msg:
+        if isinstance(msg, wire.Health):
+            return wire.HealthReply(service="session_store", ready=True)
+        if isinstance(msg, wire.RecordRequest):
+            self.store.record_request(msg.rid, msg.surface, msg.model, msg.prompt, msg.params, msg.created_at)
+            return wire.Ok()
+        if isinstance(msg, wire.RecordCompletion):
+            if not self.store.record_completion(msg.rid, msg.generated_text, msg.finish_reason, msg.prompt_tokens,
+                                                msg.completion_tokens, msg.error):
+                return wire.Error(code="not_found", message=f"no request {msg.rid!r}", rid=msg.rid)
+            return wire.Ok()
+        if isinstance(msg, wire.RecordFeedback):
+            feedback_id = self.store.record_feedback(msg.rid, msg.rating, msg.text, msg.position)
+            if feedback_id is None:
+                return wire.Error(code="not_found", message=f"no request {msg.rid!r} to attach feedback to", rid=msg.rid)
+            return wire.Ok(data={"feedback_id": feedback_id})
+        if isinstance(msg, wire.GetRequest):
+            record = self.store.get_request(msg.rid)
+            if record is None:
+                return wire.Error(code="not_found", message=f"no request {msg.rid!r}", rid=msg.rid)
+            return wire.Ok(data=record)
+        return wire.Error(code="invalid_request", message=f"the session store does not take {type(msg).__name__}")
+
+    async def run(self) -> None:
+        log.info("session_store.ready", endpoint=self.router.endpoint)
+        while True:
+            identity, msg, _ = await self.router.recv()
+            try:
+                reply = self.handle(msg)
+            except sqlite3.Error as exc:
+                log.exception("session_store.sqlite_failed")
+                reply = wire.Error(code="internal_error", message=f"storage failed: {exc}")
+            reply.mid = reply_mid(msg)
+            await self.router.send(identity, reply)

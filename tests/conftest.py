@@ -1,0 +1,43 @@
+"""Shared fixtures: one real Tiller stack per test session, and the transformers oracle."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import Settings
+from common.model_source import load_tokenizer, resolve_model
+from tests.stack import Stack, start_stack
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    """The five real processes on the default model, on free ports, in a temporary run directory."""
+    started = start_stack(tmp_path_factory.mktemp("stack"))
+    started.tokenizer = load_tokenizer(started.settings)
+    yield started
+    started.down()
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """The default model loaded by plain transformers: the oracle for greedy decoding."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_model(Settings(), weights=True)
+    model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model):
+    """greedy(prompt_ids, n) -> the n token ids transformers generates greedily after prompt_ids."""
+    import torch
+
+    def greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        with torch.inference_mode():
+            out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, len(prompt_ids):].tolist()
+
+    return greedy

@@ -1,0 +1,214 @@
+"""The internal sockets as a peer process sees them: good messages work, bad ones get a specific error,
+and nothing else is lost. Real processes, real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from common import aici_wire, wire
+from common.sockets import Dealer
+
+pytestmark = pytest.mark.asyncio
+
+
+async def raw_request(endpoint: str, *frames: bytes, timeout: float = 5.0) -> list[bytes]:
+    """Send raw frames from a fresh DEALER and return the reply's frames."""
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        await sock.send_multipart(list(frames))
+        assert await sock.poll(int(timeout * 1000)), f"no reply from {endpoint}"
+        return await sock.recv_multipart()
+    finally:
+        sock.close(0)
+
+
+def submit(stack, prompt: str, max_tokens: int = 8, **kwargs) -> wire.Submit:
+    return wire.Submit(
+        rid=f"test-{uuid.uuid4().hex[:8]}",
+        prompt_ids=stack.tokenizer(prompt).input_ids,
+        sampling=wire.SamplingParams(temperature=0.0),
+        max_tokens=max_tokens,
+        **kwargs,
+    )
+
+
+class EventCollector:
+    """A gateway stand-in written against the wire schemas: collects Events/RequestFailed per request."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.events: dict[str, list[wire.TokenEvent]] = {}
+        self.failures: dict[str, wire.RequestFailed] = {}
+        self.done: dict[str, asyncio.Event] = {}
+        self.dealer = Dealer(zmq.asyncio.Context.instance(), endpoint, on_message=self._on_message)
+        self.dealer.start()
+
+    async def _on_message(self, msg: wire.Message, _: list[bytes]) -> None:
+        if isinstance(msg, wire.Events):
+            for event in msg.events:
+                self.events.setdefault(event.rid, []).append(event)
+                if event.finish_reason:
+                    self.done.setdefault(event.rid, asyncio.Event()).set()
+        elif isinstance(msg, wire.RequestFailed):
+            self.failures[msg.rid] = msg
+            self.done.setdefault(msg.rid, asyncio.Event()).set()
+
+    async def run(self, request: wire.Submit, timeout: float = 120.0) -> list[wire.TokenEvent]:
+        reply, _ = await self.dealer.request(request)
+        assert isinstance(reply, wire.Ok), reply
+        await asyncio.wait_for(self.done.setdefault(request.rid, asyncio.Event()).wait(), timeout)
+        return self.events.get(request.rid, [])
+
+    def close(self) -> None:
+        self.dealer.close()
+
+
+async def test_controller_runtime_main_channel(stack):
+    endpoint = stack.settings.endpoint("controller_main")
+    reply = msgspec.msgpack.decode((await raw_request(endpoint, aici_wire.encode({"op": "ping"})))[0])
+    assert reply == {"type": "ok", "data": {"pong": 1}}
+    reply = msgspec.msgpack.decode((await raw_request(endpoint, aici_wire.encode({"op": "tokens"})))[0])
+    assert reply == {"type": "ok", "data": {"vocab_size": len(stack.tokenizer)}}
+
+
+@pytest.mark.parametrize(
+    "frame, expected",
+    [
+        (b"\xc1not msgpack", "malformed main-channel request"),
+        (aici_wire.encode({"op": "launch_missiles"}), "launch_missiles"),
+        (aici_wire.encode([1, 2, 3]), "malformed main-channel request"),
+    ],
+)
+async def test_controller_runtime_main_channel_bad_input(stack, frame, expected):
+    endpoint = stack.settings.endpoint("controller_main")
+    reply = msgspec.msgpack.decode((await raw_request(endpoint, frame))[0])
+    assert reply["type"] == "error" and expected in reply["error"]
+    reply = msgspec.msgpack.decode((await raw_request(endpoint, aici_wire.encode({"op": "ping"})))[0])
+    assert reply["data"] == {"pong": 1}
+
+
+async def test_controller_runtime_side_channel_bad_input(stack):
+    endpoint = stack.settings.endpoint("controller_side")
+    reply = msgspec.msgpack.decode((await raw_request(endpoint, aici_wire.encode({"op": "get_tags"})))[0])
+    assert reply["type"] == "error" and "$rid" in reply["error"]
+    reply = msgspec.msgpack.decode(
+        (await raw_request(endpoint, aici_wire.encode({"$rid": "r1", "op": "no_such_op"})))[0]
+    )
+    assert reply == {"type": "error", "error": "unknown side-channel op 'no_such_op'", "data": {}, "$rid": "r1"}
+
+
+@pytest.mark.parametrize("service", ["scheduler", "session_store"])
+@pytest.mark.parametrize(
+    "header, expected",
+    [
+        (b"\xc1\xc1", "malformed message"),
+        (msgspec.msgpack.encode({"type": "no_such_type"}), "malformed message"),
+        (msgspec.msgpack.encode({"type": "submit", "rid": 7}), "malformed message"),
+    ],
+)
+async def test_malformed_frames_get_an_error_and_the_service_goes_on(stack, service, header, expected):
+    endpoint = stack.settings.endpoint(service)
+    reply = wire.decode((await raw_request(endpoint, header))[0])
+    assert isinstance(reply, wire.Error) and reply.code == "invalid_request" and expected in reply.message
+    health = wire.decode((await raw_request(endpoint, wire.encode(wire.Health())))[0])
+    assert isinstance(health, wire.HealthReply) and health.ready
+
+
+async def test_scheduler_refuses_bad_submissions(stack):
+    endpoint = stack.settings.endpoint("scheduler")
+    dealer = Dealer(zmq.asyncio.Context.instance(), endpoint)
+    try:
+        too_long = wire.Submit(rid="long", prompt_ids=[1] * 5000, sampling=wire.SamplingParams(), max_tokens=4)
+        reply, _ = await dealer.request(too_long)
+        assert isinstance(reply, wire.Error) and reply.code == "context_length_exceeded"
+        empty = wire.Submit(rid="empty", prompt_ids=[], sampling=wire.SamplingParams(), max_tokens=4)
+        reply, _ = await dealer.request(empty)
+        assert isinstance(reply, wire.Error) and reply.code == "invalid_request"
+        out_of_vocab = wire.Submit(rid="oov", prompt_ids=[10**7], sampling=wire.SamplingParams(), max_tokens=4)
+        reply, _ = await dealer.request(out_of_vocab)
+        assert isinstance(reply, wire.Error) and "token ids" in reply.message
+        reply, _ = await dealer.request(wire.Cancel(rid="never-submitted"))
+        assert isinstance(reply, wire.Error) and "never-submitted" in reply.message
+    finally:
+        dealer.close()
+
+
+async def test_scheduler_streams_greedy_tokens_equal_to_transformers(stack, hf_greedy):
+    collector = EventCollector(stack.settings.endpoint("scheduler"))
+    try:
+        request = submit(stack, "The three primary colours are", max_tokens=16)
+        events = await collector.run(request)
+        tokens = [t.token_id for e in events for t in e.tokens]
+        assert tokens == hf_greedy(request.prompt_ids, 16)
+        assert events[-1].finish_reason in ("length", "stop")
+        assert events[-1].completion_tokens == len(tokens)
+        text = "".join(e.text for e in events)
+        assert text == stack.tokenizer.decode(tokens, skip_special_tokens=True)
+    finally:
+        collector.close()
+
+
+async def test_session_store_keeps_records_across_a_restart(stack):
+    endpoint = stack.settings.endpoint("session_store")
+    dealer = Dealer(zmq.asyncio.Context.instance(), endpoint)
+    rid = f"durable-{uuid.uuid4().hex[:8]}"
+    try:
+        reply, _ = await dealer.request(wire.RecordRequest(rid=rid, surface="test", model="m", prompt="hi",
+                                                           created_at=time.time()))
+        assert isinstance(reply, wire.Ok)
+        reply, _ = await dealer.request(wire.RecordFeedback(rid=rid, rating=1, text="good", position=3))
+        assert isinstance(reply, wire.Ok) and reply.data["feedback_id"] > 0
+        reply, _ = await dealer.request(wire.RecordFeedback(rid="unknown-request", rating=1))
+        assert isinstance(reply, wire.Error) and reply.code == "not_found"
+    finally:
+        dealer.close()
+    old_pid = stack.pid("session_store")
+    stack.restart("session_store")
+    assert stack.pid("session_store") != old_pid
+    dealer = Dealer(zmq.asyncio.Context.instance(), endpoint)
+    try:
+        for _ in range(50):
+            try:
+                reply, _ = await dealer.request(wire.GetRequest(rid=rid), timeout=1.0)
+                break
+            except asyncio.TimeoutError:
+                continue
+        assert isinstance(reply, wire.Ok)
+        assert reply.data["prompt"] == "hi"
+        assert [(f["rating"], f["text"], f["position"]) for f in reply.data["feedback"]] == [(1.0, "good", 3)]
+    finally:
+        dealer.close()
+
+
+async def test_killed_worker_fails_its_requests_cleanly_and_a_new_worker_serves(stack, hf_greedy):
+    collector = EventCollector(stack.settings.endpoint("scheduler"))
+    try:
+        doomed = submit(stack, "Count from one to one hundred:", max_tokens=400, ignore_eos=True)
+        reply, _ = await collector.dealer.request(doomed)
+        assert isinstance(reply, wire.Ok)
+        for _ in range(200):  # wait until tokens flow, then kill the worker mid-stream
+            if collector.events.get(doomed.rid):
+                break
+            await asyncio.sleep(0.05)
+        stack.kill("worker")
+        await asyncio.wait_for(collector.done.setdefault(doomed.rid, asyncio.Event()).wait(), 30)
+        failure = collector.failures[doomed.rid]
+        assert failure.code == "internal_error" and failure.recoverable and failure.recovery_action == "retry"
+
+        deadline = time.monotonic() + 120
+        while not (await asyncio.to_thread(stack.scheduler_health))["ready"]:
+            assert time.monotonic() < deadline, "no worker came back"
+            await asyncio.sleep(0.5)
+        request = submit(stack, "The capital of Italy is", max_tokens=8)
+        events = await collector.run(request)
+        assert [t.token_id for e in events for t in e.tokens] == hf_greedy(request.prompt_ids, 8)
+    finally:
+        collector.close()

@@ -1,0 +1,102 @@
+"""Start and stop a real Tiller stack (five processes under supervisord) for end-to-end tests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+from common.config import Settings
+from common.sockets import probe_health
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Stack:
+    run_dir: Path
+    env: dict[str, str]
+    settings: Settings
+    tokenizer: Any = field(default=None, repr=False)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.http_port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.settings.http_port}/generate"
+
+    def _cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "common.cli", *args], env=self.env, cwd=ROOT,
+                              capture_output=True, text=True, check=check)
+
+    def _supervisorctl(self, *args: str) -> str:
+        env = dict(self.env, TILLER_RUN_DIR=str(self.run_dir), TILLER_HOME=str(ROOT), TILLER_PYTHON=sys.executable,
+                   TILLER_FOREGROUND="false")
+        return subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c",
+                               str(ROOT / "deploy" / "supervisord.conf"), *args],
+                              env=env, capture_output=True, text=True).stdout
+
+    def pid(self, service: str) -> int:
+        return int(self._supervisorctl("pid", f"tiller:{service}").strip())
+
+    def kill(self, service: str, sig: int = signal.SIGKILL) -> None:
+        os.kill(self.pid(service), sig)
+
+    def restart(self, service: str) -> None:
+        self._supervisorctl("restart", f"tiller:{service}")
+
+    def scheduler_health(self) -> dict[str, Any]:
+        async def probe() -> dict[str, Any]:
+            reply = await probe_health(self.settings.endpoint("scheduler"), timeout=5.0)
+            assert reply is not None, "the scheduler did not answer Health"
+            return {"ready": reply.ready, **reply.detail}
+
+        return asyncio.run(probe())
+
+    def logs(self) -> str:
+        out = []
+        for log in sorted((self.run_dir / "logs").glob("*.log")):
+            out.append(f"==> {log.name} <==\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
+        return "\n".join(out)
+
+    def up(self) -> None:
+        result = self._cli("up", check=False)
+        if result.returncode != 0:
+            self._cli("down", check=False)
+            raise RuntimeError(f"tiller up failed:\n{result.stdout}\n{result.stderr}\n{self.logs()}")
+
+    def down(self) -> None:
+        self._cli("down", check=False)
+
+
+def start_stack(run_dir: Path, **env_overrides: str) -> Stack:
+    """Start a stack in ``run_dir`` on free ports; ``env_overrides`` are extra TILLER_* variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TILLER_")}
+    env.update(
+        TILLER_RUN_DIR=str(run_dir),
+        TILLER_HTTP_PORT=str(free_port()),
+        TILLER_GRPC_PORT=str(free_port()),
+        TILLER_READY_TIMEOUT_S="300",
+        PYTHONPATH=str(ROOT),
+    )
+    env.update(env_overrides)
+    with mock.patch.dict(os.environ, env, clear=True):
+        settings = Settings()  # the services' own view of this environment
+    stack = Stack(run_dir=run_dir, env=env, settings=settings)
+    stack.up()
+    return stack

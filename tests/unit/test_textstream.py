@@ -1,0 +1,51 @@
+"""TextStream: deltas concatenate to the tokenizer's decode, stop strings never leak."""
+
+import pytest
+
+from common.config import Settings
+from common.model_source import load_tokenizer
+from common.textstream import TextStream
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(Settings())
+
+
+def stream_all(tokenizer, ids, stop=()):
+    stream = TextStream(tokenizer, stop=list(stop))
+    deltas = [stream.push([i]) for i in ids]
+    if stream.stopped_by is None:
+        deltas.append(stream.flush())
+    return stream, deltas
+
+
+@pytest.mark.parametrize("text", ["Hello, world! Ünïcödé ✓ 日本語 🙂 done.", "a\n\nb  c\t", "   "])
+def test_deltas_join_to_full_decode(tokenizer, text):
+    ids = tokenizer(text).input_ids
+    stream, deltas = stream_all(tokenizer, ids)
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_stop_string_cuts_text_and_never_streams_a_partial_stop(tokenizer):
+    ids = tokenizer("Once upon a time THE END and more words").input_ids
+    stream, deltas = stream_all(tokenizer, ids, stop=["THE END"])
+    assert stream.stopped_by == "THE END"
+    assert "".join(deltas) == "Once upon a time "
+    for i in range(1, len(deltas)):
+        assert "TH" not in "".join(deltas[:i]).split("time")[-1]
+
+
+def test_earliest_stop_string_wins(tokenizer):
+    ids = tokenizer("alpha beta gamma delta").input_ids
+    stream, deltas = stream_all(tokenizer, ids, stop=["delta", "beta"])
+    assert stream.stopped_by == "beta"
+    assert "".join(deltas) == "alpha "
+
+
+def test_held_back_prefix_released_when_it_does_not_complete(tokenizer):
+    ids = tokenizer("the THE ENDING? no: THE EN").input_ids
+    stream, deltas = stream_all(tokenizer, ids, stop=["THE END."])
+    assert stream.stopped_by is None
+    assert "".join(deltas) == "the THE ENDING? no: THE EN"
