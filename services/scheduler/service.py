@@ -218,9 +218,12 @@ class Scheduler:
             identity, msg, _ = await self.worker_router.recv()
             self.pool.touch(identity)
             if isinstance(msg, wire.WorkerHello):
+                known = self.pool.workers.get(identity)
+                changed = known is None or (known.hello.stage, known.hello.progress) != (msg.stage, msg.progress)
                 info = self.pool.on_hello(identity, msg)
-                log.info("scheduler.worker", worker=identity.decode(errors="replace"), stage=msg.stage,
-                         progress=msg.progress, message=msg.message)
+                if changed:
+                    log.info("scheduler.worker", worker=identity.decode(errors="replace"), stage=msg.stage,
+                             progress=msg.progress, message=msg.message)
                 if info.ready:
                     self.wake.set()
             elif isinstance(msg, wire.StepResult):
