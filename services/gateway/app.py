@@ -1,0 +1,57 @@
+"""The gateway's ASGI app: every HTTP/WebSocket surface on one FastAPI app."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import structlog
+import zmq.asyncio
+from fastapi import FastAPI
+
+from common.config import Settings
+from common.model_source import load_tokenizer
+from services.gateway import openai_api, ops, rest, ws
+from services.gateway.driver import Gateway
+from services.gateway.engine import EngineClient
+from services.gateway.metrics import Metrics
+from services.gateway.ratelimit import RateLimiter
+from services.gateway.store import StoreClient
+from services.gateway.text import TextProcessor
+
+log = structlog.get_logger()
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tokenizer = await asyncio.to_thread(load_tokenizer, settings)
+        text = TextProcessor(tokenizer, settings.limits.content_filter_patterns)
+        await text.load_token_texts()
+        ctx = zmq.asyncio.Context()
+        gw = Gateway(
+            settings=settings,
+            engine=EngineClient(settings, ctx),
+            store=StoreClient(settings, ctx),
+            text=text,
+            limiter=RateLimiter(settings.limits.rate_limit_per_minute),
+            metrics=Metrics(),
+            created=int(time.time()),
+        )
+        gw.engine.start()
+        app.state.gateway = gw
+        log.info("gateway.ready", host=settings.http_host, port=settings.http_port, model=settings.served_model_name)
+        try:
+            yield
+        finally:
+            gw.engine.close()
+            gw.store.close()
+            text.close()
+            ctx.term()
+
+    app = FastAPI(title="Tiller gateway", lifespan=lifespan)
+    for module in (ws, rest, openai_api, ops):
+        app.include_router(module.router)
+    return app

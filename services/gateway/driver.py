@@ -1,0 +1,441 @@
+"""The generation driver: one request from admission to its last message, for every surface.
+
+:meth:`Generation.stream` yields the protocol's server messages: an ``error`` (refused before it
+started), or ``init``, ``status`` while the model loads, ``token`` per generated token, and a final
+``completion`` or ``error``. Control actions (stop, pause, resume, modify) act on it meanwhile.
+Whatever way the consumer leaves (client gone, task cancelled), the scheduler's sequence is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from common import wire
+from common.config import Settings
+from common.errors import (
+    CONTENT_FILTER,
+    CONTEXT_LENGTH_EXCEEDED,
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    MODEL_LOADING_ERROR,
+    TIMEOUT,
+    TillerError,
+)
+from services.gateway.engine import HEALTH_MAX_AGE_S, EngineClient, StreamItem, worker_stage
+from services.gateway.metrics import Metrics
+from services.gateway.protocol import (
+    CompletionMsg,
+    ErrorMsg,
+    GatewayError,
+    InitMsg,
+    LogprobEntry,
+    OutputOptions,
+    ServerMsg,
+    StatusMsg,
+    TokenMsg,
+    Usage,
+)
+from services.gateway.ratelimit import RateLimiter
+from services.gateway.store import StoreClient
+from services.gateway.text import TextProcessor
+from services.gateway.validation import GenerationRequest, ParametersPatch
+
+log = structlog.get_logger()
+
+LOADING_POLL_S = 1.0
+# How long past limits.request_timeout_s the gateway waits on a silent scheduler (which should have
+# ended the request with "timeout" itself) before giving up on it.
+STALL_GRACE_S = 10.0
+# Finish reasons that end a generation normally, with a completion message.
+COMPLETED = ("length", "stop", "cancelled")
+
+
+@dataclass
+class Gateway:
+    """What every request needs, built once per app."""
+
+    settings: Settings
+    engine: EngineClient
+    store: StoreClient
+    text: TextProcessor
+    limiter: RateLimiter
+    metrics: Metrics
+    created: int  # unix time the gateway started (OpenAI's model ``created``)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def context_budget(prompt_tokens: int, max_tokens: int | None, max_model_len: int, default_max_tokens: int) -> int:
+    """The number of tokens to allow the generation, as vLLM decides it.
+
+    A prompt needs room for at least one generated token. An explicit ``max_tokens`` must fit beside
+    the prompt (otherwise ``context_length_exceeded``, not a silent cut); without one the default is
+    capped by the room left.
+    """
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        raise GatewayError(
+            CONTEXT_LENGTH_EXCEEDED,
+            f"the prompt has {prompt_tokens} tokens; the model's context of {max_model_len} tokens "
+            "leaves no room to generate",
+            param="prompt",
+        )
+    if max_tokens is None:
+        return min(default_max_tokens, room)
+    if max_tokens > room:
+        raise GatewayError(
+            CONTEXT_LENGTH_EXCEEDED,
+            f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the model's context of "
+            f"{max_model_len} tokens; ask for at most {room}",
+            param="max_tokens",
+        )
+    return max_tokens
+
+
+class Phase(enum.Enum):
+    """Where a generation is; control actions and cleanup depend on it."""
+
+    PREPARING = "preparing"  # validating, tokenizing, waiting for the model
+    RUNNING = "running"  # submitted to the scheduler
+    DONE = "done"  # its final message is out
+
+
+class Generation:
+    def __init__(self, gw: Gateway, request: GenerationRequest, *, rid: str, surface: str, client: str) -> None:
+        self.rid = rid
+        self.request = request  # with modifications applied: what ``regenerate`` runs again
+        self.surface = surface
+        self._gw = gw
+        self._client = client
+        self._phase = Phase.PREPARING
+        self._initialized = False
+        self._stop_requested = False
+        self._filtered = False
+        self._started = time.monotonic()
+        self._first_token_at: float | None = None
+        self._last_token_at: float | None = None
+        self._prompt_len = 0
+        self._max_model_len = 0
+        self._echo = ""
+        self._text = ""  # generated text released so far
+        self._tokens = 0  # tokens generated so far
+        self._final: wire.TokenEvent | None = None
+
+    @property
+    def initialized(self) -> bool:
+        """Whether ``init`` went out (the request exists under ``rid``)."""
+        return self._initialized
+
+    @property
+    def finished(self) -> bool:
+        return self._phase is Phase.DONE
+
+    @property
+    def usage(self) -> Usage:
+        """The scheduler's final counts when it sent them, else the gateway's own."""
+        final = self._final
+        return Usage(
+            (final.prompt_tokens if final else 0) or self._prompt_len,
+            (final.completion_tokens if final else 0) or self._tokens,
+        )
+
+    # -- the stream ---------------------------------------------------------------------------
+
+    async def stream(self) -> AsyncIterator[ServerMsg]:
+        gw, labels = self._gw, (self.surface,)
+        structlog.contextvars.bind_contextvars(request_id=self.rid)
+        self._started = time.monotonic()
+        gw.metrics.active_streams.labels(*labels).inc()
+        outcome = "cancelled"  # unless a final message says otherwise: the consumer left
+        try:
+            try:
+                async for msg in self._run():
+                    if isinstance(msg, CompletionMsg | ErrorMsg):
+                        self._phase = Phase.DONE
+                        outcome = msg.finish_reason if isinstance(msg, CompletionMsg) else msg.code
+                    yield msg
+            except Exception as exc:  # a bug or a broken peer socket: answer, never drop the client silently
+                log.exception("request.failed")
+                if self._phase is not Phase.DONE:
+                    self._phase, outcome = Phase.DONE, INTERNAL_ERROR
+                    error = TillerError(INTERNAL_ERROR, f"the gateway failed this request: {exc}")
+                    yield ErrorMsg.from_error(error, self.rid if self._initialized else None, self._partial())
+        finally:
+            if self._phase is Phase.RUNNING:
+                gw.engine.cancel_soon(self.rid)
+            self._phase = Phase.DONE
+            gw.engine.close_stream(self.rid)
+            elapsed = time.monotonic() - self._started
+            gw.metrics.active_streams.labels(*labels).dec()
+            gw.metrics.requests.labels(self.surface, outcome).inc()
+            gw.metrics.request_latency.labels(*labels).observe(elapsed)
+            usage = self.usage
+            if self._initialized:
+                gw.metrics.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
+                gw.store.record_completion(
+                    self.rid,
+                    generated_text=self._text,
+                    finish_reason=outcome,
+                    prompt_tokens=usage.prompt_tokens,
+                    completion_tokens=usage.completion_tokens,
+                    error="" if outcome in (*COMPLETED, CONTENT_FILTER) else outcome,
+                )
+            log.info(
+                "request.end",
+                surface=self.surface,
+                outcome=outcome,
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                total_ms=round(elapsed * 1000, 1),
+            )
+
+    async def _run(self) -> AsyncIterator[ServerMsg]:
+        gw = self._gw
+        try:
+            gw.limiter.check(self._client)
+            prompt_text, prompt_ids = await gw.text.prompt(self.request)
+            messages = self.request.messages
+            # what the client wrote is screened, not the chat template's own text around it
+            if gw.text.refused("\n".join(m["content"] for m in messages) if messages else prompt_text):
+                raise GatewayError(CONTENT_FILTER, "the prompt was refused by the content filter", param="prompt")
+            health = await gw.engine.health(max_age=HEALTH_MAX_AGE_S)
+            self._max_model_len = int(health.detail.get("max_model_len") or gw.settings.limits.max_model_len)
+            max_tokens = context_budget(
+                len(prompt_ids), self.request.max_tokens, self._max_model_len, gw.settings.limits.default_max_tokens
+            )
+        except TillerError as exc:
+            yield ErrorMsg.from_error(exc)
+            return
+
+        self._prompt_len = len(prompt_ids)
+        self._echo = prompt_text if self.request.echo else ""
+        self._initialized = True
+        model_info = {"max_tokens": self._max_model_len, "vocab_size": health.detail.get("vocab_size")}
+        yield InitMsg(self.rid, gw.settings.served_model_name, model_info, prompt_text)
+        gw.store.record_request(
+            self.rid,
+            surface=self.surface,
+            model=gw.settings.served_model_name,
+            prompt=prompt_text,
+            params=self.request.record(),
+        )
+        log.info("request.start", surface=self.surface, prompt_tokens=self._prompt_len, max_tokens=max_tokens)
+
+        try:
+            async for status in self._wait_for_model(health):
+                yield status
+            if self._stop_requested:
+                yield self._completion("cancelled")
+                return
+            queue = gw.engine.open_stream(self.rid)
+            self._phase = Phase.RUNNING
+            await gw.engine.submit(
+                wire.Submit(
+                    rid=self.rid,
+                    prompt_ids=prompt_ids,
+                    sampling=self.request.sampling(),
+                    max_tokens=max_tokens,
+                    stop=list(self.request.stop),
+                    ignore_eos=self.request.ignore_eos,
+                    timeout_s=gw.settings.limits.request_timeout_s,
+                )
+            )
+            async for msg in self._consume(queue):
+                yield msg
+        except TillerError as exc:
+            yield ErrorMsg.from_error(exc, self.rid, self._partial())
+
+    async def _wait_for_model(self, health: wire.HealthReply) -> AsyncIterator[StatusMsg]:
+        """``status: model_loading`` every poll until the worker is ready; its failure is an error."""
+        timeout = self._gw.settings.limits.request_timeout_s
+        first: tuple[float, int] | None = None  # (time, progress) of the first poll, for the ETA
+        while not self._stop_requested:
+            worker = worker_stage(health)
+            stage = worker.get("stage")
+            if stage == "ready":
+                return
+            if stage == "failed":
+                raise TillerError(
+                    MODEL_LOADING_ERROR, f"the model failed to load: {worker.get('message') or 'no detail given'}"
+                )
+            now = time.monotonic()
+            if now - self._started > timeout:
+                raise TillerError(TIMEOUT, f"the model was still loading after {timeout:.0f} s")
+            progress = int(worker.get("progress") or 0)
+            first = first or (now, progress)
+            eta = None
+            if progress > first[1]:
+                eta = (now - first[0]) / (progress - first[1]) * (100 - progress)
+            default = "waiting for a model worker" if stage == "absent" else "loading the model"
+            yield StatusMsg("model_loading", progress, worker.get("message") or default, eta)
+            await asyncio.sleep(LOADING_POLL_S)
+            health = await self._gw.engine.health()
+
+    async def _consume(self, queue: asyncio.Queue[StreamItem]) -> AsyncIterator[ServerMsg]:
+        limits = self._gw.settings.limits
+        deadline = time.monotonic() + limits.request_timeout_s + STALL_GRACE_S
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout=max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                raise TillerError(
+                    TIMEOUT, f"no result from the scheduler within {limits.request_timeout_s:.0f} s"
+                ) from None
+            if isinstance(item, wire.RequestFailed):
+                yield ErrorMsg(
+                    code=item.code,
+                    message=item.message,
+                    recoverable=item.recoverable,
+                    recovery_action=item.recovery_action,
+                    request_id=self.rid,
+                    generated_text=self._partial(),
+                )
+                return
+            for msg in self._on_event(item):
+                yield msg
+            if item.finish_reason is not None:
+                return
+
+    def _on_event(self, event: wire.TokenEvent) -> list[ServerMsg]:
+        """The messages one token event produces. Text that trips the content filter is never sent:
+        the generation is cancelled and completes with ``content_filter``."""
+        self._tokens += len(event.tokens)
+        if event.finish_reason is not None:
+            self._final = event
+        if not self._filtered and event.text and self._gw.text.refused(self._text + event.text):
+            self._filtered = True
+            if event.finish_reason is None:
+                self._gw.engine.cancel_soon(self.rid)  # then drain up to its final "cancelled" event
+        if self._filtered:
+            return [self._completion(CONTENT_FILTER)] if event.finish_reason is not None else []
+
+        out: list[ServerMsg] = []
+        now = time.monotonic()
+        last_at = self._last_token_at or self._started
+        if event.tokens and self._first_token_at is None:
+            self._first_token_at = now
+            self._gw.metrics.time_to_first_token.labels(self.surface).observe(now - self._started)
+        self._gw.metrics.generation_tokens.labels(self.surface).inc(len(event.tokens))
+        for i, token in enumerate(event.tokens):
+            last = i == len(event.tokens) - 1
+            if last:
+                self._text += event.text
+            out.append(
+                TokenMsg(
+                    token=event.text if last else "",
+                    token_id=token.token_id,
+                    generated_text=self._echo + self._text,
+                    logprobs=self._logprobs(token),
+                    token_s=now - last_at,
+                    total_s=now - self._started,
+                    finish_reason=event.finish_reason if last else None,
+                )
+            )
+            last_at = now
+        if not event.tokens:  # e.g. the held-back text released by a cancellation
+            self._text += event.text
+        self._last_token_at = last_at
+
+        if event.finish_reason in COMPLETED:
+            out.append(self._completion(event.finish_reason))
+        elif event.finish_reason == "timeout":
+            timeout = self._gw.settings.limits.request_timeout_s
+            error = TillerError(TIMEOUT, f"the generation exceeded the {timeout:g} s time limit")
+            out.append(ErrorMsg.from_error(error, self.rid, self._partial()))
+        elif event.finish_reason is not None:
+            error = TillerError(INTERNAL_ERROR, f"the generation ended with {event.finish_reason!r}")
+            out.append(ErrorMsg.from_error(error, self.rid, self._partial()))
+        return out
+
+    def _logprobs(self, token: wire.SampledToken) -> list[LogprobEntry] | None:
+        if self.request.top_logprobs is None:
+            return None
+        text = self._gw.text.token_text
+        return [LogprobEntry(text(token.token_id), token.token_id, token.logprob)] + [
+            LogprobEntry(text(alt.token_id), alt.token_id, alt.logprob)
+            for alt in token.top[: self.request.top_logprobs]
+        ]
+
+    def _partial(self) -> str | None:
+        return self._echo + self._text if self._text else None
+
+    def _completion(self, reason: str) -> CompletionMsg:
+        first = None if self._first_token_at is None else self._first_token_at - self._started
+        return CompletionMsg(
+            self.rid, self._echo + self._text, reason, self.usage, first, time.monotonic() - self._started
+        )
+
+    # -- control ------------------------------------------------------------------------------
+
+    def _require_running(self, action: str) -> None:
+        if self._phase is Phase.DONE:
+            raise GatewayError(INVALID_REQUEST, f"cannot {action}: no generation is running", param="action")
+        if self._phase is Phase.PREPARING:
+            raise GatewayError(
+                INVALID_REQUEST, f"cannot {action} yet: the generation waits for the model", param="action"
+            )
+
+    async def _control(self, call: Awaitable[None]) -> None:
+        """Await a scheduler command; a refusal because the request just ended is no error."""
+        try:
+            await call
+        except TillerError:
+            if self._phase is not Phase.DONE:
+                raise
+
+    async def stop(self) -> None:
+        """Cancel; the stream then ends with a ``completion`` whose finish_reason is ``cancelled``."""
+        if self._phase is Phase.DONE:
+            raise GatewayError(INVALID_REQUEST, "cannot stop: no generation is running", param="action")
+        self._stop_requested = True
+        if self._phase is Phase.RUNNING:
+            await self._control(self._gw.engine.cancel(self.rid))
+
+    async def pause(self) -> None:
+        self._require_running("pause")
+        await self._control(self._gw.engine.pause(self.rid))
+
+    async def resume(self) -> None:
+        self._require_running("resume")
+        await self._control(self._gw.engine.resume(self.rid))
+
+    async def modify(self, patch: ParametersPatch) -> None:
+        self._require_running("modify")
+        if patch.max_tokens is not None:
+            context_budget(self._prompt_len, patch.max_tokens, self._max_model_len, patch.max_tokens)
+        sampling_patch = patch.to_patch()
+        await self._control(self._gw.engine.modify(self.rid, sampling_patch))
+        self.request = self.request.patched(sampling_patch)
+
+
+async def protocol_messages(gen: Generation, options: OutputOptions) -> AsyncIterator[dict[str, Any]]:
+    """A generation as the WebSocket protocol's JSON messages (also the REST/SSE twin's).
+
+    Without ``stream`` the token messages are left out, and the completion carries ``token_ids`` and
+    ``logprobs`` for the whole generation when they were asked for.
+    """
+    tokens: list[TokenMsg] = []
+    async for msg in gen.stream():
+        if isinstance(msg, TokenMsg):
+            if options.stream:
+                yield msg.to_json(options)
+            else:
+                tokens.append(msg)
+            continue
+        out = msg.to_json(options)
+        if isinstance(msg, CompletionMsg) and not options.stream:
+            if options.include_token_ids:
+                out["token_ids"] = [t.token_id for t in tokens]
+            if options.include_logprobs is not None:
+                out["logprobs"] = [[{"token": e.token, "logprob": e.logprob} for e in t.logprobs or []] for t in tokens]
+        yield out

@@ -1,0 +1,133 @@
+"""The gateway's link to the scheduler: one Dealer for request/reply, and routing of the token
+events the scheduler pushes (one ``Events`` message per step) to per-request queues."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import structlog
+import zmq.asyncio
+
+from common import wire
+from common.config import Settings
+from common.errors import ERROR_TRAITS, INTERNAL_ERROR, TillerError
+from common.sockets import Dealer
+
+log = structlog.get_logger()
+
+COMMAND_TIMEOUT_S = 10.0
+HEALTH_TIMEOUT_S = 2.0
+# A ready scheduler's health (model facts, worker stage) is reused this long by request admission.
+HEALTH_MAX_AGE_S = 1.0
+
+StreamItem = wire.TokenEvent | wire.RequestFailed
+
+
+def worker_stage(health: wire.HealthReply) -> dict[str, Any]:
+    """The scheduler's view of its best worker: ``stage`` (absent | loading | ready | failed),
+    ``progress``, ``message``. Generation needs a ready worker, not the rest of ``ready``."""
+    return health.detail.get("worker") or {"stage": "absent"}
+
+
+def _as_error(reply: wire.Message, what: str) -> TillerError:
+    if isinstance(reply, wire.Error):
+        code = reply.code if reply.code in ERROR_TRAITS else INTERNAL_ERROR
+        return TillerError(code, reply.message)
+    return TillerError(INTERNAL_ERROR, f"unexpected reply from the scheduler to {what}: {type(reply).__name__}")
+
+
+class EngineClient:
+    def __init__(self, settings: Settings, ctx: zmq.asyncio.Context) -> None:
+        self._dealer = Dealer(ctx, settings.endpoint("scheduler"), on_message=self._on_message)
+        self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
+        self._health: wire.HealthReply | None = None
+        self._health_at = 0.0
+        self._background: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        self._dealer.start()
+
+    def close(self) -> None:
+        for task in self._background:
+            task.cancel()
+        self._dealer.close()
+
+    async def _on_message(self, msg: wire.Message, _binary: list[bytes]) -> None:
+        if isinstance(msg, wire.Events):
+            for event in msg.events:
+                self._route(event.rid, event)
+        elif isinstance(msg, wire.RequestFailed):
+            self._route(msg.rid, msg)
+        else:
+            log.warning("engine.unexpected_message", type=type(msg).__name__)
+
+    def _route(self, rid: str, item: StreamItem) -> None:
+        queue = self._streams.get(rid)
+        if queue is None:  # the request was abandoned here (client gone, regenerate) before its end
+            log.debug("engine.event_for_closed_stream", rid=rid)
+        else:
+            queue.put_nowait(item)
+
+    def open_stream(self, rid: str) -> asyncio.Queue[StreamItem]:
+        """Register ``rid`` before submitting it, so no event can arrive unrouted."""
+        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self._streams[rid] = queue
+        return queue
+
+    def close_stream(self, rid: str) -> None:
+        self._streams.pop(rid, None)
+
+    async def _call(self, msg: wire.Msg, *, timeout: float = COMMAND_TIMEOUT_S) -> wire.Message:
+        what = type(msg).__name__
+        try:
+            reply, _ = await self._dealer.request(msg, timeout=timeout)
+        except TimeoutError:
+            raise TillerError(INTERNAL_ERROR, f"the scheduler did not answer {what}; is it running?") from None
+        return reply
+
+    async def _command(self, msg: wire.Msg) -> None:
+        reply = await self._call(msg)
+        if not isinstance(reply, wire.Ok):
+            raise _as_error(reply, type(msg).__name__)
+
+    async def submit(self, submit: wire.Submit) -> None:
+        await self._command(submit)
+
+    async def cancel(self, rid: str) -> None:
+        await self._command(wire.Cancel(rid=rid))
+
+    async def pause(self, rid: str) -> None:
+        await self._command(wire.Pause(rid=rid))
+
+    async def resume(self, rid: str) -> None:
+        await self._command(wire.Resume(rid=rid))
+
+    async def modify(self, rid: str, patch: wire.SamplingPatch) -> None:
+        await self._command(wire.Modify(rid=rid, patch=patch))
+
+    def cancel_soon(self, rid: str) -> None:
+        """Cancel in the background: for cleanup paths (disconnects, task cancellation) that must
+        neither wait nor be interrupted by the cancellation they are handling."""
+        task = asyncio.get_running_loop().create_task(self._cancel_quietly(rid))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cancel_quietly(self, rid: str) -> None:
+        try:
+            await self.cancel(rid)
+        except TillerError as exc:  # typically: it had just finished
+            log.debug("engine.cancel_refused", rid=rid, reason=exc.message)
+
+    async def health(self, max_age: float = 0.0) -> wire.HealthReply:
+        """The scheduler's health; a ready reply younger than ``max_age`` seconds is reused."""
+        now = time.monotonic()
+        cached = self._health
+        if cached is not None and worker_stage(cached).get("stage") == "ready" and now - self._health_at <= max_age:
+            return cached
+        reply = await self._call(wire.Health(), timeout=HEALTH_TIMEOUT_S)
+        if not isinstance(reply, wire.HealthReply):
+            raise _as_error(reply, "Health")
+        self._health, self._health_at = reply, now
+        return reply

@@ -1,0 +1,74 @@
+"""HTTP plumbing shared by the REST and OpenAI surfaces: bounded JSON bodies, SSE framing, client
+addresses, and abandoning a non-streaming generation when its client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from starlette.requests import HTTPConnection, Request
+
+from common.errors import INVALID_REQUEST
+from services.gateway.driver import Gateway
+from services.gateway.protocol import GatewayError
+
+T = TypeVar("T")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# How often a non-streaming request checks whether its client is still there.
+DISCONNECT_POLL_S = 0.5
+
+
+def gateway_of(conn: HTTPConnection) -> Gateway:
+    return conn.app.state.gateway
+
+
+def client_of(conn: HTTPConnection) -> str:
+    return conn.client.host if conn.client else "unknown"
+
+
+async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
+    """The request body as a JSON object, read no further than ``limit`` bytes."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise GatewayError(INVALID_REQUEST, f"the request body exceeds {limit} bytes")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise GatewayError(INVALID_REQUEST, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise GatewayError(INVALID_REQUEST, f"the request body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+async def prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Await ``work``; cancel it and return None if the client goes away first (Starlette cancels
+    streaming responses on disconnect, but not plain handlers)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

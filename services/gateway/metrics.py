@@ -1,0 +1,47 @@
+"""Prometheus metrics of the gateway, in a registry of their own (one per app)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    """Labelled by ``surface`` (websocket | rest | openai) and, for requests, ``outcome`` (a finish
+    reason or an error code); never by request id."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tiller:requests",
+            "Generation requests by surface and outcome",
+            ["surface", "outcome"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "tiller:prompt_tokens", "Prompt tokens submitted", ["surface"], registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "tiller:generation_tokens", "Tokens generated and delivered", ["surface"], registry=self.registry
+        )
+        self.time_to_first_token = Histogram(
+            "tiller:time_to_first_token_seconds",
+            "From request to first generated token",
+            ["surface"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_latency = Histogram(
+            "tiller:e2e_request_latency_seconds",
+            "From request to its completion or error",
+            ["surface"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.active_streams = Gauge(
+            "tiller:active_streams", "Generations in progress", ["surface"], registry=self.registry
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,81 @@
+"""Prompt handling: tokenization, chat templates, token strings, the content filter.
+
+Tokenizer work runs on one dedicated thread: off the event loop, and never concurrently (a fast
+tokenizer mutably borrows its Rust state while encoding and fails when shared across threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jinja2
+
+from common.errors import INVALID_REQUEST
+from services.gateway.protocol import GatewayError
+from services.gateway.validation import GenerationRequest
+
+
+class TextProcessor:
+    def __init__(self, tokenizer: Any, content_filter_patterns: list[str]) -> None:
+        self._tokenizer = tokenizer
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._filters = [re.compile(p) for p in content_filter_patterns]
+        self._token_texts: list[str] = []
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def load_token_texts(self) -> None:
+        """Decode every vocabulary entry once, so logprob token strings are a list lookup."""
+        vocab = len(self._tokenizer)
+        self._token_texts = await self._run(self._tokenizer.batch_decode, [[i] for i in range(vocab)])
+
+    def token_text(self, token_id: int) -> str:
+        return self._token_texts[token_id] if 0 <= token_id < len(self._token_texts) else ""
+
+    async def prompt(self, request: GenerationRequest) -> tuple[str, list[int]]:
+        """The prompt as text (what echo shows, what the filter sees) and as token ids."""
+        return await self._run(self._prompt, request)
+
+    def _prompt(self, request: GenerationRequest) -> tuple[str, list[int]]:
+        if request.messages is not None:
+            text = self._render_chat(request.messages)
+            return text, self._tokenizer.encode(text, add_special_tokens=False)
+        if request.prompt_ids is not None:
+            vocab = len(self._tokenizer)
+            bad = next((t for t in request.prompt_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise GatewayError(
+                    INVALID_REQUEST,
+                    f"prompt: token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                    param="prompt",
+                )
+            return self._tokenizer.decode(request.prompt_ids), list(request.prompt_ids)
+        assert request.prompt is not None
+        return request.prompt, self._tokenizer.encode(request.prompt)
+
+    def _render_chat(self, messages: list[dict[str, str]]) -> str:
+        if not self._tokenizer.chat_template:
+            raise GatewayError(
+                INVALID_REQUEST, "messages: this model has no chat template; send a 'prompt'", param="messages"
+            )
+        try:
+            return self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except jinja2.TemplateError as exc:
+            raise GatewayError(
+                INVALID_REQUEST, f"messages: the chat template refused them: {exc}", param="messages"
+            ) from None
+
+    def refused(self, text: str) -> bool:
+        """Whether ``text`` matches a content filter pattern."""
+        return any(p.search(text) for p in self._filters)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,348 @@
+"""Validation of client requests (pydantic), shared by every surface.
+
+Models are strict (no string-to-number coercion) and validated with a :class:`Context` carrying the
+limits from Settings; every failure becomes a :class:`GatewayError` ``invalid_request`` whose message
+names the field, e.g. ``parameters.temperature: Input should be greater than or equal to 0 (got -1)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from common.config import Limits, Settings
+from common.errors import INVALID_REQUEST
+from common.wire import SamplingParams, SamplingPatch
+from services.gateway.protocol import GatewayError
+
+CLIENT_MESSAGE_TYPES = ("config", "control", "feedback")
+# ``include_logprobs: true`` asks for the sampled token and this many top alternatives.
+DEFAULT_TOP_LOGPROBS = 5
+
+
+@dataclass(frozen=True)
+class Context:
+    limits: Limits
+    served_model_name: str
+
+    @classmethod
+    def of(cls, settings: Settings) -> Context:
+        return cls(limits=settings.limits, served_model_name=settings.served_model_name)
+
+
+def _context(info: ValidationInfo) -> Context:
+    if not isinstance(info.context, Context):  # a programming error, not bad input
+        raise RuntimeError("gateway models must be validated with a validation.Context")
+    return info.context
+
+
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+def _logprobs_flag(value: Any) -> Any:
+    if value is True:
+        return DEFAULT_TOP_LOGPROBS
+    if value is False:
+        return None
+    return value
+
+
+def _message_content(value: Any) -> Any:
+    """OpenAI-style content: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError("content parts must be {'type': 'text', 'text': <string>} (only text is supported)")
+            texts.append(part["text"])
+        return "".join(texts)
+    return value
+
+
+Temperature = Annotated[float, Field(ge=0)]
+TopP = Annotated[float, Field(gt=0, le=1)]
+TopK = Annotated[int, Field(ge=0)]
+RepetitionPenalty = Annotated[float, Field(gt=0)]
+MaxTokens = Annotated[int, Field(ge=1)]
+StopList = Annotated[list[Annotated[str, Field(min_length=1)]], BeforeValidator(_as_list)]
+TopLogprobs = Annotated[Annotated[int, Field(ge=0)] | None, BeforeValidator(_logprobs_flag)]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class LimitChecks(BaseModel):
+    """Checks against the configured limits, for any model with these field names."""
+
+    @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
+    @classmethod
+    def _max_tokens_cap(cls, value: int | None, info: ValidationInfo) -> int | None:
+        cap = _context(info).limits.max_tokens_cap
+        if value is not None and value > cap:
+            raise ValueError(f"must be at most {cap} (got {value})")
+        return value
+
+    @field_validator("stop", check_fields=False)
+    @classmethod
+    def _stop_count(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        cap = _context(info).limits.max_stop_strings
+        if value is not None and len(value) > cap:
+            raise ValueError(f"at most {cap} stop strings are allowed (got {len(value)})")
+        return value
+
+    @field_validator("include_logprobs", "logprobs", "top_logprobs", check_fields=False)
+    @classmethod
+    def _top_logprobs_cap(cls, value: Any, info: ValidationInfo) -> Any:
+        cap = _context(info).limits.max_top_logprobs
+        if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+            raise ValueError(f"must be at most {cap} (got {value})")
+        return value
+
+
+class Parameters(StrictModel, LimitChecks):
+    max_tokens: MaxTokens | None = None  # None: limits.default_max_tokens, capped by the context
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    repetition_penalty: RepetitionPenalty = 1.0
+    stop: StopList = []
+    seed: int | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past EOS (benchmarks)
+
+
+class ParametersPatch(StrictModel, LimitChecks):
+    """``control: modify`` parameters: the same fields and rules, each optional."""
+
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    stop: StopList | None = None
+    seed: int | None = None
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> ParametersPatch:
+        if not self.model_fields_set:
+            raise ValueError("give at least one parameter to modify")
+        return self
+
+    def to_patch(self) -> SamplingPatch:
+        return SamplingPatch(**self.model_dump(exclude_unset=True))
+
+
+class Options(StrictModel, LimitChecks):
+    stream: bool = True
+    echo_prompt: bool = False
+    include_token_ids: bool = False
+    include_logprobs: TopLogprobs = None  # true: DEFAULT_TOP_LOGPROBS alternatives; n: n alternatives
+    include_timing: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")  # OpenAI clients send name, tool_calls, ...
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str, BeforeValidator(_message_content)]
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request in surface-neutral form: what the generation driver runs."""
+
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    prompt_ids: list[int] | None = None
+    max_tokens: int | None = None  # None: limits.default_max_tokens, capped by the context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    top_logprobs: int | None = None  # None: no logprobs
+    echo: bool = False
+    ignore_eos: bool = False
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            logprobs=self.top_logprobs,
+        )
+
+    def patched(self, patch: SamplingPatch) -> GenerationRequest:
+        """This request with a mid-stream modification applied (what ``regenerate`` runs next)."""
+        changes = {
+            f.name: getattr(patch, f.name) for f in dataclasses.fields(self) if getattr(patch, f.name, None) is not None
+        }
+        if "stop" in changes:
+            changes["stop"] = tuple(changes["stop"])
+        return dataclasses.replace(self, **changes)
+
+    def record(self) -> dict[str, Any]:
+        """The parameters as stored with the request record."""
+        out = dataclasses.asdict(self)
+        for key in ("prompt", "messages", "prompt_ids"):
+            out.pop(key)
+        out["stop"] = list(self.stop)
+        return out
+
+
+class GenerateConfig(StrictModel, LimitChecks):
+    """The WebSocket ``config`` message (without ``type``), and the normalized ``/v1/generate`` body."""
+
+    model: str | None = None
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    parameters: Parameters = Parameters()
+    options: Options = Options()
+
+    @field_validator("model")
+    @classmethod
+    def _served_model(cls, value: str | None, info: ValidationInfo) -> str | None:
+        served = _context(info).served_model_name
+        if value is not None and value != served:
+            raise ValueError(f"model {value!r} is not served here; this server serves {served!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateConfig:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' (text) or 'messages' (chat)")
+        return self
+
+    def to_request(self) -> GenerationRequest:
+        p = self.parameters
+        return GenerationRequest(
+            prompt=self.prompt,
+            messages=None if self.messages is None else [m.model_dump() for m in self.messages],
+            max_tokens=p.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            repetition_penalty=p.repetition_penalty,
+            seed=p.seed,
+            stop=tuple(p.stop),
+            top_logprobs=self.options.include_logprobs,
+            echo=self.options.echo_prompt,
+            ignore_eos=p.ignore_eos,
+        )
+
+
+class ControlMessage(StrictModel):
+    action: Literal["stop", "pause", "resume", "regenerate", "modify"]
+    parameters: dict[str, Any] | None = None  # validated as ParametersPatch for ``modify``
+
+    @model_validator(mode="after")
+    def _parameters_only_for_modify(self) -> ControlMessage:
+        if self.action == "modify" and self.parameters is None:
+            raise ValueError("'modify' needs a 'parameters' object")
+        if self.action != "modify" and self.parameters is not None:
+            raise ValueError(f"'parameters' is only allowed with action 'modify', not {self.action!r}")
+        return self
+
+
+class FeedbackMessage(StrictModel):
+    rating: Annotated[float, Field(ge=-1, le=1)]
+    text: str | None = None
+    position: Annotated[int, Field(ge=0)] | None = None
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _field_path(loc: tuple[int | str, ...], prefix: str) -> str:
+    path = prefix
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path = f"{path}.{part}" if path else part
+    return path
+
+
+_PLAIN_MESSAGES = {
+    "extra_forbidden": "unknown field",
+    "model_type": "must be a JSON object",
+    "dict_type": "must be a JSON object",
+}
+
+
+def _describe(error: dict[str, Any], prefix: str) -> tuple[str, str]:
+    path = _field_path(tuple(error["loc"]), prefix)
+    msg = _PLAIN_MESSAGES.get(error["type"]) or error["msg"].removeprefix("Value error, ")
+    if error["type"] not in ("value_error", "missing", *_PLAIN_MESSAGES):
+        shown = json.dumps(error.get("input"), default=str)
+        msg += f" (got {shown if len(shown) <= 40 else shown[:37] + '...'})"
+    return path, (f"{path}: {msg}" if path else msg)
+
+
+def validate(model: type[M], data: Any, context: Context, *, prefix: str = "") -> M:
+    """Validate ``data`` against ``model``; failures raise ``invalid_request`` naming each field."""
+    try:
+        return model.model_validate(data, context=context)
+    except ValidationError as exc:
+        described = [_describe(e, prefix) for e in exc.errors(include_url=False)]
+        raise GatewayError(INVALID_REQUEST, "; ".join(m for _, m in described), param=described[0][0] or None) from None
+
+
+def parse_client_message(raw: str | bytes) -> dict[str, Any]:
+    """A WebSocket frame as a message object with a known ``type``, or ``invalid_request``."""
+    try:
+        message = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise GatewayError(INVALID_REQUEST, f"message is not valid JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise GatewayError(INVALID_REQUEST, f"message must be a JSON object, not {type(message).__name__}")
+    kind = message.get("type")
+    if kind is None:
+        raise GatewayError(INVALID_REQUEST, "message has no 'type' field", param="type")
+    if kind not in CLIENT_MESSAGE_TYPES:
+        raise GatewayError(
+            INVALID_REQUEST,
+            f"type: unknown message type {kind!r}; expected one of {', '.join(CLIENT_MESSAGE_TYPES)}",
+            param="type",
+        )
+    return message
+
+
+def flat_body_to_config(body: dict[str, Any]) -> dict[str, Any]:
+    """``/v1/generate`` takes the parameters and options at the top level (the seed's REST example)
+    or nested as in the WebSocket config; fold the flat form into the nested one."""
+    config = dict(body)
+    for group, model in (("parameters", Parameters), ("options", Options)):
+        nested = config.get(group, {})
+        if not isinstance(nested, dict):
+            continue  # reported by validation
+        nested = dict(nested)
+        for name in model.model_fields:
+            if name in config:
+                if name in nested:
+                    raise GatewayError(
+                        INVALID_REQUEST, f"{name}: given both at the top level and in '{group}'", param=name
+                    )
+                nested[name] = config.pop(name)
+        if nested:
+            config[group] = nested
+    return config

@@ -1,0 +1,129 @@
+"""The OpenAI-compatible API through the official ``openai`` client, on the real stack."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.support import parse_sse
+
+MAX_TOKENS = 10
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
+
+
+def chat_ids(stack) -> list[int]:
+    text = stack.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    return stack.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def test_models(stack, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [stack.settings.served_model_name]
+
+
+def test_streaming_chat_matches_transformers(stack, client, hf_greedy):
+    prompt = chat_ids(stack)
+    expected = hf_greedy(prompt, MAX_TOKENS)
+    stream = client.chat.completions.create(
+        model=stack.settings.served_model_name,
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == stack.tokenizer.decode(expected, skip_special_tokens=True)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["stop" if expected[-1] == stack.tokenizer.eos_token_id else "length"]
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(prompt)
+    assert chunks[-1].usage.completion_tokens == len(expected)
+
+
+def test_chat_with_logprobs(stack, client, hf_greedy):
+    expected = hf_greedy(chat_ids(stack), 4)
+    reply = client.chat.completions.create(
+        model=stack.settings.served_model_name,
+        messages=MESSAGES,
+        max_completion_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    choice = reply.choices[0]
+    assert reply.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.message.content == stack.tokenizer.decode(expected, skip_special_tokens=True)
+    entries = choice.logprobs.content
+    assert [e.token for e in entries] == [stack.tokenizer.decode([t]) for t in expected]
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in entries)
+    assert entries[0].bytes == list(entries[0].token.encode())
+    assert reply.usage.completion_tokens == 4
+
+
+def test_completion_with_logprobs_and_stop(stack, client, hf_greedy):
+    expected = hf_greedy(stack.tokenizer(PROMPT).input_ids, MAX_TOKENS)
+    reply = client.completions.create(
+        model=stack.settings.served_model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=1
+    )
+    choice = reply.choices[0]
+    assert reply.object == "text_completion" and reply.id.startswith("cmpl-")
+    assert choice.text == stack.tokenizer.decode(expected, skip_special_tokens=True)
+    assert choice.logprobs.tokens == [stack.tokenizer.decode([t]) for t in expected]
+    assert choice.logprobs.text_offset[1] == len(choice.logprobs.tokens[0])
+    assert all(len(top) == 1 for top in choice.logprobs.top_logprobs)
+
+    stopped = client.completions.create(
+        model=stack.settings.served_model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop="."
+    )
+    assert stopped.choices[0].text == " Paris" and stopped.choices[0].finish_reason == "stop"
+
+
+def test_streaming_completion_with_echo_and_token_prompt(stack, client, hf_greedy):
+    ids = stack.tokenizer(PROMPT).input_ids
+    expected = hf_greedy(ids, 4)
+    stream = client.completions.create(
+        model=stack.settings.served_model_name, prompt=ids, max_tokens=4, temperature=0, echo=True, stream=True
+    )
+    text = "".join(c.choices[0].text for c in stream)
+    assert text == PROMPT + stack.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_errors_raise_the_matching_exceptions(stack, client):
+    model = stack.settings.served_model_name
+    with pytest.raises(openai.BadRequestError, match="only n=1") as caught:
+        client.chat.completions.create(model=model, messages=MESSAGES, n=2)
+    assert caught.value.body["param"] == "n" and caught.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    assert caught.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt=PROMPT, temperature=-1)
+    assert caught.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt=" hi" * 3000)
+    assert caught.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model, messages=[{"role": "narrator", "content": "x"}])
+    assert caught.value.body["param"] == "messages[0].role"
+
+
+def test_raw_error_body_and_sse_done(stack):
+    with httpx.Client(base_url=stack.http_url) as http:
+        reply = http.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})
+        assert reply.status_code == 400
+        assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+        reply = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": True})
+    events = parse_sse(reply.text)
+    assert events[-1] == "[DONE]" and all(e["object"] == "text_completion" for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
