@@ -1,0 +1,20 @@
+"""``python -m services.worker``: load the model and serve steps for the scheduler."""
+
+from __future__ import annotations
+
+import structlog
+
+from common.config import get_settings
+from common.logging import configure_logging
+from services.worker.service import WorkerService
+
+
+def main() -> None:
+    settings = get_settings()
+    log = configure_logging("worker", settings.log_level)
+    structlog.contextvars.bind_contextvars(service="worker")  # for module loggers too
+    WorkerService(settings, log).run()
+
+
+if __name__ == "__main__":
+    main()

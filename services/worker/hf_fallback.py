@@ -1,0 +1,44 @@
+"""The fallback runner for architectures without a native forward: the transformers model itself,
+one sequence at a time, each with its own DynamicCache. Correct for any causal LM, but slower.
+
+KV memory is still accounted in the engine's block tables, so capacity and pool-exhaustion
+failures behave as with the paged runner.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from services.worker.runner import SeqInput
+
+
+class HFFallback:
+    """Implements :class:`services.worker.runner.Runner` with per-sequence transformers calls."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.caches: dict[int, DynamicCache] = {}
+
+    def release(self, seq_id: int) -> None:
+        self.caches.pop(seq_id, None)
+
+    def forward(self, inputs: list[SeqInput]) -> torch.Tensor:
+        rows: list[torch.Tensor] = []
+        for item in inputs:
+            cache = self.caches.setdefault(item.seq_id, DynamicCache(config=self.model.config))
+            n = len(item.tokens)
+            out = self.model(
+                input_ids=torch.tensor([item.tokens], device=self.device),
+                position_ids=torch.arange(item.start, item.start + n, device=self.device).unsqueeze(0),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            if item.logits:
+                rows.append(out.logits[0, -1].float())
+        if not rows:
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
+        return torch.stack(rows)

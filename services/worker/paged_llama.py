@@ -1,0 +1,279 @@
+"""Our own forward pass for Llama-shaped models (Llama, Mistral, Qwen2) over the paged KV cache.
+
+The weights are the transformers modules' own: q/k/v and gate/up projections are fused into one
+matrix each, and the modules' parameters are re-pointed at views of the fused matrices, so
+nothing is stored twice and the transformers model keeps working on the same memory.
+
+One step flattens every token of every sequence into ``[tokens, hidden]``: each projection and the
+MLP is one matmul per step. Attention runs for all single-token inputs (decode) at once, over a
+padded gather of their cached keys and values, and per sequence for multi-token inputs (prefill).
+Per-step index tensors (slots, gathers, masks, rotary cos/sin) are built once and shared by all
+layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from services.worker.kv_cache import NULL_BLOCK, PagedKVCache
+from services.worker.runner import SeqInput
+
+NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+def unsupported_reason(config: PretrainedConfig, max_model_len: int) -> str | None:
+    """Why the native forward cannot run this model (None: it can)."""
+    if config.model_type not in NATIVE_MODEL_TYPES:
+        return f"model type {config.model_type!r} has no native forward"
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    windowed = "sliding_attention" in layer_types if layer_types else True
+    if window is not None and windowed and window < max_model_len:
+        return f"sliding-window attention ({window} < max_model_len {max_model_len})"
+    return None
+
+
+def _fuse_transposed(modules: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights of ``modules`` side by side, transposed: one contiguous ``[in, sum(out)]``
+    matrix (and the biases concatenated). Each module's parameters are re-pointed at their slice
+    of it, so the memory is not doubled and the transformers modules keep working.
+
+    ``x @ W^T`` with a contiguous ``W^T`` measured up to 2x faster than ``F.linear(x, W)`` for the
+    few-row matmuls of decode steps on the CPU (MKL).
+    """
+    weight = torch.cat([m.weight.detach().t() for m in modules], dim=1).contiguous()
+    has_bias = [m.bias is not None for m in modules]
+    if any(has_bias) and not all(has_bias):
+        raise ValueError("cannot fuse projections where only some have a bias")
+    bias = torch.cat([m.bias.detach() for m in modules]) if all(has_bias) else None
+    column = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[:, column : column + n].t(), requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[column : column + n], requires_grad=False)
+        column += n
+    return weight, bias
+
+
+def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+
+
+def _add_linear(x: torch.Tensor, h: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x + h @ weight_t (+ bias)`` with the residual add folded into the matmul."""
+    out = torch.addmm(x, h, weight_t)
+    return out if bias is None else out.add_(bias)
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights; matrices are transposed (``[in, out]``, see _fuse_transposed)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+@dataclass
+class _Prefill:
+    """A multi-token input's attention plan: its rows, and for a continued sequence (``start > 0``)
+    the blocks holding its keys and values and its causal mask; a fresh one attends to itself."""
+
+    row: int
+    n: int
+    blocks: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass
+class _StepPlan:
+    """Everything about one step that all layers share."""
+
+    slots: torch.Tensor  # where each row's keys and values go
+    decode: tuple[torch.Tensor, torch.Tensor] | None  # (blocks [n * width], mask [n, 1, 1, width * block_size])
+    num_decode: int
+    prefills: list[_Prefill]
+    cos: torch.Tensor = field(init=False)
+    sin: torch.Tensor = field(init=False)
+
+
+class PagedLlama:
+    """The native runner (see module docstring). Implements :class:`services.worker.runner.Runner`."""
+
+    def __init__(self, model: PreTrainedModel, cache: PagedKVCache) -> None:
+        config = model.config
+        self.cache = cache
+        self.device = cache.kv.device
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.hidden = config.hidden_size
+        self.eps = config.rms_norm_eps
+        base = model.model
+        self.embed = base.embed_tokens.weight.detach()
+        self.rotary = base.rotary_emb
+        self.final_norm = base.norm.weight.detach()
+        head = model.get_output_embeddings()
+        self.lm_head = head.weight.detach()  # [vocab, hidden]: often tied to the embedding, kept as is
+        self.lm_head_bias = None if head.bias is None else head.bias.detach()
+        self.act: Callable[[torch.Tensor], torch.Tensor] = (
+            F.silu if config.hidden_act == "silu" else base.layers[0].mlp.act_fn
+        )
+        self.intermediate = base.layers[0].mlp.gate_proj.out_features
+        self.layers: list[_Layer] = []
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, qkv_bias = _fuse_transposed([attn.q_proj, attn.k_proj, attn.v_proj])
+            o, o_bias = _fuse_transposed([attn.o_proj])
+            gate_up, gate_up_bias = _fuse_transposed([mlp.gate_proj, mlp.up_proj])
+            down, down_bias = _fuse_transposed([mlp.down_proj])
+            self.layers.append(
+                _Layer(
+                    input_norm=layer.input_layernorm.weight.detach(),
+                    qkv=qkv,
+                    qkv_bias=qkv_bias,
+                    o=o,
+                    o_bias=o_bias,
+                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    gate_up=gate_up,
+                    gate_up_bias=gate_up_bias,
+                    down=down,
+                    down_bias=down_bias,
+                )
+            )
+
+    def release(self, seq_id: int) -> None:
+        """Nothing to drop: all per-sequence state is in the engine's block tables."""
+
+    def forward(self, inputs: list[SeqInput]) -> torch.Tensor:
+        tables = self.cache.tables
+        device = self.device
+        # Decode inputs (one token) first, as one batch; multi-token inputs after, one by one.
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].tokens) > 1)
+        decode = [inputs[i] for i in order if len(inputs[i].tokens) == 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_row = [0] * len(inputs)
+        prefills: list[_Prefill] = []
+        fresh: list[int] = []
+        bs = tables.block_size
+        for i in order:
+            item = inputs[i]
+            n, row = len(item.tokens), len(ids)
+            fresh += tables.seqs[item.seq_id][-(-item.start // bs) : -(-(item.start + n) // bs)]
+            ids += item.tokens
+            positions += range(item.start, item.start + n)
+            slots += tables.slots(item.seq_id, item.start, item.start + n)
+            last_row[i] = row + n - 1
+            if n > 1:
+                prefills.append(self._plan_prefill(item, row))
+        if fresh:
+            self.cache.zero_blocks(fresh)
+        as_long = dict(dtype=torch.long, device=device)
+        step = _StepPlan(
+            slots=torch.tensor(slots, **as_long),
+            decode=self._plan_decode(decode) if decode else None,
+            num_decode=len(decode),
+            prefills=prefills,
+        )
+        x = F.embedding(torch.tensor(ids, **as_long), self.embed)
+        step.cos, step.sin = self._rotary(x, torch.tensor(positions, **as_long))
+        for layer, kv_slots, kv_blocks in zip(self.layers, self.cache.layer_slots, self.cache.layer_blocks):
+            x = self._attention(layer, x, kv_slots, kv_blocks, step)
+            h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
+            gate_up = _linear(h, layer.gate_up, layer.gate_up_bias)
+            h = self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+            x = _add_linear(x, h, layer.down, layer.down_bias)
+
+        wanted = [last_row[i] for i, item in enumerate(inputs) if item.logits]
+        if not wanted:
+            return torch.empty(0, self.lm_head.shape[0], dtype=torch.float32, device=device)
+        h = x[torch.tensor(wanted, **as_long)]
+        h = F.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
+        return F.linear(h, self.lm_head, self.lm_head_bias).float()
+
+    def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[tokens, heads + 2 * kv_heads, head_dim]`` from the model's rotary module,
+        laid out to rotate a whole q|k|v projection at once: ``rotate_half(x) * sin`` becomes
+        ``roll(x, half) * [-sin_1, sin_2]``, and the value heads get cos 1, sin 0 (left as they are)."""
+        cos, sin = self.rotary(x, positions.unsqueeze(0))
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        half = self.head_dim // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        tokens, rotated, kept = x.shape[0], self.num_heads + self.num_kv_heads, self.num_kv_heads
+        shape = (tokens, kept, self.head_dim)
+        cos = torch.cat((cos.expand(tokens, rotated, -1), cos.new_ones(shape)), dim=1)
+        sin = torch.cat((sin.expand(tokens, rotated, -1), sin.new_zeros(shape)), dim=1)
+        return cos, sin
+
+    def _plan_decode(self, decode: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block tables of the decode inputs, padded to the longest with the (zeroed) null
+        block, flattened for one gather; and the key mask ``[n, 1, 1, blocks * block_size]``."""
+        tables = self.cache.tables
+        bs = tables.block_size
+        width = -(-max(d.start + 1 for d in decode) // bs)
+        rows = [tables.seqs[d.seq_id][:width] for d in decode]
+        blocks = torch.tensor([r + [NULL_BLOCK] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)
+        lengths = torch.tensor([d.start + 1 for d in decode], device=self.device)
+        valid = torch.arange(width * bs, device=self.device) < lengths.unsqueeze(-1)
+        return blocks.view(-1), valid.view(len(decode), 1, 1, width * bs)
+
+    def _plan_prefill(self, item: SeqInput, row: int) -> _Prefill:
+        n = len(item.tokens)
+        if item.start == 0:
+            return _Prefill(row=row, n=n, blocks=None, mask=None)
+        total = item.start + n
+        bs = self.cache.tables.block_size
+        blocks = self.cache.tables.seqs[item.seq_id][: -(-total // bs)]
+        query_pos = torch.arange(item.start, total, device=self.device).unsqueeze(-1)
+        mask = torch.arange(len(blocks) * bs, device=self.device) <= query_pos
+        return _Prefill(row=row, n=n, blocks=torch.tensor(blocks, dtype=torch.long, device=self.device), mask=mask)
+
+    def _attention(
+        self, layer: _Layer, x: torch.Tensor, kv_slots: torch.Tensor, kv_blocks: torch.Tensor, step: _StepPlan
+    ) -> torch.Tensor:
+        """``x`` plus the self-attention of one layer over all its rows; writes this step's keys and
+        values into the layer's pool (``kv_slots`` and ``kv_blocks`` are two views of it)."""
+        tokens = x.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        h = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
+        qkv = _linear(h, layer.qkv, layer.qkv_bias).view(tokens, heads + 2 * kv_heads, dim)
+        qkv = torch.addcmul(qkv * step.cos, qkv.roll(dim // 2, -1), step.sin)
+        kv_slots.index_copy_(0, step.slots, qkv[:, heads:])
+
+        outs: list[torch.Tensor] = []
+        if step.decode is not None:
+            blocks, mask = step.decode
+            n = step.num_decode
+            # Grouped-query attention without repeating keys: [n, kv_heads, heads/kv_heads, dim].
+            q = qkv[:n, :heads].reshape(n, kv_heads, heads // kv_heads, dim)
+            kv = kv_blocks.index_select(0, blocks).view(n, mask.shape[-1], 2 * kv_heads, dim)
+            k, v = kv[:, :, :kv_heads].transpose(1, 2), kv[:, :, kv_heads:].transpose(1, 2)
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(n, heads * dim))
+        for p in step.prefills:
+            q = qkv[p.row : p.row + p.n, :heads].transpose(0, 1).unsqueeze(0)
+            if p.blocks is None:
+                kv = qkv[p.row : p.row + p.n, heads:]
+            else:
+                kv = kv_blocks.index_select(0, p.blocks).view(-1, 2 * kv_heads, dim)
+            k, v = kv[:, :kv_heads].transpose(0, 1).unsqueeze(0), kv[:, kv_heads:].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True)
+            outs.append(out[0].transpose(0, 1).reshape(p.n, heads * dim))
+        attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return _add_linear(x, attn, layer.o, layer.o_bias)
+

@@ -1,0 +1,30 @@
+"""What a forward-pass backend takes and gives: the engine talks to either implementation through it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    """Feed ``tokens`` to ``seq_id`` at positions ``start ..``; ``logits``: return the logits of
+    its last token. The engine has already reserved KV blocks for ``start + len(tokens)`` tokens."""
+
+    seq_id: int
+    tokens: list[int]
+    start: int
+    logits: bool
+
+
+class Runner(Protocol):
+    def forward(self, inputs: list[SeqInput]) -> torch.Tensor:
+        """Run one batched forward pass; float32 logits ``[n, vocab]``, one row per input with
+        ``logits`` set, in input order."""
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """Drop whatever the backend keeps for a sequence besides its KV blocks."""
+        ...

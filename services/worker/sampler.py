@@ -1,0 +1,192 @@
+"""Token sampling with per-sequence parameters, vectorised over the rows of one step.
+
+Order and semantics follow transformers' ``generate``: mask, repetition penalty, then greedy
+argmax (temperature 0) or temperature, top-k, top-p and a random draw. Logprobs come from the raw
+model logits, before any of that.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.wire import SampledToken, SamplingParams, TokenLogprob
+
+TOP_P_CANDIDATES = (64, 1024)  # how many tokens top-p ranks, in turn, before sorting a whole row
+
+
+def validate_params(params: SamplingParams, vocab_size: int) -> str | None:
+    """Why ``params`` cannot be used, or None."""
+    if not params.temperature >= 0:
+        return f"temperature must be >= 0, got {params.temperature}"
+    if not 0 < params.top_p <= 1:
+        return f"top_p must be in (0, 1], got {params.top_p}"
+    if params.top_k < 0:
+        return f"top_k must be >= 0, got {params.top_k}"
+    if not params.repetition_penalty > 0:
+        return f"repetition_penalty must be > 0, got {params.repetition_penalty}"
+    if params.logprobs is not None and not 0 <= params.logprobs <= vocab_size:
+        return f"logprobs must be in [0, {vocab_size}], got {params.logprobs}"
+    return None
+
+
+class SeqSampler:
+    """A sequence's sampling parameters and its random generator (seeded when ``seed`` is set, so
+    the same seed and parameters give the same tokens)."""
+
+    def __init__(self, params: SamplingParams, device: torch.device) -> None:
+        self.device = device
+        self.params = params
+        self.generator = self._generator(params.seed)
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        return generator
+
+    def update(self, params: SamplingParams) -> None:
+        """Replace the parameters; the generator restarts only when the seed changes."""
+        if params.seed != self.params.seed:
+            self.generator = self._generator(params.seed)
+        self.params = params
+
+
+def unpack_mask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Packed bitsets ``[rows, ceil(vocab/32)]`` (int32, little-endian bit order) -> bool ``[rows, vocab]``."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1
+    return bits.view(words.shape[0], -1)[:, :vocab_size].bool()
+
+
+def sample(
+    logits: torch.Tensor,
+    samplers: list[SeqSampler],
+    histories: list[list[int]],
+    allowed: torch.Tensor | None = None,
+) -> list[SampledToken]:
+    """One token per row of ``logits`` ``[n, vocab]`` (float32).
+
+    ``histories[i]`` are row i's tokens so far (for the repetition penalty); ``allowed`` is an
+    optional bool ``[n, vocab]`` mask (False: the token may not be sampled).
+    """
+    n = logits.shape[0]
+    device = logits.device
+    params = [s.params for s in samplers]
+    scores = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+    penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 and histories[i]]
+    if penalised:
+        scores = scores.clone() if scores is logits else scores
+        for i in penalised:
+            ids = torch.tensor(histories[i], device=device)
+            row = scores[i]
+            picked = row.gather(0, ids)
+            penalty = params[i].repetition_penalty
+            row.scatter_(0, ids, torch.where(picked < 0, picked * penalty, picked / penalty))
+
+    tokens = torch.empty(n, dtype=torch.long, device=device)
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    drawn = [i for i, p in enumerate(params) if p.temperature != 0]
+    if len(greedy) == n:
+        tokens = scores.argmax(-1)
+    elif greedy:
+        index = torch.tensor(greedy, device=device)
+        tokens[index] = scores[index].argmax(-1)
+    if drawn:
+        index = torch.tensor(drawn, device=device)
+        probs = _warp([params[i] for i in drawn], scores[index] if len(drawn) < n else scores).softmax(-1)
+        tokens[index] = _draw(probs, [samplers[i].generator for i in drawn])
+    return _with_logprobs(logits, tokens, params)
+
+
+def _warp(params: list[SamplingParams], scores: torch.Tensor) -> torch.Tensor:
+    """Temperature, top-k and top-p over rows of sampled (non-greedy) sequences."""
+    device = scores.device
+    vocab = scores.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=scores.dtype)
+    scores = scores / temperature.unsqueeze(-1)
+    ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    if min(ks) < vocab:
+        top = scores.topk(max(k for k in ks if k < vocab), dim=-1).values
+        k_index = torch.tensor([k - 1 if k < vocab else 0 for k in ks], device=device).unsqueeze(-1)
+        threshold = top.gather(-1, k_index)
+        threshold[torch.tensor([k == vocab for k in ks], device=device)] = float("-inf")
+        scores = scores.masked_fill(scores < threshold, float("-inf"))
+    nucleus = [j for j, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:
+        top_p = torch.tensor([params[j].top_p for j in nucleus], device=device, dtype=scores.dtype).unsqueeze(-1)
+        if len(nucleus) == len(params):
+            scores = _top_p(scores, top_p)
+        else:
+            rows = torch.tensor(nucleus, device=device)
+            scores[rows] = _top_p(scores[rows], top_p)
+    return scores
+
+
+def _top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the most likely tokens whose probabilities add up to ``top_p`` (transformers' rule:
+    a token stays while the mass ranked above it is below ``top_p``, so the best always stays).
+
+    Sorting a whole vocabulary row costs milliseconds on a CPU, and the nucleus nearly always lies
+    among the few most likely tokens: rows are ranked over ``TOP_P_CANDIDATES`` tokens first, and
+    only the rows whose candidates hold less than ``top_p`` go on to a larger ranking.
+    """
+    probs = scores.softmax(-1)
+    vocab = probs.shape[-1]
+    allowed = torch.zeros_like(scores, dtype=torch.bool)
+    rows: torch.Tensor | None = None  # the rows still to settle; None: all of them
+    for candidates in (*TOP_P_CANDIDATES, vocab):
+        p = probs if rows is None else probs[rows]
+        threshold = top_p if rows is None else top_p[rows]
+        if candidates < vocab:
+            ranked, order = p.topk(candidates, dim=-1)
+            done = ranked.sum(-1) >= threshold.squeeze(-1)
+        else:
+            ranked, order = p.sort(dim=-1, descending=True)
+            done = torch.ones(p.shape[0], dtype=torch.bool, device=p.device)
+        keep = ((ranked.cumsum(-1) - ranked) < threshold) & done.unsqueeze(-1)
+        if rows is None:
+            allowed.scatter_(-1, order, keep)
+        else:
+            allowed[rows] = allowed[rows].scatter(-1, order, keep)
+        if bool(done.all()):
+            break
+        left = (~done).nonzero().squeeze(-1)
+        rows = left if rows is None else rows[left]
+    return scores.masked_fill(~allowed, float("-inf"))
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row by inverse-CDF sampling: a uniform number from the row's own generator
+    (so a seed fixes the draws whatever the batch) and the first token whose cumulative
+    probability passes it. torch.multinomial costs ~1 ms per row on a CPU for this."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]
+    uniform = torch.cat([torch.rand(1, generator=g, device=probs.device, dtype=torch.float64) for g in generators])
+    # Strictly below the total, so the token found has a non-zero probability (masks hold).
+    target = torch.minimum(uniform.unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+
+
+def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[SampledToken]:
+    """The sampled tokens with their logprobs (always) and top alternatives (when requested)."""
+    logprobs = logits.log_softmax(-1)
+    logprob = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    ks = [p.logprobs or 0 for p in params]
+    top_ids: list[list[int]] = [[] for _ in params]
+    top_lps: list[list[float]] = [[] for _ in params]
+    if max(ks) > 0:
+        rows = [i for i, k in enumerate(ks) if k > 0]
+        index = torch.tensor(rows, device=logits.device)
+        top = logprobs[index].topk(max(ks), dim=-1)
+        values, ids = top.values.tolist(), top.indices.tolist()
+        for j, i in enumerate(rows):
+            top_ids[i], top_lps[i] = ids[j][: ks[i]], values[j][: ks[i]]
+    return [
+        SampledToken(
+            token_id=t,
+            logprob=lp,
+            top=[TokenLogprob(token_id=a, logprob=b) for a, b in zip(top_ids[i], top_lps[i])],
+        )
+        for i, (t, lp) in enumerate(zip(tokens.tolist(), logprob.tolist()))
+    ]

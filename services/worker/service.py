@@ -1,0 +1,193 @@
+"""The worker's socket loop: a DEALER connected to the scheduler's ROUTER.
+
+The model loads on a background thread while the main thread keeps the socket: it sends a
+``WorkerHello(stage="loading")`` about every second, answers Health, and refuses Steps. Once
+loaded it announces ``ready`` and runs each Step on the main thread. A failed load keeps the
+process up, announcing ``failed`` every few seconds and failing every Step with the reason, so the
+scheduler can report it to clients. A hello also goes out on every (re)connection and after every
+Health, so a restarted scheduler finds its workers.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import threading
+import time
+from typing import Any
+
+import structlog
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from common import wire
+from common.config import Settings
+from common.errors import WireError
+from services.worker.engine import Engine
+from services.worker.model_loader import load_model
+
+LOADING_HELLO_INTERVAL_S = 1.0
+FAILED_HELLO_INTERVAL_S = 2.0
+
+
+class _Loader(threading.Thread):
+    """Loads the model and builds the engine off the main thread, publishing progress."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(name="model-loader", daemon=True)
+        self.settings = settings
+        self.progress = 0
+        self.message = "starting"
+        self.engine: Engine | None = None
+        self.error: str | None = None
+        self.seconds = 0.0
+        self._context = contextvars.copy_context()  # the logging context bound by the main thread
+
+    def _report(self, progress: int, message: str) -> None:
+        self.progress, self.message = progress, message
+
+    def run(self) -> None:
+        self._context.run(self._load)
+
+    def _load(self) -> None:
+        started = time.monotonic()
+        try:
+            loaded = load_model(self.settings, self._report)
+            self._report(90, "allocating the KV cache")
+            engine = Engine.create(loaded, self.settings)
+        except Exception as exc:  # any load failure is reported, never raised
+            structlog.get_logger().exception("worker.load_failed")
+            self.error = f"{type(exc).__name__}: {exc}"
+            return
+        self.seconds = time.monotonic() - started
+        self.engine = engine  # last: the main thread takes a non-None engine as "ready"
+
+
+class WorkerService:
+    """One worker process: the socket loop around an :class:`Engine` (see the module docstring)."""
+
+    def __init__(self, settings: Settings, log: Any | None = None) -> None:
+        self.settings = settings
+        self.log = log or structlog.get_logger()
+        self.worker_id = f"worker-{os.getpid()}"
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        self.endpoint = settings.endpoint("worker")
+        self.loader = _Loader(settings)
+        self.engine: Engine | None = None
+
+    @property
+    def stage(self) -> str:
+        if self.engine is not None:
+            return "ready"
+        return "failed" if self.loader.error is not None else "loading"
+
+    def run(self) -> None:
+        """Serve until interrupted."""
+        # Every (re)connection gets a hello: a restarted scheduler learns of a ready worker at once.
+        monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self.sock.connect(self.endpoint)
+        self.log.info("worker.start", worker_id=self.worker_id, endpoint=self.endpoint, model=self.settings.model)
+        self.loader.start()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        next_hello = time.monotonic() + LOADING_HELLO_INTERVAL_S
+        try:
+            while True:
+                # Ready: block. Loading or failed: wake often so completion and hellos are timely.
+                events = dict(poller.poll(None if self.engine is not None else 100))
+                if monitor in events:
+                    recv_monitor_message(monitor)
+                    self._hello()
+                if self.sock in events:
+                    self._handle(self.sock.recv_multipart())
+                if self.engine is not None:
+                    continue
+                if self.loader.engine is not None:
+                    self.engine = self.loader.engine
+                    self.log.info("worker.ready", load_s=round(self.loader.seconds, 2), **self.engine.stats())
+                    self._hello()
+                elif time.monotonic() >= next_hello:
+                    self._hello()
+                    failed = self.loader.error is not None
+                    next_hello = time.monotonic() + (FAILED_HELLO_INTERVAL_S if failed else LOADING_HELLO_INTERVAL_S)
+        except KeyboardInterrupt:
+            self.log.info("worker.stop")
+        finally:
+            self.sock.disable_monitor()
+            monitor.close(0)
+            self.sock.close(0)
+
+    def _hello(self) -> None:
+        stage = self.stage
+        if stage == "ready":
+            assert self.engine is not None
+            loaded = self.engine.loaded
+            hello = wire.WorkerHello(
+                worker_id=self.worker_id,
+                stage="ready",
+                progress=100,
+                model=loaded.name,
+                vocab_size=self.engine.vocab_size,
+                max_model_len=self.engine.max_model_len,
+                eos_token_ids=loaded.eos_token_ids,
+                device=str(loaded.device),
+                kv_capacity_tokens=self.engine.kv_capacity_tokens,
+            )
+        elif stage == "failed":
+            hello = wire.WorkerHello(worker_id=self.worker_id, stage="failed", message=self.loader.error or "")
+        else:
+            hello = wire.WorkerHello(
+                worker_id=self.worker_id,
+                stage="loading",
+                progress=min(self.loader.progress, 99),
+                message=self.loader.message,
+            )
+        self._send(hello)
+
+    def _send(self, msg: wire.Msg) -> None:
+        self.sock.send(wire.encode(msg))
+
+    def _handle(self, parts: list[bytes]) -> None:
+        try:
+            msg = wire.decode(parts[0])
+        except WireError as exc:
+            self.log.warning("worker.malformed_frame", error=str(exc), parts=len(parts))
+            return
+        if isinstance(msg, wire.Step):
+            self._send(self._run_step(msg, parts[1] if len(parts) > 1 else None))
+        elif isinstance(msg, wire.Health):
+            detail: dict[str, Any] = {"stage": self.stage, "worker_id": self.worker_id, "model": self.settings.model}
+            if self.engine is not None:
+                detail.update(self.engine.stats(), device=str(self.engine.device))
+            elif self.loader.error is not None:
+                detail["message"] = self.loader.error
+            else:
+                detail.update(progress=self.loader.progress, message=self.loader.message)
+            self._send(wire.HealthReply(mid=msg.mid, service="worker", ready=self.engine is not None, detail=detail))
+            self._hello()
+        else:
+            self.log.warning("worker.unexpected_message", type=type(msg).__name__)
+
+    def _run_step(self, step: wire.Step, mask_frame: bytes | None) -> wire.StepResult:
+        if self.engine is None:
+            reason = self.loader.error or "model is still loading"
+            return _fail_all(step, f"model not available: {reason}")
+        try:
+            return self.engine.step(step, mask_frame)
+        except Exception as exc:  # a bug in one step fails that step only
+            self.log.exception("worker.step_failed", step_id=step.step_id)
+            self.engine.free(s.seq_id for s in step.seqs)
+            return _fail_all(step, f"internal error in step {step.step_id}: {type(exc).__name__}: {exc}")
+
+
+def _fail_all(step: wire.Step, message: str) -> wire.StepResult:
+    return wire.StepResult(
+        mid=step.mid,
+        step_id=step.step_id,
+        samples={},
+        failures=[wire.SeqFailure(seq_id=s.seq_id, message=message) for s in step.seqs],
+    )

@@ -1,0 +1,85 @@
+"""Worker test fixtures: the real default model, loaded once per session, and a step driver."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from common.config import Settings
+from common.model_source import load_tokenizer
+from common.wire import SamplingParams, SeqStep, Step, StepResult
+from services.worker.engine import Engine
+from services.worker.model_loader import LoadedModel, load_model
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="session")
+def worker_settings() -> Settings:
+    return Settings(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def loaded(worker_settings: Settings) -> LoadedModel:
+    return load_model(worker_settings, lambda progress, message: None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(worker_settings: Settings):
+    return load_tokenizer(worker_settings)
+
+
+@pytest.fixture(scope="session")
+def engine(loaded: LoadedModel) -> Engine:
+    """A shared engine (tests use distinct sequence ids and free what they start)."""
+    return Engine(loaded, num_blocks=256)
+
+
+@pytest.fixture(scope="session")
+def reference(loaded: LoadedModel) -> Callable[[list[int], int], list[int]]:
+    """greedy(prompt, n): what transformers' generate(do_sample=False) produces after ``prompt``."""
+
+    def greedy(prompt: list[int], max_new_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = loaded.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=loaded.eos_token_ids[0],
+            )
+        return out[0, len(prompt) :].tolist()
+
+    return greedy
+
+
+class Driver:
+    """Feeds an engine step by step and checks every step succeeded."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.step_id = 0
+
+    def step(self, seqs: list[SeqStep], free: list[int] | None = None, mask: bytes | None = None) -> StepResult:
+        self.step_id += 1
+        return self.engine.step(Step(step_id=self.step_id, seqs=seqs, free=free or []), mask)
+
+    def generate(self, seq_id: int, prompt: list[int], n: int, sampling: SamplingParams = GREEDY) -> list[int]:
+        """Feed ``prompt`` whole, then decode ``n`` tokens in all; frees the sequence after."""
+        result = self.step([SeqStep(seq_id=seq_id, tokens=prompt, sampling=sampling)])
+        assert not result.failures, result.failures
+        tokens = [result.samples[seq_id].token_id]
+        while len(tokens) < n:
+            result = self.step([SeqStep(seq_id=seq_id, tokens=[tokens[-1]])])
+            assert not result.failures, result.failures
+            tokens.append(result.samples[seq_id].token_id)
+        self.engine.free([seq_id])
+        return tokens
+
+
+@pytest.fixture
+def driver(engine: Engine) -> Driver:
+    return Driver(engine)

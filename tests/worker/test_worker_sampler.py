@@ -1,0 +1,121 @@
+"""The sampler against transformers' logits processors, on synthetic logits (no model needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
+
+from common.wire import SamplingParams
+from services.worker.sampler import TOP_P_CANDIDATES, SeqSampler, _draw, _warp, sample, unpack_mask, validate_params
+
+VOCAB = 1000
+
+
+def _sampler(**kw) -> SeqSampler:
+    return SeqSampler(SamplingParams(**kw), torch.device("cpu"))
+
+
+def test_unpack_mask_matches_bit_layout() -> None:
+    rng = np.random.default_rng(0)
+    allowed = rng.random((3, VOCAB)) < 0.3
+    padded = np.zeros((3, -(-VOCAB // 32) * 32), dtype=np.uint8)
+    padded[:, :VOCAB] = allowed
+    words = np.packbits(padded, axis=1, bitorder="little").view("<u4").view(np.int32)
+    got = unpack_mask(torch.from_numpy(words.copy()), VOCAB)
+    assert torch.equal(got, torch.from_numpy(allowed))
+
+
+def test_repetition_penalty_matches_transformers() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(1, VOCAB) * 3
+    history = [3, 3, 10, 500, 999]
+    want = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([history]), logits.clone())
+    got = sample(logits.clone(), [_sampler(temperature=0, repetition_penalty=1.3)], [history])
+    assert got[0].token_id == int(want.argmax())
+    # the penalty changes what greedy picks when the favourite was already seen
+    logits[0, 10] = 100.0
+    got = sample(logits, [_sampler(temperature=0, repetition_penalty=1000.0)], [history])
+    assert got[0].token_id != 10
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.8), (50, 0.5), (1, 1.0)])
+def test_warp_matches_transformers(top_k: int, top_p: float) -> None:
+    torch.manual_seed(1)
+    scores = torch.randn(2, VOCAB)
+    params = [SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p), SamplingParams(temperature=1.3)]
+    got = _warp(params, scores.clone())
+    want = scores[:1] / 0.7
+    if top_k:
+        want = TopKLogitsWarper(top_k)(None, want)
+    if top_p < 1:
+        want = TopPLogitsWarper(top_p)(None, want)
+    assert torch.equal(torch.isinf(got[0]), torch.isinf(want[0]))
+    assert torch.allclose(got[0][~torch.isinf(got[0])], want[0][~torch.isinf(want[0])])
+    assert torch.allclose(got[1], scores[1] / 1.3)  # a row without top-k/top-p is untouched
+
+
+def test_top_p_ranks_more_tokens_only_where_needed() -> None:
+    torch.manual_seed(4)
+    scores = torch.randn(3, 4 * TOP_P_CANDIDATES[-1]) * 0.1  # the top candidates hold far less than 0.9
+    # distinct values: tied tokens rank arbitrarily
+    scores[1, :5] = 10.0 + torch.arange(5) * 0.01  # peaked: settled among the first candidates
+    scores[2, :200] = 6.0 + torch.arange(200) * 1e-3  # settled among the second tier
+    got = _warp([SamplingParams(temperature=1.0, top_p=0.9)] * 3, scores.clone())
+    want = TopPLogitsWarper(0.9)(None, scores.clone())
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    kept = (~torch.isinf(got)).sum(-1).tolist()
+    assert TOP_P_CANDIDATES[-1] < kept[0] < scores.shape[-1]
+    assert kept[1] <= 5 and TOP_P_CANDIDATES[0] < kept[2] <= TOP_P_CANDIDATES[-1]
+
+
+def test_draw_follows_the_distribution_and_never_picks_zero_probability() -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3, 0.0]])
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(6)
+    for _ in range(4000):
+        counts[_draw(probs, [generator])[0]] += 1
+    assert counts[[0, 2, 5]].sum() == 0
+    assert torch.allclose(counts / counts.sum(), probs[0], atol=0.03)
+
+
+def test_seeded_rows_are_reproducible_and_independent_of_batch() -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(3, VOCAB)
+    alone = sample(logits[1:2], [_sampler(seed=42)], [[]])[0].token_id
+    samplers = [_sampler(seed=1), _sampler(seed=42), _sampler(temperature=0)]
+    batched = sample(logits, samplers, [[], [], []])
+    assert batched[1].token_id == alone
+    assert batched[2].token_id == int(logits[2].argmax())
+
+
+def test_logprobs_from_raw_logits() -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(2, VOCAB)
+    allowed = torch.zeros(2, VOCAB, dtype=torch.bool)
+    allowed[:, 7] = True
+    got = sample(logits, [_sampler(temperature=0, logprobs=3), _sampler(temperature=0)], [[], []], allowed)
+    raw = torch.log_softmax(logits, -1)
+    assert got[0].token_id == 7 and got[1].token_id == 7
+    assert got[0].logprob == pytest.approx(raw[0, 7].item(), abs=1e-5)
+    assert [t.token_id for t in got[0].top] == raw[0].topk(3).indices.tolist()
+    assert got[1].top == []
+
+
+def test_validate_params() -> None:
+    assert validate_params(SamplingParams(), VOCAB) is None
+    assert "temperature" in validate_params(SamplingParams(temperature=-0.1), VOCAB)
+    assert "top_p" in validate_params(SamplingParams(top_p=0), VOCAB)
+    assert "top_k" in validate_params(SamplingParams(top_k=-1), VOCAB)
+    assert "repetition_penalty" in validate_params(SamplingParams(repetition_penalty=0), VOCAB)
+    assert "logprobs" in validate_params(SamplingParams(logprobs=VOCAB + 1), VOCAB)
+
+
+def test_changing_seed_restarts_the_generator_and_other_changes_do_not() -> None:
+    sampler = _sampler(seed=5)
+    generator = sampler.generator
+    sampler.update(SamplingParams(seed=5, temperature=0.5))
+    assert sampler.generator is generator and sampler.params.temperature == 0.5
+    sampler.update(SamplingParams(seed=6))
+    assert sampler.generator is not generator

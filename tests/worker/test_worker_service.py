@@ -1,0 +1,167 @@
+"""``python -m services.worker`` as a real process, driven through a ROUTER bound by the test."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from common import wire
+from common.config import Settings
+from services.worker.service import WorkerService
+from tests.worker.conftest import GREEDY
+
+ROOT = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 120
+
+
+class Scheduler:
+    """The scheduler's side of the worker socket: a bound ROUTER."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(Settings(run_dir=run_dir).endpoint("worker"))
+        self.worker = b""
+
+    def recv(self, timeout_s: float = 30) -> wire.Message:
+        assert self.sock.poll(int(timeout_s * 1000)), "the worker did not answer in time"
+        identity, header, *_ = self.sock.recv_multipart()
+        self.worker = identity
+        return wire.decode(header)
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.send_multipart([self.worker, *frames])
+
+    def request(self, msg: wire.Msg, *binary: bytes) -> wire.Message:
+        """Send and return the next message that is not a hello."""
+        self.send(wire.encode(msg), *binary)
+        while isinstance(reply := self.recv(), wire.WorkerHello):
+            pass
+        return reply
+
+    def wait_for_stage(self, stage: str) -> wire.WorkerHello:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            msg = self.recv(timeout_s=deadline - time.monotonic())
+            assert isinstance(msg, wire.WorkerHello), msg
+            assert msg.stage in ("loading", stage), msg
+            if msg.stage == stage:
+                return msg
+        raise AssertionError(f"no {stage} hello within {READY_TIMEOUT_S} s")
+
+
+def _start_worker(run_dir: Path, **env: str) -> subprocess.Popen[bytes]:
+    environment = dict(
+        os.environ,
+        TILLER_RUN_DIR=str(run_dir),
+        TILLER_DEVICE="cpu",
+        TILLER_LIMITS__MAX_BATCH_SIZE="4",
+        **env,
+    )
+    log = open(run_dir / "worker.log", "wb")
+    command = [sys.executable, "-m", "services.worker"]
+    return subprocess.Popen(command, cwd=ROOT, env=environment, stderr=log, stdout=log)
+
+
+@pytest.fixture
+def scheduler(tmp_path: Path) -> Iterator[Scheduler]:
+    side = Scheduler(tmp_path)
+    yield side
+    side.sock.close(0)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def test_worker_process_serves_steps_and_survives_garbage(
+    tmp_path: Path, scheduler: Scheduler, reference, tokenizer
+) -> None:
+    process = _start_worker(tmp_path)
+    try:
+        hello = scheduler.wait_for_stage("ready")
+        assert scheduler.worker == f"worker-{process.pid}".encode()
+        assert hello.vocab_size == 49152 and hello.max_model_len == 2048 and hello.eos_token_ids == [2]
+        assert hello.device == "cpu" and hello.kv_capacity_tokens >= 4 * 2048
+
+        prompt = tokenizer("The quick brown fox").input_ids
+        step = wire.Step(mid=7, step_id=1, seqs=[wire.SeqStep(seq_id=1, tokens=prompt, sampling=GREEDY)])
+        result = scheduler.request(step)
+        assert isinstance(result, wire.StepResult) and result.mid == 7 and result.step_id == 1
+        assert not result.failures and result.forward_ms > 0
+        first = result.samples[1].token_id
+        assert first == reference(prompt, 1)[0]
+
+        scheduler.send(b"\x00 not msgpack")  # malformed: logged and skipped
+        scheduler.send(wire.encode(wire.Ok()))  # well-formed but not for a worker: ignored
+        result = scheduler.request(wire.Step(step_id=2, seqs=[wire.SeqStep(seq_id=1, tokens=[first])]))
+        assert isinstance(result, wire.StepResult) and result.step_id == 2 and 1 in result.samples
+
+        health = scheduler.request(wire.Health(mid=9))
+        assert isinstance(health, wire.HealthReply) and health.mid == 9 and health.ready
+        assert health.detail["active_seqs"] == 1
+        assert scheduler.wait_for_stage("ready")  # Health makes the worker re-announce itself
+
+        result = scheduler.request(wire.Step(step_id=3, seqs=[], free=[1]))
+        assert isinstance(result, wire.StepResult) and result.samples == {}
+
+        # A restarted scheduler hears from the worker without asking.
+        scheduler.sock.close(0)
+        restarted = Scheduler(tmp_path)
+        try:
+            assert restarted.wait_for_stage("ready").kv_capacity_tokens == hello.kv_capacity_tokens
+        finally:
+            restarted.sock.close(0)
+        assert process.poll() is None
+    finally:
+        _stop(process)
+
+
+def test_failed_load_is_reported_and_steps_fail(tmp_path: Path, scheduler: Scheduler) -> None:
+    process = _start_worker(tmp_path, TILLER_MODEL=str(tmp_path / "no-such-model"))
+    try:
+        hello = scheduler.wait_for_stage("failed")
+        assert "no-such-model" in hello.message
+        seqs = [wire.SeqStep(seq_id=4, tokens=[1], sampling=GREEDY), wire.SeqStep(seq_id=5, tokens=[1])]
+        result = scheduler.request(wire.Step(step_id=1, seqs=seqs))
+        assert isinstance(result, wire.StepResult)
+        assert [f.seq_id for f in result.failures] == [4, 5]
+        assert all("no-such-model" in f.message for f in result.failures)
+        health = scheduler.request(wire.Health())
+        assert isinstance(health, wire.HealthReply) and not health.ready and health.detail["stage"] == "failed"
+        assert scheduler.wait_for_stage("failed")  # and it keeps announcing the failure
+        assert process.poll() is None
+    finally:
+        _stop(process)
+
+
+def test_a_step_that_raises_fails_all_its_sequences_and_frees_them(tmp_path: Path, engine, monkeypatch) -> None:
+    service = WorkerService(Settings(run_dir=tmp_path))
+    try:
+        step = wire.Step(step_id=1, seqs=[wire.SeqStep(seq_id=s, tokens=[1, 2], sampling=GREEDY) for s in (70, 71)])
+        result = service._run_step(step, None)
+        assert "still loading" in result.failures[0].message and len(result.failures) == 2
+
+        service.engine = engine
+
+        def broken(inputs):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(engine.runner, "forward", broken)
+        result = service._run_step(step, None)
+        assert [f.seq_id for f in result.failures] == [70, 71]
+        assert all("boom" in f.message for f in result.failures)
+        assert 70 not in engine.seqs and 71 not in engine.tables.seqs
+    finally:
+        service.sock.close(0)
