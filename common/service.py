@@ -1,0 +1,25 @@
+"""The common entry point of the asyncio services: settings, JSON logging, then the service's loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from common.config import Settings, get_settings
+from common.logging import configure_logging
+
+
+class Service(Protocol):
+    def run(self) -> Awaitable[None]: ...
+
+
+def run_service(name: str, factory: Callable[[Settings], Service]) -> None:
+    """Build the service inside the event loop (its sockets bind there) and run it until killed."""
+    settings = get_settings()
+    configure_logging(name, settings.log_level)
+
+    async def main() -> None:
+        await factory(settings).run()
+
+    asyncio.run(main())
