@@ -161,15 +161,25 @@ class RequestFailed(Msg, tag="request_failed"):
 
 
 class SeqStep(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One sequence's part of a step: feed ``tokens`` (a prompt chunk, or the last sampled token)
-    and, when ``sample`` is set, sample the next token. ``sampling`` is sent when a sequence starts
-    or its parameters change. ``mask_row`` indexes the step's mask frame (-1: no mask)."""
+    """One sequence's part of a step, applied in this order:
+
+    1. ``fork_of`` (only on a sequence's first SeqStep): start as a copy of that live sequence as it
+       stood before this step (its KV blocks shared copy-on-write, its sampling params and history).
+    2. ``backtrack``: drop that many tokens from the end of the sequence (its KV is truncated).
+    3. feed ``tokens`` (a prompt chunk, fast-forward tokens, or the last sampled token); may be empty
+       only after a fork or backtrack with ``sample`` set.
+    4. when ``sample`` is set, sample the next token from the logits after the last fed token.
+
+    ``sampling`` is sent when a sequence starts or its parameters change. ``mask_row`` indexes the
+    step's mask frame (-1: no mask)."""
 
     seq_id: int
     tokens: list[int]
     sample: bool = True
     sampling: SamplingParams | None = None
     mask_row: int = -1
+    fork_of: int | None = None
+    backtrack: int = 0
 
 
 class Step(Msg, tag="step"):
@@ -194,6 +204,7 @@ class StepResult(Msg, tag="step_result"):
     samples: dict[int, SampledToken]  # seq_id -> sampled token (only for seqs with sample=True)
     failures: list[SeqFailure] = []
     forward_ms: float = 0.0
+    cached_tokens: dict[int, int] = {}  # seq_id -> fed tokens whose KV came from the prefix cache
 
 
 class WorkerHello(Msg, tag="worker_hello"):
