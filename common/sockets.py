@@ -92,8 +92,8 @@ class Router:
 class Dealer:
     """A connected DEALER: request/reply matched by ``mid`` plus unsolicited messages to a handler.
 
-    Replies (messages whose ``mid`` matches a pending request) resolve that request's future; any
-    other message goes to ``on_message`` if given, else is logged and dropped.
+    Replies (messages with a ``mid``) resolve their pending request's future, or are dropped when it
+    timed out; unsolicited messages (``mid`` 0) go to ``on_message`` if given, else are dropped.
     """
 
     def __init__(
@@ -127,10 +127,12 @@ class Dealer:
             except WireError as exc:
                 log.warning("wire.malformed", endpoint=self.endpoint, error=str(exc))
                 continue
-            future = self._pending.pop(msg.mid, None) if msg.mid else None
-            if future is not None:
-                if not future.done():
+            if msg.mid:  # a reply; one whose request already timed out is dropped
+                future = self._pending.pop(msg.mid, None)
+                if future is not None and not future.done():
                     future.set_result((msg, parts[1:]))
+                else:
+                    log.debug("dealer.late_reply", endpoint=self.endpoint, type=type(msg).__name__)
             elif self._on_message is not None:
                 try:
                     await self._on_message(msg, parts[1:])
