@@ -4,9 +4,11 @@
 
 Reads the usual settings (TILLER_MODEL, TILLER_DEVICE, ...). For each batch size it prints, for
 both, the prefill time (prompt to first token), the median ms per decode step and the decode
-tokens/s it gives, and end-to-end tokens/s. Each figure is the best of ``--repeats`` runs, and
-steps are timed one by one (generate through a stopping criterion), so a busy machine skews the
-medians less than the totals.
+tokens/s it gives, and end-to-end tokens/s. Engine runs start with an empty prefix cache (cold
+prefill, comparable with generate); the ``engine+pc`` row repeats them with the prompt's full
+blocks already cached, as a second request sharing the prompt would find them. Each figure is the
+best of ``--repeats`` runs, and steps are timed one by one (generate through a stopping
+criterion), so a busy machine skews the medians less than the totals.
 """
 
 from __future__ import annotations
@@ -76,9 +78,12 @@ def bench_generate(model, prompt: list[int], batch: int, new_tokens: int, device
     return Run(prefill_s=stamps[1] - stamps[0], step_s=[b - a for a, b in zip(stamps[1:], stamps[2:])])
 
 
-def bench_engine(engine: Engine, prompt: list[int], batch: int, new_tokens: int, run: int) -> Run:
+def bench_engine(engine: Engine, prompt: list[int], batch: int, new_tokens: int, run: int, warm: bool = False) -> Run:
+    """``warm``: keep the prefix cache (the prompt's blocks are cached by earlier runs); else empty it."""
     greedy = SamplingParams(temperature=0)
     seq_ids = [run * 1000 + i for i in range(batch)]
+    if not warm:
+        engine.drop_prefix_cache()
     _sync(engine.device)
     started = time.perf_counter()
     result = engine.step(Step(step_id=0, seqs=[SeqStep(seq_id=s, tokens=prompt, sampling=greedy) for s in seq_ids]))
@@ -119,10 +124,11 @@ def main() -> None:
     print(f"{'impl':<10}{'batch':>6}{'prefill ms':>12}{'ms/step':>10}{'decode tok/s':>14}{'e2e tok/s':>11}")
     e2e: dict[tuple[str, int], float] = {}
     for batch in args.batch:
-        runs: dict[str, list[Run]] = {"generate": [], "engine": []}
+        runs: dict[str, list[Run]] = {"generate": [], "engine": [], "engine+pc": []}
         for r in range(args.repeats):  # interleaved, so a busy spell hits both alike
             runs["generate"].append(bench_generate(loaded.model, prompt, batch, n, loaded.device))
             runs["engine"].append(bench_engine(engine, prompt, batch, n, run=r + 1))
+            runs["engine+pc"].append(bench_engine(engine, prompt, batch, n, run=r + 101, warm=True))
         for impl, results in runs.items():
             prefill = min(run.prefill_s for run in results)
             step = min(statistics.median(run.step_s) for run in results)

@@ -1,10 +1,36 @@
 """The engine: live sequences, their KV blocks and sampling state, and one batched step at a time.
 
 A sequence starts the first time its id appears in a step (that SeqStep carries its sampling
-parameters) and lives until it appears in ``Step.free``. A sequence that fails (bad input, KV pool
-exhausted, a mask that allows nothing) is released on the spot and reported in
+parameters, or ``fork_of`` names the live sequence it copies) and lives until it appears in
+``Step.free``. A sequence that fails (bad input, KV pool exhausted, a mask that allows nothing, a
+fork of an unknown sequence, a backtrack past its start) is released on the spot and reported in
 ``StepResult.failures``; the other sequences of the step go on. The same id used again later
 starts a new sequence.
+
+Each SeqStep is applied in the order :class:`common.wire.SeqStep` gives:
+
+1. **fork** (``fork_of``): every fork of a step is taken first, from the sequences as they stood
+   before the step (so a parent's own SeqStep in the same step, even a failing one, does not
+   change what its forks get). The parent must be live before the step: one that is unknown,
+   failed earlier, new in this step or listed in its ``free`` fails the fork only, as does a
+   ``seq_id`` that is already live. The fork shares all of the parent's KV blocks (copy-on-write), and
+   inherits its token history and sampling parameters (replaced when its SeqStep carries
+   ``sampling``). Its random generator is *reseeded deterministically*: when the parent has a
+   generator (a seed), the fork's generator is seeded with the first 63 bits of BLAKE2b(the
+   parent generator's state at the fork, the number of forks the parent made before); the
+   parent's own draws are untouched. So forks of one parent differ from each other and from the
+   parent, and a rerun with the same seeds and the same steps gives the same tokens. A fork whose
+   SeqStep carries a *different* seed starts a fresh generator from that seed instead (as a new
+   sequence with that seed would); without a parent seed the fork draws from torch's global
+   generator, as its parent does.
+2. **backtrack**: the last ``backtrack`` tokens are dropped (history and KV); past the start of
+   the sequence the sequence fails.
+3. **feed** ``tokens``: a prompt chunk, fast-forward tokens or the last sampled token; any number,
+   in any phase. Full blocks of the fed tokens already in the prefix cache are referenced instead
+   of computed (``StepResult.cached_tokens``); the last fed token is always computed when the
+   step samples. Empty ``tokens`` are allowed after a fork or backtrack with ``sample`` set: the
+   sequence's last token is then computed again (its logits are not kept between steps).
+4. **sample** from the logits after the last token.
 """
 
 from __future__ import annotations
@@ -33,6 +59,7 @@ log = structlog.get_logger()
 class _Seq:
     sampler: SeqSampler
     tokens: list[int] = field(default_factory=list)  # every token fed so far; len() is the cached length
+    forks: int = 0  # forks made of this sequence so far (seeds each fork's generator apart)
 
 
 def _kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -59,6 +86,7 @@ class Engine:
         config = loaded.config
         reason = unsupported_reason(config, loaded.max_model_len) if native else "native forward disabled"
         self.runner: Runner
+        self.cache: PagedKVCache | None = None
         if reason is None:
             layers, kv_heads, head_dim = _kv_shape(config)
             cache = PagedKVCache(
@@ -69,15 +97,18 @@ class Engine:
                 dtype=loaded.dtype,
                 device=loaded.device,
             )
+            self.cache = cache
             self.tables = cache.tables
             self.runner = PagedLlama(loaded.model, cache)
             self.backend = "paged"
         else:
             log.info("worker.fallback_forward", reason=reason)
-            self.tables = BlockTables(num_blocks)
+            self.tables = BlockTables(num_blocks, prefix_caching=False)
             self.runner = HFFallback(loaded.model)
             self.backend = "transformers"
         self.seqs: dict[int, _Seq] = {}
+        self.fed_tokens = 0  # tokens fed by accepted SeqSteps, and how many of them the cache gave
+        self.cached_tokens = 0
 
     @classmethod
     def create(cls, loaded: LoadedModel, settings: Settings) -> Engine:
@@ -93,27 +124,51 @@ class Engine:
 
     @property
     def kv_capacity_tokens(self) -> int:
+        """Tokens the whole pool holds (live, cached and free blocks alike)."""
         return self.tables.capacity_tokens
 
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> dict[str, int | float | str]:
+        """Pool and prefix-cache figures. Blocks: ``total`` usable, ``free`` (unreferenced, empty),
+        ``cached`` (unreferenced, holding a reusable prefix; evicted least recently used first when
+        the free ones run out), the rest referenced by live sequences. ``kv_free_tokens`` counts
+        what allocations can still take (free and cached blocks). The hit rate is the share of fed
+        tokens whose KV came from the cache."""
+        tables, allocator = self.tables, self.tables.allocator
         return {
             "backend": self.backend,
             "active_seqs": len(self.seqs),
-            "kv_capacity_tokens": self.tables.capacity_tokens,
-            "kv_free_tokens": self.tables.free_tokens,
+            "kv_capacity_tokens": tables.capacity_tokens,
+            "kv_free_tokens": tables.free_tokens,
+            "kv_block_size": tables.block_size,
+            "kv_blocks_total": allocator.num_blocks - 1,
+            "kv_blocks_free": allocator.num_empty,
+            "kv_blocks_cached": allocator.num_cached,
+            "kv_blocks_used": allocator.num_blocks - 1 - allocator.num_free,
+            "kv_evictions": allocator.evictions,
+            "prefix_caching": int(tables.prefix_caching),
+            "prefix_fed_tokens": self.fed_tokens,
+            "prefix_cached_tokens": self.cached_tokens,
+            "prefix_hit_rate": self.cached_tokens / self.fed_tokens if self.fed_tokens else 0.0,
         }
+
+    def drop_prefix_cache(self) -> int:
+        """Empty the prefix cache of unreferenced blocks (live sequences keep theirs, and their
+        full blocks stay reusable); returns how many blocks were dropped. For benchmarks of cold
+        prefill, or after anything that changes what keys and values a token prefix gives."""
+        return self.tables.allocator.drop_cached()
 
     def free(self, seq_ids: Iterable[int]) -> None:
         """Release sequences (unknown ids are ignored)."""
         for seq_id in seq_ids:
-            if self.seqs.pop(seq_id, None) is not None:
-                self.tables.release(seq_id)
-                self.runner.release(seq_id)
+            self.seqs.pop(seq_id, None)
+            self.tables.release(seq_id)
+            self.runner.release(seq_id)
 
     @torch.inference_mode()
     def step(self, step: Step, mask_frame: bytes | memoryview | None = None) -> StepResult:
-        """Free ``step.free``, feed every SeqStep, sample where asked. Per-sequence problems become
-        ``failures``; an exception means a bug, and the caller fails the whole step."""
+        """Free ``step.free``, fork, backtrack, feed every SeqStep, sample where asked.
+        Per-sequence problems become ``failures``; an exception means a bug, and the caller fails
+        the whole step."""
         started = time.perf_counter()
         self.free(step.free)
         failures: list[SeqFailure] = []
@@ -121,36 +176,72 @@ class Engine:
         counts: dict[int, int] = {}
         for s in step.seqs:
             counts[s.seq_id] = counts.get(s.seq_id, 0) + 1
+
+        def fail(s: SeqStep, exc: Exception) -> None:
+            failures.append(SeqFailure(seq_id=s.seq_id, message=str(exc)))
+            self.free([s.seq_id])
+
+        candidates: list[SeqStep] = []
+        for s in step.seqs:
+            if counts[s.seq_id] > 1:
+                fail(s, _Invalid(f"sequence {s.seq_id} appears {counts[s.seq_id]} times in step {step.step_id}"))
+            else:
+                candidates.append(s)
+        ready: list[SeqStep] = []
+        for s in candidates:  # all forks first: they copy the parents as they were before the step
+            try:
+                if s.fork_of is not None:
+                    self._fork(s)
+                ready.append(s)
+            except _Invalid as exc:
+                fail(s, exc)
         inputs: list[SeqInput] = []
         accepted: list[SeqStep] = []
-        for s in step.seqs:
+        cached: dict[int, int] = {}
+        for s in ready:
             try:
-                if counts[s.seq_id] > 1:
-                    raise _Invalid(f"sequence {s.seq_id} appears {counts[s.seq_id]} times in step {step.step_id}")
-                inputs.append(self._admit(s, masks))
-                accepted.append(s)
+                item, hits = self._admit(s, masks)
             except _Invalid as exc:
-                failures.append(SeqFailure(seq_id=s.seq_id, message=str(exc)))
-                self.free([s.seq_id])
+                fail(s, exc)
+                continue
+            accepted.append(s)
+            self.fed_tokens += len(s.tokens)
+            self.cached_tokens += hits
+            if item is not None:
+                inputs.append(item)
+            if hits:
+                cached[s.seq_id] = hits
+        copies = self.tables.take_copies()
+        if copies and self.cache is not None:
+            self.cache.copy_blocks(copies)
 
         samples = {}
+        logits: torch.Tensor | None = None
         if inputs:
-            logits = self.runner.forward(inputs)
-            for s in accepted:
-                self.seqs[s.seq_id].tokens += s.tokens
-            sampling = [s for s in accepted if s.sample]
-            if sampling:
-                allowed = None
-                if any(s.mask_row >= 0 for s in sampling):
-                    allowed = torch.ones(len(sampling), self.vocab_size, dtype=torch.bool, device=self.device)
-                    for i, s in enumerate(sampling):
-                        if s.mask_row >= 0:
-                            allowed[i] = masks[s.mask_row]
-                seqs = [self.seqs[s.seq_id] for s in sampling]
-                tokens = sample(logits, [q.sampler for q in seqs], [q.tokens for q in seqs], allowed)
-                samples = {s.seq_id: t for s, t in zip(sampling, tokens)}
+            logits = self.runner.forward(inputs)  # one row per sampling sequence, in order
+        for s in accepted:
+            self.tables.commit(s.seq_id, self.seqs[s.seq_id].tokens)
+        sampling = [s for s in accepted if s.sample]  # each has an input: the last fed token is computed
+        if sampling:
+            assert logits is not None
+            allowed = None
+            if any(s.mask_row >= 0 for s in sampling):
+                allowed = torch.ones(len(sampling), self.vocab_size, dtype=torch.bool, device=self.device)
+                for i, s in enumerate(sampling):
+                    if s.mask_row >= 0:
+                        allowed[i] = masks[s.mask_row]
+            seqs = [self.seqs[s.seq_id] for s in sampling]
+            tokens = sample(logits, [q.sampler for q in seqs], [q.tokens for q in seqs], allowed)
+            samples = {s.seq_id: t for s, t in zip(sampling, tokens)}
         forward_ms = (time.perf_counter() - started) * 1000
-        return StepResult(mid=step.mid, step_id=step.step_id, samples=samples, failures=failures, forward_ms=forward_ms)
+        return StepResult(
+            mid=step.mid,
+            step_id=step.step_id,
+            samples=samples,
+            failures=failures,
+            forward_ms=forward_ms,
+            cached_tokens=cached,
+        )
 
     def _mask_rows(self, step: Step, frame: bytes | memoryview | None) -> dict[int, torch.Tensor]:
         """The mask rows this step refers to, unpacked to bool ``[vocab]``; a frame too short for a
@@ -169,8 +260,27 @@ class Engine:
         unpacked = unpack_mask(words, self.vocab_size)
         return dict(zip(rows, unpacked))
 
-    def _admit(self, s: SeqStep, masks: dict[int, torch.Tensor]) -> SeqInput:
-        """Validate one SeqStep, start or update its sequence and reserve its KV blocks."""
+    def _fork(self, s: SeqStep) -> None:
+        """Start ``s.seq_id`` as a copy of ``s.fork_of`` (see the module docstring)."""
+        parent = self.seqs.get(s.fork_of) if s.fork_of is not None else None
+        if s.seq_id in self.seqs:
+            raise _Invalid(f"sequence {s.seq_id} already exists: fork_of is only valid on a sequence's first step")
+        if parent is None or s.fork_of == s.seq_id:
+            raise _Invalid(f"sequence {s.seq_id}: cannot fork unknown sequence {s.fork_of}")
+        self.tables.fork(s.fork_of, s.seq_id)
+        self.runner.fork(s.fork_of, s.seq_id)
+        self.seqs[s.seq_id] = _Seq(sampler=parent.sampler.fork(parent.forks), tokens=list(parent.tokens))
+        parent.forks += 1
+
+    def _truncate(self, seq_id: int, seq: _Seq, length: int) -> None:
+        del seq.tokens[length:]
+        self.tables.truncate(seq_id, length)
+        self.runner.truncate(seq_id, length)
+
+    def _admit(self, s: SeqStep, masks: dict[int, torch.Tensor]) -> tuple[SeqInput | None, int]:
+        """Validate one SeqStep, start or update its sequence, backtrack, reuse cached prefix
+        blocks and reserve the rest. Returns what the forward pass must compute for it (None:
+        nothing, every fed token came from the cache) and how many fed tokens the cache gave."""
         seq = self.seqs.get(s.seq_id)
         if seq is None and s.sampling is None:
             raise _Invalid(f"sequence {s.seq_id} is unknown and its step carries no sampling parameters")
@@ -178,12 +288,20 @@ class Engine:
             problem = validate_params(s.sampling, self.vocab_size)
             if problem is not None:
                 raise _Invalid(problem)
+        length = len(seq.tokens) if seq is not None else 0
+        if s.backtrack < 0:
+            raise _Invalid(f"sequence {s.seq_id}: backtrack must be >= 0, got {s.backtrack}")
+        if s.backtrack > length:
+            raise _Invalid(f"sequence {s.seq_id}: cannot backtrack {s.backtrack} tokens, it holds only {length}")
+        length -= s.backtrack
         if not s.tokens:
-            raise _Invalid(f"sequence {s.seq_id}: no tokens to feed")
-        if min(s.tokens) < 0 or max(s.tokens) >= self.vocab_size:
+            if not (s.sample and (s.fork_of is not None or s.backtrack > 0)):
+                raise _Invalid(f"sequence {s.seq_id}: no tokens to feed")
+            if length == 0:
+                raise _Invalid(f"sequence {s.seq_id}: nothing left to sample after (backtracked to empty)")
+        elif min(s.tokens) < 0 or max(s.tokens) >= self.vocab_size:
             raise _Invalid(f"sequence {s.seq_id}: token ids must be in [0, {self.vocab_size})")
-        start = len(seq.tokens) if seq is not None else 0
-        end = start + len(s.tokens)
+        end = length + len(s.tokens)
         if end > self.max_model_len:
             raise _Invalid(f"sequence {s.seq_id} would reach {end} tokens, over max_model_len {self.max_model_len}")
         if s.sample and s.mask_row >= 0:
@@ -192,16 +310,31 @@ class Engine:
                 raise _Invalid(f"sequence {s.seq_id}: mask row {s.mask_row} is missing from the step's mask frame")
             if not bool(mask.any()):
                 raise _Invalid(f"sequence {s.seq_id}: its mask allows no token")
+
+        if seq is None:
+            assert s.sampling is not None
+            seq = self.seqs[s.seq_id] = _Seq(sampler=SeqSampler(s.sampling, self.device))
+        elif s.sampling is not None:
+            seq.sampler.update(s.sampling)
+        if s.backtrack:
+            self._truncate(s.seq_id, seq, length)
+        feed = s.tokens
+        if not feed:  # sample again after the last token: compute it again
+            feed = seq.tokens[-1:]
+            self._truncate(s.seq_id, seq, length - 1)
+        start = len(seq.tokens)
         try:
+            limit = start + len(feed) - (1 if s.sample else 0)
+            first = self.tables.match_prefix(s.seq_id, seq.tokens, feed, limit)
+            self.tables.prepare_write(s.seq_id, first)
             self.tables.reserve(s.seq_id, end)
         except PoolExhausted as exc:
             raise _Invalid(
                 f"KV cache exhausted: sequence {s.seq_id} needs room for {end} tokens ({exc}; "
                 f"capacity {self.tables.capacity_tokens} tokens)"
             ) from exc
-        if seq is None:
-            assert s.sampling is not None
-            self.seqs[s.seq_id] = _Seq(sampler=SeqSampler(s.sampling, self.device))
-        elif s.sampling is not None:
-            seq.sampler.update(s.sampling)
-        return SeqInput(seq_id=s.seq_id, tokens=s.tokens, start=start, logits=s.sample)
+        seq.tokens += feed
+        hits = first - start if s.tokens else 0
+        if first == end:
+            return None, hits
+        return SeqInput(seq_id=s.seq_id, tokens=feed[first - start :], start=first, logits=s.sample), hits

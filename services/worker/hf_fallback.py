@@ -2,10 +2,13 @@
 one sequence at a time, each with its own DynamicCache. Correct for any causal LM, but slower.
 
 KV memory is still accounted in the engine's block tables, so capacity and pool-exhaustion
-failures behave as with the paged runner.
+failures behave as with the paged runner. Prefix reuse is off (the tables name no blocks); forks
+deep-copy the parent's cache and backtracks crop it.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -23,6 +26,19 @@ class HFFallback:
 
     def release(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)
+
+    def fork(self, parent: int, child: int) -> None:
+        """A deep copy of the parent's cache (the fallback shares nothing, forks cost memory)."""
+        if parent in self.caches:
+            self.caches[child] = copy.deepcopy(self.caches[parent])
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        cache = self.caches.get(seq_id)
+        if cache is not None:
+            if length == 0:
+                del self.caches[seq_id]
+            elif length < cache.get_seq_length():
+                cache.crop(length - cache.get_seq_length())  # a negative count: tokens to remove
 
     def forward(self, inputs: list[SeqInput]) -> torch.Tensor:
         rows: list[torch.Tensor] = []

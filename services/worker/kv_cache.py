@@ -1,19 +1,42 @@
-"""The paged KV cache: fixed-size blocks handed out from a free list, per-sequence block tables.
+"""The paged KV cache: fixed-size blocks with reference counts, per-sequence block tables, prefix
+reuse, copy-on-write and eviction.
 
 Block 0 is the *null block*: never handed out and kept zeroed, so padded gathers (a short
 sequence in a batch of longer ones) read finite zeros instead of uninitialised memory, which
 could hold NaNs that survive a zero attention weight. Other blocks are zeroed on first use.
-Blocks carry reference counts so that forks and shared prefixes can point several tables at one
-block later without copying.
+
+Prefix reuse. A *full* block (``block_size`` computed tokens) is named by a hash chain: the hash
+of its parent block's hash and its own token ids, so equal names mean equal token prefixes, hence
+equal keys and values. Full blocks are registered under their name once computed; a sequence
+fed tokens whose full blocks are registered (held by a live sequence, or unreferenced but not yet
+evicted) references those blocks instead of computing them. A block being written (a sequence's
+partial last block) is never registered.
+
+Sharing. Forks and prefix hits point several tables at one block (its reference count says how
+many). Only a sequence's partial last block is ever written, and :meth:`BlockTables.prepare_write`
+copies it first when it is shared (copy-on-write); the copies are queued in
+:attr:`BlockTables.copies` for the tensor pool to carry out before the next forward pass.
+
+Eviction. A block whose count drops to zero goes back to the free list when it holds nothing
+reusable, or to the *cached* list, least recently used first, when it is registered: it stays
+reusable until an allocation finds the free list empty and takes the least recently used cached
+block (its name is forgotten then). A sequence's blocks are released last block first, so of one
+sequence the blocks deepest in the prefix (the least likely to be shared) go first.
 """
 
 from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import psutil
 import torch
 
 BLOCK_SIZE = 16  # tokens per block
 NULL_BLOCK = 0
+ROOT_HASH = b""  # the parent hash of a sequence's first block
 # Share of the memory left after loading the model that the pool may take.
 KV_MEMORY_FRACTION_CPU = 0.5
 KV_MEMORY_FRACTION_CUDA = 0.85
@@ -23,8 +46,14 @@ class PoolExhausted(Exception):
     """Not enough free blocks for a request; nothing was allocated."""
 
 
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The name of a full block: a 128-bit BLAKE2b digest of its parent's name and its token ids."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
 class BlockAllocator:
-    """A free list of block ids with reference counts. Block 0 is reserved (the null block)."""
+    """Block ids with reference counts, a free list, the registry of full blocks by hash and the LRU
+    list of unreferenced registered blocks. Block 0 is reserved (the null block)."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
@@ -32,38 +61,112 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         # Pop from the end: low block ids go first, which keeps a lightly used pool compact.
         self._free = list(range(num_blocks - 1, NULL_BLOCK, -1))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced, registered; first = LRU
         self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._by_hash: dict[bytes, int] = {}
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
+        """Blocks an allocation can take: empty ones plus cached ones (evicted on demand)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_empty(self) -> int:
+        """Unreferenced blocks holding nothing reusable."""
         return len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks that still hold a registered prefix block."""
+        return len(self._cached)
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise PoolExhausted(f"need {n} blocks, {len(self._free)} free")
-        blocks = [self._free.pop() for _ in range(n)]
-        for b in blocks:
+        """``n`` blocks with count 1: empty blocks first, then the least recently used cached ones.
+
+        Raises PoolExhausted, allocating nothing, when fewer than ``n`` can be had."""
+        if n > self.num_free:
+            raise PoolExhausted(f"need {n} blocks, {self.num_free} free")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:
+                b, _ = self._cached.popitem(last=False)
+                self.unregister(b)
+                self.evictions += 1
             self._refs[b] = 1
+            blocks.append(b)
         return blocks
 
-    def incref(self, blocks: list[int]) -> None:
+    def incref(self, blocks: Sequence[int]) -> None:
+        """One more reference each; an unreferenced cached block leaves the LRU list."""
         for b in blocks:
+            if self._refs[b] == 0:
+                if b not in self._cached:
+                    raise ValueError(f"block {b} is free: allocate it instead")
+                del self._cached[b]
             self._refs[b] += 1
 
-    def release(self, blocks: list[int]) -> None:
+    def release(self, blocks: Sequence[int]) -> None:
+        """One reference less each, in order; a block reaching zero becomes the most recently used
+        cached block when registered, else free."""
         for b in blocks:
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                if b in self._hash_of:
+                    self._cached[b] = None
+                else:
+                    self._free.append(b)
+
+    def drop_cached(self) -> int:
+        """Forget every unreferenced cached block (they become free); returns how many."""
+        dropped = len(self._cached)
+        for b in self._cached:
+            self.unregister(b)
+            self._free.append(b)
+        self._cached.clear()
+        return dropped
+
+    def lookup(self, h: bytes) -> int | None:
+        return self._by_hash.get(h)
+
+    def hash_of(self, block: int) -> bytes | None:
+        return self._hash_of.get(block)
+
+    def register(self, block: int, h: bytes) -> None:
+        """Name a full, referenced block (its contents must never change while it has the name)."""
+        assert h not in self._by_hash and block not in self._hash_of and self._refs[block] > 0
+        self._hash_of[block] = h
+        self._by_hash[h] = block
+
+    def unregister(self, block: int) -> None:
+        """Forget a block's name (before it is written again)."""
+        h = self._hash_of.pop(block, None)
+        if h is not None:
+            del self._by_hash[h]
 
 
 class BlockTables:
-    """Block tables of every live sequence over one allocator (accounting only, no tensors)."""
+    """Block tables of every live sequence over one allocator (accounting only, no tensors).
 
-    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+    ``prefix_caching=False`` (the transformers fallback, whose caches are not paged) never names
+    blocks, so nothing is shared across requests; forks still share in the accounting.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, *, prefix_caching: bool = True) -> None:
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.allocator = BlockAllocator(num_blocks)
         self.seqs: dict[int, list[int]] = {}  # seq id -> its blocks, in position order
+        # seq id -> the names of its full blocks (len == its length // block_size, when caching)
+        self.hashes: dict[int, list[bytes]] = {}
+        self.copies: list[tuple[int, int]] = []  # (source, destination) block copies not yet done
+        self.hit_tokens = 0  # tokens whose KV came from the cache (all lookups so far)
 
     @property
     def capacity_tokens(self) -> int:
@@ -71,7 +174,12 @@ class BlockTables:
 
     @property
     def free_tokens(self) -> int:
+        """Tokens allocations can still take (cached blocks count: they are evicted on demand)."""
         return self.allocator.num_free * self.block_size
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
 
     def reserve(self, seq_id: int, num_tokens: int) -> None:
         """Grow ``seq_id``'s table (created if new) to hold ``num_tokens`` tokens.
@@ -86,8 +194,106 @@ class BlockTables:
 
     def release(self, seq_id: int) -> None:
         blocks = self.seqs.pop(seq_id, None)
+        self.hashes.pop(seq_id, None)
         if blocks is not None:
-            self.allocator.release(blocks)
+            self.allocator.release(blocks[::-1])  # last block first: it is the first to evict
+
+    def fork(self, parent: int, child: int) -> None:
+        """``child`` (new) shares every block of ``parent``."""
+        blocks = self.seqs.get(parent, [])
+        self.allocator.incref(blocks)
+        self.seqs[child] = list(blocks)
+        self.hashes[child] = list(self.hashes.get(parent, []))
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Keep the first ``length`` tokens' blocks. A partially kept block stays as it is (shared or
+        named) until :meth:`prepare_write` makes it writable, so a rollback that is never followed
+        by a write costs no copy and keeps the block's name."""
+        blocks = self.seqs.get(seq_id)
+        if blocks is None:
+            return
+        keep = -(-length // self.block_size)
+        self.allocator.release(blocks[keep:][::-1])
+        del blocks[keep:]
+        hashes = self.hashes.get(seq_id)
+        if hashes is not None:
+            del hashes[length // self.block_size :]
+
+    def match_prefix(self, seq_id: int, prefix: list[int], feed: list[int], limit: int) -> int:
+        """Point ``seq_id``'s table at registered blocks for the tokens ``feed`` adds after
+        ``prefix`` (the sequence so far), as far as they form full blocks ending at or before
+        position ``limit``. Returns the position from which tokens must still be computed
+        (``len(prefix)`` on a miss). A partial last block of the sequence is replaced by the
+        registered full block that extends it."""
+        start = len(prefix)
+        bs = self.block_size
+        j = start // bs  # the first block that could come from the cache
+        if not self.prefix_caching or (j + 1) * bs > limit:
+            return start
+        blocks = self.seqs.setdefault(seq_id, [])
+        hashes = self.hashes.setdefault(seq_id, [])
+        assert len(hashes) == j and len(blocks) <= j + 1, "a sequence's full blocks are all named"
+        history = prefix[j * bs :] + feed  # from the start of block j
+        parent = hashes[-1] if hashes else ROOT_HASH
+        offset = 0
+        while (j + 1) * bs <= limit:
+            h = block_hash(parent, history[offset : offset + bs])
+            block = self.allocator.lookup(h)
+            if block is None:
+                break
+            self.allocator.incref([block])  # before releasing the old one: it may be the same block
+            if j < len(blocks):
+                self.allocator.release([blocks[j]])
+                blocks[j] = block
+            else:
+                blocks.append(block)
+            hashes.append(h)
+            parent = h
+            j += 1
+            offset += bs
+        end = max(start, j * bs)
+        self.hit_tokens += end - start
+        return end
+
+    def prepare_write(self, seq_id: int, start: int) -> None:
+        """Make the block holding position ``start`` writable when the sequence already has it (a
+        partial last block): copied to a fresh block when shared, unnamed when only this sequence
+        holds it. Raises PoolExhausted when a copy needs a block and none is free."""
+        bs = self.block_size
+        blocks = self.seqs.get(seq_id)
+        if start % bs == 0 or blocks is None or len(blocks) <= start // bs:
+            return
+        j = start // bs
+        tail = blocks[j]
+        if self.allocator.refcount(tail) > 1:
+            (copy,) = self.allocator.allocate(1)
+            self.copies.append((tail, copy))
+            self.allocator.release([tail])
+            blocks[j] = copy
+        else:
+            self.allocator.unregister(tail)
+
+    def commit(self, seq_id: int, tokens: list[int]) -> None:
+        """After a forward pass: name the blocks ``tokens`` (the whole sequence) now fills. A block
+        whose name is already registered to another block is swapped for that one (the two hold
+        the same keys and values), so sequences that computed a prefix at once end up sharing it."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        blocks = self.seqs[seq_id]
+        hashes = self.hashes.setdefault(seq_id, [])
+        parent = hashes[-1] if hashes else ROOT_HASH
+        for j in range(len(hashes), len(tokens) // bs):
+            h = block_hash(parent, tokens[j * bs : (j + 1) * bs])
+            existing = self.allocator.lookup(h)
+            if existing is None:
+                self.allocator.register(blocks[j], h)
+            elif existing != blocks[j]:
+                self.allocator.incref([existing])
+                self.allocator.release([blocks[j]])
+                blocks[j] = existing
+            hashes.append(h)
+            parent = h
 
     def slots(self, seq_id: int, start: int, end: int) -> list[int]:
         """Flat slot indices (block * block_size + offset) of positions [start, end)."""
@@ -126,6 +332,11 @@ class PagedKVCache:
         index = torch.tensor(blocks, device=self.kv.device)
         for layer in self.layer_blocks:  # per layer: one strided fill across layers is ~100x slower
             layer.index_fill_(0, index, 0)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Carry out copy-on-write copies ``(source, destination)``, in order, in every layer."""
+        for src, dst in copies:
+            self.blocks[:, dst].copy_(self.blocks[:, src])
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -159,6 +159,12 @@ class PagedLlama:
     def release(self, seq_id: int) -> None:
         """Nothing to drop: all per-sequence state is in the engine's block tables."""
 
+    def fork(self, parent: int, child: int) -> None:
+        """Nothing to copy: the block tables share the parent's blocks."""
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Nothing to cut: the block tables are truncated."""
+
     def forward(self, inputs: list[SeqInput]) -> torch.Tensor:
         tables = self.cache.tables
         device = self.device

@@ -28,3 +28,11 @@ class Runner(Protocol):
     def release(self, seq_id: int) -> None:
         """Drop whatever the backend keeps for a sequence besides its KV blocks."""
         ...
+
+    def fork(self, parent: int, child: int) -> None:
+        """Give ``child`` (new) a copy of what the backend keeps for ``parent`` besides KV blocks."""
+        ...
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Keep only the first ``length`` tokens of what the backend keeps for a sequence."""
+        ...

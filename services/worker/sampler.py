@@ -7,6 +7,8 @@ model logits, before any of that.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from common.wire import SampledToken, SamplingParams, TokenLogprob
@@ -44,6 +46,19 @@ class SeqSampler:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
         return generator
+
+    def fork(self, index: int) -> SeqSampler:
+        """A sampler for the ``index``-th fork of this sequence: the same parameters, and when this
+        one has a generator, a new one seeded with the first 63 bits of BLAKE2b(this generator's
+        state, ``index``). Deterministic, different for every fork, and this generator's own
+        stream is left as it is."""
+        child = SeqSampler.__new__(SeqSampler)
+        child.device, child.params, child.generator = self.device, self.params, None
+        if self.generator is not None:
+            state = self.generator.get_state().numpy().tobytes()
+            digest = hashlib.blake2b(state + index.to_bytes(8, "little"), digest_size=8).digest()
+            child.generator = self._generator(int.from_bytes(digest, "little") >> 1)
+        return child
 
     def update(self, params: SamplingParams) -> None:
         """Replace the parameters; the generator restarts only when the seed changes."""
