@@ -45,6 +45,18 @@ class Limits(BaseModel):
     )
 
 
+class Evergreen(BaseModel):
+    """Limits and external-ref policy of the Evergreen gRPC service (seed 000)."""
+
+    max_nesting_depth: int = Field(64, ge=1, description="longest parent-to-leaf path in a session's node graph")
+    max_session_nodes: int = Field(100_000, ge=1, description="nodes one session may hold")
+    max_session_bytes: int = Field(64 << 20, ge=1024, description="inline bytes one session may hold; also the largest file a ref may name")
+    max_message_bytes: int = Field(16 << 20, ge=1024, description="largest SessionMessage accepted")
+    ref_root: Path | None = Field(
+        None, description="directory that file:// refs may name (default: <run_dir>/evergreen_files)"
+    )
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="TILLER_",
@@ -78,6 +90,7 @@ class Settings(BaseSettings):
     session_store_endpoint: str = ""
 
     limits: Limits = Field(default_factory=Limits)
+    evergreen: Evergreen = Field(default_factory=Evergreen)
     log_level: str = "info"
     ready_timeout_s: float = Field(600.0, description="how long `tiller up` waits for every service")
 
@@ -106,6 +119,11 @@ class Settings(BaseSettings):
     @property
     def db_path(self) -> Path:
         return self.run_dir / "tiller.sqlite3"
+
+    @property
+    def evergreen_ref_root(self) -> Path:
+        """The only directory Evergreen ``file://`` refs may point into."""
+        return (self.evergreen.ref_root or self.run_dir / "evergreen_files").resolve()
 
 
 @lru_cache(maxsize=1)

@@ -255,6 +255,41 @@ class GetRequest(Msg, tag="get_request"):
     rid: str
 
 
+# gateway -> session store: Evergreen node graphs (seed 000), keyed by an Evergreen session id
+
+
+class EvergreenFragment(msgspec.Struct, kw_only=True, array_like=True):
+    """One node fragment as received or produced: ``fragment`` is a serialized ``evergreen.v2.NodeFragment``."""
+
+    node_id: str
+    seq: int
+    fragment: bytes
+
+
+class EvergreenPut(Msg, tag="evergreen_put"):
+    """Fragments of a session's nodes; a (node, seq) already stored keeps its first fragment."""
+
+    session_id: str
+    fragments: list[EvergreenFragment]
+
+
+class EvergreenDrop(Msg, tag="evergreen_drop"):
+    session_id: str
+    node_ids: list[str]
+
+
+class EvergreenClose(Msg, tag="evergreen_close"):
+    """The session ended (closed or aborted): every node of it is dropped."""
+
+    session_id: str
+
+
+class EvergreenGetNodes(Msg, tag="evergreen_get_nodes"):
+    """Replied with ``Ok(data={"fragments": [[node_id, seq, fragment bytes], ...]})`` in (node, seq) order."""
+
+    session_id: str
+
+
 Message = Union[
     Ok,
     Error,
@@ -274,6 +309,10 @@ Message = Union[
     RecordCompletion,
     RecordFeedback,
     GetRequest,
+    EvergreenPut,
+    EvergreenDrop,
+    EvergreenClose,
+    EvergreenGetNodes,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

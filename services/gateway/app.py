@@ -1,4 +1,4 @@
-"""The gateway's ASGI app: every HTTP/WebSocket surface on one FastAPI app."""
+"""The gateway's ASGI app: every HTTP/WebSocket surface on one FastAPI app; gRPC beside it in the same loop."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from common.model_source import load_tokenizer
 from services.gateway import openai_api, ops, rest, ws
 from services.gateway.driver import Gateway
 from services.gateway.engine import EngineClient
+from services.gateway.grpc_server import start_grpc, stop_grpc
 from services.gateway.metrics import Metrics
 from services.gateway.ratelimit import RateLimiter
 from services.gateway.store import StoreClient
@@ -42,10 +43,12 @@ def create_app(settings: Settings) -> FastAPI:
         )
         gw.engine.start()
         app.state.gateway = gw
+        grpc_server = await start_grpc(gw)
         log.info("gateway.ready", host=settings.http_host, port=settings.http_port, model=settings.served_model_name)
         try:
             yield
         finally:
+            await stop_grpc(grpc_server)
             gw.engine.close()
             gw.store.close()
             text.close()

@@ -1,5 +1,5 @@
-"""The gateway's link to the session store: request records (fire-and-forget, never on the token
-path), feedback, and record lookup."""
+"""The gateway's link to the session store: request records and Evergreen node mirroring
+(fire-and-forget, never on the token path), feedback, and lookups."""
 
 from __future__ import annotations
 
@@ -92,3 +92,18 @@ class StoreClient:
 
     async def get_request(self, rid: str) -> dict[str, Any]:
         return await self._ok(wire.GetRequest(rid=rid))
+
+    # -- Evergreen node graphs (the gateway holds the live graph; the store mirrors it) ------
+
+    def evergreen_put(self, session_id: str, fragments: list[wire.EvergreenFragment]) -> None:
+        self._fire(wire.EvergreenPut(session_id=session_id, fragments=fragments))
+
+    def evergreen_drop(self, session_id: str, node_ids: list[str]) -> None:
+        self._fire(wire.EvergreenDrop(session_id=session_id, node_ids=node_ids))
+
+    def evergreen_close(self, session_id: str) -> None:
+        self._fire(wire.EvergreenClose(session_id=session_id))
+
+    async def evergreen_fragments(self, session_id: str) -> list[list[Any]]:
+        """``[node_id, seq, serialized NodeFragment]`` of every stored fragment of a session."""
+        return (await self._ok(wire.EvergreenGetNodes(session_id=session_id)))["fragments"]

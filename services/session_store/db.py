@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,13 @@ CREATE TABLE IF NOT EXISTS feedback (
     created_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS feedback_rid ON feedback(rid);
+CREATE TABLE IF NOT EXISTS evergreen_fragments (
+    session_id TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    fragment BLOB NOT NULL,
+    PRIMARY KEY (session_id, node_id, seq)
+) WITHOUT ROWID;
 """
 
 
@@ -83,6 +92,44 @@ class Store:
             )
         ]
         return record
+
+    # -- Evergreen node graphs -------------------------------------------------------------
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One transaction for a batch (the connection is in autocommit mode otherwise)."""
+        self.conn.execute("BEGIN")
+        try:
+            yield
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    def evergreen_put(self, session_id: str, fragments: list[tuple[str, int, bytes]]) -> None:
+        """Store fragments; the first one stored for a (node, seq) is kept, as the seed requires."""
+        with self._transaction():
+            self.conn.executemany(
+                "INSERT OR IGNORE INTO evergreen_fragments (session_id, node_id, seq, fragment) VALUES (?,?,?,?)",
+                [(session_id, node_id, seq, fragment) for node_id, seq, fragment in fragments],
+            )
+
+    def evergreen_drop(self, session_id: str, node_ids: list[str]) -> None:
+        with self._transaction():
+            self.conn.executemany(
+                "DELETE FROM evergreen_fragments WHERE session_id=? AND node_id=?",
+                [(session_id, node_id) for node_id in node_ids],
+            )
+
+    def evergreen_close(self, session_id: str) -> None:
+        self.conn.execute("DELETE FROM evergreen_fragments WHERE session_id=?", (session_id,))
+
+    def evergreen_fragments(self, session_id: str) -> list[list[Any]]:
+        rows = self.conn.execute(
+            "SELECT node_id, seq, fragment FROM evergreen_fragments WHERE session_id=? ORDER BY node_id, seq",
+            (session_id,),
+        )
+        return [[r["node_id"], r["seq"], bytes(r["fragment"])] for r in rows]
 
     def close(self) -> None:
         self.conn.close()

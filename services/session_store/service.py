@@ -1,4 +1,4 @@
-"""Session store service: a ROUTER answering record/feedback/lookup messages from SQLite."""
+"""Session store service: a ROUTER answering record/feedback/lookup and Evergreen node messages from SQLite."""
 
 from __future__ import annotations
 
@@ -41,6 +41,17 @@ class SessionStore:
             if record is None:
                 return wire.Error(code="not_found", message=f"no request {msg.rid!r}", rid=msg.rid)
             return wire.Ok(data=record)
+        if isinstance(msg, wire.EvergreenPut):
+            self.store.evergreen_put(msg.session_id, [(f.node_id, f.seq, f.fragment) for f in msg.fragments])
+            return wire.Ok()
+        if isinstance(msg, wire.EvergreenDrop):
+            self.store.evergreen_drop(msg.session_id, msg.node_ids)
+            return wire.Ok()
+        if isinstance(msg, wire.EvergreenClose):
+            self.store.evergreen_close(msg.session_id)
+            return wire.Ok()
+        if isinstance(msg, wire.EvergreenGetNodes):
+            return wire.Ok(data={"fragments": self.store.evergreen_fragments(msg.session_id)})
         return wire.Error(code="invalid_request", message=f"the session store does not take {type(msg).__name__}")
 
     async def run(self) -> None:

@@ -27,7 +27,7 @@ from tests.gateway.support import (
 )
 from tests.stack import start_stack
 
-REQUEST_TIMEOUT_S = 3
+REQUEST_TIMEOUT_S = 5
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ async def test_timeout_reports_the_partial_text(strict_gateway):
         assert tokens and error["generated_text"].startswith(tokens[-1]["generated_text"])
         assert f"{REQUEST_TIMEOUT_S} s" in error["message"]
         assert kinds(await generate(ws, {"prompt": "Hello", "parameters": {"max_tokens": 1}}))[-1] == "completion"
-    async with httpx.AsyncClient(base_url=f"http://{strict_gateway}") as client:
+    async with httpx.AsyncClient(base_url=f"http://{strict_gateway}", timeout=REQUEST_TIMEOUT_S * 6) as client:
         reply = await client.post(
             "/v1/generate", json={"prompt": "Once upon a time", "max_tokens": 1500, "stream": False}
         )

@@ -120,7 +120,8 @@ def gateway(env: dict[str, str], log_dir: Path, timeout: float = 120.0) -> Itera
     """A gateway process on a free port; yields its ``host:port`` once it answers HTTP."""
     port = free_port()
     log = log_dir / f"gateway-{port}.log"
-    with service("services.gateway", dict(env, TILLER_HTTP_PORT=str(port)), log) as proc:
+    env = dict(env, TILLER_HTTP_PORT=str(port), TILLER_GRPC_PORT=str(free_port()))
+    with service("services.gateway", env, log) as proc:
         deadline = time.monotonic() + timeout
         while True:
             try:

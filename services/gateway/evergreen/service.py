@@ -1,0 +1,44 @@
+"""The EvergreenService servicer (grpc.aio, in the gateway's event loop)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from common.protos.evergreen.v2 import evergreen_pb2 as eg
+from common.protos.evergreen.v2 import evergreen_pb2_grpc as eg_grpc
+from services.gateway.driver import Gateway
+from services.gateway.evergreen.errors import SessionAbort
+from services.gateway.evergreen.session import Session
+
+# initial metadata naming the session (its key in the session store, and in the gateway's logs)
+SESSION_ID_HEADER = "tiller-evergreen-session-id"
+
+
+def client_address(peer: str) -> str:
+    """The client's address without its port (what rate limiting keys on): ``ipv4:1.2.3.4:5678`` → ``1.2.3.4``."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rpartition(":")[0].strip("[]") or rest
+    return peer
+
+
+class EvergreenServicer(eg_grpc.EvergreenServiceServicer):
+    def __init__(self, gw: Gateway) -> None:
+        self._gw = gw
+
+    async def StartSession(  # noqa: N802 (the generated name)
+        self, request_iterator: AsyncIterator[eg.SessionMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[eg.SessionMessage]:
+        session = Session(self._gw, client=client_address(context.peer()))
+        await context.send_initial_metadata(((SESSION_ID_HEADER, session.id),))
+        try:
+            async for message in session.run(request_iterator):
+                yield message
+        except SessionAbort as exc:
+            await context.abort(exc.status, exc.message)
+
+
+def add_to_server(server: grpc.aio.Server, gw: Gateway) -> None:
+    eg_grpc.add_EvergreenServiceServicer_to_server(EvergreenServicer(gw), server)
