@@ -126,6 +126,12 @@ class Parameters(StrictModel, LimitChecks):
     seed: int | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past EOS (benchmarks)
 
+    def request_fields(self) -> dict[str, Any]:
+        """These parameters as keyword arguments of :class:`GenerationRequest`."""
+        fields = self.model_dump(include=set(Parameters.model_fields))  # not a subclass's extra fields
+        fields["stop"] = tuple(self.stop)
+        return fields
+
 
 class ParametersPatch(StrictModel, LimitChecks):
     """``control: modify`` parameters: the same fields and rules, each optional."""
@@ -233,20 +239,12 @@ class GenerateConfig(StrictModel, LimitChecks):
         return self
 
     def to_request(self) -> GenerationRequest:
-        p = self.parameters
         return GenerationRequest(
             prompt=self.prompt,
             messages=None if self.messages is None else [m.model_dump() for m in self.messages],
-            max_tokens=p.max_tokens,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            repetition_penalty=p.repetition_penalty,
-            seed=p.seed,
-            stop=tuple(p.stop),
             top_logprobs=self.options.include_logprobs,
             echo=self.options.echo_prompt,
-            ignore_eos=p.ignore_eos,
+            **self.parameters.request_fields(),
         )
 
 

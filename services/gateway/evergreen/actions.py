@@ -197,18 +197,7 @@ class GenerateRun:
 
     async def _generate(self, leaves: list[Leaf]) -> None:
         chunks = [(leaf.node_id, leaf.metadata, await self._payload(leaf)) for leaf in leaves]
-        p = self._params
-        request = GenerationRequest(
-            messages=to_turns(chunks),
-            max_tokens=p.max_tokens,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            repetition_penalty=p.repetition_penalty,
-            seed=p.seed,
-            stop=tuple(p.stop),
-            ignore_eos=p.ignore_eos,
-        )
+        request = GenerationRequest(messages=to_turns(chunks), **self._params.request_fields())
         self._gen = Generation(self._gw, request, rid=new_request_id("eg_"), surface="evergreen", client=self._client)
         async for msg in self._gen.stream():
             if isinstance(msg, TokenMsg) and msg.finish_reason is None and msg.token:
