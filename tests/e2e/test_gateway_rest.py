@@ -117,7 +117,7 @@ async def test_body_size_limit(stack, client):
 
 
 async def test_sse_disconnect_frees_the_sequence(stack, client):
-    body = {"prompt": PROMPT, "max_tokens": 1000, "stream": True}
+    body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     async with client.stream("POST", "/v1/generate", json=body) as reply:
         lines = reply.aiter_lines()
         while "token" not in await anext(lines):
@@ -127,7 +127,7 @@ async def test_sse_disconnect_frees_the_sequence(stack, client):
 
 async def test_non_streaming_disconnect_frees_the_sequence(stack, client):
     request = asyncio.create_task(
-        client.post("/v1/generate", json={"prompt": PROMPT, "max_tokens": 1000, "stream": False})
+        client.post("/v1/generate", json={"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": False})
     )
 
     async def running() -> bool:

@@ -155,7 +155,7 @@ async def test_stop_string(stack):
 
 async def test_stop_ends_with_a_cancelled_completion(stack):
     async with websockets.connect(stack.ws_url) as ws:
-        await send(ws, {"type": "config", "prompt": PROMPTS[0], "parameters": {"max_tokens": 500}})
+        await send(ws, {"type": "config", "prompt": PROMPTS[0], "parameters": {"max_tokens": 500, "ignore_eos": True}})
         assert (await receive(ws))["type"] == "init"
         assert (await receive(ws))["type"] == "token"
         await send(ws, {"type": "control", "action": "stop"})
@@ -339,7 +339,7 @@ async def test_bad_input_keeps_the_connection_usable(stack):
         )
         await expect_error(ws, {"type": "feedback", "rating": 1}, "no generation on this connection")
 
-        await send(ws, {"type": "config", "prompt": PROMPTS[0], "parameters": {"max_tokens": 200}})
+        await send(ws, {"type": "config", "prompt": PROMPTS[0], "parameters": {"max_tokens": 200, "ignore_eos": True}})
         assert (await receive(ws))["type"] == "init"
         running = [
             ({"type": "config", "prompt": "again"}, "a generation is already running"),
@@ -394,7 +394,7 @@ async def test_oversize_frame_closes_with_1009(stack):
 
 async def test_killed_client_frees_its_sequence(stack):
     ws = await websockets.connect(stack.ws_url)
-    await send(ws, {"type": "config", "prompt": PROMPTS[0], "parameters": {"max_tokens": 1000}})
+    await send(ws, {"type": "config", "prompt": PROMPTS[0], "parameters": {"max_tokens": 1000, "ignore_eos": True}})
     assert (await receive(ws))["type"] == "init"
     assert (await receive(ws))["type"] == "token"
     assert (await asyncio.to_thread(stack.scheduler_health))["running"] >= 1
