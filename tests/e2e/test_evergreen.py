@@ -53,7 +53,7 @@ def generate(input_id: str, output_id: str, *, names=("prompt", "response"), con
     if error is not None:
         outputs.append(eg.NamedParameter(name="error", id=error))
     return eg.Action(
-        name="GENERATE",
+        name="GENERATE" if error is None else "TRY_GENERATE",
         inputs=[eg.NamedParameter(name=names[0], id=input_id)],
         outputs=outputs,
         configs=list(configs),
@@ -373,7 +373,7 @@ ABORTS = {
     ),
     "unknown action": (
         [msg(eg.Action(name="TRANSLATE"))], INVALID,
-        "unknown action 'TRANSLATE'; this server provides GENERATE, DROP, SET_TTL, CANCEL",
+        "unknown action 'TRANSLATE'; this server provides GENERATE, TRY_GENERATE, DROP, SET_TTL, CANCEL",
     ),
     "unknown input name": (
         [msg(generate("p", "r", names=("image", "response")))], INVALID,
@@ -381,7 +381,7 @@ ABORTS = {
     ),
     "unknown output name": (
         [msg(generate("p", "r", names=("prompt", "video")))], INVALID,
-        "GENERATE: unknown output 'video' (takes 'response' or 'text' or 'error')",
+        "GENERATE: unknown output 'video' (takes 'response' or 'text')",
     ),
     "unknown target": (
         [msg(generate("p", "r", target="gpt-9"))], grpc.StatusCode.NOT_FOUND,
@@ -533,6 +533,13 @@ async def test_per_action_failures_are_reported_when_asked_for(stack, hf_greedy)
     assert result.text("r1") == result.text("r2") == ""
     assert result.text("r3") == expected_greedy(stack, hf_greedy, [{"role": "user", "content": "Hi"}])
     assert "e3" not in result.nodes
+
+
+async def test_plain_generate_has_no_error_output(stack):
+    plain = generate("p", "r", error="e")
+    plain.name = "GENERATE"
+    result = await run_session(stack, msg(plain, text("p", "Hi")))
+    assert result.code == INVALID and "'error'" in result.details
 
 
 # -- robustness -------------------------------------------------------------------------------

@@ -242,13 +242,14 @@ def action(name: str = "GENERATE", inputs=(("prompt", "p"),), outputs=(("respons
 
 
 def test_bind():
-    b = bind(action(outputs=(("text", "r"), ("error", "e"))))
+    b = bind(action(name="TRY_GENERATE", outputs=(("text", "r"), ("error", "e"))))
     assert (b.input_id, b.output_id, b.error_id) == ("p", "r", "e")
     assert bind(action(inputs=(("text", "p"),), outputs=())).output_id is None
     for a, match in [
-        (action(name="SUMMARIZE"), "unknown action 'SUMMARIZE'; this server provides GENERATE, DROP, SET_TTL, CANCEL"),
+        (action(name="SUMMARIZE"), "unknown action 'SUMMARIZE'; this server provides GENERATE, TRY_GENERATE, DROP, "
+         "SET_TTL, CANCEL"),
         (action(inputs=(("image", "p"),)), r"GENERATE: unknown input 'image' \(takes 'prompt' or 'text'\)"),
-        (action(outputs=(("video", "r"),)), r"GENERATE: unknown output 'video' \(takes 'response' or 'text' or 'error'\)"),
+        (action(outputs=(("video", "r"),)), r"GENERATE: unknown output 'video' \(takes 'response' or 'text'\)"),
         (action(inputs=(("prompt", "p"), ("prompt", "q"))), "input 'prompt' is given twice"),
         (action(inputs=(("prompt", "p"), ("text", "q"))), "give exactly one input"),
         (action(inputs=()), "give exactly one input"),

@@ -5,15 +5,17 @@ Actions (each input and output is a (name, node id) pair; names are checked, ids
 ==========  =================================  ====================================  =====================
 action      inputs (exactly one)               outputs                               config (Struct)
 ==========  =================================  ====================================  =====================
-GENERATE    ``prompt`` or ``text``             ``response`` or ``text``; ``error``   sampling parameters
+GENERATE    ``prompt`` or ``text``             ``response`` or ``text``              sampling parameters
+TRY_GEN...  as GENERATE                        as GENERATE; ``error``                sampling parameters
 DROP        ``node``                           none                                  none
 SET_TTL     ``node``                           none                                  ``ttl_s`` (required)
 CANCEL      ``output`` (a GENERATE's output)   none                                  none
 ==========  =================================  ====================================  =====================
 
-GENERATE's optional ``error`` output asks for per-action failure reporting: a failure of that
-action ends its output node and writes ``{"status", "message"}`` (``application/json``) into the
-``error`` node instead of aborting the session.
+TRY_GENERATE is GENERATE with per-action failure reporting, asked for by its ``error`` output: a
+failure of that action ends its output node and writes ``{"status", "message"}``
+(``application/json``) into the ``error`` node instead of aborting the session. Plain GENERATE
+keeps the seed's rule: any failure aborts, and an ``error`` output is an unknown output name.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class Signature:
 
 
 SIGNATURES: dict[str, Signature] = {
-    "GENERATE": Signature(inputs=("prompt", "text"), outputs=("response", "text"), error_output=True),
+    "GENERATE": Signature(inputs=("prompt", "text"), outputs=("response", "text")),
+    "TRY_GENERATE": Signature(inputs=("prompt", "text"), outputs=("response", "text"), error_output=True),
     "DROP": Signature(inputs=("node",)),
     "SET_TTL": Signature(inputs=("node",)),
     "CANCEL": Signature(inputs=("output",)),

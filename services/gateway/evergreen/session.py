@@ -130,7 +130,7 @@ class Session:
             if node_id is not None:
                 self.graph.claim_output(node_id)
         log.info("evergreen.action", action=bound.label)
-        if action.name == "GENERATE":
+        if action.name in ("GENERATE", "TRY_GENERATE"):
             self._on_generate(bound)
         elif action.name == "DROP":
             self._drop(bound)
