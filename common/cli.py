@@ -20,10 +20,11 @@ SUPERVISOR_CONF = HOME / "deploy" / "supervisord.conf"
 SERVICES = ("session_store", "controller_runtime", "scheduler", "worker", "gateway")
 
 
-def _supervisor_env(settings: Settings, foreground: bool) -> dict[str, str]:
+def _supervisor_env(settings: Settings, foreground: bool, base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) plus what deploy/supervisord.conf expands."""
     run_dir = settings.run_dir.resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
+    env = dict(os.environ if base is None else base)
     env.update(
         TILLER_RUN_DIR=str(run_dir),
         TILLER_HOME=str(HOME),
@@ -34,17 +35,19 @@ def _supervisor_env(settings: Settings, foreground: bool) -> dict[str, str]:
     return env
 
 
-def _supervisorctl(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+def supervisorctl(
+    settings: Settings, *args: str, base_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "supervisor.supervisorctl", "-c", str(SUPERVISOR_CONF), *args],
-        env=_supervisor_env(settings, False),
+        env=_supervisor_env(settings, False, base_env),
         capture_output=True,
         text=True,
     )
 
 
 def _program_states(settings: Settings) -> dict[str, str]:
-    out = _supervisorctl(settings, "status").stdout
+    out = supervisorctl(settings, "status").stdout
     states = {}
     for line in out.splitlines():
         parts = line.split()
@@ -125,7 +128,7 @@ def down(settings: Settings) -> int:
     if not _program_states(settings):
         print("Tiller is not running here.")
         return 0
-    _supervisorctl(settings, "shutdown")
+    supervisorctl(settings, "shutdown")
     pidfile = settings.run_dir / "supervisord.pid"
     for _ in range(100):
         if not pidfile.exists():

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+from common.cli import supervisorctl
 from common.config import Settings
 from common.sockets import probe_health
 
@@ -45,11 +46,7 @@ class Stack:
                               capture_output=True, text=True, check=check)
 
     def _supervisorctl(self, *args: str) -> str:
-        env = dict(self.env, TILLER_RUN_DIR=str(self.run_dir), TILLER_HOME=str(ROOT), TILLER_PYTHON=sys.executable,
-                   TILLER_FOREGROUND="false")
-        return subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c",
-                               str(ROOT / "deploy" / "supervisord.conf"), *args],
-                              env=env, capture_output=True, text=True).stdout
+        return supervisorctl(self.settings, *args, base_env=self.env).stdout
 
     def pid(self, service: str) -> int:
         return int(self._supervisorctl("pid", f"tiller:{service}").strip())
