@@ -57,6 +57,29 @@ class Evergreen(BaseModel):
     )
 
 
+class Controllers(BaseModel):
+    """The controller runtime: per-call deadlines (AICI v0.0.x-like), Wasm limits, storage, native controllers."""
+
+    init_deadline_ms: float = Field(1000.0, gt=0, description="instantiate: aici_init + aici_create + init_prompt")
+    pre_deadline_ms: float = Field(10.0, gt=0, description="pre_process (plus the post_process of its ff_tokens)")
+    mid_deadline_ms: float = Field(150.0, gt=0, description="mid_process")
+    post_deadline_ms: float = Field(10.0, gt=0, description="post_process")
+    epoch_tick_ms: float = Field(1.0, gt=0, description="deadline resolution: the epoch ticker's period")
+    max_memory_bytes: int = Field(64 << 20, ge=1 << 17, description="linear memory of one controller instance")
+    max_wasm_stack_bytes: int = Field(512 << 10, ge=64 << 10)
+    max_forks: int = Field(16, ge=1, description="live sequences one request may fork into")
+    max_ff_rounds: int = Field(10, ge=1, description="pre_process ff_tokens fed back to post_process per step")
+    max_log_bytes: int = Field(64 << 10, ge=1024, description="captured stdout/stderr kept per call")
+    max_module_bytes: int = Field(64 << 20, ge=1024, description="largest Wasm module mk_module accepts")
+    module_dir: Path | None = Field(None, description="modules, compiled cache and tags (default: <run_dir>/controllers)")
+    native: dict[str, str] = Field(
+        default_factory=lambda: {"echo": "controllers.native.echo:EchoController"},
+        description="trusted Python controllers, name -> 'module:Class'; instantiate them as 'native:<name>'",
+    )
+    main_timeout_s: float = Field(5.0, gt=0, description="how long the scheduler waits for a main-channel reply")
+    side_timeout_s: float = Field(30.0, gt=0, description="how long the gateway waits for a side-channel reply")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="TILLER_",
@@ -91,6 +114,7 @@ class Settings(BaseSettings):
 
     limits: Limits = Field(default_factory=Limits)
     evergreen: Evergreen = Field(default_factory=Evergreen)
+    controllers: Controllers = Field(default_factory=Controllers)
     log_level: str = "info"
     ready_timeout_s: float = Field(600.0, description="how long `tiller up` waits for every service")
 
@@ -119,6 +143,11 @@ class Settings(BaseSettings):
     @property
     def db_path(self) -> Path:
         return self.run_dir / "tiller.sqlite3"
+
+    @property
+    def controller_module_dir(self) -> Path:
+        """Uploaded Wasm modules, their compiled artifacts and tags."""
+        return (self.controllers.module_dir or self.run_dir / "controllers").resolve()
 
     @property
     def evergreen_ref_root(self) -> Path:
