@@ -100,6 +100,7 @@ class Submit(Msg, tag="submit"):
     ignore_eos: bool = False
     priority: int = 0  # 0 interactive ... 10 batch
     timeout_s: float = 0.0  # 0: the scheduler's default
+    controller: str = ""  # req_id of a controller instantiated on the side channel ("": none)
 
 
 class Cancel(Msg, tag="cancel"):
@@ -138,6 +139,17 @@ class TokenEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Controlled requests (seed 001): one event per branch per step. ``index`` is the branch's fork
+    # index (0: the original sequence); ``fork_finish`` ends that branch only (AICI's reasons: eos,
+    # length, stop, aici-stop, fail, abort) while ``finish_reason`` still ends the whole request, on
+    # its last event. ``text`` shows a backtrack as " ↩ " followed by the new text (AICI's stream).
+    index: int = 0
+    fork_finish: str | None = None
+    error: str = ""  # why the branch failed (its controller's error)
+    logs: str = ""  # the controller's output during this step
+    storage: list[Any] = []  # storage write commands the controller executed this step
+    micros: int = 0  # time spent in the controller this step
+    ff_tokens: int = 0  # tokens the controller fast-forwarded this step
 
 
 class Events(Msg, tag="events"):
