@@ -40,8 +40,49 @@ class Limits(BaseModel):
     request_timeout_s: float = Field(600.0, gt=0, description="a generation running longer ends with timeout")
     rate_limit_per_minute: int = Field(0, ge=0, description="requests per client address; 0 disables")
     worker_step_timeout_s: float = Field(60.0, gt=0)
+    kv_memory_fraction: float | None = Field(
+        None, gt=0, le=1, description="share of the memory free after loading the model that the KV pool takes "
+        "(default 0.85 on a GPU, 0.5 of available RAM on the CPU)"
+    )
+    cuda_graphs: bool = Field(True, description="replay decode steps from CUDA graphs on a GPU")
     content_filter_patterns: list[str] = Field(
         default_factory=list, description="regexes; a prompt matching one is refused with content_filter"
+    )
+
+
+class Images(BaseModel):
+    """Limits on images attached to Salience Generate calls (vision-language models only)."""
+
+    max_image_bytes: int = Field(16 << 20, ge=1, description="largest encoded image accepted")
+    max_image_pixels: int = Field(
+        32_000_000, ge=1, description="largest image (width x height) decoded; larger ones are refused unread"
+    )
+    max_images_per_request: int = Field(16, ge=0)
+
+
+class Sessions(BaseModel):
+    """Salience stateful sessions (seed 002): lifetime, auth, KV kept between turns, readouts."""
+
+    ttl_s: float = Field(1800.0, gt=0, description="a session idle this long is evicted (any call refreshes it)")
+    auth_token: str = Field("", description="bearer token every Salience RPC must carry ('': no auth)")
+    kv_tokens_per_session: int = Field(
+        8192, ge=0, description="most KV tokens one idle session keeps on a worker between turns (0: none kept)"
+    )
+    kv_parked_fraction: float = Field(
+        0.5, ge=0, le=1, description="share of a worker's KV pool idle sessions may hold; live requests evict them first"
+    )
+    busy_lease_s: float = Field(
+        900.0, gt=0, description="a Generate whose gateway vanished releases its session after this long"
+    )
+    readout_concepts: list[str] = Field(
+        default_factory=lambda: ["yes", "no", "good", "bad", "happy", "sad", "true", "false"],
+        description="logit-lens concepts: each word's first token's unembedding row",
+    )
+    readout_layers: list[int] = Field(
+        default_factory=list, description="decoder layers read out (0-based; empty: four evenly spaced, the last included)"
+    )
+    concepts_file: Path | None = Field(
+        None, description='JSON {"concepts": {name: [hidden_size floats]}} replacing readout_concepts'
     )
 
 
@@ -73,7 +114,7 @@ class Controllers(BaseModel):
     max_module_bytes: int = Field(64 << 20, ge=1024, description="largest Wasm module mk_module accepts")
     module_dir: Path | None = Field(None, description="modules, compiled cache and tags (default: <run_dir>/controllers)")
     native: dict[str, str] = Field(
-        default_factory=lambda: {"echo": "controllers.native.echo:EchoController"},
+        default_factory=lambda: {"constrained": "controllers.native.constrained:ConstrainedController"},
         description="trusted Python controllers, name -> 'module:Class'; instantiate them as 'native:<name>'",
     )
     main_timeout_s: float = Field(5.0, gt=0, description="how long the scheduler waits for a main-channel reply")
@@ -114,6 +155,8 @@ class Settings(BaseSettings):
 
     limits: Limits = Field(default_factory=Limits)
     evergreen: Evergreen = Field(default_factory=Evergreen)
+    images: Images = Field(default_factory=Images)
+    sessions: Sessions = Field(default_factory=Sessions)
     controllers: Controllers = Field(default_factory=Controllers)
     log_level: str = "info"
     ready_timeout_s: float = Field(600.0, description="how long `tiller up` waits for every service")

@@ -39,6 +39,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import structlog
 import torch
 from transformers import PretrainedConfig
@@ -50,7 +51,7 @@ from services.worker.kv_cache import BlockTables, PagedKVCache, PoolExhausted, b
 from services.worker.model_loader import LoadedModel
 from services.worker.paged_llama import PagedLlama, unsupported_reason
 from services.worker.runner import Runner, SeqInput
-from services.worker.sampler import SeqSampler, sample, unpack_mask, validate_params
+from services.worker.sampler import SeqSampler, mask_allows_any, mask_bias, sample, validate_params
 
 log = structlog.get_logger()
 
@@ -69,6 +70,16 @@ def _kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
+@dataclass
+class _Masks:
+    """A step's mask rows in host memory: ``index`` maps a mask row number to its row in ``words``
+    (packed bitsets), ``allows_any`` says which rows allow at least one token."""
+
+    index: dict[int, int]
+    words: np.ndarray
+    allows_any: np.ndarray
+
+
 class _Invalid(Exception):
     """A sequence's part of a step cannot run; the message goes to the scheduler."""
 
@@ -76,9 +87,12 @@ class _Invalid(Exception):
 class Engine:
     """Runs :class:`common.wire.Step` messages against a loaded model."""
 
-    def __init__(self, loaded: LoadedModel, *, num_blocks: int, native: bool = True) -> None:
+    def __init__(
+        self, loaded: LoadedModel, *, num_blocks: int, native: bool = True, cuda_graph_batch: int = 0
+    ) -> None:
         """``num_blocks``: KV pool size including the reserved null block. ``native=False`` forces
-        the transformers fallback even for a supported architecture."""
+        the transformers fallback even for a supported architecture. ``cuda_graph_batch`` > 0 on a
+        GPU replays decode steps of up to that many sequences from CUDA graphs."""
         self.loaded = loaded
         self.device = loaded.device
         self.vocab_size = loaded.vocab_size
@@ -99,8 +113,11 @@ class Engine:
             )
             self.cache = cache
             self.tables = cache.tables
-            self.runner = PagedLlama(loaded.model, cache)
-            self.backend = "paged"
+            runner = PagedLlama(loaded.model, cache, loaded.max_model_len)
+            if cuda_graph_batch > 0 and loaded.device.type == "cuda":
+                runner.enable_cuda_graphs(cuda_graph_batch, -(-loaded.max_model_len // cache.tables.block_size))
+            self.runner = runner
+            self.backend = "paged+cuda_graphs" if runner.graphs is not None else "paged"
         else:
             log.info("worker.fallback_forward", reason=reason)
             self.tables = BlockTables(num_blocks, prefix_caching=False)
@@ -119,8 +136,10 @@ class Engine:
             max_model_len=loaded.max_model_len,
             token_bytes=token_bytes,
             device=loaded.device,
+            memory_fraction=settings.limits.kv_memory_fraction,
         )
-        return cls(loaded, num_blocks=num_blocks)
+        graphs = settings.limits.max_batch_size if settings.limits.cuda_graphs else 0
+        return cls(loaded, num_blocks=num_blocks, cuda_graph_batch=graphs)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -224,14 +243,9 @@ class Engine:
         sampling = [s for s in accepted if s.sample]  # each has an input: the last fed token is computed
         if sampling:
             assert logits is not None
-            allowed = None
-            if any(s.mask_row >= 0 for s in sampling):
-                allowed = torch.ones(len(sampling), self.vocab_size, dtype=torch.bool, device=self.device)
-                for i, s in enumerate(sampling):
-                    if s.mask_row >= 0:
-                        allowed[i] = masks[s.mask_row]
+            bias = self._sampling_bias(sampling, masks)
             seqs = [self.seqs[s.seq_id] for s in sampling]
-            tokens = sample(logits, [q.sampler for q in seqs], [q.tokens for q in seqs], allowed)
+            tokens = sample(logits, [q.sampler for q in seqs], [q.tokens for q in seqs], bias)
             samples = {s.seq_id: t for s, t in zip(sampling, tokens)}
         forward_ms = (time.perf_counter() - started) * 1000
         return StepResult(
@@ -243,22 +257,35 @@ class Engine:
             cached_tokens=cached,
         )
 
-    def _mask_rows(self, step: Step, frame: bytes | memoryview | None) -> dict[int, torch.Tensor]:
-        """The mask rows this step refers to, unpacked to bool ``[vocab]``; a frame too short for a
-        row leaves that row out (its sequence then fails in ``_admit``)."""
+    def _mask_rows(self, step: Step, frame: bytes | memoryview | None) -> _Masks:
+        """The packed mask rows this step refers to, in host memory; a frame too short for a row
+        leaves that row out (its sequence then fails in ``_admit``)."""
         wanted = sorted({s.mask_row for s in step.seqs if s.mask_row >= 0})
         if not wanted or frame is None:
-            return {}
-        row_bytes = -(-self.vocab_size // 32) * 4
-        available = len(frame) // row_bytes
-        rows = [r for r in wanted if r < available]
-        if not rows:
-            return {}
-        # frombuffer needs a writable buffer; copying only the rows in use keeps that small.
-        packed = b"".join(bytes(memoryview(frame)[r * row_bytes : (r + 1) * row_bytes]) for r in rows)
-        words = torch.frombuffer(bytearray(packed), dtype=torch.int32).view(len(rows), -1).to(self.device)
-        unpacked = unpack_mask(words, self.vocab_size)
-        return dict(zip(rows, unpacked))
+            return _Masks({}, np.empty((0, 0), dtype=np.int32), np.empty(0, dtype=bool))
+        words_per_row = -(-self.vocab_size // 32)
+        packed = np.frombuffer(frame, dtype="<i4", count=(len(frame) // 4 // words_per_row) * words_per_row)
+        packed = packed.reshape(-1, words_per_row)
+        rows = [r for r in wanted if r < packed.shape[0]]
+        words = packed[rows]
+        return _Masks({r: i for i, r in enumerate(rows)}, words, mask_allows_any(words, self.vocab_size))
+
+    def _sampling_bias(self, sampling: list[SeqStep], masks: _Masks) -> torch.Tensor | None:
+        """Additive bias ``[len(sampling), vocab]`` from the sequences' mask rows (None: no masks):
+        one host-to-device copy of the packed rows and one table lookup, for all rows at once."""
+        rows = [masks.index[s.mask_row] if s.mask_row >= 0 else -1 for s in sampling]
+        if max(rows) < 0:
+            return None
+        masked = [i for i, r in enumerate(rows) if r >= 0]
+        words = torch.from_numpy(masks.words[[rows[i] for i in masked]])
+        if self.device.type == "cuda":
+            words = words.pin_memory().to(self.device, non_blocking=True)
+        bias = mask_bias(words, self.vocab_size)
+        if len(masked) == len(sampling):
+            return bias
+        full = torch.zeros(len(sampling), self.vocab_size, device=self.device)
+        full[torch.tensor(masked, device=self.device)] = bias
+        return full
 
     def _fork(self, s: SeqStep) -> None:
         """Start ``s.seq_id`` as a copy of ``s.fork_of`` (see the module docstring)."""
@@ -277,7 +304,7 @@ class Engine:
         self.tables.truncate(seq_id, length)
         self.runner.truncate(seq_id, length)
 
-    def _admit(self, s: SeqStep, masks: dict[int, torch.Tensor]) -> tuple[SeqInput | None, int]:
+    def _admit(self, s: SeqStep, masks: _Masks) -> tuple[SeqInput | None, int]:
         """Validate one SeqStep, start or update its sequence, backtrack, reuse cached prefix
         blocks and reserve the rest. Returns what the forward pass must compute for it (None:
         nothing, every fed token came from the cache) and how many fed tokens the cache gave."""
@@ -305,10 +332,10 @@ class Engine:
         if end > self.max_model_len:
             raise _Invalid(f"sequence {s.seq_id} would reach {end} tokens, over max_model_len {self.max_model_len}")
         if s.sample and s.mask_row >= 0:
-            mask = masks.get(s.mask_row)
-            if mask is None:
+            index = masks.index.get(s.mask_row)
+            if index is None:
                 raise _Invalid(f"sequence {s.seq_id}: mask row {s.mask_row} is missing from the step's mask frame")
-            if not bool(mask.any()):
+            if not masks.allows_any[index]:
                 raise _Invalid(f"sequence {s.seq_id}: its mask allows no token")
 
         if seq is None:

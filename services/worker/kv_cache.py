@@ -349,17 +349,19 @@ def plan_num_blocks(
     max_model_len: int,
     token_bytes: int,
     device: torch.device,
+    memory_fraction: float | None = None,
     block_size: int = BLOCK_SIZE,
 ) -> int:
-    """Blocks for ``max_batch_size`` sequences of ``max_model_len`` tokens, capped by free memory.
+    """Blocks for ``max_batch_size`` sequences of ``max_model_len`` tokens, capped by
+    ``memory_fraction`` of the free memory (default: 0.85 of a GPU's, 0.5 of the CPU's available).
 
     Raises RuntimeError when memory cannot hold even one sequence of ``max_model_len`` tokens.
     """
     wanted = max_batch_size * -(-max_model_len // block_size)
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0] * KV_MEMORY_FRACTION_CUDA
+        free = torch.cuda.mem_get_info(device)[0] * (memory_fraction or KV_MEMORY_FRACTION_CUDA)
     else:
-        free = psutil.virtual_memory().available * KV_MEMORY_FRACTION_CPU
+        free = psutil.virtual_memory().available * (memory_fraction or KV_MEMORY_FRACTION_CPU)
     affordable = int(free // (token_bytes * block_size))
     minimum = -(-max_model_len // block_size)
     if affordable < minimum:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from services.worker.kv_cache import NULL_BLOCK, PagedKVCache
 from services.worker.runner import SeqInput
+
+if TYPE_CHECKING:
+    from services.worker.cuda_graphs import DecodeGraphs
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -114,7 +118,7 @@ class _StepPlan:
 class PagedLlama:
     """The native runner (see module docstring). Implements :class:`services.worker.runner.Runner`."""
 
-    def __init__(self, model: PreTrainedModel, cache: PagedKVCache) -> None:
+    def __init__(self, model: PreTrainedModel, cache: PagedKVCache, max_positions: int) -> None:
         config = model.config
         self.cache = cache
         self.device = cache.kv.device
@@ -125,7 +129,6 @@ class PagedLlama:
         self.eps = config.rms_norm_eps
         base = model.model
         self.embed = base.embed_tokens.weight.detach()
-        self.rotary = base.rotary_emb
         self.final_norm = base.norm.weight.detach()
         head = model.get_output_embeddings()
         self.lm_head = head.weight.detach()  # [vocab, hidden]: often tied to the embedding, kept as is
@@ -134,6 +137,8 @@ class PagedLlama:
             F.silu if config.hidden_act == "silu" else base.layers[0].mlp.act_fn
         )
         self.intermediate = base.layers[0].mlp.gate_proj.out_features
+        self.cos_table, self.sin_table = self._rotary_tables(base.rotary_emb, max_positions)
+        self.graphs: DecodeGraphs | None = None
         self.layers: list[_Layer] = []
         for layer in base.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -165,8 +170,20 @@ class PagedLlama:
     def truncate(self, seq_id: int, length: int) -> None:
         """Nothing to cut: the block tables are truncated."""
 
+    def enable_cuda_graphs(self, max_batch: int, max_blocks: int) -> None:
+        """Replay pure-decode steps of up to ``max_batch`` sequences from CUDA graphs."""
+        from services.worker.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, max_batch=max_batch, max_blocks=max_blocks)
+
     def forward(self, inputs: list[SeqInput]) -> torch.Tensor:
         tables = self.cache.tables
+        if self.graphs is not None and self.graphs.fits(inputs):
+            bs = tables.block_size
+            fresh = [tables.seqs[item.seq_id][item.start // bs] for item in inputs if item.start % bs == 0]
+            if fresh:
+                self.cache.zero_blocks(fresh)
+            return self.graphs.run(inputs)
         device = self.device
         # Decode inputs (one token) first, as one batch; multi-token inputs after, one by one.
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].tokens) > 1)
@@ -197,31 +214,46 @@ class PagedLlama:
             num_decode=len(decode),
             prefills=prefills,
         )
-        x = F.embedding(torch.tensor(ids, **as_long), self.embed)
-        step.cos, step.sin = self._rotary(x, torch.tensor(positions, **as_long))
+        x = self._layers(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long), step)
+        wanted = [last_row[i] for i, item in enumerate(inputs) if item.logits]
+        if not wanted:
+            return torch.empty(0, self.lm_head.shape[0], dtype=torch.float32, device=device)
+        return self._logits(x[torch.tensor(wanted, **as_long)])
+
+    def _layers(self, ids: torch.Tensor, positions: torch.Tensor, step: _StepPlan) -> torch.Tensor:
+        """The hidden states after the last decoder layer, one row per fed token."""
+        x = F.embedding(ids, self.embed)
+        step.cos, step.sin = self._rotary(positions)
         for layer, kv_slots, kv_blocks in zip(self.layers, self.cache.layer_slots, self.cache.layer_blocks):
             x = self._attention(layer, x, kv_slots, kv_blocks, step)
             h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
             gate_up = _linear(h, layer.gate_up, layer.gate_up_bias)
             h = self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
             x = _add_linear(x, h, layer.down, layer.down_bias)
+        return x
 
-        wanted = [last_row[i] for i, item in enumerate(inputs) if item.logits]
-        if not wanted:
-            return torch.empty(0, self.lm_head.shape[0], dtype=torch.float32, device=device)
-        h = x[torch.tensor(wanted, **as_long)]
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final hidden states."""
         h = F.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
         return F.linear(h, self.lm_head, self.lm_head_bias).float()
 
-    def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[tokens, heads + 2 * kv_heads, head_dim]`` from the model's rotary module,
-        laid out to rotate a whole q|k|v projection at once: ``rotate_half(x) * sin`` becomes
-        ``roll(x, half) * [-sin_1, sin_2]``, and the value heads get cos 1, sin 0 (left as they are)."""
-        cos, sin = self.rotary(x, positions.unsqueeze(0))
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+    def _rotary_tables(self, rotary: nn.Module, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[max_positions, head_dim]`` from the model's rotary module, computed once,
+        with sin laid out so that ``rotate_half(x) * sin`` becomes ``roll(x, half) * [-sin_1, sin_2]``."""
+        dtype = self.embed.dtype
+        probe = torch.zeros(1, dtype=dtype, device=self.device)
+        positions = torch.arange(max_positions, device=self.device).unsqueeze(0)
+        cos, sin = rotary(probe, positions)
         half = self.head_dim // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        tokens, rotated, kept = x.shape[0], self.num_heads + self.num_kv_heads, self.num_kv_heads
+        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+        return cos[0].contiguous(), sin.contiguous()
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[tokens, heads + 2 * kv_heads, head_dim]`` for rotating a whole q|k|v
+        projection at once; the value heads get cos 1, sin 0 (left as they are)."""
+        cos = self.cos_table.index_select(0, positions).unsqueeze(1)
+        sin = self.sin_table.index_select(0, positions).unsqueeze(1)
+        tokens, rotated, kept = positions.shape[0], self.num_heads + self.num_kv_heads, self.num_kv_heads
         shape = (tokens, kept, self.head_dim)
         cos = torch.cat((cos.expand(tokens, rotated, -1), cos.new_ones(shape)), dim=1)
         sin = torch.cat((sin.expand(tokens, rotated, -1), sin.new_zeros(shape)), dim=1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
 from common.wire import SampledToken, SamplingParams, TokenLogprob
@@ -67,28 +68,49 @@ class SeqSampler:
         self.params = params
 
 
-def unpack_mask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Packed bitsets ``[rows, ceil(vocab/32)]`` (int32, little-endian bit order) -> bool ``[rows, vocab]``."""
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = (words.unsqueeze(-1) >> shifts) & 1
-    return bits.view(words.shape[0], -1)[:, :vocab_size].bool()
+_BYTE_BIAS: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_bias(device: torch.device) -> torch.Tensor:
+    """``[256, 8]`` float32: row b holds, for each bit i of byte b, 0 when it is set, -inf when not."""
+    table = _BYTE_BIAS.get(device)
+    if table is None:
+        bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
+        table = _BYTE_BIAS[device] = torch.where(bits.bool(), 0.0, float("-inf")).to(device)
+    return table
+
+
+def mask_bias(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Packed bitsets ``[rows, ceil(vocab/32)]`` (32-bit words, little-endian bit order: bit t%32 of
+    word t/32 = token t allowed) -> additive bias float32 ``[rows, vocab]``: 0 where allowed, -inf
+    where not. One table lookup per byte, on the bitsets' device; no loop over rows."""
+    as_bytes = words.contiguous().view(torch.uint8).view(words.shape[0], -1)
+    return _byte_bias(words.device)[as_bytes.long()].view(words.shape[0], -1)[:, :vocab_size]
+
+
+def mask_allows_any(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """For packed bitset rows ``[rows, ceil(vocab/32)]`` (host memory): whether each allows at least
+    one token below ``vocab_size`` (bits past the vocabulary do not count). No device sync."""
+    as_bytes = np.ascontiguousarray(words).view(np.uint8).reshape(words.shape[0], -1)
+    bits = np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :vocab_size]
+    return bits.any(axis=1)
 
 
 def sample(
     logits: torch.Tensor,
     samplers: list[SeqSampler],
     histories: list[list[int]],
-    allowed: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> list[SampledToken]:
     """One token per row of ``logits`` ``[n, vocab]`` (float32).
 
-    ``histories[i]`` are row i's tokens so far (for the repetition penalty); ``allowed`` is an
-    optional bool ``[n, vocab]`` mask (False: the token may not be sampled).
+    ``histories[i]`` are row i's tokens so far (for the repetition penalty); ``bias`` is an
+    optional additive float32 ``[n, vocab]`` (-inf: the token may not be sampled; see mask_bias).
     """
     n = logits.shape[0]
     device = logits.device
     params = [s.params for s in samplers]
-    scores = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+    scores = logits if bias is None else logits + bias
     penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 and histories[i]]
     if penalised:
         scores = scores.clone() if scores is logits else scores

@@ -8,7 +8,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from common.wire import SamplingParams
-from services.worker.sampler import TOP_P_CANDIDATES, SeqSampler, _draw, _warp, sample, unpack_mask, validate_params
+from services.worker.sampler import TOP_P_CANDIDATES, SeqSampler, _draw, _warp, mask_allows_any, mask_bias, sample, validate_params
 
 VOCAB = 1000
 
@@ -17,14 +17,27 @@ def _sampler(**kw) -> SeqSampler:
     return SeqSampler(SamplingParams(**kw), torch.device("cpu"))
 
 
-def test_unpack_mask_matches_bit_layout() -> None:
+def _packed(allowed: np.ndarray) -> np.ndarray:
+    padded = np.zeros((allowed.shape[0], -(-VOCAB // 32) * 32), dtype=np.uint8)
+    padded[:, :VOCAB] = allowed
+    return np.packbits(padded, axis=1, bitorder="little").view("<u4").view(np.int32)
+
+
+def test_mask_bias_matches_bit_layout() -> None:
     rng = np.random.default_rng(0)
     allowed = rng.random((3, VOCAB)) < 0.3
-    padded = np.zeros((3, -(-VOCAB // 32) * 32), dtype=np.uint8)
-    padded[:, :VOCAB] = allowed
-    words = np.packbits(padded, axis=1, bitorder="little").view("<u4").view(np.int32)
-    got = unpack_mask(torch.from_numpy(words.copy()), VOCAB)
-    assert torch.equal(got, torch.from_numpy(allowed))
+    got = mask_bias(torch.from_numpy(_packed(allowed).copy()), VOCAB)
+    assert got.shape == (3, VOCAB)
+    assert torch.equal(got == 0, torch.from_numpy(allowed))
+    assert bool(torch.isneginf(got[torch.from_numpy(~allowed)]).all())
+
+
+def test_mask_allows_any_ignores_bits_past_the_vocabulary() -> None:
+    allowed = np.zeros((3, VOCAB), dtype=bool)
+    allowed[1, VOCAB - 1] = True
+    words = _packed(allowed)
+    words[2, -1] |= np.int32(-(1 << 31))  # bit 31, past the vocabulary (VOCAB is not a multiple of 32)
+    assert mask_allows_any(words, VOCAB).tolist() == [False, True, False]
 
 
 def test_repetition_penalty_matches_transformers() -> None:
@@ -93,9 +106,9 @@ def test_seeded_rows_are_reproducible_and_independent_of_batch() -> None:
 def test_logprobs_from_raw_logits() -> None:
     torch.manual_seed(3)
     logits = torch.randn(2, VOCAB)
-    allowed = torch.zeros(2, VOCAB, dtype=torch.bool)
-    allowed[:, 7] = True
-    got = sample(logits, [_sampler(temperature=0, logprobs=3), _sampler(temperature=0)], [[], []], allowed)
+    bias = torch.full((2, VOCAB), float("-inf"))
+    bias[:, 7] = 0
+    got = sample(logits, [_sampler(temperature=0, logprobs=3), _sampler(temperature=0)], [[], []], bias)
     raw = torch.log_softmax(logits, -1)
     assert got[0].token_id == 7 and got[1].token_id == 7
     assert got[0].logprob == pytest.approx(raw[0, 7].item(), abs=1e-5)
