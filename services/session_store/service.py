@@ -1,7 +1,9 @@
-"""Session store service: a ROUTER answering record/feedback/lookup and Evergreen node messages from SQLite."""
+"""Session store service: a ROUTER answering record/feedback/lookup, Evergreen node and Salience
+session messages from SQLite."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 
 import structlog
@@ -11,6 +13,7 @@ from common import wire
 from common.config import Settings
 from common.sockets import Router, reply_mid
 from services.session_store.db import Store
+from services.session_store.salience import SalienceSessions, SessionError
 
 log = structlog.get_logger()
 
@@ -18,6 +21,7 @@ log = structlog.get_logger()
 class SessionStore:
     def __init__(self, settings: Settings) -> None:
         self.store = Store(settings.db_path)
+        self.sessions = SalienceSessions(self.store.conn, settings.sessions.ttl_s)
         self.router = Router(zmq.asyncio.Context.instance(), settings.endpoint("session_store"))
 
     def handle(self, msg: wire.Message) -> wire.Msg:
@@ -52,10 +56,45 @@ class SessionStore:
             return wire.Ok()
         if isinstance(msg, wire.EvergreenGetNodes):
             return wire.Ok(data={"fragments": self.store.evergreen_fragments(msg.session_id)})
+        if isinstance(msg, wire.SalienceOpen | wire.SalienceClose | wire.SalienceFork | wire.SalienceGet
+                      | wire.SalienceBegin | wire.SalienceEnd):
+            try:
+                return self._salience(msg)
+            except SessionError as exc:
+                return wire.Error(code=exc.code, message=exc.message)
         return wire.Error(code="invalid_request", message=f"the session store does not take {type(msg).__name__}")
+
+    def _salience(self, msg: wire.Message) -> wire.Msg:
+        sessions = self.sessions
+        if isinstance(msg, wire.SalienceOpen):
+            return sessions.open(msg.model)
+        if isinstance(msg, wire.SalienceClose):
+            sessions.close(msg.session_id)
+            return wire.Ok()
+        if isinstance(msg, wire.SalienceFork):
+            return sessions.fork(msg.session_id, msg.at_position)
+        if isinstance(msg, wire.SalienceGet):
+            return sessions.get(msg.session_id)
+        if isinstance(msg, wire.SalienceBegin):
+            return sessions.begin(msg)
+        assert isinstance(msg, wire.SalienceEnd)
+        sessions.end(msg)
+        return wire.Ok()
+
+    async def expire_sessions(self) -> None:
+        """Sweep idle Salience sessions (each access also checks its own TTL)."""
+        period = min(self.sessions.ttl_s / 4, 30.0)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                if expired := self.sessions.expire():
+                    log.info("session_store.sessions_expired", count=expired)
+            except sqlite3.Error:
+                log.exception("session_store.expire_failed")
 
     async def run(self) -> None:
         log.info("session_store.ready", endpoint=self.router.endpoint)
+        self._sweeper = asyncio.get_running_loop().create_task(self.expire_sessions())
         while True:
             identity, msg, _ = await self.router.recv()
             try:
