@@ -1,0 +1,102 @@
+"""Host-side constraints backed by llguidance: a guest (or a native controller) creates one from a
+regex, a JSON schema, a Lark grammar or a seed-004 yacc grammar, commits tokens to it and asks for
+the allowed-token bitset, computed straight into the destination memory."""
+
+from __future__ import annotations
+
+import json
+from enum import IntEnum
+
+import llguidance
+
+from services.controller_runtime.tokenizer import TokenizerInfo
+from services.controller_runtime.yacc_lark import YaccError, yacc_to_lark
+
+
+class ConstraintKind(IntEnum):
+    REGEX = 0
+    JSON_SCHEMA = 1
+    LARK = 2
+    YACC = 3
+
+
+class ConstraintError(ValueError):
+    pass
+
+
+# tiller_constraint_* return codes
+OK, FINISHED, REJECTED = 0, 1, -1
+
+
+def grammar_for(kind: int, source: str) -> str:
+    """The llguidance grammar for ``source`` of ``kind``; raises ConstraintError."""
+    try:
+        match ConstraintKind(kind):
+            case ConstraintKind.REGEX:
+                return llguidance.LLMatcher.grammar_from_regex(source)
+            case ConstraintKind.JSON_SCHEMA:
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    json.loads(source), defaults={"whitespace_flexible": False})
+            case ConstraintKind.LARK:
+                return llguidance.LLMatcher.grammar_from_lark(source)
+            case ConstraintKind.YACC:
+                return llguidance.LLMatcher.grammar_from_lark(yacc_to_lark(source))
+    except ValueError as exc:  # bad kind, JSON, yacc (YaccError is a ValueError)
+        raise ConstraintError(f"{type(exc).__name__}: {exc}") from exc
+    raise ConstraintError(f"unknown constraint kind {kind}")
+
+
+class Constraint:
+    """One llguidance matcher; all methods return the ABI's codes instead of raising."""
+
+    __slots__ = ("matcher", "tokenizer")
+
+    def __init__(self, matcher: llguidance.LLMatcher, tokenizer: TokenizerInfo) -> None:
+        self.matcher = matcher
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def create(cls, tokenizer: TokenizerInfo, kind: int, source: str) -> Constraint:
+        grammar = grammar_for(kind, source)
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer.ll)
+        if error:
+            raise ConstraintError(error)
+        matcher = llguidance.LLMatcher(tokenizer.ll, grammar, log_level=0)
+        if matcher.is_error():
+            raise ConstraintError(matcher.get_error())
+        return cls(matcher, tokenizer)
+
+    def commit(self, tokens: list[int]) -> int:
+        """Advance by ``tokens``: OK, FINISHED (nothing but EOS may follow) or REJECTED (state unchanged)."""
+        m = self.matcher
+        eos = bool(tokens) and tokens[-1] == self.tokenizer.eos_token
+        body = tokens[:-1] if eos else tokens
+        if m.validate_tokens(body) != len(body) or not m.consume_tokens(body):
+            return REJECTED
+        if eos:  # EOS ends a constraint only where the grammar may end
+            return FINISHED if m.is_accepting() or m.is_stopped() else REJECTED
+        return FINISHED if m.is_stopped() else OK
+
+    def rollback(self, n: int) -> int:
+        return OK if self.matcher.rollback(n) else REJECTED
+
+    def fill_mask(self, address: int, nbytes: int) -> int:
+        """Write the allowed-token bitset (``nbytes`` = 4*ceil(vocab/32)) at ``address``."""
+        m = self.matcher
+        if m.is_error():
+            return REJECTED
+        m.unsafe_compute_mask_ptr(address, nbytes)
+        return FINISHED if m.is_stopped() else OK
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error() if self.matcher.is_error() else ""
+
+    def fork(self) -> Constraint:
+        return Constraint(self.matcher.deep_copy(), self.tokenizer)
+
+    def is_accepting(self) -> bool:
+        return self.matcher.is_accepting()
+
+    def ff_tokens(self) -> list[int]:
+        return self.matcher.compute_ff_tokens()

@@ -1,0 +1,190 @@
+"""Host facilities of one controlled sequence, shared by Wasm and native controllers: variable
+storage (per request, shared by forks), tokenizer access, constraints, the logit-bias row of the
+current mid_process, captured logs, and the per-call result."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from dataclasses import dataclass, field
+
+from services.controller_runtime.constraints import Constraint, ConstraintError
+from services.controller_runtime.tokenizer import TokenizerInfo
+
+
+class HostError(Exception):
+    """A controller misused the host (bad pointer, bad JSON, wrong phase); ends that sequence."""
+
+
+@dataclass
+class VariableStore:
+    """Versioned variables of one request (reference §1.1): first write is version 1, each write +1."""
+
+    vars: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+
+    def execute(self, cmd: dict) -> tuple[dict, dict | None]:
+        """Run a StorageCmd; returns (StorageResp, the command to log if it wrote)."""
+        if not isinstance(cmd, dict) or len(cmd) != 1:
+            raise HostError(f"storage command must be {{\"ReadVar\"|\"WriteVar\": ...}}, got {cmd!r:.200}")
+        (kind, body), = cmd.items()
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            raise HostError(f"storage command {kind} needs a string name")
+        name = body["name"]
+        current = self.vars.get(name)
+        if kind == "ReadVar":
+            return (_read_resp(current), None)
+        if kind != "WriteVar":
+            raise HostError(f"unknown storage command {kind!r}")
+        try:
+            value = bytes.fromhex(body.get("value", ""))
+        except (TypeError, ValueError) as exc:
+            raise HostError(f"WriteVar value must be hex: {exc}") from exc
+        op = body.get("op", "Set")
+        if op not in ("Set", "Append"):
+            raise HostError(f"WriteVar op must be Set or Append, got {op!r}")
+        when = body.get("when_version_is")
+        if when is not None:
+            if current is None:
+                return ({"VariableMissing": {}}, None)
+            if current[0] != when:
+                return (_read_resp(current), None)
+        version = (current[0] if current else 0) + 1
+        self.vars[name] = (version, (current[1] if current and op == "Append" else b"") + value)
+        logged = {"WriteVar": {"name": name, "value": value.hex(), "op": op, "when_version_is": when}}
+        return ({"WriteVar": {"version": version}}, logged)
+
+
+def _read_resp(current: tuple[int, bytes] | None) -> dict:
+    if current is None:
+        return {"VariableMissing": {}}
+    return {"ReadVar": {"version": current[0], "value": current[1].hex()}}
+
+
+@dataclass
+class RequestState:
+    """What all forks of one request share."""
+
+    req_id: str
+    module_arg: bytes
+    storage: VariableStore = field(default_factory=VariableStore)
+    live_seqs: int = 0
+
+
+class SeqHost:
+    """Host state of one sequence; a fork gets a copy (constraints deep-copied, storage shared)."""
+
+    def __init__(self, tokenizer: TokenizerInfo, request: RequestState, capabilities: dict[str, bool],
+                 max_log_bytes: int) -> None:
+        self.tokenizer = tokenizer
+        self.request = request
+        self.capabilities = capabilities
+        self.max_log_bytes = max_log_bytes
+        self.seq_id = 0
+        self.constraints: dict[int, Constraint] = {}
+        self._next_handle = 1
+        self.begin_call(None)
+
+    # -- per call -------------------------------------------------------------------------------------
+    def begin_call(self, mask_address: int | None) -> None:
+        self.logs = bytearray()
+        self.storage_log: list[dict] = []
+        self.result: bytes | None = None
+        self.mask_address = mask_address
+        self.mask_set = False
+        self.error = ""
+
+    def log(self, data: bytes) -> None:
+        """Append captured output, keeping the newest ``max_log_bytes`` (AICI drops the oldest quarter)."""
+        self.logs += data
+        if len(self.logs) > self.max_log_bytes:
+            drop = max(len(self.logs) - self.max_log_bytes, self.max_log_bytes // 4)
+            del self.logs[:drop]
+
+    def logs_text(self) -> str:
+        return self.logs.decode("utf-8", "replace")
+
+    # -- facilities ------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def eos_token(self) -> int:
+        return self.tokenizer.eos_token
+
+    def tokenize(self, data: bytes) -> list[int]:
+        return self.tokenizer.tokenize(data)
+
+    def get_config(self, name: str) -> bool:
+        return bool(self.capabilities.get(name, False))
+
+    def storage_cmd(self, cmd: dict) -> dict:
+        resp, logged = self.request.storage.execute(cmd)
+        if logged is not None:
+            self.storage_log.append(logged)
+        return resp
+
+    def get_var(self, name: str) -> bytes | None:
+        resp = self.storage_cmd({"ReadVar": {"name": name}})
+        return bytes.fromhex(resp["ReadVar"]["value"]) if "ReadVar" in resp else None
+
+    def set_var(self, name: str, value: bytes, *, append: bool = False) -> None:
+        self.storage_cmd({"WriteVar": {"name": name, "value": value.hex(), "op": "Append" if append else "Set"}})
+
+    def storage_cmd_json(self, data: bytes) -> bytes:
+        try:
+            cmd = json.loads(data)
+        except ValueError as exc:
+            raise HostError(f"storage command is not JSON: {exc}") from exc
+        return json.dumps(self.storage_cmd(cmd)).encode()
+
+    def set_result(self, data: bytes) -> None:
+        self.result = bytes(data)
+
+    # -- masks -----------------------------------------------------------------------------------------
+    def _mask_target(self) -> int:
+        if self.mask_address is None:
+            raise HostError("a logit bias can only be returned during mid_process")
+        self.mask_set = True
+        return self.mask_address
+
+    def return_logit_bias_from(self, address: int) -> None:
+        """Copy ceil(vocab/32) u32 words from ``address`` into this op's mask row."""
+        ctypes.memmove(self._mask_target(), address, self.tokenizer.mask_words * 4)
+
+    def return_logit_bias(self, bitset: bytes) -> None:
+        if len(bitset) != self.tokenizer.mask_words * 4:
+            raise HostError(f"logit bias must be {self.tokenizer.mask_words * 4} bytes, got {len(bitset)}")
+        ctypes.memmove(self._mask_target(), bitset, len(bitset))
+
+    # -- constraints -----------------------------------------------------------------------------------
+    def constraint_new(self, kind: int, source: str) -> int:
+        """A new constraint's handle (> 0), or -1 with the reason in the logs."""
+        try:
+            constraint = Constraint.create(self.tokenizer, kind, source)
+        except ConstraintError as exc:
+            self.log(f"constraint error: {exc}\n".encode())
+            return -1
+        handle = self._next_handle
+        self._next_handle += 1
+        self.constraints[handle] = constraint
+        return handle
+
+    def constraint(self, handle: int) -> Constraint:
+        try:
+            return self.constraints[handle]
+        except KeyError:
+            raise HostError(f"unknown constraint handle {handle}") from None
+
+    def constraint_return_bias(self, handle: int) -> int:
+        return self.constraint(handle).fill_mask(self._mask_target(), self.tokenizer.mask_words * 4)
+
+    def constraint_free(self, handle: int) -> None:
+        self.constraints.pop(handle, None)
+
+    def fork(self, seq_id: int) -> SeqHost:
+        child = SeqHost(self.tokenizer, self.request, self.capabilities, self.max_log_bytes)
+        child.seq_id = seq_id
+        child.constraints = {h: c.fork() for h, c in self.constraints.items()}
+        child._next_handle = self._next_handle
+        return child
