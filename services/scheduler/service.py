@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from common import aici_wire, wire
+from common import wire
 from common.config import Settings
 from common.errors import (
     CONTEXT_LENGTH_EXCEEDED,
@@ -27,11 +27,11 @@ from common.errors import (
     MEMORY_PRESSURE,
     MODEL_LOADING_ERROR,
     ERROR_TRAITS,
-    WireError,
 )
 from common.model_source import load_tokenizer
-from common.sockets import Router, ensure_ipc_dir, reply_mid
+from common.sockets import Router, reply_mid
 from common.textstream import TextStream
+from services.scheduler.controllers import Branch, ControllerSteps, Plan
 from services.scheduler.requests import LiveRequest, State
 from services.scheduler.workers import WorkerInfo, WorkerPool
 
@@ -56,8 +56,6 @@ class Scheduler:
         ctx = zmq.asyncio.Context.instance()
         self.frontend = Router(ctx, settings.endpoint("scheduler"))
         self.worker_router = Router(ctx, settings.endpoint("worker"))
-        self.controller = self._controller_socket(ctx, settings.endpoint("controller_main"))
-        self.controller_lock = asyncio.Lock()
         self.pool = WorkerPool()
         self.requests: dict[str, LiveRequest] = {}
         self.queue: list[LiveRequest] = []
@@ -68,14 +66,7 @@ class Scheduler:
         self.orders = itertools.count()
         self.seq_ids = itertools.count(1)
         self.step_ids = itertools.count(1)
-
-    @staticmethod
-    def _controller_socket(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
-        ensure_ipc_dir(endpoint)
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        return sock
+        self.controllers = ControllerSteps(self)  # requests with a controller; the main channel
 
     # ------------------------------------------------------------------------------------------
     # model facts, from the first ready worker
@@ -179,7 +170,7 @@ class Scheduler:
 
     async def _health(self) -> wire.HealthReply:
         facts = self._model_facts()
-        controller = await self._ping_controller()
+        controller = await self.controllers.ping()
         detail = {
             "worker": self.pool.summary(),
             "model": self.settings.served_model_name,
@@ -193,22 +184,6 @@ class Scheduler:
             "controller_runtime": controller,
         }
         return wire.HealthReply(service="scheduler", ready=facts is not None and controller == "ok", detail=detail)
-
-    async def _ping_controller(self) -> str:
-        async with self.controller_lock:
-            try:
-                await self.controller.send(aici_wire.encode({"op": "ping"}))
-                if not await self.controller.poll(1000):
-                    # the reply may still come later: reconnect so it cannot be taken for the next one
-                    self.controller.close(0)
-                    self.controller = self._controller_socket(
-                        zmq.asyncio.Context.instance(), self.settings.endpoint("controller_main")
-                    )
-                    return "unreachable"
-                reply = aici_wire.decode_reply(await self.controller.recv())
-            except WireError as exc:
-                return f"bad reply: {exc}"
-        return "ok" if reply["type"] == "ok" and reply["data"].get("pong") == 1 else "bad reply"
 
     # ------------------------------------------------------------------------------------------
     # workers
@@ -277,7 +252,8 @@ class Scheduler:
         while True:
             self._expire_deadlines()
             self._admit()
-            steps = self._build_steps()
+            controlled = await self.controllers.plan(self.running.values(), self.limits.step_token_budget)
+            steps = self._build_steps(controlled)
             if not steps:
                 self._flush_events()
                 self.wake.clear()
@@ -286,10 +262,12 @@ class Scheduler:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            results = await asyncio.gather(*(self._run_step(worker, step) for worker, step, _ in steps))
+            mask = [controlled.mask] if controlled.mask is not None else []
+            results = await asyncio.gather(*(self._run_step(worker, step, mask) for worker, step, _ in steps))
             for (worker, _, batch), result in zip(steps, results):
                 if result is not None:
                     self._apply(worker, batch, result)
+            self.controllers.flush()
             self._flush_events()
 
     def _admit(self) -> None:
@@ -315,12 +293,14 @@ class Scheduler:
         if admitted:
             self.queue = [r for r in self.queue if r.state is State.QUEUED]
 
-    def _build_steps(self) -> list[tuple[WorkerInfo, wire.Step, list[tuple[LiveRequest, wire.SeqStep]]]]:
-        budget = self.limits.step_token_budget
-        per_worker: dict[bytes, list[tuple[LiveRequest, wire.SeqStep]]] = defaultdict(list)
+    def _build_steps(self, controlled: Plan) -> list[tuple[WorkerInfo, wire.Step, list[tuple[LiveRequest | Branch, wire.SeqStep]]]]:
+        budget = self.limits.step_token_budget - controlled.tokens
+        per_worker: dict[bytes, list[tuple[LiveRequest | Branch, wire.SeqStep]]] = defaultdict(list)
+        for identity, items in controlled.per_worker.items():
+            per_worker[identity] += [(b, s) for b, s in items if b.finished is None and b.request.state is State.RUNNING]
         # decoding sequences first (one token each), then prompt chunks within the token budget
         ordered = sorted(
-            (r for r in self.running.values() if not r.paused),
+            (r for r in self.running.values() if not r.paused and not r.submit.controller),
             key=lambda r: (r.fed < len(r.prompt), r.sort_key),
         )
         for request in ordered:
@@ -343,13 +323,13 @@ class Scheduler:
             steps.append((worker, step, batch))
         return steps
 
-    async def _run_step(self, worker: WorkerInfo, step: wire.Step) -> wire.StepResult | None:
+    async def _run_step(self, worker: WorkerInfo, step: wire.Step, binary: list[bytes]) -> wire.StepResult | None:
         loop = asyncio.get_running_loop()
         worker.in_flight = loop.create_future()
         worker.in_flight_step = step.step_id
         deadline = time.monotonic() + self.limits.worker_step_timeout_s
         try:
-            await self.worker_router.send(worker.identity, step)
+            await self.worker_router.send(worker.identity, step, binary if any(s.mask_row >= 0 for s in step.seqs) else ())
             while True:
                 try:
                     return await asyncio.wait_for(asyncio.shield(worker.in_flight), timeout=0.25)
@@ -365,11 +345,14 @@ class Scheduler:
             worker.in_flight = None
             worker.in_flight_step = -1
 
-    def _apply(self, worker: WorkerInfo, batch: list[tuple[LiveRequest, wire.SeqStep]], result: wire.StepResult) -> None:
+    def _apply(self, worker: WorkerInfo, batch: list[tuple[LiveRequest | Branch, wire.SeqStep]], result: wire.StepResult) -> None:
         failures = {f.seq_id: f.message for f in result.failures}
         eos = set(worker.hello.eos_token_ids)
         max_len = self._max_model_len()
         for request, seq in batch:
+            if isinstance(request, Branch):
+                self.controllers.apply(request, seq, result, eos, max_len)
+                continue
             if request.state is State.FINISHED:
                 continue  # cancelled while its step ran
             if seq.seq_id in failures:
@@ -451,6 +434,8 @@ class Scheduler:
                 self.to_free[request.worker].append(request.seq_id)
         request.state = State.FINISHED
         self.requests.pop(request.rid, None)
+        if request.submit.controller:
+            self.controllers.release(request)
         self.wake.set()
 
     def _expire_deadlines(self) -> None:

@@ -1,0 +1,535 @@
+"""The controller-aware part of the step loop: requests that carry a controller (``Submit.controller``).
+
+Each loop iteration, for the controlled sequences only (DESIGN.md "One decoding step", seed 001):
+
+1. ``post_pre_process`` on the main channel: post_ops report what happened to each sequence since the
+   controller last saw it (the sampled token; a Splice's backtrack and ff_tokens), pre_ops assign an
+   instantiated controller to a sequence whose prompt is about to be fully fed, ``freed`` lists the
+   ended sequences. Results: stop, suspend (sit this step out), ff_tokens (appended now, prefilled in
+   this step; the runtime already fed them to post_process), num_forks (k > 1: k-1 new sequences,
+   branches of the same request, the worker copies the parent's KV copy-on-write).
+2. ``mid_process`` for the sequences that run this step (new forks with ``clone_id``): ``Stop``,
+   ``SampleWithBias`` (the mask row in the reply's binary frame, forwarded as is to the worker as the
+   step's mask frame) or ``Splice`` (backtrack + ff_tokens fed this step, nothing sampled).
+3. The worker step feeds each sequence what the worker does not hold yet (after a backtrack that
+   reaches into the worker's KV, ``SeqStep.backtrack`` truncates it), samples under the mask.
+
+A controller error or a missed deadline ends only that branch (its event carries the error); the
+request ends when its last branch does. Sequences without a controller never reach this module.
+
+Each branch keeps the *logical* token list the controller sees and ``kv_len``, how many of them the
+worker holds; what lies beyond is fed on the branch's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from common import aici_wire, wire
+from common.errors import INTERNAL_ERROR, WireError
+from common.sockets import ensure_ipc_dir
+from common.textstream import TextStream
+from services.scheduler.requests import LiveRequest, State
+
+if TYPE_CHECKING:
+    from services.scheduler.service import Scheduler
+
+log = structlog.get_logger()
+
+BACKTRACK_MARK = " \u21a9 "  # AICI's marker for a backtrack in streamed text
+
+
+class RuntimeUnavailable(Exception):
+    """The controller runtime did not answer (in time, or sensibly) on the main channel."""
+
+
+class MainChannel:
+    """The scheduler's DEALER on the runtime's main channel: strictly one request outstanding.
+
+    A reply that does not come in time means the socket is replaced, so a late reply can never be
+    taken for the answer to the next request."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.lock = asyncio.Lock()
+        self.sock = self._connect()
+
+    def _connect(self) -> zmq.asyncio.Socket:
+        ensure_ipc_dir(self.endpoint)
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        return sock
+
+    async def call(self, request: dict[str, Any], timeout_s: float) -> tuple[dict[str, Any], list[bytes]]:
+        """Send one request; its reply (``type`` ok|error) and any binary frames after it."""
+        async with self.lock:
+            await self.sock.send(aici_wire.encode(request))
+            if not await self.sock.poll(int(timeout_s * 1000)):
+                self.sock.close(0)
+                self.sock = self._connect()
+                raise RuntimeUnavailable(f"the controller runtime did not answer {request['op']} within {timeout_s:g} s")
+            parts = await self.sock.recv_multipart()
+        try:
+            return aici_wire.decode_reply(parts[0]), parts[1:]
+        except WireError as exc:
+            raise RuntimeUnavailable(f"bad reply from the controller runtime to {request['op']}: {exc}") from None
+
+
+@dataclass
+class Branch:
+    """One sequence of a controlled request: the original (index 0) or a fork."""
+
+    request: LiveRequest
+    index: int
+    seq_id: int
+    tokens: list[int]  # prompt + everything generated, as the controller sees it
+    text: TextStream
+    text_start: int  # tokens[text_start:] are this branch's generated text
+    kv_len: int = 0  # leading tokens the worker holds
+    kv_backtrack: int = 0  # tokens to drop from the worker's KV on the next step
+    assigned: bool = False  # the runtime knows this sequence
+    runtime_freed: bool = False  # the runtime was told (``freed``) that it ended
+    fork_of: int | None = None  # parent seq id, on this branch's first worker step
+    fresh: bool = True  # the worker has not seen this sequence yet
+    report_backtrack: int = 0  # what the controller has not been told yet (post_ops)
+    report_tokens: list[int] = field(default_factory=list)
+    suspended: bool = False
+    sampled: int = 0  # tokens sampled on this branch
+    finished: str | None = None  # the branch's AICI finish reason once it ended
+    event: wire.TokenEvent | None = None  # what this step has to say about the branch
+
+    @property
+    def unfed(self) -> list[int]:
+        return self.tokens[self.kv_len :]
+
+    def pending_event(self) -> wire.TokenEvent:
+        if self.event is None:
+            self.event = wire.TokenEvent(rid=self.request.rid, index=self.index)
+        return self.event
+
+    def note(self, result: dict[str, Any]) -> None:
+        """Add a runtime result's logs, storage and time to this step's event."""
+        event = self.pending_event()
+        event.logs += result.get("logs") or ""
+        event.storage = [*event.storage, *(result.get("storage") or [])]
+        event.micros += int(result.get("micros") or 0)
+
+    def report(self, backtrack: int, tokens: list[int]) -> None:
+        """Record a change the controller must hear about in the next post_ops."""
+        if backtrack <= len(self.report_tokens):
+            del self.report_tokens[len(self.report_tokens) - backtrack :]
+        else:
+            self.report_backtrack += backtrack - len(self.report_tokens)
+            self.report_tokens = []
+        self.report_tokens += tokens
+
+    def splice(self, backtrack: int, tokens: list[int]) -> None:
+        """Drop ``backtrack`` tokens from the end and append ``tokens`` (logically; fed later)."""
+        backtrack = min(backtrack, len(self.tokens) - 1)  # a sequence never becomes empty
+        if backtrack:
+            unfed = len(self.tokens) - self.kv_len
+            if backtrack > unfed:
+                self.kv_backtrack += backtrack - unfed
+                self.kv_len -= backtrack - unfed
+            del self.tokens[len(self.tokens) - backtrack :]
+            self._rewind_text()
+        self.tokens += tokens
+        if tokens:
+            self.pending_event().text += self.text.push(tokens)
+
+    def _rewind_text(self) -> None:
+        """After a backtrack: detokenize afresh from what is left and mark the cut in the stream."""
+        self.text_start = min(self.text_start, len(self.tokens))
+        stream = TextStream(self.text.tokenizer, stop=list(self.text.stop))
+        stream.push(self.tokens[self.text_start :])
+        stream.released = len(stream.text)
+        self.text = stream
+        if self.index == 0:
+            self.request.text = stream  # what the scheduler flushes when the request ends
+        self.pending_event().text += BACKTRACK_MARK
+
+
+@dataclass
+class Controlled:
+    """The branches of one controlled request."""
+
+    request: LiveRequest
+    branches: list[Branch]
+    indices: itertools.count = field(default_factory=lambda: itertools.count(1))
+    ff_total: int = 0
+
+    def live(self) -> list[Branch]:
+        return [b for b in self.branches if b.finished is None]
+
+
+@dataclass
+class Plan:
+    """The controlled part of one step: SeqSteps per worker and the mask frame they index."""
+
+    per_worker: dict[bytes, list[tuple[Branch, wire.SeqStep]]] = field(default_factory=lambda: defaultdict(list))
+    mask: bytes | None = None
+    tokens: int = 0
+
+
+# The Tiller finish reason of a request whose branch 0 ended with an AICI reason.
+REQUEST_REASON = {"eos": "stop", "stop": "stop", "aici-stop": "stop", "length": "length", "fail": "error",
+                  "abort": "cancelled"}
+
+
+class ControllerSteps:
+    """Drives every controlled request of one scheduler (see the module docstring)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.sched = scheduler
+        self.settings = scheduler.settings.controllers
+        self.channel = MainChannel(scheduler.settings.endpoint("controller_main"))
+        self.requests: dict[str, Controlled] = {}
+        self.by_seq: dict[int, Branch] = {}
+        self.freed: list[int] = []  # ended sequences the runtime has not been told about
+        self.free_later: dict[bytes, list[int]] = defaultdict(list)  # worker frees after this step's forks
+
+    # -- main channel ------------------------------------------------------------------------------
+
+    async def ping(self) -> str:
+        try:
+            reply, _ = await self.channel.call({"op": "ping"}, timeout_s=1.0)
+        except RuntimeUnavailable as exc:
+            return "unreachable" if "did not answer" in str(exc) else f"bad reply: {exc}"
+        return "ok" if reply["type"] == "ok" and reply["data"].get("pong") == 1 else "bad reply"
+
+    async def _call(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]] | None:
+        """A main-channel call; when the runtime fails it, every controlled request fails with the reason."""
+        try:
+            reply, frames = await self.channel.call(request, self.settings.main_timeout_s)
+            if reply["type"] != "ok":
+                raise RuntimeUnavailable(f"the controller runtime refused {request['op']}: {reply.get('error')}")
+        except RuntimeUnavailable as exc:
+            log.warning("scheduler.controller_runtime_failed", error=str(exc))
+            for controlled in list(self.requests.values()):
+                self.sched._fail(controlled.request, INTERNAL_ERROR, str(exc))
+            return None
+        return reply, frames
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def track(self, request: LiveRequest) -> Controlled:
+        controlled = self.requests.get(request.rid)
+        if controlled is None:
+            root = Branch(request=request, index=0, seq_id=request.seq_id, tokens=list(request.prompt),
+                          text=request.text, text_start=len(request.prompt))
+            controlled = self.requests[request.rid] = Controlled(request=request, branches=[root])
+            self.by_seq[root.seq_id] = root
+        return controlled
+
+    async def plan(self, running: Iterable[LiveRequest], budget: int) -> Plan:
+        """post_pre_process, forks, mid_process: the controlled SeqSteps of this step."""
+        plan = Plan()
+        assign: list[Branch] = []
+        for request in running:
+            if not request.submit.controller or request.state is not State.RUNNING:
+                continue
+            controlled = self.track(request)
+            root = controlled.branches[0]
+            if root.assigned or request.paused:
+                continue
+            remaining = len(request.prompt) - request.fed
+            chunk = min(self.sched.limits.prefill_chunk_tokens, budget)
+            if remaining <= chunk:
+                assign.append(root)
+            elif chunk > 0:  # a prompt chunk: no controller involved yet
+                self._add(plan, root, request.prompt[request.fed : request.fed + chunk], sample=False)
+                budget -= chunk
+        if not self.requests and not self.freed:
+            return plan
+        runnable = await self._post_pre_process(assign)
+        if runnable:
+            await self._mid_process(plan, runnable)
+        for items in plan.per_worker.values():
+            for branch, _ in items:
+                branch.request.sampling_dirty = False
+        return plan
+
+    def _add(self, plan: Plan, branch: Branch, tokens: list[int], *, sample: bool, mask_row: int = -1) -> None:
+        request = branch.request
+        seq = wire.SeqStep(seq_id=branch.seq_id, tokens=tokens, sample=sample, mask_row=mask_row,
+                           backtrack=branch.kv_backtrack)
+        if branch.fresh and branch.fork_of is not None:
+            seq.fork_of = branch.fork_of
+        elif branch.fresh or request.sampling_dirty:
+            seq.sampling = request.submit.sampling
+        plan.per_worker[request.worker].append((branch, seq))
+        plan.tokens += len(tokens)
+
+    async def _post_pre_process(self, assign: list[Branch]) -> list[tuple[Branch, int | None]]:
+        """Run post_pre_process; returns the branches to run this step, each with its clone parent."""
+        post_ops = []
+        for controlled in self.requests.values():
+            for b in controlled.live():
+                if b.assigned and (b.report_tokens or b.report_backtrack):
+                    post_ops.append({"id": b.seq_id, "tokens": b.report_tokens, "backtrack": b.report_backtrack})
+                    b.report_tokens, b.report_backtrack = [], 0
+        pre_ops = [{"id": b.seq_id, "req_id": b.request.submit.controller} for b in assign]
+        freed, self.freed = self.freed, []
+        assigned_any = any(b.assigned for c in self.requests.values() for b in c.live())
+        if not (post_ops or pre_ops or assigned_any):
+            if freed:
+                self.freed = freed  # nothing to run: tell the runtime with the next call
+            return []
+        called = await self._call({"op": "post_pre_process", "post_ops": post_ops, "pre_ops": pre_ops, "freed": freed})
+        for b in assign:
+            b.assigned = True
+        if called is None:
+            return []
+        data = called[0]["data"]
+        for seq_id_key, result in (data.get("post_seqs") or {}).items():
+            branch = self.by_seq.get(int(seq_id_key))
+            if branch is None or branch.finished:
+                continue
+            branch.note(result)
+            if result.get("error"):
+                self._end(branch, "fail", error=result["error"])
+            elif (result.get("result") or {}).get("stop"):
+                self._end(branch, "aici-stop")
+        runnable: list[tuple[Branch, int | None]] = []
+        pre_seqs = data.get("pre_seqs") or {}
+        for controlled in list(self.requests.values()):
+            for branch in list(controlled.live()):
+                if not branch.assigned:
+                    continue
+                result = pre_seqs.get(str(branch.seq_id), pre_seqs.get(branch.seq_id))
+                if result is None:
+                    self._end(branch, "fail", error="the controller runtime returned no pre_process result")
+                    continue
+                runnable += self._on_pre(controlled, branch, result)
+        return runnable
+
+    def _on_pre(self, controlled: Controlled, branch: Branch, result: dict[str, Any]) -> list[tuple[Branch, int | None]]:
+        branch.note(result)
+        if result.get("error"):
+            self._end(branch, "fail", error=result["error"])
+            return []
+        pre = result.get("result") or {}
+        num_forks = int(pre.get("num_forks", 1))
+        if num_forks == 0:
+            self._end(branch, "aici-stop")
+            return []
+        ff = [int(t) for t in pre.get("ff_tokens") or []]
+        if ff:
+            branch.splice(0, ff)
+            self._count_ff(controlled, branch, len(ff))
+            self._check_limits(branch, self.sched._max_model_len())
+            if branch.finished:
+                return []
+        branch.suspended = bool(pre.get("suspend"))
+        request = branch.request
+        if branch.suspended or request.paused:
+            return []
+        out: list[tuple[Branch, int | None]] = [(branch, None)]
+        room = self.settings.max_forks - len(controlled.live())
+        if num_forks - 1 > room:
+            self._end(branch, "fail", error=f"the controller asked for {num_forks} forks; a request may have at most "
+                                            f"{self.settings.max_forks} live sequences")
+            return []
+        for _ in range(num_forks - 1):
+            out.append((self._fork(controlled, branch), branch.seq_id))
+        return out
+
+    def _fork(self, controlled: Controlled, parent: Branch) -> Branch:
+        request = parent.request
+        child = Branch(request=request, index=next(controlled.indices), seq_id=next(self.sched.seq_ids),
+                       tokens=list(parent.tokens), text=TextStream(request.text.tokenizer, stop=list(request.text.stop)),
+                       text_start=parent.text_start, assigned=True)
+        child.text.push(child.tokens[child.text_start :])
+        child.text.released = len(child.text.text)
+        if parent.kv_len > 0 and not parent.fresh:  # the parent is live in the worker: copy its KV
+            child.fork_of, child.kv_len, child.kv_backtrack = parent.seq_id, parent.kv_len, parent.kv_backtrack
+        controlled.branches.append(child)
+        self.by_seq[child.seq_id] = child
+        worker = self.sched.pool.workers.get(request.worker)
+        if worker is not None:
+            worker.reserved_tokens += request.needed_tokens
+        return child
+
+    async def _mid_process(self, plan: Plan, runnable: list[tuple[Branch, int | None]]) -> None:
+        ops = [{"id": b.seq_id, "clone_id": clone} for b, clone in runnable]
+        called = await self._call({"op": "mid_process", "ops": ops})
+        if called is None:
+            return
+        reply, frames = called
+        seqs = reply["data"].get("seqs") or {}
+        plan.mask = frames[0] if frames else None
+        for row, (branch, _) in enumerate(runnable):
+            if branch.finished:
+                continue
+            result = seqs.get(str(branch.seq_id), seqs.get(branch.seq_id))
+            if result is None:
+                self._end(branch, "fail", error="the controller runtime returned no mid_process result")
+                continue
+            branch.note(result)
+            if result.get("error"):
+                self._end(branch, "fail", error=result["error"])
+                continue
+            self._on_mid(plan, branch, result.get("result"), int(result.get("mask_row", row)))
+
+    def _on_mid(self, plan: Plan, branch: Branch, mid: Any, row: int) -> None:
+        if mid == "Stop":
+            self._end(branch, "aici-stop")
+            return
+        if isinstance(mid, dict) and "Splice" in mid:
+            splice = mid["Splice"] or {}
+            backtrack, ff = int(splice.get("backtrack", 0)), [int(t) for t in splice.get("ff_tokens") or []]
+            branch.splice(backtrack, ff)
+            branch.report(backtrack, ff)
+            self._count_ff(self.requests[branch.request.rid], branch, len(ff))
+            self._check_limits(branch, self.sched._max_model_len())
+            if branch.finished:
+                return
+            if not branch.unfed:  # a pure backtrack: compute the new last token again, sample nothing
+                branch.kv_len -= 1
+                branch.kv_backtrack += 1
+            self._add(plan, branch, branch.unfed, sample=False)
+            return
+        # seed 001: a null result means "sample with the mask in the mask frame", as SampleWithBias does
+        masked = (mid is None or (isinstance(mid, dict) and "SampleWithBias" in mid)) and plan.mask is not None
+        if not branch.unfed and not (branch.kv_backtrack or branch.fork_of is not None):
+            branch.kv_len -= 1  # nothing new to feed: compute the last token again to sample after it
+            branch.kv_backtrack += 1
+        self._add(plan, branch, branch.unfed, sample=True, mask_row=row if masked else -1)
+
+    def _count_ff(self, controlled: Controlled, branch: Branch, n: int) -> None:
+        controlled.ff_total += n
+        branch.pending_event().ff_tokens += n
+
+    # -- results ------------------------------------------------------------------------------------
+
+    def apply(self, branch: Branch, seq: wire.SeqStep, result: wire.StepResult, eos: set[int], max_len: int) -> None:
+        """The worker ran ``seq`` for ``branch``: advance it and note what the controller must hear."""
+        request = branch.request
+        if branch.finished or request.state is State.FINISHED:
+            return
+        failure = next((f.message for f in result.failures if f.seq_id == seq.seq_id), None)
+        if failure is not None:
+            self._end(branch, "fail", error=f"the worker failed this sequence: {failure}")
+            return
+        branch.fresh = False
+        branch.fork_of = None
+        branch.kv_backtrack = 0
+        if not branch.assigned:  # a prompt chunk before the controller's first step
+            branch.kv_len += len(seq.tokens)
+            request.fed = branch.kv_len
+            return
+        branch.kv_len = len(branch.tokens)  # everything planned was fed
+        request.fed = len(request.prompt)
+        if not seq.sample:
+            return
+        sampled = result.samples.get(seq.seq_id)
+        if sampled is None:
+            self._end(branch, "fail", error="the worker returned no token for this sequence")
+            return
+        token = sampled.token_id
+        branch.tokens.append(token)
+        branch.report(0, [token])
+        branch.sampled += 1
+        if branch.index == 0:
+            request.generated.append(token)
+        event = branch.pending_event()
+        event.tokens = [*event.tokens, sampled]
+        if token in request.submit.stop_token_ids or (token in eos and not request.submit.ignore_eos):
+            self._end(branch, "eos")
+            return
+        event.text += branch.text.push([token])
+        self._check_limits(branch, max_len)
+
+    def _check_limits(self, branch: Branch, max_len: int) -> None:
+        """End a branch whose text hit a stop string or whose length hit max_tokens or the context."""
+        request = branch.request
+        generated = len(branch.tokens) - len(request.prompt)
+        if branch.text.stopped_by is not None:
+            self._end(branch, "stop")
+        elif generated >= request.submit.max_tokens or len(branch.tokens) >= max_len:
+            self._end(branch, "length")
+
+    def _end(self, branch: Branch, reason: str, *, error: str = "") -> None:
+        """End one branch; the request ends with its last branch."""
+        if branch.finished is not None:
+            return
+        branch.finished = reason
+        event = branch.pending_event()
+        event.fork_finish = reason
+        event.error = error
+        if reason not in ("stop", "fail"):
+            event.text += branch.text.flush()
+        request = branch.request
+        if error:
+            structlog.contextvars.bind_contextvars(request_id=request.rid)
+            log.info("scheduler.branch_failed", index=branch.index, seq_id=branch.seq_id, error=error)
+            structlog.contextvars.unbind_contextvars("request_id")
+        self._free(branch)
+
+    def _free(self, branch: Branch) -> None:
+        """Tell the runtime the branch ended; free a fork's worker sequence (the root's goes with the request)."""
+        request = branch.request
+        if branch.assigned and not branch.runtime_freed:
+            branch.runtime_freed = True
+            self.freed.append(branch.seq_id)
+        if branch.index != 0 and self.by_seq.pop(branch.seq_id, None) is not None:
+            worker = self.sched.pool.workers.get(request.worker)
+            if worker is not None:
+                worker.reserved_tokens -= request.needed_tokens
+                self.free_later[request.worker].append(branch.seq_id)
+
+    def flush(self) -> None:
+        """After a step: send each branch's event; end the requests whose last branch ended. Worker
+        frees of ended forks go out with the next step (a fork made this step may copy them)."""
+        for identity, seq_ids in self.free_later.items():
+            self.sched.to_free[identity].extend(seq_ids)
+        self.free_later.clear()
+        for controlled in list(self.requests.values()):
+            request = controlled.request
+            if request.state is State.FINISHED:
+                continue
+            events = [b.event for b in controlled.branches if b.event is not None]
+            for b in controlled.branches:
+                b.event = None
+            if controlled.live():
+                self.sched.outbox[request.gateway].extend(events)
+                continue
+            root = controlled.branches[0]
+            final = next((e for e in events if e.index == 0), None) or wire.TokenEvent(rid=request.rid)
+            self.sched.outbox[request.gateway].extend(e for e in events if e is not final)
+            reason = REQUEST_REASON.get(root.finished or "fail", "error")
+            if all(b.finished == "fail" for b in controlled.branches):
+                reason = "error"
+                final.error = final.error or next((e.error for e in events if e.error), "the controller failed")
+            self.sched._finish(request, reason, final)
+
+    def release(self, request: LiveRequest) -> None:
+        """The request ended (finished, cancelled, failed): forget it and free every branch."""
+        controlled = self.requests.pop(request.rid, None)
+        if controlled is None:
+            return
+        for branch in controlled.branches:
+            branch.finished = branch.finished or "abort"
+            self._free(branch)
+        self.by_seq.pop(controlled.branches[0].seq_id, None)
+        for identity, seq_ids in self.free_later.items():
+            self.sched.to_free[identity].extend(seq_ids)
+        self.free_later.clear()
+
+    def usage(self, request: LiveRequest) -> tuple[int, int]:
+        """(sampled tokens over every branch, fast-forwarded tokens) of a controlled request."""
+        controlled = self.requests.get(request.rid)
+        if controlled is None:
+            return len(request.generated), 0
+        return sum(b.sampled for b in controlled.branches), controlled.ff_total
+
