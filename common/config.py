@@ -121,6 +121,19 @@ class Controllers(BaseModel):
     side_timeout_s: float = Field(30.0, gt=0, description="how long the gateway waits for a side-channel reply")
 
 
+class ApiAuth(BaseModel):
+    """Who calls the controller API (``/v1/controllers``, ``/v1/run``, a ``controller`` on any surface):
+    the user name and admin flag sent as ``$auth`` on the side channel (tag ownership, logs)."""
+
+    tokens: dict[str, str] = Field(
+        default_factory=dict,
+        description="bearer token -> user name; when any is set, controller calls need 'Authorization: Bearer <token>'",
+    )
+    user_header: str = Field("x-user-id", description="without tokens: the header naming the user (set by a front proxy)")
+    default_user: str = Field("localhost", description="the user when no token is configured and the header is absent")
+    admins: list[str] = Field(default_factory=lambda: ["localhost"], description="users who may set any tag")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="TILLER_",
@@ -158,6 +171,7 @@ class Settings(BaseSettings):
     images: Images = Field(default_factory=Images)
     sessions: Sessions = Field(default_factory=Sessions)
     controllers: Controllers = Field(default_factory=Controllers)
+    api_auth: ApiAuth = Field(default_factory=ApiAuth)
     log_level: str = "info"
     ready_timeout_s: float = Field(600.0, description="how long `tiller up` waits for every service")
 
