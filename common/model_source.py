@@ -8,6 +8,8 @@
 * a local Hugging Face model directory.
 * ``random:<smollm2 | model dir>`` — that model's config and tokenizer with random weights (for
   benchmarks on machines without the real weights), like vLLM's dummy load format.
+* ``random:qwen2-vl-tiny`` — a tiny Qwen2-VL (vision-language) model at random weights, for the
+  image path (see :mod:`common.tiny_vl`).
 
 Several processes may ask at once; a file lock makes exactly one of them convert.
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from common import tiny_vl
 from common.config import DEFAULT_MODEL, Settings
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -101,7 +104,11 @@ def resolve_model(settings: Settings, *, weights: bool = False) -> ModelSource:
     random = spec.startswith("random:")
     if random:
         spec = spec[len("random:") :] or DEFAULT_MODEL
-    if spec == DEFAULT_MODEL:
+    if spec == tiny_vl.NAME:
+        if not random:
+            raise RuntimeError(f"{tiny_vl.NAME} has no trained weights: serve it as 'random:{tiny_vl.NAME}'")
+        directory = tiny_vl.prepare(settings.cache_dir, _prepare_embedded(settings, weights=False))
+    elif spec == DEFAULT_MODEL:
         directory = _prepare_embedded(settings, weights=weights and not random)
         if random and not (directory / "config.json").is_file():
             directory = _prepare_embedded(settings, weights=True)

@@ -62,6 +62,17 @@ class SampledToken(msgspec.Struct, array_like=True):
     top: list[TokenLogprob] = []
 
 
+class ImageInput(msgspec.Struct, kw_only=True):
+    """An image placed in a token list (vision-language models): the block ``[start, end)`` is
+    ``<|vision_start|>``, the ``<|image_pad|>`` tokens its encoder features replace, and
+    ``<|vision_end|>``. ``data`` is the encoded image (PNG, JPEG, ...) exactly as the client sent it."""
+
+    start: int
+    end: int
+    data: bytes
+    mime: str = ""
+
+
 # ---------------------------------------------------------------------------------------------
 # Common replies
 
@@ -100,6 +111,7 @@ class Submit(Msg, tag="submit"):
     ignore_eos: bool = False
     priority: int = 0  # 0 interactive ... 10 batch
     timeout_s: float = 0.0  # 0: the scheduler's default
+    images: list[ImageInput] = []  # every image of the prompt, positions in prompt_ids
     controller: str = ""  # req_id of a controller instantiated on the side channel ("": none)
 
 
@@ -183,7 +195,8 @@ class SeqStep(msgspec.Struct, kw_only=True, omit_defaults=True):
     4. when ``sample`` is set, sample the next token from the logits after the last fed token.
 
     ``sampling`` is sent when a sequence starts or its parameters change. ``mask_row`` indexes the
-    step's mask frame (-1: no mask)."""
+    step's mask frame (-1: no mask). ``images`` (positions in the whole sequence) are the images
+    whose blocks the fed tokens hold; a block is never split between two SeqSteps."""
 
     seq_id: int
     tokens: list[int]
@@ -192,6 +205,7 @@ class SeqStep(msgspec.Struct, kw_only=True, omit_defaults=True):
     mask_row: int = -1
     fork_of: int | None = None
     backtrack: int = 0
+    images: list[ImageInput] = []
 
 
 class Step(Msg, tag="step"):

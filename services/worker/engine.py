@@ -47,6 +47,7 @@ from transformers import PretrainedConfig
 from common.config import Settings
 from common.wire import SeqFailure, SeqStep, Step, StepResult
 from services.worker.hf_fallback import HFFallback
+from services.worker.vision import VisionFallback
 from services.worker.kv_cache import BlockTables, PagedKVCache, PoolExhausted, bytes_per_token, plan_num_blocks
 from services.worker.model_loader import LoadedModel
 from services.worker.paged_llama import PagedLlama, unsupported_reason
@@ -64,7 +65,8 @@ class _Seq:
 
 
 def _kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
-    """(layers, key/value heads, head dim) of a decoder config."""
+    """(layers, key/value heads, head dim) of a decoder config (a vision-language config's text part)."""
+    config = config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return config.num_hidden_layers, kv_heads, head_dim
@@ -121,7 +123,7 @@ class Engine:
         else:
             log.info("worker.fallback_forward", reason=reason)
             self.tables = BlockTables(num_blocks, prefix_caching=False)
-            self.runner = HFFallback(loaded.model)
+            self.runner = VisionFallback(loaded.model, loaded.vision) if loaded.vision else HFFallback(loaded.model)
             self.backend = "transformers"
         self.seqs: dict[int, _Seq] = {}
         self.fed_tokens = 0  # tokens fed by accepted SeqSteps, and how many of them the cache gave
@@ -304,6 +306,15 @@ class Engine:
         self.tables.truncate(seq_id, length)
         self.runner.truncate(seq_id, length)
 
+    def _stage_images(self, s: SeqStep, tokens: list[int], first: int) -> None:
+        """Hand the runner the images whose blocks are in ``tokens[first:]``, about to be computed."""
+        if not isinstance(self.runner, VisionFallback):
+            raise _Invalid(f"sequence {s.seq_id}: the served model is text-only; it takes no images")
+        try:
+            self.runner.stage_images(s.seq_id, tokens, first, s.images)
+        except ValueError as exc:
+            raise _Invalid(f"sequence {s.seq_id}: {exc}") from exc
+
     def _admit(self, s: SeqStep, masks: _Masks) -> tuple[SeqInput | None, int]:
         """Validate one SeqStep, start or update its sequence, backtrack, reuse cached prefix
         blocks and reserve the rest. Returns what the forward pass must compute for it (None:
@@ -364,4 +375,6 @@ class Engine:
         hits = first - start if s.tokens else 0
         if first == end:
             return None, hits
+        if s.images:
+            self._stage_images(s, seq.tokens, first)
         return SeqInput(seq_id=s.seq_id, tokens=feed[first - start :], start=first, logits=s.sample), hits

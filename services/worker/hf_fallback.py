@@ -40,18 +40,19 @@ class HFFallback:
             elif length < cache.get_seq_length():
                 cache.crop(length - cache.get_seq_length())  # a negative count: tokens to remove
 
+    def model_inputs(self, item: SeqInput) -> dict[str, torch.Tensor]:
+        """The model's inputs for one sequence's fed tokens (besides its cache)."""
+        n = len(item.tokens)
+        return {
+            "input_ids": torch.tensor([item.tokens], device=self.device),
+            "position_ids": torch.arange(item.start, item.start + n, device=self.device).unsqueeze(0),
+        }
+
     def forward(self, inputs: list[SeqInput]) -> torch.Tensor:
         rows: list[torch.Tensor] = []
         for item in inputs:
             cache = self.caches.setdefault(item.seq_id, DynamicCache(config=self.model.config))
-            n = len(item.tokens)
-            out = self.model(
-                input_ids=torch.tensor([item.tokens], device=self.device),
-                position_ids=torch.arange(item.start, item.start + n, device=self.device).unsqueeze(0),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            out = self.model(**self.model_inputs(item), past_key_values=cache, use_cache=True, logits_to_keep=1)
             if item.logits:
                 rows.append(out.logits[0, -1].float())
         if not rows:

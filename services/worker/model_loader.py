@@ -11,6 +11,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     GenerationConfig,
     PretrainedConfig,
@@ -20,6 +21,7 @@ from transformers.utils import logging as hf_logging
 
 from common.config import Settings
 from common.model_source import resolve_model
+from common.vision import VisionSpec
 
 log = structlog.get_logger()
 
@@ -37,6 +39,7 @@ class LoadedModel:
     dtype: torch.dtype
     eos_token_ids: list[int]
     max_model_len: int
+    vision: VisionSpec | None = None  # a vision-language model's image facts and processor
 
     @property
     def vocab_size(self) -> int:
@@ -90,6 +93,12 @@ def _own_weights(model: PreTrainedModel) -> None:
             param.data = param.data.clone()
 
 
+def model_class(config: PretrainedConfig) -> type:
+    """The auto class that builds ``config``: vision-language configs (a ``vision_config``) are not
+    causal-LM classes in transformers, but their models are used the same way for text."""
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+
+
 def load_model(settings: Settings, progress: Progress) -> LoadedModel:
     """Resolve ``settings.model`` and load it: pretrained safetensors or random weights seeded by
     ``settings.seed``. ``progress(percent, message)`` is called between stages."""
@@ -101,11 +110,11 @@ def load_model(settings: Settings, progress: Progress) -> LoadedModel:
     config = AutoConfig.from_pretrained(source.directory)
     if source.pretrained_weights:
         progress(10, f"loading weights from {source.directory}")
-        model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype)
+        model = model_class(config).from_pretrained(source.directory, dtype=dtype)
     else:
         progress(10, f"initialising random weights for {config.model_type}")
         torch.manual_seed(settings.seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = model_class(config).from_config(config, dtype=dtype)
     progress(70, f"moving weights to {device}")
     model = model.to(device).eval()
     if device.type == "cpu" and source.pretrained_weights:
@@ -113,7 +122,7 @@ def load_model(settings: Settings, progress: Progress) -> LoadedModel:
     progress(80, "reading tokenizer and generation config")
     eos = eos_token_ids(source.directory, config)
     limit = settings.limits.max_model_len
-    max_len = min(int(getattr(config, "max_position_embeddings", limit)), limit)
+    max_len = min(int(getattr(config.get_text_config(), "max_position_embeddings", limit)), limit)
     return LoadedModel(
         model=model,
         config=model.config,
@@ -122,4 +131,5 @@ def load_model(settings: Settings, progress: Progress) -> LoadedModel:
         dtype=dtype,
         eos_token_ids=eos,
         max_model_len=max_len,
+        vision=VisionSpec.load(source.directory, config, settings.images.max_image_pixels),
     )
