@@ -13,12 +13,13 @@ from fastapi import FastAPI
 
 from common.config import Settings
 from common.model_source import load_tokenizer
-from services.gateway import openai_api, ops, rest, ws
+from services.gateway import aici_rest, openai_api, ops, rest, ws
 from services.gateway.driver import Gateway
 from services.gateway.engine import EngineClient
 from services.gateway.grpc_server import start_grpc, stop_grpc
 from services.gateway.metrics import Metrics
 from services.gateway.ratelimit import RateLimiter
+from services.gateway.side_channel import SideChannel
 from services.gateway.store import StoreClient
 from services.gateway.text import TextProcessor
 
@@ -40,8 +41,10 @@ def create_app(settings: Settings) -> FastAPI:
             limiter=RateLimiter(settings.limits.rate_limit_per_minute),
             metrics=Metrics(),
             created=int(time.time()),
+            side=SideChannel(settings, ctx),
         )
         gw.engine.start()
+        gw.side.start()
         app.state.gateway = gw
         grpc_server = await start_grpc(gw)
         log.info("gateway.ready", host=settings.http_host, port=settings.http_port, model=settings.served_model_name)
@@ -50,11 +53,12 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             await stop_grpc(grpc_server)
             gw.engine.close()
+            gw.side.close()
             gw.store.close()
             text.close()
             ctx.term()
 
     app = FastAPI(title="Tiller gateway", lifespan=lifespan)
-    for module in (ws, rest, openai_api, ops):
+    for module in (ws, rest, openai_api, ops, aici_rest):
         app.include_router(module.router)
     return app

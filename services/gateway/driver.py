@@ -44,6 +44,7 @@ from services.gateway.protocol import (
     Usage,
 )
 from services.gateway.ratelimit import RateLimiter
+from services.gateway.side_channel import Caller, SideChannel
 from services.gateway.store import StoreClient
 from services.gateway.text import TextProcessor
 from services.gateway.validation import GenerationRequest, ParametersPatch
@@ -69,6 +70,7 @@ class Gateway:
     limiter: RateLimiter
     metrics: Metrics
     created: int  # unix time the gateway started (OpenAI's model ``created``)
+    side: SideChannel | None = None  # the controller runtime's side channel (controllers, tags, instantiate)
 
 
 def new_request_id(prefix: str) -> str:
@@ -111,10 +113,13 @@ class Phase(enum.Enum):
 
 
 class Generation:
-    def __init__(self, gw: Gateway, request: GenerationRequest, *, rid: str, surface: str, client: str) -> None:
+    def __init__(
+        self, gw: Gateway, request: GenerationRequest, *, rid: str, surface: str, client: str, caller: Caller | None = None
+    ) -> None:
         self.rid = rid
         self.request = request  # with modifications applied: what ``regenerate`` runs again
         self.surface = surface
+        self.caller = caller  # who runs the request's controller (``$auth``), when it has one
         self._gw = gw
         self._client = client
         self._phase = Phase.PREPARING
@@ -213,6 +218,8 @@ class Generation:
             max_tokens = context_budget(
                 len(prompt_ids), self.request.max_tokens, self._max_model_len, gw.settings.limits.default_max_tokens
             )
+            if self.request.controller:
+                await self._instantiate(prompt_ids)
         except TillerError as exc:
             yield ErrorMsg.from_error(exc)
             return
@@ -248,12 +255,21 @@ class Generation:
                     stop=list(self.request.stop),
                     ignore_eos=self.request.ignore_eos,
                     timeout_s=gw.settings.limits.request_timeout_s,
+                    controller=self.rid if self.request.controller else "",
                 )
             )
             async for msg in self._consume(queue):
                 yield msg
         except TillerError as exc:
             yield ErrorMsg.from_error(exc, self.rid, self._partial())
+
+    async def _instantiate(self, prompt_ids: list[int]) -> None:
+        """Start the request's controller in the runtime under this request's id (seed 001 ``instantiate``)."""
+        side = self._gw.side
+        if side is None or self.caller is None:
+            raise GatewayError(INVALID_REQUEST, "controllers are not available on this surface", param="controller")
+        assert self.request.controller is not None
+        await side.instantiate(self.caller, self.rid, prompt_ids, self.request.controller, self.request.controller_arg)
 
     async def _wait_for_model(self, health: wire.HealthReply) -> AsyncIterator[StatusMsg]:
         """``status: model_loading`` every poll until the worker is ready; its failure is an error."""
@@ -308,7 +324,10 @@ class Generation:
 
     def _on_event(self, event: wire.TokenEvent) -> list[ServerMsg]:
         """The messages one token event produces. Text that trips the content filter is never sent:
-        the generation is cancelled and completes with ``content_filter``."""
+        the generation is cancelled and completes with ``content_filter``. Only a controlled
+        request's first branch (fork index 0) is streamed here; /v1/run shows every branch."""
+        if event.index and event.finish_reason is None:
+            return []
         self._tokens += len(event.tokens)
         if event.finish_reason is not None:
             self._final = event
@@ -351,6 +370,9 @@ class Generation:
         elif event.finish_reason == "timeout":
             timeout = self._gw.settings.limits.request_timeout_s
             error = TillerError(TIMEOUT, f"the generation exceeded the {timeout:g} s time limit")
+            out.append(ErrorMsg.from_error(error, self.rid, self._partial()))
+        elif event.finish_reason is not None and event.error:  # its controller failed
+            error = TillerError(INVALID_REQUEST, f"the controller failed: {event.error}")
             out.append(ErrorMsg.from_error(error, self.rid, self._partial()))
         elif event.finish_reason is not None:
             error = TillerError(INTERNAL_ERROR, f"the generation ended with {event.finish_reason!r}")

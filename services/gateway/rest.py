@@ -28,6 +28,7 @@ from services.gateway.httputil import (
     unless_disconnected,
 )
 from services.gateway.protocol import ErrorMsg
+from services.gateway.side_channel import caller_of
 from services.gateway.validation import Context, GenerateConfig, flat_body_to_config, validate
 
 router = APIRouter()
@@ -60,9 +61,12 @@ async def generate(request: Request) -> Response:
     try:
         body = await read_json_object(request, gw.settings.limits.max_http_body_bytes)
         config = validate(GenerateConfig, flat_body_to_config(body), Context.of(gw.settings))
+        caller = caller_of(request, gw.settings) if config.controller else None
     except TillerError as exc:
         return error_response(ErrorMsg.from_error(exc).to_json())
-    gen = Generation(gw, config.to_request(), rid=new_request_id("gen_"), surface="rest", client=client_of(request))
+    gen = Generation(
+        gw, config.to_request(), rid=new_request_id("gen_"), surface="rest", client=client_of(request), caller=caller
+    )
     messages = protocol_messages(gen, config.options)
     first = await anext(messages)
     if first["type"] == "error":

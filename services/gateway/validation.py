@@ -186,6 +186,8 @@ class GenerationRequest:
     top_logprobs: int | None = None  # None: no logprobs
     echo: bool = False
     ignore_eos: bool = False
+    controller: str | None = None  # module id, tag or native:<name> steering the generation (seed 001)
+    controller_arg: str = ""
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -209,7 +211,7 @@ class GenerationRequest:
     def record(self) -> dict[str, Any]:
         """The parameters as stored with the request record."""
         out = dataclasses.asdict(self)
-        for key in ("prompt", "messages", "prompt_ids"):
+        for key in ("prompt", "messages", "prompt_ids", "controller_arg"):
             out.pop(key)
         out["stop"] = list(self.stop)
         return out
@@ -223,6 +225,8 @@ class GenerateConfig(StrictModel, LimitChecks):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     parameters: Parameters = Parameters()
     options: Options = Options()
+    controller: Annotated[str, Field(min_length=1)] | None = None
+    controller_arg: Any = None  # a string, or JSON serialized to one (AICI's controller_arg)
 
     @field_validator("model")
     @classmethod
@@ -236,6 +240,8 @@ class GenerateConfig(StrictModel, LimitChecks):
     def _one_prompt(self) -> GenerateConfig:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' (text) or 'messages' (chat)")
+        if self.controller_arg is not None and self.controller is None:
+            raise ValueError("'controller_arg' needs a 'controller'")
         return self
 
     def to_request(self) -> GenerationRequest:
@@ -244,8 +250,17 @@ class GenerateConfig(StrictModel, LimitChecks):
             messages=None if self.messages is None else [m.model_dump() for m in self.messages],
             top_logprobs=self.options.include_logprobs,
             echo=self.options.echo_prompt,
+            controller=self.controller,
+            controller_arg=controller_arg_text(self.controller_arg),
             **self.parameters.request_fields(),
         )
+
+
+def controller_arg_text(value: Any) -> str:
+    """AICI's rule: a JSON string is passed as is, anything else serialized to JSON."""
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 class ControlMessage(StrictModel):

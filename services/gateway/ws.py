@@ -20,6 +20,7 @@ from common.errors import INTERNAL_ERROR, INVALID_REQUEST, TillerError
 from services.gateway.driver import Gateway, Generation, new_request_id, protocol_messages
 from services.gateway.httputil import client_of, gateway_of
 from services.gateway.protocol import ErrorMsg, GatewayError, StatusMsg
+from services.gateway.side_channel import caller_of
 from services.gateway.store import NOT_FOUND, StoreError
 from services.gateway.validation import (
     Context,
@@ -118,7 +119,10 @@ class Connection:
             await asyncio.gather(previous, return_exceptions=True)
         if self._generation is not None and self._generation.initialized:
             self._earlier_rid = self._generation.rid
-        gen = Generation(self._gw, request, rid=new_request_id("gen_"), surface="websocket", client=self._client)
+        caller = caller_of(self._ws, self._gw.settings) if request.controller else None
+        gen = Generation(
+            self._gw, request, rid=new_request_id("gen_"), surface="websocket", client=self._client, caller=caller
+        )
         self._generation = gen
         self._pump = asyncio.get_running_loop().create_task(self._run_pump(gen, self._options))
 

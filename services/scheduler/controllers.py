@@ -412,7 +412,7 @@ class ControllerSteps:
 
     # -- results ------------------------------------------------------------------------------------
 
-    def apply(self, branch: Branch, seq: wire.SeqStep, result: wire.StepResult, eos: set[int], max_len: int) -> None:
+    def apply(self, branch: Branch, seq: wire.SeqStep, result: wire.StepResult, max_len: int) -> None:
         """The worker ran ``seq`` for ``branch``: advance it and note what the controller must hear."""
         request = branch.request
         if branch.finished or request.state is State.FINISHED:
@@ -444,9 +444,10 @@ class ControllerSteps:
             request.generated.append(token)
         event = branch.pending_event()
         event.tokens = [*event.tokens, sampled]
-        if token in request.submit.stop_token_ids or (token in eos and not request.submit.ignore_eos):
+        if token in request.submit.stop_token_ids:
             self._end(branch, "eos")
             return
+        # EOS does not end a controlled sequence (AICI): its controller sees it and decides
         event.text += branch.text.push([token])
         self._check_limits(branch, max_len)
 

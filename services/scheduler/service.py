@@ -351,7 +351,7 @@ class Scheduler:
         max_len = self._max_model_len()
         for request, seq in batch:
             if isinstance(request, Branch):
-                self.controllers.apply(request, seq, result, eos, max_len)
+                self.controllers.apply(request, seq, result, max_len)
                 continue
             if request.state is State.FINISHED:
                 continue  # cancelled while its step ran

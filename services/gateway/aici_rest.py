@@ -1,0 +1,267 @@
+"""AICI's REST API (reference §2, rLLM's shapes): controllers, tags and ``/v1/run``.
+
+- ``POST /v1/controllers``: the raw Wasm module as the body -> ``{module_id, wasm_size, compiled_size,
+  time}``; the module id is the sha256 of the bytes.
+- ``GET /v1/controllers/tags`` -> ``{"tags": [TagInfo...]}`` newest first; ``POST`` with
+  ``{"module_id", "tags": [...]}`` points tags at a module.
+- ``POST /v1/run``: ``{controller, controller_arg, prompt, temperature, top_p, top_k, max_tokens}`` ->
+  server-sent events: ``initial-run``, then ``run`` events with per-fork text deltas, logs, storage,
+  errors and finish reasons and the usage so far, then ``[DONE]``. ``controller`` is a module id, a
+  tag or ``native:<name>``; the controller is instantiated before the stream starts, so a bad module,
+  an unknown tag or a trap at init is an HTTP error with the runtime's message.
+
+Who calls is decided by :func:`services.gateway.side_channel.caller_of`. Errors are
+``{"error": {"type", "message"}}``: 400 for bad requests and refused controllers, 401 without valid
+credentials, 413 for an oversized module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import APIRouter
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from common import wire
+from common.errors import ERROR_TRAITS, INTERNAL_ERROR, INVALID_REQUEST, MODEL_LOADING_ERROR, TillerError
+from services.gateway.driver import Gateway, context_budget, new_request_id
+from services.gateway.engine import HEALTH_MAX_AGE_S, StreamItem, worker_stage
+from services.gateway.httputil import SSE_HEADERS, gateway_of, read_json_object, sse
+from services.gateway.protocol import GatewayError
+from services.gateway.side_channel import Caller, SideChannel, Unauthorized, caller_of
+from services.gateway.validation import (
+    Context,
+    GenerationRequest,
+    LimitChecks,
+    StrictModel,
+    TopP,
+    controller_arg_text,
+    validate,
+)
+
+router = APIRouter()
+
+# Tiller finish reasons of a whole request -> AICI's finish reason for a fork still running at its end.
+ABORTED = {"cancelled": "abort", "timeout": "abort", "error": "fail", "length": "length", "stop": "aici-stop"}
+
+
+def _error(exc: TillerError, status: int | None = None) -> JSONResponse:
+    if status is None:
+        status = 401 if isinstance(exc, Unauthorized) else ERROR_TRAITS.get(exc.code, ERROR_TRAITS[INTERNAL_ERROR])[2]
+    return JSONResponse({"error": {"type": exc.code, "message": exc.message}}, status_code=status)
+
+
+def _side(gw: Gateway) -> SideChannel:
+    if gw.side is None:
+        raise TillerError(INTERNAL_ERROR, "the controller runtime's side channel is not configured")
+    return gw.side
+
+
+# -- controllers and tags -------------------------------------------------------------------------
+
+
+@router.post("/v1/controllers")
+async def upload_controller(request: Request) -> Response:
+    gw = gateway_of(request)
+    limit = gw.settings.controllers.max_module_bytes
+    try:
+        caller = caller_of(request, gw.settings)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                return _error(TillerError(INVALID_REQUEST, f"the module exceeds {limit} bytes"), status=413)
+        if not body:
+            raise TillerError(INVALID_REQUEST, "the body must be the controller's Wasm module (it is empty)")
+        return JSONResponse(await _side(gw).mk_module(caller, bytes(body)))
+    except TillerError as exc:
+        return _error(exc)
+
+
+class SetTags(StrictModel):
+    module_id: Annotated[str, Field(min_length=1)]
+    tags: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+
+
+@router.get("/v1/controllers/tags")
+async def get_tags(request: Request) -> Response:
+    gw = gateway_of(request)
+    try:
+        return JSONResponse(await _side(gw).get_tags(caller_of(request, gw.settings)))
+    except TillerError as exc:
+        return _error(exc)
+
+
+@router.post("/v1/controllers/tags")
+async def set_tags(request: Request) -> Response:
+    gw = gateway_of(request)
+    try:
+        caller = caller_of(request, gw.settings)
+        body = validate(SetTags, await read_json_object(request, gw.settings.limits.max_http_body_bytes),
+                        Context.of(gw.settings))
+        return JSONResponse(await _side(gw).set_tags(caller, body.module_id, body.tags))
+    except TillerError as exc:
+        return _error(exc)
+
+
+# -- run ------------------------------------------------------------------------------------------
+
+
+class RunRequest(StrictModel, LimitChecks):
+    """AICI's RunRequest (defaults as rLLM's: greedy, whole context); ``seed`` is a Tiller extension."""
+
+    controller: Annotated[str, Field(min_length=1)]
+    controller_arg: Any = ""
+    prompt: str = ""
+    temperature: Annotated[float, Field(ge=0)] = 0.0
+    top_p: TopP = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = -1  # -1 (or 0): disabled
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    seed: int | None = None
+    model: str | None = None  # accepted as the vLLM variant does; must name the served model
+
+    def sampling(self) -> wire.SamplingParams:
+        return wire.SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed
+        )
+
+
+@dataclass
+class Fork:
+    """What the client has been told about one branch."""
+
+    index: int
+    finished: bool = False
+
+
+@dataclass
+class RunStream:
+    """One ``/v1/run``: turns the scheduler's per-branch events into AICI's ``run`` events."""
+
+    gw: Gateway
+    rid: str
+    queue: asyncio.Queue[StreamItem]
+    forks: dict[int, Fork] = field(default_factory=dict)
+    sampled: int = 0
+    ff: int = 0
+
+    def usage(self) -> dict[str, int]:
+        return {"sampled_tokens": self.sampled, "ff_tokens": self.ff, "cost": 2 * self.sampled + self.ff}
+
+    def run_event(self, events: list[StreamItem]) -> tuple[dict[str, Any], bool]:
+        """One ``run`` event for the events of one step; and whether the request ended."""
+        entries: dict[int, dict[str, Any]] = {}
+
+        def entry(index: int) -> dict[str, Any]:
+            self.forks.setdefault(index, Fork(index))
+            return entries.setdefault(index, {"index": index, "text": "", "error": "", "logs": "", "storage": [],
+                                              "micros": 0})
+
+        ended: str | None = None
+        for item in events:
+            if isinstance(item, wire.RequestFailed):
+                entry(0)["error"] = item.message
+                ended = "error"
+                continue
+            self.sampled += len(item.tokens)
+            self.ff += item.ff_tokens
+            out = entry(item.index)
+            out["text"] += item.text
+            out["logs"] += item.logs
+            out["storage"] += item.storage
+            out["micros"] += item.micros
+            out["error"] = out["error"] or item.error
+            if item.fork_finish is not None and not self.forks[item.index].finished:
+                out["finish_reason"] = item.fork_finish
+                self.forks[item.index].finished = True
+            ended = item.finish_reason or ended
+        if ended is not None:  # every branch still open ends with the request
+            for fork in self.forks.values():
+                if not fork.finished:
+                    entry(fork.index)["finish_reason"] = ABORTED.get(ended, "abort")
+                    fork.finished = True
+        forks = [e for _, e in sorted(entries.items()) if any(e[k] for k in ("text", "error", "logs", "storage"))
+                 or "finish_reason" in e]
+        for e in forks:  # AICI's field order: finish_reason only when there is one
+            if "finish_reason" in e:
+                e["finish_reason"] = e.pop("finish_reason")
+        return {"object": "run", "forks": forks, "usage": self.usage()}, ended is not None
+
+    async def events(self, model: str) -> AsyncIterator[bytes]:
+        yield sse({"id": self.rid, "object": "initial-run", "created": int(time.time()), "model": model})
+        timeout = self.gw.settings.limits.request_timeout_s + 10.0
+        done = False
+        try:
+            while True:
+                try:
+                    batch = [await asyncio.wait_for(self.queue.get(), timeout)]
+                except TimeoutError:
+                    batch = [wire.RequestFailed(rid=self.rid, code="timeout", message="no result from the scheduler")]
+                while not self.queue.empty():  # the rest of the same step
+                    batch.append(self.queue.get_nowait())
+                event, done = self.run_event(batch)
+                yield sse(event)
+                if done:
+                    yield sse("[DONE]")
+                    return
+        finally:
+            self.gw.engine.close_stream(self.rid)
+            if not done:  # the client left: free the request's sequences
+                self.gw.engine.cancel_soon(self.rid)
+
+
+async def _start_run(gw: Gateway, run: RunRequest, caller: Caller) -> RunStream:
+    """Tokenize, check the model, instantiate the controller and submit; errors raise before any stream."""
+    if run.model is not None and run.model != gw.settings.served_model_name:
+        raise GatewayError(INVALID_REQUEST, f"model {run.model!r} is not served here", param="model")
+    if run.prompt:
+        _, prompt_ids = await gw.text.prompt(GenerationRequest(prompt=run.prompt))
+    else:  # AICI's default empty prompt: the start symbol
+        tokenizer = gw.text.tokenizer
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        prompt_ids = [start]
+    health = await gw.engine.health(max_age=HEALTH_MAX_AGE_S)
+    stage = worker_stage(health).get("stage")
+    if stage != "ready":
+        raise TillerError(MODEL_LOADING_ERROR, f"the model is not ready (worker: {stage}); retry shortly")
+    max_model_len = int(health.detail.get("max_model_len") or gw.settings.limits.max_model_len)
+    max_tokens = context_budget(len(prompt_ids), run.max_tokens, max_model_len, max_model_len)
+    rid = new_request_id("run-")
+    await _side(gw).instantiate(caller, rid, prompt_ids, run.controller, controller_arg_text(run.controller_arg))
+    queue = gw.engine.open_stream(rid)
+    try:
+        await gw.engine.submit(
+            wire.Submit(
+                rid=rid,
+                prompt_ids=prompt_ids,
+                sampling=run.sampling(),
+                max_tokens=max_tokens,
+                timeout_s=gw.settings.limits.request_timeout_s,
+                controller=rid,
+            )
+        )
+    except BaseException:
+        gw.engine.close_stream(rid)
+        raise
+    return RunStream(gw, rid, queue)
+
+
+@router.post("/v1/run")
+async def run(request: Request) -> Response:
+    gw = gateway_of(request)
+    try:
+        caller = caller_of(request, gw.settings)
+        body = await read_json_object(request, gw.settings.limits.max_http_body_bytes)
+        run_request = validate(RunRequest, body, Context.of(gw.settings))
+        stream = await _start_run(gw, run_request, caller)
+    except TillerError as exc:
+        return _error(exc)
+    return StreamingResponse(
+        stream.events(gw.settings.served_model_name), media_type="text/event-stream", headers=SSE_HEADERS
+    )

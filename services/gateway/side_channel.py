@@ -1,0 +1,136 @@
+"""The gateway's side channel to the controller runtime (seed 001): asynchronous requests matched by
+``$rid``, each carrying the caller as ``$auth``; and how a caller is identified.
+
+Identification (``settings.api_auth``): when bearer tokens are configured, a request must carry
+``Authorization: Bearer <token>`` and the token's user is the caller; otherwise the caller is the
+user named by the ``x-user-id`` header (as rLLM expects a front proxy to set it), or
+``default_user``. A caller is admin iff its name is in ``admins``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+from starlette.requests import HTTPConnection
+
+from common import aici_wire
+from common.config import Settings
+from common.errors import INTERNAL_ERROR, INVALID_REQUEST, TillerError, WireError
+from common.sockets import ensure_ipc_dir
+
+log = structlog.get_logger()
+
+
+class Unauthorized(TillerError):
+    """No valid credentials for the controller API."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(INVALID_REQUEST, message)
+
+
+@dataclass(frozen=True)
+class Caller:
+    user: str
+    is_admin: bool
+
+    def auth(self) -> dict[str, Any]:
+        return {"user": self.user, "is_admin": self.is_admin}
+
+
+def caller_of(conn: HTTPConnection, settings: Settings) -> Caller:
+    """The caller of an HTTP or WebSocket request (see the module docstring); Unauthorized if none."""
+    auth = settings.api_auth
+    if auth.tokens:
+        scheme, _, token = conn.headers.get("authorization", "").partition(" ")
+        user = auth.tokens.get(token.strip()) if scheme.lower() == "bearer" else None
+        if user is None:
+            raise Unauthorized("the controller API needs 'Authorization: Bearer <token>' with a known token")
+    else:
+        user = conn.headers.get(auth.user_header) or auth.default_user
+    return Caller(user=user, is_admin=user in auth.admins)
+
+
+class ControllerError(TillerError):
+    """The runtime refused a side-channel request (bad module, unknown tag, trap at init...)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(INVALID_REQUEST, message)
+
+
+class SideChannel:
+    """A DEALER on the runtime's side channel; many requests in flight, replies matched by ``$rid``."""
+
+    def __init__(self, settings: Settings, ctx: zmq.asyncio.Context) -> None:
+        endpoint = settings.endpoint("controller_side")
+        ensure_ipc_dir(endpoint)
+        self._timeout_s = settings.controllers.side_timeout_s
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._sock.close(0)
+
+    async def _read_loop(self) -> None:
+        while True:
+            parts = await self._sock.recv_multipart()
+            try:
+                reply = aici_wire.decode_reply(parts[0])
+            except WireError as exc:
+                log.warning("side_channel.malformed_reply", error=str(exc))
+                continue
+            future = self._pending.pop(str(reply.get("$rid")), None)
+            if future is not None and not future.done():
+                future.set_result(reply)
+
+    async def call(self, op: str, caller: Caller, **fields: Any) -> dict[str, Any]:
+        """Run ``op``; its ``data``, or ControllerError with the runtime's message."""
+        self.start()
+        rid = str(uuid.uuid4())
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = future
+        try:
+            await self._sock.send(aici_wire.encode({"$rid": rid, "$auth": caller.auth(), "op": op, **fields}))
+            reply = await asyncio.wait_for(future, self._timeout_s)
+        except TimeoutError:
+            raise TillerError(INTERNAL_ERROR, f"the controller runtime did not answer {op}; is it running?") from None
+        finally:
+            self._pending.pop(rid, None)
+        if reply["type"] != "ok":
+            raise ControllerError(str(reply.get("error") or f"{op} failed"))
+        return reply.get("data") or {}
+
+    async def mk_module(self, caller: Caller, wasm: bytes) -> dict[str, Any]:
+        return await self.call("mk_module", caller, binary=base64.b64encode(wasm).decode("ascii"))
+
+    async def set_tags(self, caller: Caller, module_id: str, tags: list[str]) -> dict[str, Any]:
+        return await self.call("set_tags", caller, module_id=module_id, tags=tags)
+
+    async def get_tags(self, caller: Caller) -> dict[str, Any]:
+        return await self.call("get_tags", caller)
+
+    async def instantiate(
+        self, caller: Caller, req_id: str, prompt: list[int], module_id: str, module_arg: str
+    ) -> dict[str, Any]:
+        """Instantiate a controller for ``req_id``; a trap or error during init raises ControllerError."""
+        data = await self.call(
+            "instantiate", caller, req_id=req_id, prompt=prompt, module_id=module_id, module_arg=module_arg
+        )
+        if data.get("error"):  # SequenceResult<InitPromptResult> with an error
+            raise ControllerError(f"the controller failed to start: {data['error']}")
+        return data
