@@ -56,10 +56,23 @@ class LiveRequest:
     def next_feed(self, chunk: int) -> tuple[list[int], bool]:
         """Tokens to feed this step and whether to sample after them."""
         if self.fed < len(self.prompt):
-            tokens = self.prompt[self.fed : self.fed + chunk]
+            tokens = self.prompt[self.fed : self._chunk_end(self.fed + chunk)]
             return tokens, self.fed + len(tokens) == len(self.prompt)
         assert self.pending is not None
         return [self.pending], True
+
+    def _chunk_end(self, end: int) -> int:
+        """``end``, moved off the inside of an image block: back to the block's start, or past its
+        end when the block starts the chunk (the worker encodes an image within one chunk)."""
+        for image in self.submit.images:
+            if image.start < end < image.end:
+                return image.start if image.start > self.fed else image.end
+        return end
+
+    def images_in(self, tokens: list[int]) -> list[wire.ImageInput]:
+        """The images whose blocks lie in ``tokens``, the prompt chunk about to be fed."""
+        end = self.fed + len(tokens)
+        return [image for image in self.submit.images if image.start < end and image.end > self.fed]
 
     def apply_patch(self, patch: wire.SamplingPatch) -> None:
         sampling = self.submit.sampling

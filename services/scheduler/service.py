@@ -308,7 +308,7 @@ class Scheduler:
                 break
             tokens, sample = request.next_feed(min(self.limits.prefill_chunk_tokens, budget))
             budget -= len(tokens)
-            seq = wire.SeqStep(seq_id=request.seq_id, tokens=tokens, sample=sample)
+            seq = wire.SeqStep(seq_id=request.seq_id, tokens=tokens, sample=sample, images=request.images_in(tokens))
             if request.sampling_dirty:
                 seq.sampling = request.submit.sampling
                 request.sampling_dirty = False
