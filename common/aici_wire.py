@@ -7,7 +7,7 @@ reply carries ``$rid`` (and requests ``$auth``).
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import msgspec
 
@@ -26,7 +26,67 @@ class Tokens(MainOp, tag="tokens"):
     pass
 
 
-MainRequest = Union[Ping, Tokens]
+class PostOp(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The tokens the engine appended to sequence ``id`` since the controller last saw it (the sampled
+    token, or a Splice's ff_tokens) after removing ``backtrack`` tokens."""
+
+    id: int
+    tokens: list[int] = []
+    backtrack: int = 0
+
+
+class PreOp(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Bind the controller instantiated for ``req_id`` to the new sequence ``id``."""
+
+    id: int
+    req_id: str
+
+
+class PostPreProcess(MainOp, tag="post_pre_process"):
+    post_ops: list[PostOp] = []
+    pre_ops: list[PreOp] = []
+    freed: list[int] = []
+
+
+class MidOp(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Run mid_process for ``id``; with ``clone_id`` the sequence is first forked from that parent."""
+
+    id: int
+    clone_id: int | None = None
+
+
+class MidProcess(MainOp, tag="mid_process"):
+    ops: list[MidOp] = []
+
+
+MainRequest = Union[Ping, Tokens, PostPreProcess, MidProcess]
+
+
+# -- controller callback results (JSON from a guest, dicts from a native controller) ------------------
+
+class PreProcessResult(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    num_forks: int = 1  # 0 = stop, >1 = fork into that many
+    suspend: bool = False
+    ff_tokens: list[int] = []
+
+
+class PostProcessResult(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    stop: bool = False
+
+
+class Splice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    backtrack: int = 0
+    ff_tokens: list[int] = []
+
+
+class MidBranch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """``{"SampleWithBias": {}}`` or ``{"Splice": {...}}``; exactly one key."""
+
+    SampleWithBias: dict | None = None
+    Splice: Splice | None = None
+
+
+MidProcessResult = Union[Literal["Stop"], MidBranch]
 
 _main_decoder = msgspec.msgpack.Decoder(MainRequest)
 _encoder = msgspec.msgpack.Encoder()

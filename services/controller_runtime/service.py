@@ -1,9 +1,18 @@
 """Controller runtime: the main channel (step-synchronous, from the scheduler) and the side channel
-(asynchronous, from the gateway), both ROUTER sockets speaking seed 001's shapes."""
+(asynchronous, from the gateway), both ROUTER sockets speaking seed 001's shapes as msgpack.
+
+Main-channel replies are ``[identity, header]``, plus for mid_process one binary frame with the
+packed mask rows (controllers/ABI.md). Main calls run on the event loop (µs each, bounded by the
+per-call deadlines); side calls that compile or run controller code (mk_module, instantiate) run in
+worker threads so they never hold up a step.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+from typing import Any
 
 import structlog
 import zmq
@@ -12,16 +21,29 @@ import zmq.asyncio
 from common import aici_wire
 from common.config import Settings
 from common.errors import WireError
-from common.sockets import bind
 from common.model_source import load_tokenizer
+from common.sockets import bind
+from controllers.native import load_native_controllers
+from services.controller_runtime.registry import ModuleRegistry, RegistryError
+from services.controller_runtime.runtime import Runtime, UserError
+from services.controller_runtime.tokenizer import TokenizerInfo
+from services.controller_runtime.wasm import WasmEngine
 
 log = structlog.get_logger()
+
+DEFAULT_AUTH = {"user": "local", "is_admin": False}
 
 
 class ControllerRuntime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.vocab_size = len(load_tokenizer(settings))
+        cfg = settings.controllers
+        self.tokenizer = TokenizerInfo.from_hf(load_tokenizer(settings))
+        self.vocab_size = self.tokenizer.vocab_size
+        self.engine = WasmEngine(cfg, self.tokenizer)
+        self.registry = ModuleRegistry(settings.controller_module_dir, self.engine)
+        self.runtime = Runtime(cfg, self.tokenizer, self.engine, self.registry,
+                               load_native_controllers(cfg.native))
         ctx = zmq.asyncio.Context.instance()
         self.main = self._bind(ctx, settings.endpoint("controller_main"))
         self.side = self._bind(ctx, settings.endpoint("controller_side"))
@@ -33,31 +55,101 @@ class ControllerRuntime:
         bind(sock, endpoint)
         return sock
 
-    def handle_main(self, frame: bytes) -> dict:
+    # -- main channel ----------------------------------------------------------------------------------
+    def handle_main(self, frame: bytes) -> tuple[dict, list[bytes | bytearray]]:
+        """The reply header and its binary frames (the mask rows for mid_process)."""
         try:
             request = aici_wire.decode_main(frame)
         except WireError as exc:
-            return aici_wire.error(str(exc))
-        if isinstance(request, aici_wire.Ping):
-            return aici_wire.ok({"pong": 1})
-        return aici_wire.ok({"vocab_size": self.vocab_size})
+            return aici_wire.error(str(exc), is_user_error=True), []
+        try:
+            match request:
+                case aici_wire.Ping():
+                    return aici_wire.ok({"pong": 1}), []
+                case aici_wire.Tokens():
+                    return aici_wire.ok({"vocab_size": self.vocab_size, "eos_token_id": self.tokenizer.eos_token}), []
+                case aici_wire.PostPreProcess():
+                    return aici_wire.ok(self.runtime.post_pre_process(request)), []
+                case aici_wire.MidProcess():
+                    data, rows = self.runtime.mid_process(request)
+                    return aici_wire.ok(data), [rows]
+        except Exception as exc:  # noqa: BLE001 - a runtime bug answers this call, the service goes on
+            log.exception("controller_runtime.main_failed", op=type(request).__name__)
+            return aici_wire.error(f"internal error: {type(exc).__name__}: {exc}", is_user_error=False), []
+        return aici_wire.error("unknown op", is_user_error=True), []
 
-    def handle_side(self, frame: bytes) -> dict:
+    # -- side channel ----------------------------------------------------------------------------------
+    async def handle_side(self, frame: bytes) -> dict:
         try:
             request = aici_wire.decode_side(frame)
         except WireError as exc:
-            return aici_wire.error(str(exc))
-        return aici_wire.error(f"unknown side-channel op {request.get('op')!r}", **{"$rid": request["$rid"]})
+            return aici_wire.error(str(exc), is_user_error=True)
+        rid = {"$rid": request["$rid"]}
+        auth = request.get("$auth") if isinstance(request.get("$auth"), dict) else DEFAULT_AUTH
+        user, is_admin = str(auth.get("user", "local")), auth.get("is_admin") is True
+        op = request.get("op")
+        bound = structlog.contextvars.bound_contextvars(rid=request["$rid"], op=op, user=user)
+        with bound:
+            try:
+                if op == "mk_module":
+                    data = await asyncio.to_thread(self.registry.create, _binary(request), user)
+                elif op == "set_tags":
+                    data = {"tags": self.registry.set_tags(request.get("module_id"), request.get("tags"), user,
+                                                           is_admin)}
+                elif op == "get_tags":
+                    data = {"tags": self.registry.get_tags()}
+                elif op == "instantiate":
+                    ok, data = await asyncio.to_thread(
+                        self.runtime.instantiate, request.get("req_id"), request.get("prompt"),
+                        request.get("module_id"), request.get("module_arg"))
+                    if not ok:
+                        log.info("controller_runtime.instantiate_failed", error=data["error"])
+                        return aici_wire.error(data["error"], is_user_error=True, **rid) | {"data": data}
+                else:
+                    return aici_wire.error(f"unknown side-channel op {op!r}", is_user_error=True, **rid)
+            except (UserError, RegistryError) as exc:
+                return aici_wire.error(str(exc), is_user_error=True, **rid)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("controller_runtime.side_failed")
+                return aici_wire.error(f"internal error: {type(exc).__name__}: {exc}", is_user_error=False, **rid)
+        return aici_wire.ok(data, **rid)
 
-    async def _serve(self, sock: zmq.asyncio.Socket, handler) -> None:
+    async def _serve_main(self) -> None:
         while True:
-            parts = await sock.recv_multipart()
+            parts = await self.main.recv_multipart()
             if len(parts) < 2:
                 continue
-            reply = handler(parts[1])
-            await sock.send_multipart([parts[0], aici_wire.encode(reply)])
+            reply, binary = self.handle_main(parts[1])
+            await self.main.send_multipart([parts[0], aici_wire.encode(reply), *binary])
+
+    async def _serve_side(self) -> None:
+        tasks: set[asyncio.Task] = set()
+        while True:
+            parts = await self.side.recv_multipart()
+            if len(parts) < 2:
+                continue
+            task = asyncio.create_task(self._answer_side(parts[0], parts[1]))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def _answer_side(self, identity: bytes, frame: bytes) -> None:
+        reply = await self.handle_side(frame)
+        await self.side.send_multipart([identity, aici_wire.encode(reply)])
 
     async def run(self) -> None:
         log.info("controller_runtime.ready", main=self.settings.endpoint("controller_main"),
-                 side=self.settings.endpoint("controller_side"), vocab_size=self.vocab_size)
-        await asyncio.gather(self._serve(self.main, self.handle_main), self._serve(self.side, self.handle_side))
+                 side=self.settings.endpoint("controller_side"), vocab_size=self.vocab_size,
+                 natives=sorted(self.runtime.natives), module_dir=str(self.settings.controller_module_dir))
+        await asyncio.gather(self._serve_main(), self._serve_side())
+
+
+def _binary(request: dict[str, Any]) -> bytes:
+    binary = request.get("binary")
+    if isinstance(binary, bytes):  # msgpack callers may send raw bytes
+        return binary
+    if not isinstance(binary, str):
+        raise UserError("mk_module needs 'binary': the base64-encoded Wasm module")
+    try:
+        return base64.b64decode(binary, validate=True)
+    except binascii.Error as exc:
+        raise UserError(f"mk_module 'binary' is not valid base64: {exc}") from exc

@@ -1,0 +1,70 @@
+"""Example native controller: optional fixed prefix, then generation under a constraint, up to
+``max_tokens``.
+
+module_arg (JSON): {"prefix": str?, one of "regex" | "json_schema" | "lark" | "yacc": grammar,
+"max_tokens": int?, "store_var": str?}. The generated text goes to variable ``store_var`` when done.
+"""
+
+from __future__ import annotations
+
+import json
+
+from controllers.native.base import Host, NativeController
+
+_KINDS = {"regex": 0, "json_schema": 1, "lark": 2, "yacc": 3}
+
+
+class ConstrainedController(NativeController):
+    def __init__(self, host: Host, module_arg: bytes) -> None:
+        super().__init__(host, module_arg)
+        arg = json.loads(module_arg or b"{}")
+        if not isinstance(arg, dict):
+            raise ValueError("module_arg must be a JSON object")
+        kinds = [k for k in _KINDS if k in arg]
+        if len(kinds) > 1:
+            raise ValueError(f"give at most one of {sorted(_KINDS)}")
+        self.handle = 0
+        if kinds:
+            source = arg[kinds[0]]
+            source = source if isinstance(source, str) else json.dumps(source)
+            self.handle = host.constraint_new(_KINDS[kinds[0]], source)
+            if self.handle < 0:
+                raise ValueError(f"invalid {kinds[0]} constraint")
+        self.prefix = host.tokenize(arg.get("prefix", "").encode()) if arg.get("prefix") else []
+        self.max_tokens = int(arg.get("max_tokens", 256))
+        self.store_var = arg.get("store_var")
+        self.generated: list[int] = []
+        self.skip = 0  # our own prefix tokens, fed back to post_process by the runtime
+        self.done = False
+
+    def pre_process(self) -> dict:
+        if self.done:
+            return {"num_forks": 0, "suspend": False, "ff_tokens": []}
+        ff, self.prefix = self.prefix, []
+        self.skip = len(ff)
+        return {"num_forks": 1, "suspend": False, "ff_tokens": ff}
+
+    def mid_process(self, fork_group: list[int]) -> str | dict:
+        if self.done:
+            return "Stop"
+        if self.handle:
+            if self.host.constraint_return_bias(self.handle) == 1:
+                self.done = True
+        else:
+            self.host.return_logit_bias(b"\xff" * (4 * ((self.host.vocab_size + 31) // 32)))
+        return {"SampleWithBias": {}}
+
+    def post_process(self, tokens: list[int], backtrack: int) -> dict:
+        tokens, self.skip = tokens[self.skip:], 0
+        if backtrack:
+            del self.generated[len(self.generated) - backtrack:]
+            if self.handle:
+                self.host.constraint(self.handle).rollback(backtrack)
+        self.generated += tokens
+        if self.handle and tokens and self.host.constraint(self.handle).commit(tokens) != 0:
+            self.done = True
+        if self.host.eos_token in tokens or len(self.generated) >= self.max_tokens:
+            self.done = True
+        if self.done and self.store_var:
+            self.host.set_var(self.store_var, json.dumps(self.generated).encode())
+        return {"stop": self.done}

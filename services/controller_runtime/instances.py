@@ -1,0 +1,144 @@
+"""One interface over Wasm and native controllers: typed callbacks with deadlines, results validated
+against the ABI's JSON shapes, failures turned into ControllerError."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import msgspec
+
+from common import aici_wire
+from common.config import Controllers
+from controllers.native.base import NativeController
+from services.controller_runtime.host import HostError, SeqHost
+from services.controller_runtime.wasm import ControllerError, WasmController
+
+_pre_decoder = msgspec.json.Decoder(aici_wire.PreProcessResult)
+_post_decoder = msgspec.json.Decoder(aici_wire.PostProcessResult)
+_mid_decoder = msgspec.json.Decoder(aici_wire.MidProcessResult)
+
+
+def _check_mid(result: aici_wire.MidProcessResult, host: SeqHost) -> aici_wire.MidProcessResult:
+    if isinstance(result, aici_wire.MidBranch):
+        if (result.SampleWithBias is None) == (result.Splice is None):
+            raise ControllerError("mid_process result must have exactly one of SampleWithBias, Splice")
+        if result.SampleWithBias is not None and not host.mask_set:
+            raise ControllerError("mid_process returned SampleWithBias without returning a logit bias")
+    return result
+
+
+class WasmInstance:
+    def __init__(self, ctrl: WasmController, deadlines: Controllers) -> None:
+        self.ctrl = ctrl
+        self.host = ctrl.host
+        self.d = deadlines
+
+    def _invoke(self, export: str, arg: bytes, deadline: float, decoder: msgspec.json.Decoder,
+                mask_address: int | None = None) -> Any:
+        raw = self.ctrl.invoke(export, arg, deadline, mask_address)
+        try:
+            return decoder.decode(raw)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            self.ctrl.dead = f"{export} returned an invalid result: {exc}"
+            raise ControllerError(self.ctrl.dead) from exc
+
+    def setup(self, prompt: list[int]) -> None:
+        self.ctrl.setup(self.d.init_deadline_ms)
+        self.ctrl.invoke("aici_init_prompt", json.dumps({"prompt": prompt}).encode(), self.d.init_deadline_ms)
+
+    def pre_process(self) -> aici_wire.PreProcessResult:
+        return self._invoke("aici_pre_process", b"{}", self.d.pre_deadline_ms, _pre_decoder)
+
+    def mid_process(self, fork_group: list[int], mask_address: int) -> aici_wire.MidProcessResult:
+        arg = b'{"fork_group":[%s]}' % ",".join(map(str, fork_group)).encode()
+        return _check_mid(self._invoke("aici_mid_process", arg, self.d.mid_deadline_ms, _mid_decoder,
+                                       mask_address), self.host)
+
+    def post_process(self, tokens: list[int], backtrack: int) -> aici_wire.PostProcessResult:
+        arg = b'{"tokens":[%s],"backtrack":%d}' % (",".join(map(str, tokens)).encode(), backtrack)
+        return self._invoke("aici_post_process", arg, self.d.post_deadline_ms, _post_decoder)
+
+    def fork(self, seq_id: int) -> WasmInstance:
+        return WasmInstance(self.ctrl.fork(seq_id), self.d)
+
+    @property
+    def dead(self) -> str:
+        return self.ctrl.dead
+
+    def close(self) -> None:
+        self.ctrl.close()
+
+
+class NativeInstance:
+    """A trusted Python controller; exceptions and overrun deadlines end the sequence (after the call)."""
+
+    def __init__(self, cls: type[NativeController], host: SeqHost, deadlines: Controllers) -> None:
+        self.cls = cls
+        self.host = host
+        self.d = deadlines
+        self.obj: NativeController | None = None
+        self.dead = ""
+
+    def _run(self, name: str, deadline_ms: float, fn, mask_address: int | None = None):
+        if self.dead:
+            raise ControllerError(f"controller already failed: {self.dead}")
+        self.host.begin_call(mask_address)
+        start = time.perf_counter()
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - a controller bug ends only its sequence
+            self.dead = f"{name}: {type(exc).__name__}: {exc}" if not isinstance(exc, HostError) else f"{name}: {exc}"
+            raise ControllerError(self.dead) from exc
+        elapsed_ms = (time.perf_counter() - start) * 1000
+        if elapsed_ms > deadline_ms:
+            self.dead = f"{name}: deadline of {deadline_ms:g} ms exceeded ({elapsed_ms:.1f} ms)"
+            raise ControllerError(self.dead)
+        return result
+
+    def _convert(self, name: str, value: Any, ty: Any) -> Any:
+        try:
+            return msgspec.convert(value, ty)
+        except msgspec.ValidationError as exc:
+            self.dead = f"{name} returned an invalid result: {exc}"
+            raise ControllerError(self.dead) from exc
+
+    def setup(self, prompt: list[int]) -> None:
+        def init() -> None:
+            self.obj = self.cls(self.host, self.host.request.module_arg)
+            self.obj.init_prompt(list(prompt))
+
+        self._run("init_prompt", self.d.init_deadline_ms, init)
+
+    def pre_process(self) -> aici_wire.PreProcessResult:
+        r = self._run("pre_process", self.d.pre_deadline_ms, self.obj.pre_process)
+        return self._convert("pre_process", r, aici_wire.PreProcessResult)
+
+    def mid_process(self, fork_group: list[int], mask_address: int) -> aici_wire.MidProcessResult:
+        r = self._run("mid_process", self.d.mid_deadline_ms, lambda: self.obj.mid_process(fork_group), mask_address)
+        try:
+            return _check_mid(self._convert("mid_process", r, aici_wire.MidProcessResult), self.host)
+        except ControllerError as exc:
+            self.dead = str(exc)
+            raise
+
+    def post_process(self, tokens: list[int], backtrack: int) -> aici_wire.PostProcessResult:
+        r = self._run("post_process", self.d.post_deadline_ms, lambda: self.obj.post_process(tokens, backtrack))
+        return self._convert("post_process", r, aici_wire.PostProcessResult)
+
+    def fork(self, seq_id: int) -> NativeInstance:
+        if self.dead:
+            raise ControllerError(f"cannot fork a failed controller: {self.dead}")
+        child = NativeInstance(self.cls, self.host.fork(seq_id), self.d)
+        try:
+            child.obj = self.obj.fork(child.host)
+        except Exception as exc:  # noqa: BLE001
+            raise ControllerError(f"fork: {type(exc).__name__}: {exc}") from exc
+        return child
+
+    def close(self) -> None:
+        self.obj = None
+
+
+Instance = WasmInstance | NativeInstance

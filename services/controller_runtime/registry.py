@@ -1,0 +1,150 @@
+"""Uploaded Wasm modules and their tags, persisted under ``settings.controller_module_dir``:
+
+    wasm/<id>.wasm                 the module as uploaded (id = sha256 hex of these bytes)
+    compiled/<id>.<cache_key>.bin  wasmtime's serialized artifact (bound to wasmtime version + config)
+    meta/<id>.json                 {"created", "created_by", "wasm_size", "compiled_size"}
+    tags.json                      {tag: {"module_id", "updated_at", "updated_by"}}
+
+Files are written to a temporary name and renamed, so a crash never leaves a half-written one.
+Only artifacts this registry produced are deserialized (wasmtime artifacts must be trusted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+
+import wasmtime
+
+from services.controller_runtime.wasm import ControllerError, WasmEngine, WasmModule
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_TAG = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]*")
+_HEX = re.compile(r"[0-9a-fA-F]+")
+MAX_TAG_LEN = 50
+
+
+class RegistryError(ValueError):
+    """A user error (unknown module, bad tag...)."""
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def check_tag(tag: object, user: str, is_admin: bool) -> str:
+    """AICI's tag rules: starts with a letter, [A-Za-z0-9_.-], at most 50 chars, not hex-looking
+    (longer than 20 hex digits) so it cannot be taken for a module id; non-admins only '<user>.'."""
+    if not isinstance(tag, str) or not tag:
+        raise RegistryError("a tag must be a non-empty string")
+    if len(tag) > MAX_TAG_LEN:
+        raise RegistryError(f"tag {tag!r} is longer than {MAX_TAG_LEN} characters")
+    if not _TAG.fullmatch(tag):
+        raise RegistryError(f"tag {tag!r} must start with a letter and use only letters, digits, '_', '.', '-'")
+    if len(tag) > 20 and _HEX.fullmatch(tag):
+        raise RegistryError(f"tag {tag!r} looks like a module id")
+    if not is_admin and not tag.startswith(f"{user}."):
+        raise RegistryError(f"tag {tag!r} must start with {user + '.'!r} (only admins may set other tags)")
+    return tag
+
+
+class ModuleRegistry:
+    def __init__(self, root: Path, engine: WasmEngine) -> None:
+        self.root = root
+        self.engine = engine
+        for sub in ("wasm", "compiled", "meta"):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+        self._tags_path = root / "tags.json"
+        self._tags: dict[str, dict] = json.loads(self._tags_path.read_text()) if self._tags_path.exists() else {}
+        self._loaded: dict[str, WasmModule] = {}
+        self._lock = threading.Lock()  # mk_module/instantiate run in worker threads
+
+    def _artifact(self, module_id: str) -> Path:
+        return self.root / "compiled" / f"{module_id}.{self.engine.cache_key}.bin"
+
+    def _meta(self, module_id: str) -> dict:
+        return json.loads((self.root / "meta" / f"{module_id}.json").read_text())
+
+    def exists(self, module_id: str) -> bool:
+        return bool(_HEX64.fullmatch(module_id)) and (self.root / "wasm" / f"{module_id}.wasm").exists()
+
+    def create(self, wasm: bytes, user: str) -> dict:
+        """mk_module: validate, compile, cache; returns {"module_id","wasm_size","compiled_size","time"}."""
+        if len(wasm) > self.engine.settings.max_module_bytes:
+            raise RegistryError(f"module is {len(wasm)} bytes, more than the limit of "
+                                f"{self.engine.settings.max_module_bytes}")
+        module_id = hashlib.sha256(wasm).hexdigest()
+        start = time.perf_counter()
+        if not (self.exists(module_id) and self._artifact(module_id).exists()):
+            try:
+                compiled = self.engine.compile(wasm)
+                prepared = self.engine.prepare(compiled)
+            except ControllerError as exc:
+                raise RegistryError(str(exc)) from exc
+            artifact = compiled.serialize()
+            with self._lock:
+                _write_atomic(self.root / "wasm" / f"{module_id}.wasm", wasm)
+                _write_atomic(self._artifact(module_id), artifact)
+                meta = {"created": int(time.time()), "created_by": user, "wasm_size": len(wasm),
+                        "compiled_size": len(artifact)}
+                _write_atomic(self.root / "meta" / f"{module_id}.json", json.dumps(meta).encode())
+                self._loaded[module_id] = prepared
+        meta = self._meta(module_id)
+        return {"module_id": module_id, "wasm_size": meta["wasm_size"], "compiled_size": meta["compiled_size"],
+                "time": round((time.perf_counter() - start) * 1000)}
+
+    def resolve(self, ref: str) -> tuple[str, WasmModule]:
+        """A module id or tag -> (module id, ready module); RegistryError when unknown."""
+        module_id = ref if _HEX64.fullmatch(ref) else self._tags.get(ref, {}).get("module_id")
+        if module_id is None or not self.exists(module_id):
+            raise RegistryError(f"unknown controller module or tag {ref!r}")
+        with self._lock:
+            module = self._loaded.get(module_id)
+            if module is None:
+                module = self._load(module_id)
+                self._loaded[module_id] = module
+        return module_id, module
+
+    def _load(self, module_id: str) -> WasmModule:
+        artifact = self._artifact(module_id)
+        if artifact.exists():
+            try:
+                return self.engine.prepare(self.engine.deserialize(artifact.read_bytes()))
+            except wasmtime.WasmtimeError:  # damaged artifact: recompile from the module
+                pass
+        compiled = self.engine.compile((self.root / "wasm" / f"{module_id}.wasm").read_bytes())
+        _write_atomic(artifact, compiled.serialize())
+        return self.engine.prepare(compiled)
+
+    def _tag_info(self, tag: str) -> dict:
+        entry = self._tags[tag]
+        meta = self._meta(entry["module_id"])
+        return {"tag": tag, "module_id": entry["module_id"], "updated_at": entry["updated_at"],
+                "updated_by": entry["updated_by"], "wasm_size": meta["wasm_size"],
+                "compiled_size": meta["compiled_size"]}
+
+    def set_tags(self, module_id: object, tags: object, user: str, is_admin: bool) -> list[dict]:
+        if not isinstance(module_id, str) or not self.exists(module_id):
+            raise RegistryError(f"unknown module id {module_id!r}")
+        if not isinstance(tags, list) or not tags:
+            raise RegistryError("tags must be a non-empty list of strings")
+        checked = [check_tag(t, user, is_admin) for t in tags]
+        now = int(time.time())
+        with self._lock:
+            for tag in checked:
+                self._tags[tag] = {"module_id": module_id, "updated_at": now, "updated_by": user}
+            _write_atomic(self._tags_path, json.dumps(self._tags, indent=1).encode())
+        return [self._tag_info(t) for t in checked]
+
+    def get_tags(self) -> list[dict]:
+        """All tags, most recently updated first (ties by name)."""
+        with self._lock:
+            names = sorted(self._tags, key=lambda t: (-self._tags[t]["updated_at"], t))
+            return [self._tag_info(t) for t in names]

@@ -1,0 +1,230 @@
+"""The controller runtime's state machine: instantiated controllers waiting for a sequence, live
+sequences, and the seed-001 calls (instantiate, post_pre_process, mid_process) over them.
+
+Every per-sequence failure (trap, timeout, memory limit, bad host call, invalid result) becomes that
+sequence's ``error``; the other sequences of the call proceed. A failed sequence keeps answering with
+its error until the scheduler frees it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import time
+from typing import Any
+
+import msgspec
+import structlog
+
+from common import aici_wire
+from common.config import Controllers
+from controllers.native.base import NativeController
+from services.controller_runtime.host import RequestState, SeqHost
+from services.controller_runtime.instances import Instance, NativeInstance, WasmInstance
+from services.controller_runtime.registry import ModuleRegistry, RegistryError
+from services.controller_runtime.tokenizer import TokenizerInfo
+from services.controller_runtime.wasm import ControllerError, WasmController, WasmEngine
+
+log = structlog.get_logger()
+
+NATIVE_PREFIX = "native:"
+CAPABILITIES = {"fork": True, "backtrack": True, "ff_tokens": True}
+
+
+class UserError(ValueError):
+    """A request the caller got wrong (unknown module, duplicate req_id...)."""
+
+
+def module_arg_bytes(arg: Any) -> bytes:
+    """AICI: a string module_arg is passed as is, any other JSON value serialized."""
+    if arg is None:
+        return b""
+    return arg.encode() if isinstance(arg, str) else json.dumps(arg).encode()
+
+
+def seq_result(host: SeqHost, micros: int, result: Any = None, error: str = "") -> dict[str, Any]:
+    return {"error": error, "result": result, "storage": host.storage_log, "logs": host.logs_text(),
+            "micros": micros}
+
+
+class Runtime:
+    def __init__(self, settings: Controllers, tokenizer: TokenizerInfo, engine: WasmEngine,
+                 registry: ModuleRegistry, natives: dict[str, type[NativeController]]) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.registry = registry
+        self.natives = natives
+        self.pending: dict[str, Instance] = {}  # req_id -> instantiated, not yet bound to a sequence
+        self.seqs: dict[int, Instance] = {}
+        self._row_bytes = tokenizer.mask_words * 4
+
+    # -- side channel: instantiate (runs in a worker thread) ----------------------------------------------
+    def instantiate(self, req_id: Any, prompt: Any, module_ref: Any, module_arg: Any) -> tuple[bool, dict]:
+        """Create and initialise a controller; returns (ok, SequenceResult-shaped dict)."""
+        if not isinstance(req_id, str) or not req_id:
+            raise UserError("instantiate needs a string req_id")
+        if req_id in self.pending:
+            raise UserError(f"req_id {req_id!r} is already instantiated")
+        if isinstance(prompt, str):
+            prompt = self.tokenizer.tokenize(prompt.encode())
+        if not isinstance(prompt, list) or not all(isinstance(t, int) and 0 <= t < self.tokenizer.vocab_size
+                                                   for t in prompt):
+            raise UserError("prompt must be a list of token ids in the vocabulary (or a string)")
+        if not isinstance(module_ref, str) or not module_ref:
+            raise UserError("instantiate needs a module_id (module id, tag or native:<name>)")
+        request = RequestState(req_id, module_arg_bytes(module_arg))
+        host = SeqHost(self.tokenizer, request, CAPABILITIES, self.settings.max_log_bytes)
+        instance = self._make_instance(module_ref, host)
+        start = time.perf_counter()
+        try:
+            instance.setup(prompt)
+        except ControllerError as exc:
+            instance.close()
+            return False, seq_result(host, _micros(start), error=str(exc))
+        request.live_seqs = 1
+        self.pending[req_id] = instance
+        return True, seq_result(host, _micros(start), result={})
+
+    def _make_instance(self, module_ref: str, host: SeqHost) -> Instance:
+        if module_ref.startswith(NATIVE_PREFIX):
+            cls = self.natives.get(module_ref[len(NATIVE_PREFIX):])
+            if cls is None:
+                raise UserError(f"unknown native controller {module_ref!r}; configured: "
+                                f"{sorted(NATIVE_PREFIX + n for n in self.natives)}")
+            return NativeInstance(cls, host, self.settings)
+        try:
+            _, module = self.registry.resolve(module_ref)
+        except RegistryError as exc:
+            raise UserError(str(exc)) from exc
+        try:
+            return WasmInstance(WasmController(self.engine, module, host), self.settings)
+        except ControllerError as exc:
+            raise UserError(str(exc)) from exc
+
+    # -- main channel ----------------------------------------------------------------------------------
+    def free(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            instance = self.seqs.pop(seq_id, None)
+            if instance is not None:
+                instance.host.request.live_seqs -= 1
+                instance.close()
+
+    def post_pre_process(self, req: aici_wire.PostPreProcess) -> dict[str, Any]:
+        self.free(req.freed)
+        post_seqs: dict[str, dict] = {}
+        for op in req.post_ops:
+            post_seqs[str(op.id)] = self._post(op.id, op.tokens, op.backtrack)
+        pre_seqs: dict[str, dict] = {}
+        for op in req.pre_ops:
+            error = self._bind(op)
+            if error:
+                pre_seqs[str(op.id)] = {"error": error, "result": None, "storage": [], "logs": "", "micros": 0}
+        for seq_id in self.seqs:
+            if str(seq_id) not in pre_seqs:
+                pre_seqs[str(seq_id)] = self._pre(seq_id)
+        return {"post_seqs": post_seqs, "pre_seqs": pre_seqs}
+
+    def _bind(self, op: aici_wire.PreOp) -> str:
+        if op.id in self.seqs:
+            return f"sequence {op.id} already has a controller"
+        instance = self.pending.pop(op.req_id, None)
+        if instance is None:
+            return f"no instantiated controller for req_id {op.req_id!r}"
+        instance.host.seq_id = op.id
+        self.seqs[op.id] = instance
+        return ""
+
+    def _post(self, seq_id: int, tokens: list[int], backtrack: int) -> dict[str, Any]:
+        instance = self.seqs.get(seq_id)
+        if instance is None:
+            return {"error": f"unknown sequence {seq_id}", "result": None, "storage": [], "logs": "", "micros": 0}
+        start = time.perf_counter()
+        try:
+            result = instance.post_process(tokens, backtrack)
+        except ControllerError as exc:
+            return seq_result(instance.host, _micros(start), error=str(exc))
+        return seq_result(instance.host, _micros(start), result={"stop": result.stop})
+
+    def _pre(self, seq_id: int) -> dict[str, Any]:
+        """pre_process; ff_tokens it asks for are fed straight back to post_process (up to max_ff_rounds
+        times), as AICI v0.0.x does, so the scheduler never reports them in post_ops."""
+        instance = self.seqs[seq_id]
+        host = instance.host
+        start = time.perf_counter()
+        logs, storage, ff = [], [], []
+        try:
+            for _ in range(self.settings.max_ff_rounds):
+                result = instance.pre_process()
+                logs.append(host.logs_text())
+                storage += host.storage_log
+                if result.num_forks != 1 or result.suspend or not result.ff_tokens:
+                    break
+                ff += result.ff_tokens
+                post = instance.post_process(result.ff_tokens, 0)
+                logs.append(host.logs_text())
+                storage += host.storage_log
+                if post.stop:
+                    result = aici_wire.PreProcessResult(num_forks=0)
+                    break
+            if result.num_forks > 1:
+                live = host.request.live_seqs + result.num_forks - 1
+                if live > self.settings.max_forks:
+                    raise ControllerError(f"fork into {result.num_forks} would make {live} sequences for the "
+                                          f"request, more than max_forks {self.settings.max_forks}")
+        except ControllerError as exc:
+            logs.append(host.logs_text())
+            return {"error": str(exc), "result": None, "storage": storage + host.storage_log,
+                    "logs": "".join(logs), "micros": _micros(start)}
+        return {"error": "", "result": {"suspend": result.suspend, "num_forks": result.num_forks,
+                                        "ff_tokens": ff + result.ff_tokens},
+                "storage": storage, "logs": "".join(logs), "micros": _micros(start)}
+
+    def mid_process(self, req: aici_wire.MidProcess) -> tuple[dict[str, Any], bytearray]:
+        """Fork the clones, then run mid_process for every op in order; returns (data, mask rows)."""
+        rows = bytearray(len(req.ops) * self._row_bytes)
+        base = ctypes.addressof((ctypes.c_char * len(rows)).from_buffer(rows)) if rows else 0
+        seqs: dict[str, dict] = {}
+        groups: dict[int, list[int]] = {}
+        failed: dict[int, str] = {}
+        for op in req.ops:
+            if op.clone_id is None:
+                groups.setdefault(op.id, [op.id])
+                continue
+            if op.id in self.seqs:
+                failed[op.id] = f"sequence {op.id} already exists; cannot clone {op.clone_id} into it"
+                continue
+            parent = self.seqs.get(op.clone_id)
+            if parent is None:
+                failed[op.id] = f"unknown clone_id {op.clone_id}"
+                continue
+            try:
+                self.seqs[op.id] = parent.fork(op.id)
+            except ControllerError as exc:
+                failed[op.id] = str(exc)
+                continue
+            parent.host.request.live_seqs += 1
+            groups.setdefault(op.clone_id, [op.clone_id]).append(op.id)
+            groups[op.id] = groups[op.clone_id]
+        for i, op in enumerate(req.ops):
+            instance = self.seqs.get(op.id)
+            if op.id in failed or instance is None:
+                error = failed.get(op.id, f"unknown sequence {op.id}")
+                seqs[str(op.id)] = {"error": error, "result": None, "storage": [], "logs": "", "micros": 0}
+                continue
+            start = time.perf_counter()
+            try:
+                result = instance.mid_process(groups[op.id], base + i * self._row_bytes)
+            except ControllerError as exc:
+                seqs[str(op.id)] = seq_result(instance.host, _micros(start), error=str(exc))
+                continue
+            seqs[str(op.id)] = seq_result(instance.host, _micros(start), result=_builtin(result))
+        return {"seqs": seqs, "num_seqs": len(req.ops)}, rows
+
+
+def _builtin(result: aici_wire.MidProcessResult) -> Any:
+    return result if isinstance(result, str) else msgspec.to_builtins(result)
+
+
+def _micros(start: float) -> int:
+    return int((time.perf_counter() - start) * 1e6)
