@@ -1,0 +1,36 @@
+/* constrain: constrained generation configured by controller_arg (see controllers/README.md):
+ *   {"regex": ...} | {"json_schema": ...} | {"grammar": ..., "syntax": "lark"|"yacc"} | {"choices": [...]}
+ *   plus optional "stop": str|[str] and "max_tokens": n.
+ * Masks come from the host's llguidance constraints; the sequence stops when the constraint is finished, a stop
+ * string appears, max_tokens tokens were generated or EOS is sampled. */
+#include "aici.h"
+
+static aici_gen gen;
+static int failed;
+
+static void init_prompt(const uint32_t *prompt, uint32_t n) {
+    uint32_t len;
+    char *arg = (char *)aici_read_blob(aici_host_module_arg(), &len);
+    aici_json spec;
+    const char *err = "controller_arg must be a JSON object";
+    if (!aici_json_parse(arg, len, &spec) || !aici_gen_init(&gen, spec, &err)) {
+        aici_logs("constrain: bad controller_arg: ");
+        aici_logs(err);
+        aici_logs("\n");
+        failed = 1;
+        aici_host_stop();
+    }
+    /* gen keeps spans into arg only during init; the strings it needs were copied */
+    free(arg);
+}
+
+static aici_mid_result mid_process(const uint32_t *fork_group, uint32_t n) {
+    return aici_gen_mid(&gen) ? aici_mid_sample() : aici_mid_stop();
+}
+
+static int post_process(const uint32_t *tokens, uint32_t n, uint32_t backtrack) {
+    return aici_gen_post(&gen, tokens, n);
+}
+
+static const aici_ctrl ctrl = {init_prompt, NULL, mid_process, post_process};
+const aici_ctrl *aici_controller(void) { return &ctrl; }
