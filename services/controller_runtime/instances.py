@@ -53,8 +53,12 @@ class WasmInstance:
 
     def mid_process(self, fork_group: list[int], mask_address: int) -> aici_wire.MidProcessResult:
         arg = b'{"fork_group":[%s]}' % ",".join(map(str, fork_group)).encode()
-        return _check_mid(self._invoke("aici_mid_process", arg, self.d.mid_deadline_ms, _mid_decoder,
-                                       mask_address), self.host)
+        result = self._invoke("aici_mid_process", arg, self.d.mid_deadline_ms, _mid_decoder, mask_address)
+        try:
+            return _check_mid(result, self.host)
+        except ControllerError as exc:
+            self.ctrl.dead = str(exc)
+            raise
 
     def post_process(self, tokens: list[int], backtrack: int) -> aici_wire.PostProcessResult:
         arg = b'{"tokens":[%s],"backtrack":%d}' % (",".join(map(str, tokens)).encode(), backtrack)

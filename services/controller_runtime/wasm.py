@@ -204,11 +204,10 @@ class WasmController:
             return f"{export}: {self.host.error}"
         if trap.trap_code == wasmtime.TrapCode.INTERRUPT:
             return f"{export}: deadline of {deadline_ms:g} ms exceeded"
-        message = trap.message.splitlines()[0] if trap.message else str(trap.trap_code)
-        size = _memory_size(self._ctx_addr, self._mem_addr)
-        if size + 65536 > self.engine.settings.max_memory_bytes:
-            message += f" (memory at its limit of {self.engine.settings.max_memory_bytes} bytes)"
-        return f"{export}: trap: {message}"
+        lines = [line.strip() for line in (trap.message or "").splitlines() if line.strip()]
+        message = lines[-1] if lines else str(trap.trap_code)  # the cause, after wasmtime's backtrace
+        size = _memory_size(self._ctx_addr, self._mem_addr)  # a failed memory.grow shows up as a trap later
+        return f"{export}: trap: {message} (memory {size} of {self.engine.settings.max_memory_bytes} bytes)"
 
     def invoke(self, export: str, arg: bytes, deadline_ms: float, mask_address: int | None = None) -> bytes:
         """Set the process arg, call ``export``, return the JSON bytes the guest returned."""

@@ -49,10 +49,10 @@ def controller(*, init_prompt: str | None = None, pre: str | None = None, mid: s
     Fixed data: 1024 = "{}", 1100 = PRE_OK, 1200 = POST_OK, 1300 = MID_SAMPLE, 4096.. = all-ones bitset
     (8 KiB), scratch from 16384; a mutable exported global $counter.
     """
-    init_prompt = init_prompt or ret_const(1024, "{}")
-    pre = pre or ret_const(1100, PRE_OK)
-    post = post or ret_const(1200, POST_OK)
-    mid = mid or f"(call $ret_bias (i32.const 4096)) {ret_const(1300, MID_SAMPLE)}"
+    init_prompt = ret_const(1024, "{}") if init_prompt is None else init_prompt
+    pre = ret_const(1100, PRE_OK) if pre is None else pre
+    post = ret_const(1200, POST_OK) if post is None else post
+    mid = f"(call $ret_bias (i32.const 4096)) {ret_const(1300, MID_SAMPLE)}" if mid is None else mid
     wat = f"""(module {_IMPORTS}
   (memory (export "memory") {pages})
   (global $counter (export "counter") (mut i32) (i32.const 0))

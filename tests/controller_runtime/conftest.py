@@ -1,0 +1,57 @@
+"""In-process runtime fixtures: the real tokenizer, one Wasm engine with small limits, a registry in
+a temporary directory."""
+
+from __future__ import annotations
+
+import pytest
+
+from common import aici_wire
+from common.config import Controllers, Settings
+from common.model_source import load_tokenizer
+from controllers.native import load_native_controllers
+from services.controller_runtime.registry import ModuleRegistry
+from services.controller_runtime.runtime import Runtime
+from services.controller_runtime.tokenizer import TokenizerInfo
+from services.controller_runtime.wasm import WasmEngine
+
+LIMITS = Controllers(max_memory_bytes=4 << 20, mid_deadline_ms=100.0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> TokenizerInfo:
+    return TokenizerInfo.from_hf(load_tokenizer(Settings()))
+
+
+@pytest.fixture(scope="session")
+def engine(tokenizer: TokenizerInfo) -> WasmEngine:
+    return WasmEngine(LIMITS, tokenizer)
+
+
+@pytest.fixture
+def runtime(tmp_path, engine: WasmEngine, tokenizer: TokenizerInfo) -> Runtime:
+    registry = ModuleRegistry(tmp_path / "modules", engine)
+    return Runtime(LIMITS, tokenizer, engine, registry, load_native_controllers(LIMITS.native))
+
+
+def start(runtime: Runtime, wasm_or_ref: bytes | str, seq_id: int, arg: object = "", prompt=(1,)) -> dict:
+    """Upload (bytes) or reference a controller, instantiate it as req 'r<seq_id>' and bind it to ``seq_id``;
+    returns that sequence's first pre_process result."""
+    ref = wasm_or_ref if isinstance(wasm_or_ref, str) else runtime.registry.create(wasm_or_ref, "test")["module_id"]
+    ok, result = runtime.instantiate(f"r{seq_id}", list(prompt), ref, arg)
+    assert ok, result
+    data = runtime.post_pre_process(aici_wire.PostPreProcess(pre_ops=[aici_wire.PreOp(id=seq_id, req_id=f"r{seq_id}")]))
+    return data["pre_seqs"][str(seq_id)]
+
+
+def mid(runtime: Runtime, *ops: tuple[int, int | None]) -> tuple[dict, bytearray]:
+    return runtime.mid_process(aici_wire.MidProcess(ops=[aici_wire.MidOp(id=i, clone_id=c) for i, c in ops]))
+
+
+def row(rows: bytearray, index: int, tokenizer: TokenizerInfo) -> bytes:
+    n = tokenizer.mask_words * 4
+    return bytes(rows[index * n:(index + 1) * n])
+
+
+def allowed(bitset: bytes) -> set[int]:
+    value = int.from_bytes(bitset, "little")
+    return {i for i in range(len(bitset) * 8) if value >> i & 1}
