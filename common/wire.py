@@ -101,6 +101,33 @@ class HealthReply(Msg, tag="health_reply"):
 # gateway -> scheduler
 
 
+class PositionSpan(msgspec.Struct, array_like=True):
+    """Absolute token positions ``[start, end)``."""
+
+    start: int
+    end: int
+
+
+class OutputRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Per-position outputs of a request (Salience). ``logprob_ranges``: positions p whose token's
+    logprob (given the tokens before p) is reported, prompt positions as ``TokenEvent.prompt_outputs``
+    and generated ones on their ``SampledToken``; ``top_logprobs`` alternatives each. ``readout_ranges``:
+    prompt positions whose concept readout is reported."""
+
+    logprob_ranges: list[PositionSpan] = []
+    top_logprobs: int = 0
+    readout_ranges: list[PositionSpan] = []
+
+
+class SessionRef(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The stateful session a request is a turn of: the scheduler keeps the sequence's KV on its
+    worker after the turn (within the sessions KV budgets) for the next turn of ``key``, and a
+    first turn may fork the kept KV of ``parent`` (the session it was forked from)."""
+
+    key: str
+    parent: str = ""
+
+
 class Submit(Msg, tag="submit"):
     rid: str
     prompt_ids: list[int]
@@ -113,6 +140,8 @@ class Submit(Msg, tag="submit"):
     timeout_s: float = 0.0  # 0: the scheduler's default
     images: list[ImageInput] = []  # every image of the prompt, positions in prompt_ids
     controller: str = ""  # req_id of a controller instantiated on the side channel ("": none)
+    session: SessionRef | None = None
+    outputs: OutputRequest | None = None  # with max_tokens == 0: prefill only (scoring)
 
 
 class Cancel(Msg, tag="cancel"):
@@ -133,6 +162,18 @@ class Modify(Msg, tag="modify"):
 
 
 # scheduler -> gateway
+
+
+class PositionOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What was asked of one prompt position: the logprob of its token given the tokens before it
+    (``logprob`` None when not asked or at position 0), top alternatives, and the concept readout
+    (float32 ``[layers][concepts]``, little-endian bytes; empty when not asked)."""
+
+    position: int
+    token_id: int
+    logprob: float | None = None
+    top: list[TokenLogprob] = []
+    readout: bytes = b""
 
 
 class TokenEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -162,6 +203,8 @@ class TokenEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
     storage: list[Any] = []  # storage write commands the controller executed this step
     micros: int = 0  # time spent in the controller this step
     ff_tokens: int = 0  # tokens the controller fast-forwarded this step
+    prompt_outputs: list[PositionOutput] = []  # Submit.outputs at prompt positions, in position order
+    cached_tokens: int = 0  # on the last event: prompt tokens whose KV was reused, not computed
 
 
 class Events(Msg, tag="events"):
@@ -182,6 +225,23 @@ class RequestFailed(Msg, tag="request_failed"):
 
 # ---------------------------------------------------------------------------------------------
 # scheduler <-> worker
+
+
+class ScoreQuery(msgspec.Struct, array_like=True):
+    position: int
+    target: int
+
+
+class ScoreResult(msgspec.Struct, array_like=True):
+    position: int
+    target: int
+    logprob: float
+    top: list[TokenLogprob] = []
+
+
+class ReadoutResult(msgspec.Struct, array_like=True):
+    position: int
+    values: bytes  # float32 [layers][concepts], little-endian
 
 
 class SeqStep(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -206,6 +266,12 @@ class SeqStep(msgspec.Struct, kw_only=True, omit_defaults=True):
     fork_of: int | None = None
     backtrack: int = 0
     images: list[ImageInput] = []
+    # Per-position outputs (positions fed in this step; never taken from the prefix cache):
+    # ``scores``: the logprob of ``target`` under the logits after ``position``, with
+    # ``top_logprobs`` alternatives; ``readouts``: the concept readout of the hidden states at each position.
+    scores: list[ScoreQuery] = []
+    top_logprobs: int = 0
+    readouts: list[int] = []
 
 
 class Step(Msg, tag="step"):
@@ -231,6 +297,8 @@ class StepResult(Msg, tag="step_result"):
     failures: list[SeqFailure] = []
     forward_ms: float = 0.0
     cached_tokens: dict[int, int] = {}  # seq_id -> fed tokens whose KV came from the prefix cache
+    scores: dict[int, list[ScoreResult]] = {}  # seq_id -> answers to its SeqStep.scores
+    readouts: dict[int, list[ReadoutResult]] = {}  # seq_id -> answers to its SeqStep.readouts
 
 
 class WorkerHello(Msg, tag="worker_hello"):
@@ -246,6 +314,9 @@ class WorkerHello(Msg, tag="worker_hello"):
     eos_token_ids: list[int] = []
     device: str = ""
     kv_capacity_tokens: int = 0
+    hidden_size: int = 0
+    readout_concepts: list[str] = []
+    readout_layers: list[int] = []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,6 +387,64 @@ class EvergreenGetNodes(Msg, tag="evergreen_get_nodes"):
     session_id: str
 
 
+# gateway -> session store: Salience sessions (seed 002). Errors use codes not_found,
+# failed_precondition, resource_exhausted and aborted (the gRPC status the gateway answers with).
+
+
+class SalienceOpen(Msg, tag="salience_open"):
+    model: str
+
+
+class SalienceClose(Msg, tag="salience_close"):
+    """Idempotent: closing an unknown or closed session is Ok."""
+
+    session_id: str
+
+
+class SalienceFork(Msg, tag="salience_fork"):
+    """A new session with tokens ``[0, at_position)`` and the images wholly inside them."""
+
+    session_id: str
+    at_position: int
+
+
+class SalienceGet(Msg, tag="salience_get"):
+    session_id: str
+
+
+class SalienceBegin(Msg, tag="salience_begin"):
+    """Start a turn: check ``offset``/``truncating`` (the proto's rule), rewind, append
+    ``append_tokens`` and ``images``, and take the session's busy lease (``lease_s``). Refused with
+    resource_exhausted when the new length plus ``reserve_tokens`` exceeds ``max_len``."""
+
+    session_id: str
+    offset: int
+    max_len: int
+    lease_s: float
+    truncating: bool = False
+    append_tokens: list[int] = []
+    images: list[ImageInput] = []
+    reserve_tokens: int = 0
+
+
+class SalienceEnd(Msg, tag="salience_end"):
+    """End a turn: append the tokens the client was sent and release the lease."""
+
+    session_id: str
+    lease: str
+    append_tokens: list[int] = []
+
+
+class SalienceSession(Msg, tag="salience_session"):
+    """A session's state (the reply to Open, Fork, Get and Begin; ``lease`` only for Begin)."""
+
+    session_id: str
+    tokens: list[int] = []
+    images: list[ImageInput] = []
+    parent: str = ""
+    lease: str = ""
+
+
 Message = Union[
     Ok,
     Error,
@@ -339,6 +468,13 @@ Message = Union[
     EvergreenDrop,
     EvergreenClose,
     EvergreenGetNodes,
+    SalienceOpen,
+    SalienceClose,
+    SalienceFork,
+    SalienceGet,
+    SalienceBegin,
+    SalienceEnd,
+    SalienceSession,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

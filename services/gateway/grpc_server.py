@@ -7,6 +7,7 @@ import structlog
 
 from services.gateway.driver import Gateway
 from services.gateway.evergreen import service as evergreen
+from services.gateway.salience import service as salience
 
 log = structlog.get_logger()
 
@@ -26,6 +27,7 @@ async def start_grpc(gw: Gateway) -> grpc.aio.Server:
         ]
     )
     evergreen.add_to_server(server, gw)
+    await salience.add_to_server(server, gw)
     address = f"{settings.http_host}:{settings.grpc_port}"
     try:
         server.add_insecure_port(address)

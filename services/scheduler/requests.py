@@ -35,6 +35,36 @@ class LiveRequest:
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # the last sampled token, fed on the next step
     sampling_dirty: bool = True  # send SamplingParams with the next SeqStep
+    # Session turns (Salience): the first SeqStep forks ``fork_of`` and/or drops ``backtrack``
+    # tokens of a parked sequence; ``kv_tokens`` is what the worker's sequence holds once every
+    # step sent so far has run, ``on_worker`` whether any step was sent.
+    fork_of: int | None = None
+    backtrack: int = 0
+    kv_tokens: list[int] = field(default_factory=list)
+    on_worker: bool = False
+    # Per-position outputs: the prompt positions asked about, and the logprobs already computed for
+    # some of them (a chunk's first position is scored by the step that fed the previous chunk).
+    logprob_positions: set[int] = field(default_factory=set)
+    readout_positions: set[int] = field(default_factory=set)
+    scored: dict[int, wire.ScoreResult] = field(default_factory=dict)
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (a parked sequence, the prefix cache)
+
+    def __post_init__(self) -> None:
+        outputs = self.submit.outputs
+        if outputs is None:
+            return
+        n = len(self.prompt)
+        for span in outputs.logprob_ranges:
+            self.logprob_positions.update(range(max(span.start, 0), min(span.end, n)))
+        for span in outputs.readout_ranges:
+            self.readout_positions.update(range(max(span.start, 0), min(span.end, n)))
+
+    @property
+    def first_output_position(self) -> int:
+        """The first position whose hidden states this request needs computed (len(prompt): none)."""
+        return min(
+            [p - 1 for p in self.logprob_positions if p > 0] + list(self.readout_positions), default=len(self.prompt)
+        )
 
     @property
     def rid(self) -> str:
@@ -57,7 +87,7 @@ class LiveRequest:
         """Tokens to feed this step and whether to sample after them."""
         if self.fed < len(self.prompt):
             tokens = self.prompt[self.fed : self._chunk_end(self.fed + chunk)]
-            return tokens, self.fed + len(tokens) == len(self.prompt)
+            return tokens, self.fed + len(tokens) == len(self.prompt) and self.submit.max_tokens > 0
         assert self.pending is not None
         return [self.pending], True
 

@@ -33,6 +33,7 @@ from common.sockets import Router, reply_mid
 from common.textstream import TextStream
 from services.scheduler.controllers import Branch, ControllerSteps, Plan
 from services.scheduler.requests import LiveRequest, State
+from services.scheduler.sessions import SessionKV
 from services.scheduler.workers import WorkerInfo, WorkerPool
 
 log = structlog.get_logger()
@@ -67,6 +68,7 @@ class Scheduler:
         self.seq_ids = itertools.count(1)
         self.step_ids = itertools.count(1)
         self.controllers = ControllerSteps(self)  # requests with a controller; the main channel
+        self.sessions = SessionKV(settings.sessions, self.pool, lambda worker, seq_id: self.to_free[worker].append(seq_id))
 
     # ------------------------------------------------------------------------------------------
     # model facts, from the first ready worker
@@ -120,21 +122,22 @@ class Scheduler:
         if facts is not None and not all(0 <= t < facts.vocab_size for t in submit.prompt_ids):
             return refuse(INVALID_REQUEST, f"prompt token ids must lie in [0, {facts.vocab_size})")
         max_len = self._max_model_len()
-        if len(submit.prompt_ids) >= max_len:
+        prefill_only = submit.max_tokens == 0  # scoring: feed the prompt, generate nothing
+        if len(submit.prompt_ids) + (0 if prefill_only else 1) > max_len:
             return refuse(
                 CONTEXT_LENGTH_EXCEEDED,
                 f"the prompt has {len(submit.prompt_ids)} tokens; the context holds {max_len} "
                 "including at least one generated token",
             )
-        if submit.max_tokens < 1:
-            return refuse(INVALID_REQUEST, "max_tokens must be at least 1")
+        if submit.max_tokens < 0:
+            return refuse(INVALID_REQUEST, "max_tokens must be >= 0 (0: prefill only)")
         if len(self.queue) >= self.limits.max_queued:
             return refuse(MEMORY_PRESSURE, f"{len(self.queue)} requests are already waiting; try again shortly")
         submit.max_tokens = min(submit.max_tokens, max_len - len(submit.prompt_ids))
         if facts is not None and facts.kv_capacity_tokens:
             # a request larger than a worker's whole KV pool could never be admitted
             submit.max_tokens = min(submit.max_tokens, facts.kv_capacity_tokens - len(submit.prompt_ids))
-            if submit.max_tokens < 1:
+            if submit.max_tokens < (0 if prefill_only else 1):
                 return refuse(CONTEXT_LENGTH_EXCEEDED, f"the prompt does not fit the KV cache ({facts.kv_capacity_tokens} tokens)")
         timeout = submit.timeout_s if submit.timeout_s > 0 else self.limits.request_timeout_s
         request = LiveRequest(
@@ -182,6 +185,10 @@ class Scheduler:
             "running": len(self.running),
             "paused": sum(1 for r in self.requests.values() if r.paused),
             "controller_runtime": controller,
+            "hidden_size": facts.hidden_size if facts else 0,
+            "readout_concepts": facts.readout_concepts if facts else [],
+            "readout_layers": facts.readout_layers if facts else [],
+            **self.sessions.summary(),
         }
         return wire.HealthReply(service="scheduler", ready=facts is not None and controller == "ok", detail=detail)
 
@@ -241,6 +248,7 @@ class Scheduler:
         log.warning("scheduler.worker_lost", worker=worker.identity.decode(errors="replace"), reason=reason)
         self.pool.drop(worker.identity)
         self.to_free.pop(worker.identity, None)
+        self.sessions.drop_worker(worker.identity)
         for request in list(self.running.values()):
             if request.worker == worker.identity:
                 self._fail(request, INTERNAL_ERROR, f"{reason}; the request was lost, retry it")
@@ -280,11 +288,15 @@ class Scheduler:
                 break
             if request.paused:
                 continue
-            worker = self.pool.pick_for(request.needed_tokens)
-            if worker is None:
+            placement = self.sessions.place(request, request.needed_tokens)
+            if placement is None:
                 break  # keep priority order: nothing behind it jumps the queue
+            worker = placement.worker
             request.state = State.RUNNING
-            request.seq_id = next(self.seq_ids)
+            request.seq_id = placement.seq_id if placement.seq_id is not None else next(self.seq_ids)
+            request.fork_of, request.backtrack = placement.fork_of, placement.backtrack
+            request.fed = request.cached_tokens = placement.start
+            request.kv_tokens = list(placement.held or [])
             request.worker = worker.identity
             request.reserved = request.needed_tokens
             worker.reserved_tokens += request.reserved
@@ -309,6 +321,7 @@ class Scheduler:
             tokens, sample = request.next_feed(min(self.limits.prefill_chunk_tokens, budget))
             budget -= len(tokens)
             seq = wire.SeqStep(seq_id=request.seq_id, tokens=tokens, sample=sample, images=request.images_in(tokens))
+            self._session_feed(request, seq)
             if request.sampling_dirty:
                 seq.sampling = request.submit.sampling
                 request.sampling_dirty = False
@@ -353,13 +366,21 @@ class Scheduler:
             if isinstance(request, Branch):
                 self.controllers.apply(request, seq, result, max_len)
                 continue
-            if request.state is State.FINISHED:
-                continue  # cancelled while its step ran
+            if seq.fork_of is not None:
+                self.sessions.forked(seq.fork_of)
+            if request.state is State.FINISHED:  # cancelled while its step ran
+                if seq.seq_id in failures:
+                    self.sessions.failed(seq.seq_id)
+                continue
             if seq.seq_id in failures:
                 self._fail(request, INTERNAL_ERROR, f"the worker failed this sequence: {failures[seq.seq_id]}")
                 continue
             if request.fed < len(request.prompt):
+                self._prompt_outputs(request, seq, result)
+                request.cached_tokens += result.cached_tokens.get(seq.seq_id, 0)
                 request.fed += len(seq.tokens)
+                if request.submit.max_tokens == 0 and request.fed == len(request.prompt):
+                    self._finish(request, "length")
             else:
                 request.pending = None
             if not seq.sample:
@@ -403,8 +424,9 @@ class Scheduler:
         event.stop_reason = stop_reason
         event.prompt_tokens = len(request.prompt)
         event.completion_tokens = len(request.generated)
+        event.cached_tokens = request.cached_tokens
         self.outbox[request.gateway].append(event)
-        self._release(request)
+        self._release(request, park=reason != "timeout")
         structlog.contextvars.bind_contextvars(request_id=request.rid)
         log.info("scheduler.finished", reason=reason, completion_tokens=len(request.generated))
         structlog.contextvars.unbind_contextvars("request_id")
@@ -423,20 +445,62 @@ class Scheduler:
             )
         )
 
-    def _release(self, request: LiveRequest) -> None:
+    def _release(self, request: LiveRequest, park: bool = False) -> None:
+        """End a request; a finished session turn's sequence is parked for the next turn (``park``)."""
         if request.state is State.QUEUED:
             self.queue.remove(request)
         elif request.seq_id in self.running:
             del self.running[request.seq_id]
+            if request.fork_of is not None:  # its fork step was never sent
+                self.sessions.forked(request.fork_of)
             worker = self.pool.workers.get(request.worker)
             if worker is not None:
                 worker.reserved_tokens -= request.reserved
-                self.to_free[request.worker].append(request.seq_id)
+                if not (park and self.sessions.park(request, worker)):
+                    self.to_free[request.worker].append(request.seq_id)
         request.state = State.FINISHED
         self.requests.pop(request.rid, None)
         if request.submit.controller:
             self.controllers.release(request)
         self.wake.set()
+
+    def _session_feed(self, request: LiveRequest, seq: wire.SeqStep) -> None:
+        """Session-turn parts of a SeqStep: the first one's fork/backtrack of a parked sequence,
+        the per-position outputs of the prompt positions it feeds; and what the sequence will hold."""
+        if request.fork_of is not None or request.backtrack:
+            seq.fork_of, seq.backtrack = request.fork_of, request.backtrack
+            request.fork_of, request.backtrack = None, 0
+        del request.kv_tokens[len(request.kv_tokens) - seq.backtrack :]
+        request.kv_tokens += seq.tokens
+        request.on_worker = True
+        if request.fed >= len(request.prompt) or not (request.logprob_positions or request.readout_positions):
+            return
+        prompt, start = request.prompt, request.fed
+        fed = range(start, start + len(seq.tokens))
+        seq.scores = [wire.ScoreQuery(q, prompt[q + 1]) for q in fed if q + 1 in request.logprob_positions
+                      and q + 1 < len(prompt)]
+        seq.readouts = [p for p in fed if p in request.readout_positions]
+        if seq.scores and request.submit.outputs is not None:
+            seq.top_logprobs = request.submit.outputs.top_logprobs
+
+    def _prompt_outputs(self, request: LiveRequest, seq: wire.SeqStep, result: wire.StepResult) -> None:
+        """One event with the outputs of the prompt positions this step fed and were asked about."""
+        if not (request.logprob_positions or request.readout_positions):
+            return
+        for score in result.scores.get(seq.seq_id, []):
+            request.scored[score.position + 1] = score
+        readouts = {r.position: r.values for r in result.readouts.get(seq.seq_id, [])}
+        outputs = []
+        for p in range(request.fed, request.fed + len(seq.tokens)):
+            if p not in request.logprob_positions and p not in request.readout_positions:
+                continue
+            out = wire.PositionOutput(position=p, token_id=request.prompt[p], readout=readouts.get(p, b""))
+            score = request.scored.pop(p, None)
+            if score is not None:
+                out.logprob, out.top = score.logprob, score.top
+            outputs.append(out)
+        if outputs:
+            self.outbox[request.gateway].append(wire.TokenEvent(rid=request.rid, prompt_outputs=outputs))
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()

@@ -45,12 +45,14 @@ import torch
 from transformers import PretrainedConfig
 
 from common.config import Settings
-from common.wire import SeqFailure, SeqStep, Step, StepResult
+from common.model_source import load_tokenizer
+from common.wire import ReadoutResult, ScoreResult, SeqFailure, SeqStep, Step, StepResult, TokenLogprob
 from services.worker.hf_fallback import HFFallback
 from services.worker.vision import VisionFallback
 from services.worker.kv_cache import BlockTables, PagedKVCache, PoolExhausted, bytes_per_token, plan_num_blocks
 from services.worker.model_loader import LoadedModel
 from services.worker.paged_llama import PagedLlama, unsupported_reason
+from services.worker.readouts import Readouts
 from services.worker.runner import Runner, SeqInput
 from services.worker.sampler import SeqSampler, mask_allows_any, mask_bias, sample, validate_params
 
@@ -90,7 +92,13 @@ class Engine:
     """Runs :class:`common.wire.Step` messages against a loaded model."""
 
     def __init__(
-        self, loaded: LoadedModel, *, num_blocks: int, native: bool = True, cuda_graph_batch: int = 0
+        self,
+        loaded: LoadedModel,
+        *,
+        num_blocks: int,
+        native: bool = True,
+        cuda_graph_batch: int = 0,
+        readouts: Readouts | None = None,
     ) -> None:
         """``num_blocks``: KV pool size including the reserved null block. ``native=False`` forces
         the transformers fallback even for a supported architecture. ``cuda_graph_batch`` > 0 on a
@@ -118,6 +126,8 @@ class Engine:
             runner = PagedLlama(loaded.model, cache, loaded.max_model_len)
             if cuda_graph_batch > 0 and loaded.device.type == "cuda":
                 runner.enable_cuda_graphs(cuda_graph_batch, -(-loaded.max_model_len // cache.tables.block_size))
+            if readouts is not None:
+                runner.tap_layers = frozenset(readouts.layers)
             self.runner = runner
             self.backend = "paged+cuda_graphs" if runner.graphs is not None else "paged"
         else:
@@ -125,6 +135,7 @@ class Engine:
             self.tables = BlockTables(num_blocks, prefix_caching=False)
             self.runner = VisionFallback(loaded.model, loaded.vision) if loaded.vision else HFFallback(loaded.model)
             self.backend = "transformers"
+        self.readouts = readouts
         self.seqs: dict[int, _Seq] = {}
         self.fed_tokens = 0  # tokens fed by accepted SeqSteps, and how many of them the cache gave
         self.cached_tokens = 0
@@ -141,7 +152,15 @@ class Engine:
             memory_fraction=settings.limits.kv_memory_fraction,
         )
         graphs = settings.limits.max_batch_size if settings.limits.cuda_graphs else 0
-        return cls(loaded, num_blocks=num_blocks, cuda_graph_batch=graphs)
+        readouts = None
+        if unsupported_reason(loaded.config, loaded.max_model_len) is None:  # readouts ride on the native forward
+            readouts = Readouts.build(
+                settings.sessions,
+                num_layers=loaded.config.num_hidden_layers,
+                unembedding=loaded.model.get_output_embeddings().weight.detach(),
+                tokenizer=load_tokenizer(settings),
+            )
+        return cls(loaded, num_blocks=num_blocks, cuda_graph_batch=graphs, readouts=readouts)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -242,6 +261,7 @@ class Engine:
             logits = self.runner.forward(inputs)  # one row per sampling sequence, in order
         for s in accepted:
             self.tables.commit(s.seq_id, self.seqs[s.seq_id].tokens)
+        scores, readouts = self._position_outputs(inputs, {s.seq_id: s for s in accepted})
         sampling = [s for s in accepted if s.sample]  # each has an input: the last fed token is computed
         if sampling:
             assert logits is not None
@@ -257,7 +277,48 @@ class Engine:
             failures=failures,
             forward_ms=forward_ms,
             cached_tokens=cached,
+            scores=scores,
+            readouts=readouts,
         )
+
+    def _position_outputs(
+        self, inputs: list[SeqInput], steps: dict[int, SeqStep]
+    ) -> tuple[dict[int, list[ScoreResult]], dict[int, list[ReadoutResult]]]:
+        """Answers to the steps' ``scores`` and ``readouts`` from the runner's captured hidden states."""
+        captured = getattr(self.runner, "captured", None)
+        scores: dict[int, list[ScoreResult]] = {}
+        readouts: dict[int, list[ReadoutResult]] = {}
+        if captured is None:
+            return scores, readouts
+        runner = self.runner
+        assert isinstance(runner, PagedLlama)
+        row_of: dict[tuple[int, int], int] = {}
+        for item in inputs:
+            for p in item.capture:
+                row_of[(item.seq_id, p)] = len(row_of)
+        score_rows = [(seq_id, q) for seq_id, s in steps.items() for q in s.scores]
+        if score_rows:
+            index = torch.tensor([row_of[(seq_id, q.position)] for seq_id, q in score_rows], device=self.device)
+            logprobs = runner._logits(captured.final[index]).log_softmax(-1)
+            targets = torch.tensor([q.target for _, q in score_rows], device=self.device)
+            picked = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist()
+            k = max(steps[seq_id].top_logprobs for seq_id, _ in score_rows)
+            top_ids, top_lps = ([[]] * len(score_rows), [[]] * len(score_rows))
+            if k > 0:
+                top = logprobs.topk(min(k, self.vocab_size), dim=-1)
+                top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+            for j, (seq_id, q) in enumerate(score_rows):
+                n = steps[seq_id].top_logprobs
+                alternatives = [TokenLogprob(token_id=a, logprob=b) for a, b in zip(top_ids[j][:n], top_lps[j][:n])]
+                scores.setdefault(seq_id, []).append(ScoreResult(q.position, q.target, picked[j], alternatives))
+        readout_rows = [(seq_id, p) for seq_id, s in steps.items() for p in s.readouts]
+        if readout_rows and self.readouts is not None:
+            index = torch.tensor([row_of[key] for key in readout_rows], device=self.device)
+            hidden = [captured.layers[layer][index] for layer in self.readouts.layers]
+            values = self.readouts.project(hidden, runner.final_norm_of).cpu().numpy().astype("<f4")
+            for j, (seq_id, p) in enumerate(readout_rows):
+                readouts.setdefault(seq_id, []).append(ReadoutResult(p, values[j].tobytes()))
+        return scores, readouts
 
     def _mask_rows(self, step: Step, frame: bytes | memoryview | None) -> _Masks:
         """The packed mask rows this step refers to, in host memory; a frame too short for a row
@@ -315,6 +376,24 @@ class Engine:
         except ValueError as exc:
             raise _Invalid(f"sequence {s.seq_id}: {exc}") from exc
 
+    def _capture(self, s: SeqStep, start: int, end: int) -> tuple[int, ...]:
+        """The positions whose hidden states ``s.scores`` and ``s.readouts`` need, validated: they
+        must be fed in this step, i.e. in ``[start, end)``."""
+        capture = tuple(sorted({q.position for q in s.scores} | set(s.readouts)))
+        if not capture:
+            return capture
+        if not isinstance(self.runner, PagedLlama):
+            raise _Invalid(f"sequence {s.seq_id}: per-position logprobs and readouts need the native paged forward")
+        if s.readouts and self.readouts is None:
+            raise _Invalid(f"sequence {s.seq_id}: this worker has no readouts configured")
+        if capture[0] < start or capture[-1] >= end:
+            raise _Invalid(f"sequence {s.seq_id}: output positions must be among those fed, [{start}, {end})")
+        if any(not 0 <= q.target < self.vocab_size for q in s.scores):
+            raise _Invalid(f"sequence {s.seq_id}: score targets must be token ids in [0, {self.vocab_size})")
+        if not 0 <= s.top_logprobs <= self.vocab_size:
+            raise _Invalid(f"sequence {s.seq_id}: top_logprobs must be in [0, {self.vocab_size}]")
+        return capture
+
     def _admit(self, s: SeqStep, masks: _Masks) -> tuple[SeqInput | None, int]:
         """Validate one SeqStep, start or update its sequence, backtrack, reuse cached prefix
         blocks and reserve the rest. Returns what the forward pass must compute for it (None:
@@ -348,6 +427,7 @@ class Engine:
                 raise _Invalid(f"sequence {s.seq_id}: mask row {s.mask_row} is missing from the step's mask frame")
             if not masks.allows_any[index]:
                 raise _Invalid(f"sequence {s.seq_id}: its mask allows no token")
+        capture = self._capture(s, length if s.tokens else length - 1, end)
 
         if seq is None:
             assert s.sampling is not None
@@ -363,6 +443,8 @@ class Engine:
         start = len(seq.tokens)
         try:
             limit = start + len(feed) - (1 if s.sample else 0)
+            if capture:  # asked-about positions are computed, never taken from the cache
+                limit = min(limit, capture[0])
             first = self.tables.match_prefix(s.seq_id, seq.tokens, feed, limit)
             self.tables.prepare_write(s.seq_id, first)
             self.tables.reserve(s.seq_id, end)
@@ -377,4 +459,5 @@ class Engine:
             return None, hits
         if s.images:
             self._stage_images(s, seq.tokens, first)
-        return SeqInput(seq_id=s.seq_id, tokens=feed[first - start :], start=first, logits=s.sample), hits
+        item = SeqInput(seq_id=s.seq_id, tokens=feed[first - start :], start=first, logits=s.sample, capture=capture)
+        return item, hits

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from services.worker.kv_cache import NULL_BLOCK, PagedKVCache
-from services.worker.runner import SeqInput
+from services.worker.runner import Captured, SeqInput
 
 if TYPE_CHECKING:
     from services.worker.cuda_graphs import DecodeGraphs
@@ -139,6 +139,8 @@ class PagedLlama:
         self.intermediate = base.layers[0].mlp.gate_proj.out_features
         self.cos_table, self.sin_table = self._rotary_tables(base.rotary_emb, max_positions)
         self.graphs: DecodeGraphs | None = None
+        self.tap_layers: frozenset[int] = frozenset()  # decoder layers whose hidden states captures keep
+        self.captured: Captured | None = None  # the last forward's captures (None: none asked)
         self.layers: list[_Layer] = []
         for layer in base.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -178,7 +180,9 @@ class PagedLlama:
 
     def forward(self, inputs: list[SeqInput]) -> torch.Tensor:
         tables = self.cache.tables
-        if self.graphs is not None and self.graphs.fits(inputs):
+        capture = [row for i, item in enumerate(inputs) for row in item.capture]
+        self.captured = None
+        if self.graphs is not None and not capture and self.graphs.fits(inputs):
             bs = tables.block_size
             fresh = [tables.seqs[item.seq_id][item.start // bs] for item in inputs if item.start % bs == 0]
             if fresh:
@@ -192,6 +196,7 @@ class PagedLlama:
         positions: list[int] = []
         slots: list[int] = []
         last_row = [0] * len(inputs)
+        first_row = [0] * len(inputs)
         prefills: list[_Prefill] = []
         fresh: list[int] = []
         bs = tables.block_size
@@ -203,6 +208,7 @@ class PagedLlama:
             positions += range(item.start, item.start + n)
             slots += tables.slots(item.seq_id, item.start, item.start + n)
             last_row[i] = row + n - 1
+            first_row[i] = row
             if n > 1:
                 prefills.append(self._plan_prefill(item, row))
         if fresh:
@@ -214,23 +220,42 @@ class PagedLlama:
             num_decode=len(decode),
             prefills=prefills,
         )
-        x = self._layers(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long), step)
+        taps: dict[int, torch.Tensor] | None = None
+        if capture:
+            rows = [first_row[i] + p - item.start for i, item in enumerate(inputs) for p in item.capture]
+            taps = {-1: torch.tensor(rows, **as_long)}
+        x = self._layers(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long), step, taps)
+        if taps is not None:
+            rows_t = taps.pop(-1)
+            self.captured = Captured(final=x[rows_t], layers=taps)
         wanted = [last_row[i] for i, item in enumerate(inputs) if item.logits]
         if not wanted:
             return torch.empty(0, self.lm_head.shape[0], dtype=torch.float32, device=device)
         return self._logits(x[torch.tensor(wanted, **as_long)])
 
-    def _layers(self, ids: torch.Tensor, positions: torch.Tensor, step: _StepPlan) -> torch.Tensor:
-        """The hidden states after the last decoder layer, one row per fed token."""
+    def _layers(
+        self, ids: torch.Tensor, positions: torch.Tensor, step: _StepPlan, taps: dict[int, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The hidden states after the last decoder layer, one row per fed token. ``taps``, when
+        given, holds the captured rows under key -1 and receives them after each tapped layer."""
         x = F.embedding(ids, self.embed)
         step.cos, step.sin = self._rotary(positions)
-        for layer, kv_slots, kv_blocks in zip(self.layers, self.cache.layer_slots, self.cache.layer_blocks):
+        for index, (layer, kv_slots, kv_blocks) in enumerate(
+            zip(self.layers, self.cache.layer_slots, self.cache.layer_blocks)
+        ):
+            if taps is not None and index - 1 in self.tap_layers:
+                taps[index - 1] = x[taps[-1]]
             x = self._attention(layer, x, kv_slots, kv_blocks, step)
             h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
             gate_up = _linear(h, layer.gate_up, layer.gate_up_bias)
             h = self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
             x = _add_linear(x, h, layer.down, layer.down_bias)
+        if taps is not None and len(self.layers) - 1 in self.tap_layers:
+            taps[len(self.layers) - 1] = x[taps[-1]]
         return x
+
+    def final_norm_of(self, h: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states."""

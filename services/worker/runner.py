@@ -11,12 +11,24 @@ import torch
 @dataclass(frozen=True)
 class SeqInput:
     """Feed ``tokens`` to ``seq_id`` at positions ``start ..``; ``logits``: return the logits of
-    its last token. The engine has already reserved KV blocks for ``start + len(tokens)`` tokens."""
+    its last token. The engine has already reserved KV blocks for ``start + len(tokens)`` tokens.
+    ``capture``: positions (among those fed) whose hidden states the runner keeps in ``captured``."""
 
     seq_id: int
     tokens: list[int]
     start: int
     logits: bool
+    capture: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Captured:
+    """Hidden states of the captured positions of a forward pass, rows in input order then
+    ``capture`` order: ``final`` after the last decoder layer (before the final norm), ``layers``
+    after each tapped decoder layer."""
+
+    final: torch.Tensor
+    layers: dict[int, torch.Tensor]
 
 
 class Runner(Protocol):

@@ -136,6 +136,9 @@ class WorkerService:
                 eos_token_ids=loaded.eos_token_ids,
                 device=str(loaded.device),
                 kv_capacity_tokens=self.engine.kv_capacity_tokens,
+                hidden_size=loaded.config.get_text_config().hidden_size,
+                readout_concepts=self.engine.readouts.concepts if self.engine.readouts else [],
+                readout_layers=self.engine.readouts.layers if self.engine.readouts else [],
             )
         elif stage == "failed":
             hello = wire.WorkerHello(worker_id=self.worker_id, stage="failed", message=self.loader.error or "")

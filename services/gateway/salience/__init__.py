@@ -1,0 +1,1 @@
+"""Salience (seed 002): stateful sessions over gRPC."""

@@ -1,0 +1,139 @@
+"""The Salience servicer (seed 002, ``salience.v1``), grpc.aio in the gateway's event loop.
+
+Sessions live in the session store; Generate turns run through the scheduler like every other
+surface (see :mod:`services.gateway.salience.turn`). When ``sessions.auth_token`` is set, every
+RPC must carry ``authorization: Bearer <token>`` metadata, else it is UNAUTHENTICATED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import wraps
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+import zmq.asyncio
+
+from common.protos.salience.v1 import salience_pb2 as pb
+from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
+from common.errors import TillerError
+from services.gateway.driver import Gateway
+from services.gateway.engine import HEALTH_MAX_AGE_S
+from services.gateway.salience.images import ImageSupport
+from services.gateway.salience.store import SessionStoreClient, SessionStoreError
+from services.gateway.salience.turn import Abort, Turn
+
+log = structlog.get_logger()
+
+# trailing metadata of a Generate call: prompt tokens whose KV was reused rather than computed
+CACHED_TOKENS_TRAILER = "tiller-cached-tokens"
+REQUEST_ID_TRAILER = "tiller-request-id"
+
+Reply = TypeVar("Reply")
+
+
+def _check_auth(token: str, context: grpc.aio.ServicerContext) -> str | None:
+    """Why the call is not authorized (None: it is)."""
+    if not token:
+        return None
+    metadata = dict(context.invocation_metadata() or ())
+    given = metadata.get("authorization", "")
+    if not given:
+        return "this server requires 'authorization: Bearer <token>' metadata"
+    scheme, _, value = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+        return "the bearer token is not valid"
+    return None
+
+
+def unary(method: Callable[..., Awaitable[Reply]]) -> Callable[..., Awaitable[Reply]]:
+    """Auth first, and store/validation errors become the call's status."""
+
+    @wraps(method)
+    async def handler(self: SalienceServicer, request: Any, context: grpc.aio.ServicerContext) -> Reply:
+        problem = _check_auth(self.gw.settings.sessions.auth_token, context)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+        try:
+            return await method(self, request, context)
+        except (SessionStoreError, Abort) as exc:
+            await context.abort(exc.status, exc.message)  # raises
+            raise
+
+    return handler
+
+
+class SalienceServicer(pb_grpc.SalienceServicer):
+    def __init__(self, gw: Gateway, store: SessionStoreClient, images: ImageSupport) -> None:
+        self.gw = gw
+        self.store = store
+        self.images = images
+
+    async def _facts(self) -> dict[str, Any]:
+        try:
+            return (await self.gw.engine.health(max_age=HEALTH_MAX_AGE_S)).detail
+        except TillerError as exc:
+            raise Abort(grpc.StatusCode.UNAVAILABLE, exc.message) from None
+
+    @unary
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.OpenSessionResponse:  # noqa: N802
+        served = self.gw.settings.served_model_name
+        if request.model != served:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"model {request.model!r} is not served here; this server serves {served!r}")
+        facts = await self._facts()
+        session = await self.store.open(request.model)
+        log.info("salience.session_opened", session_id=session.session_id)
+        max_len = int(facts.get("max_model_len") or self.gw.settings.limits.max_model_len)
+        return pb.OpenSessionResponse(session_id=session.session_id, max_model_len=max_len)
+
+    @unary
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:  # noqa: N802
+        await self.store.close_session(request.session_id)
+        return pb.CloseSessionResponse()
+
+    @unary
+    async def ForkSession(self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext) -> pb.ForkSessionResponse:  # noqa: N802
+        child = await self.store.fork(request.session_id, request.at_position)
+        log.info("salience.session_forked", session_id=child.session_id, parent=request.session_id, at=request.at_position)
+        return pb.ForkSessionResponse(session_id=child.session_id)
+
+    @unary
+    async def DumpSession(self, request: pb.DumpSessionRequest, context: grpc.aio.ServicerContext) -> pb.DumpSessionResponse:  # noqa: N802
+        session = await self.store.get(request.session_id)
+        return pb.DumpSessionResponse(tokens=session.tokens)
+
+    @unary
+    async def GetReadoutManifest(self, request: pb.GetReadoutManifestRequest, context: grpc.aio.ServicerContext) -> pb.ReadoutManifest:  # noqa: N802
+        facts = await self._facts()
+        return pb.ReadoutManifest(
+            concepts=facts.get("readout_concepts") or [],
+            layers=facts.get("readout_layers") or [],
+            hidden_size=int(facts.get("hidden_size") or 0),
+            dtype="float32",
+        )
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:  # noqa: N802
+        problem = _check_auth(self.gw.settings.sessions.auth_token, context)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+        turn = Turn(self.gw, self.store, self.images, request)
+        try:
+            async for event in turn.run():
+                if event.HasField("done"):
+                    context.set_trailing_metadata(
+                        ((CACHED_TOKENS_TRAILER, str(turn.cached_tokens)), (REQUEST_ID_TRAILER, turn.rid))
+                    )
+                yield event
+        except (SessionStoreError, Abort) as exc:
+            await context.abort(exc.status, exc.message)
+        finally:
+            structlog.contextvars.unbind_contextvars("request_id", "session_id")
+
+
+async def add_to_server(server: grpc.aio.Server, gw: Gateway) -> None:
+    images = await asyncio.to_thread(ImageSupport.load, gw.settings)
+    store = SessionStoreClient(gw.settings, zmq.asyncio.Context.instance())
+    pb_grpc.add_SalienceServicer_to_server(SalienceServicer(gw, store, images), server)

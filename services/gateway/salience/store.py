@@ -1,0 +1,71 @@
+"""The Salience servicer's link to the session store, which owns every session's tokens and images."""
+
+from __future__ import annotations
+
+import grpc
+import zmq.asyncio
+
+from common import wire
+from common.config import Settings
+from common.sockets import Dealer
+
+STORE_TIMEOUT_S = 10.0
+
+# session store error codes -> gRPC status
+STATUS = {
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "aborted": grpc.StatusCode.ABORTED,
+    "invalid_request": grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+
+class SessionStoreError(Exception):
+    def __init__(self, status: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class SessionStoreClient:
+    def __init__(self, settings: Settings, ctx: zmq.asyncio.Context) -> None:
+        self._dealer = Dealer(ctx, settings.endpoint("session_store"))
+
+    def close(self) -> None:
+        self._dealer.close()
+
+    async def _call(self, msg: wire.Msg) -> wire.Message:
+        try:
+            reply, _ = await self._dealer.request(msg, timeout=STORE_TIMEOUT_S)
+        except TimeoutError:
+            raise SessionStoreError(
+                grpc.StatusCode.UNAVAILABLE, "the session store did not answer; is it running? retry shortly"
+            ) from None
+        if isinstance(reply, wire.Error):
+            raise SessionStoreError(STATUS.get(reply.code, grpc.StatusCode.INTERNAL), reply.message)
+        return reply
+
+    async def _session(self, msg: wire.Msg) -> wire.SalienceSession:
+        reply = await self._call(msg)
+        if not isinstance(reply, wire.SalienceSession):
+            raise SessionStoreError(grpc.StatusCode.INTERNAL, f"unexpected session store reply {type(reply).__name__}")
+        return reply
+
+    async def open(self, model: str) -> wire.SalienceSession:
+        return await self._session(wire.SalienceOpen(model=model))
+
+    async def close_session(self, session_id: str) -> None:
+        await self._call(wire.SalienceClose(session_id=session_id))
+
+    async def fork(self, session_id: str, at_position: int) -> wire.SalienceSession:
+        return await self._session(wire.SalienceFork(session_id=session_id, at_position=at_position))
+
+    async def get(self, session_id: str) -> wire.SalienceSession:
+        return await self._session(wire.SalienceGet(session_id=session_id))
+
+    async def begin(self, begin: wire.SalienceBegin) -> wire.SalienceSession:
+        return await self._session(begin)
+
+    async def end(self, session_id: str, lease: str, append_tokens: list[int]) -> None:
+        await self._call(wire.SalienceEnd(session_id=session_id, lease=lease, append_tokens=append_tokens))

@@ -1,0 +1,266 @@
+"""One Salience Generate call: validate, commit the appended tokens to the session, run the turn
+through the scheduler, stream Token events and a Done, and write the decoded tokens back.
+
+The session's busy lease (taken by ``SalienceBegin``) makes the turn the only one on its session.
+Whatever way the call ends, the lease is released with exactly the decoded tokens the client was
+sent appended: a client that disconnects mid-turn leaves the session as far as it saw it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import structlog
+
+from common import wire
+from common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, MEMORY_PRESSURE, TIMEOUT, TillerError
+from common.protos.salience.v1 import salience_pb2 as pb
+from services.gateway.driver import STALL_GRACE_S, Gateway, new_request_id
+from services.gateway.engine import HEALTH_MAX_AGE_S, worker_stage
+from services.gateway.salience.images import ImageError, ImageSupport, prepare_images
+from services.gateway.salience.store import SessionStoreClient
+
+log = structlog.get_logger()
+
+Done = pb.GenerateDone
+
+# scheduler failure codes -> gRPC status
+FAILURE_STATUS = {
+    CONTEXT_LENGTH_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    MEMORY_PRESSURE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+class Abort(Exception):
+    """End the call with a gRPC status."""
+
+    def __init__(self, status: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def covers(ranges: list[wire.PositionSpan], position: int) -> bool:
+    return any(r.start <= position < r.end for r in ranges)
+
+
+@dataclass
+class Turn:
+    gw: Gateway
+    store: SessionStoreClient
+    images: ImageSupport
+    request: pb.GenerateRequest
+    rid: str = field(default_factory=lambda: new_request_id("sal-"))
+    sent: list[int] = field(default_factory=list)  # decoded tokens the client was sent
+    cached_tokens: int = 0
+
+    async def run(self) -> AsyncIterator[pb.GenerateEvent]:
+        """The call's events; raises :class:`Abort` for a refused or failed call."""
+        req = self.request
+        structlog.contextvars.bind_contextvars(request_id=self.rid, session_id=req.session_id)
+        health = await self._ready()
+        facts = health.detail
+        max_len = int(facts.get("max_model_len") or self.gw.settings.limits.max_model_len)
+        outputs, sampling = self._validate(int(facts.get("vocab_size") or 0), max_len)
+        length = req.offset + len(req.append_tokens)  # the session's length once the call is applied
+        new_images = await self._images(length)
+        started = time.monotonic()
+        session = await self.store.begin(
+            wire.SalienceBegin(
+                session_id=req.session_id,
+                offset=req.offset,
+                truncating=req.truncating,
+                append_tokens=list(req.append_tokens),
+                images=new_images,
+                max_len=max_len,
+                reserve_tokens=req.max_tokens,
+                lease_s=self.gw.settings.sessions.busy_lease_s,
+            )
+        )
+        try:
+            if length == 0:  # nothing to prefill: a no-op call (it refreshed the TTL)
+                yield pb.GenerateEvent(done=Done(finish_reason=Done.FINISH_REASON_LENGTH))
+                return
+            async for event in self._stream(session, outputs, sampling, length):
+                yield event
+        finally:
+            await self._end(session)
+            log.info("salience.generate_end", prompt_tokens=length, completion_tokens=len(self.sent),
+                     cached_tokens=self.cached_tokens, total_ms=round((time.monotonic() - started) * 1000, 1))
+
+    async def _ready(self) -> wire.HealthReply:
+        try:
+            health = await self.gw.engine.health(max_age=HEALTH_MAX_AGE_S)
+        except TillerError as exc:
+            raise Abort(grpc.StatusCode.UNAVAILABLE, exc.message) from None
+        stage = worker_stage(health)
+        if stage.get("stage") != "ready":
+            raise Abort(grpc.StatusCode.UNAVAILABLE, f"the model is not ready ({stage.get('stage')}): "
+                                                     f"{stage.get('message') or 'retry shortly'}")
+        return health
+
+    def _validate(self, vocab_size: int, max_len: int) -> tuple[wire.OutputRequest, wire.SamplingParams]:
+        req = self.request
+        limits = self.gw.settings.limits
+
+        def invalid(message: str) -> Abort:
+            return Abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+        if not req.session_id:
+            raise invalid("session_id is required")
+        if vocab_size and any(t >= vocab_size for t in req.append_tokens):
+            raise invalid(f"append_tokens must be token ids in [0, {vocab_size})")
+        if not req.temperature >= 0:
+            raise invalid(f"temperature must be >= 0 (0 means the default 1.0), got {req.temperature}")
+        if not 0 <= req.top_p <= 1:
+            raise invalid(f"top_p must be in [0, 1] (0 means the default 1.0), got {req.top_p}")
+        if req.max_tokens > limits.max_tokens_cap:
+            raise invalid(f"max_tokens must be at most {limits.max_tokens_cap}, got {req.max_tokens}")
+        if req.logprob_top_k > limits.max_top_logprobs:
+            raise invalid(f"logprob_top_k must be at most {limits.max_top_logprobs}, got {req.logprob_top_k}")
+        if vocab_size and any(t >= vocab_size for t in req.stop_token_ids):
+            raise invalid(f"stop_token_ids must be token ids in [0, {vocab_size})")
+        if not 0 <= req.priority <= 10:
+            raise invalid(f"priority must be in [0, 10] (0 interactive ... 10 batch), got {req.priority}")
+        length = req.offset + len(req.append_tokens)
+        if length == 0 and req.max_tokens > 0:
+            raise invalid("the session is empty: append tokens to generate from")
+        spans = {}
+        for name, ranges, end in (
+            ("logprobs_ranges", req.logprobs_ranges, length + req.max_tokens),
+            ("readout_ranges", req.readout_ranges, length),
+        ):
+            for r in ranges:
+                if not r.start < r.end <= end:
+                    raise invalid(
+                        f"{name} [{r.start}, {r.end}) must be a non-empty range ending at or before {end} "
+                        + ("(the tokens after append plus max_tokens)" if name == "logprobs_ranges"
+                           else "(readouts cover the tokens after append)")
+                    )
+            spans[name] = [wire.PositionSpan(r.start, r.end) for r in ranges]
+        outputs = wire.OutputRequest(
+            logprob_ranges=spans["logprobs_ranges"],
+            top_logprobs=req.logprob_top_k,
+            readout_ranges=spans["readout_ranges"],
+        )
+        decode_logprobs = any(r.end > length for r in outputs.logprob_ranges)
+        top_k = req.top_k
+        sampling = wire.SamplingParams(
+            temperature=0.0 if top_k == 1 else (req.temperature or 1.0),  # top-1 sampling is greedy
+            top_p=req.top_p or 1.0,
+            top_k=top_k,
+            logprobs=req.logprob_top_k if decode_logprobs else None,
+        )
+        return outputs, sampling
+
+    async def _images(self, length: int) -> list[wire.ImageInput]:
+        req = self.request
+        if not req.images:
+            return []
+        session = await self.store.get(req.session_id)
+        tokens = session.tokens[: req.offset] + list(req.append_tokens)
+        if len(tokens) != length:
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"offset {req.offset} does not match the session's {len(session.tokens)} tokens")
+        try:
+            return await prepare_images(self.images, tokens, list(req.images), appended_from=req.offset)
+        except ImageError as exc:
+            raise Abort(exc.code, exc.message) from None
+
+    async def _stream(
+        self, session: wire.SalienceSession, outputs: wire.OutputRequest, sampling: wire.SamplingParams, length: int
+    ) -> AsyncIterator[pb.GenerateEvent]:
+        req, engine = self.request, self.gw.engine
+        queue = engine.open_stream(self.rid)
+        finished = False
+        try:
+            try:
+                await engine.submit(
+                    wire.Submit(
+                        rid=self.rid,
+                        prompt_ids=session.tokens,
+                        sampling=sampling,
+                        max_tokens=req.max_tokens,
+                        stop_token_ids=list(req.stop_token_ids),
+                        priority=req.priority,
+                        timeout_s=self.gw.settings.limits.request_timeout_s,
+                        session=wire.SessionRef(key=session.session_id, parent=session.parent),
+                        outputs=outputs,
+                        images=session.images,
+                    )
+                )
+            except TillerError as exc:
+                raise Abort(FAILURE_STATUS.get(exc.code, grpc.StatusCode.INTERNAL), exc.message) from None
+            deadline = time.monotonic() + self.gw.settings.limits.request_timeout_s + STALL_GRACE_S
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), timeout=max(deadline - time.monotonic(), 0.0))
+                except TimeoutError:
+                    raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no result from the scheduler in time") from None
+                if isinstance(item, wire.RequestFailed):
+                    finished = True
+                    raise Abort(FAILURE_STATUS.get(item.code, grpc.StatusCode.INTERNAL), item.message)
+                for out in item.prompt_outputs:
+                    yield pb.GenerateEvent(token=self._prompt_token(out))
+                for sampled in item.tokens:
+                    position = length + len(self.sent)
+                    token = self._decoded_token(sampled, position, outputs)
+                    yield pb.GenerateEvent(token=token)
+                    self.sent.append(sampled.token_id)
+                if item.finish_reason is not None:
+                    finished = True
+                    if item.finish_reason == "timeout":
+                        raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the generation exceeded its time limit")
+                    self.cached_tokens = item.cached_tokens
+                    yield pb.GenerateEvent(done=self._done(item, length))
+                    return
+        finally:
+            if not finished:
+                engine.cancel_soon(self.rid)
+            engine.close_stream(self.rid)
+
+    @staticmethod
+    def _prompt_token(out: wire.PositionOutput) -> pb.Token:
+        token = pb.Token(id=out.token_id, position=out.position, is_prefill=True)
+        if out.readout:
+            token.readout.extend(np.frombuffer(out.readout, dtype="<f4").tolist())
+        if out.logprob is not None:
+            token.sampled_logprob, token.has_sampled_logprob = out.logprob, True
+            token.logprobs.extend(pb.TokenLogprob(id=t.token_id, logprob=t.logprob) for t in out.top)
+        return token
+
+    @staticmethod
+    def _decoded_token(sampled: wire.SampledToken, position: int, outputs: wire.OutputRequest) -> pb.Token:
+        token = pb.Token(id=sampled.token_id, position=position, is_prefill=False)
+        if covers(outputs.logprob_ranges, position):
+            token.sampled_logprob, token.has_sampled_logprob = sampled.logprob, True
+            token.logprobs.extend(pb.TokenLogprob(id=t.token_id, logprob=t.logprob) for t in sampled.top)
+        return token
+
+    def _done(self, final: wire.TokenEvent, length: int) -> pb.GenerateDone:
+        reason = {
+            "length": Done.FINISH_REASON_LENGTH,
+            "cancelled": Done.FINISH_REASON_CANCELLED,
+        }.get(final.finish_reason or "", Done.FINISH_REASON_UNSPECIFIED)
+        if final.finish_reason == "stop":
+            reason = Done.FINISH_REASON_EOS if isinstance(final.stop_reason, int) else Done.FINISH_REASON_STOP_STRING
+        completion = len(self.sent)
+        return Done(prompt_tokens=length, completion_tokens=completion, total_tokens=length + completion,
+                    finish_reason=reason)
+
+    async def _end(self, session: wire.SalienceSession) -> None:
+        """Release the lease with the decoded tokens sent, even while the call is being cancelled."""
+        task = asyncio.ensure_future(self.store.end(session.session_id, session.lease, list(self.sent)))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await task
+        except Exception as exc:  # the lease expired, or the store is gone: the turn's tokens are lost
+            log.warning("salience.end_failed", error=str(exc))

@@ -1,0 +1,179 @@
+"""KV kept on workers between the turns of stateful sessions (Salience).
+
+When a request that is a session turn (``Submit.session``) finishes, its sequence is *parked*
+instead of freed: it stays live on its worker, holding its KV blocks, under the session's key.
+The next turn of that session takes the parked sequence over: its first step backtracks to the
+longest prefix the new prompt shares with what the sequence holds and feeds only the rest. The
+first turn of a forked session forks its parent's parked sequence (blocks shared copy-on-write).
+
+Parked sequences are only a cache: the session store holds the tokens, and every Submit carries
+the whole prompt, so a parked sequence that is gone (evicted, its worker lost) only costs a
+recomputation. Budgets keep idle sessions from starving live requests: a session keeps at most
+``kv_tokens_per_session`` tokens, idle sessions together at most ``kv_parked_fraction`` of a
+worker's pool, and admission evicts parked sequences (least recently used first) whenever a live
+request needs the room.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from common.config import Sessions
+from services.scheduler.requests import LiveRequest
+from services.scheduler.workers import WorkerInfo, WorkerPool
+
+log = structlog.get_logger()
+
+
+@dataclass
+class Parked:
+    key: str
+    seq_id: int
+    worker: bytes
+    tokens: list[int]  # exactly what the worker's sequence holds
+    parked_at: float
+
+
+@dataclass
+class Placement:
+    """Where an admitted request runs: on ``worker``, as ``seq_id`` (None: a new id), forked from
+    ``fork_of``, after dropping ``backtrack`` tokens; the prompt's first ``start`` tokens are
+    already in the sequence's KV."""
+
+    worker: WorkerInfo
+    seq_id: int | None = None
+    fork_of: int | None = None
+    backtrack: int = 0
+    start: int = 0
+    held: list[int] | None = None  # the tokens the sequence holds before its first step
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class SessionKV:
+    def __init__(self, config: Sessions, pool: WorkerPool, free: Callable[[bytes, int], None]) -> None:
+        self.config = config
+        self.pool = pool
+        self._free = free  # (worker identity, seq_id): free a sequence with the worker's next step
+        self.parked: OrderedDict[str, Parked] = OrderedDict()  # least recently parked first
+        self.pinned: set[int] = set()  # parked sequences a placed fork has not copied yet
+
+    # -- figures -------------------------------------------------------------------------------
+
+    def held_tokens(self, worker: bytes) -> int:
+        return sum(len(p.tokens) for p in self.parked.values() if p.worker == worker)
+
+    def summary(self) -> dict[str, int]:
+        return {"parked_sessions": len(self.parked), "parked_tokens": sum(len(p.tokens) for p in self.parked.values())}
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def place(self, request: LiveRequest, needed: int) -> Placement | None:
+        """A worker (and a parked sequence to start from, when one helps) for ``request``, evicting
+        idle sessions' KV when a live request needs the room; None when nothing fits now."""
+        ref = request.submit.session
+        own = self.parked.get(ref.key) if ref else None
+        parent = self.parked.get(ref.parent) if ref and ref.parent and own is None else None
+        base = own or parent
+        if own is not None and own.seq_id in self.pinned:
+            return None  # a fork of it has not been copied yet: wait a step rather than change it
+        if base is not None:
+            placement = self._place_on(base, own is not None, request, needed)
+            if placement is not None:
+                return placement
+            if own is not None:  # it cannot be used: let it go rather than hold it twice
+                self._evict(own)
+        worker = self.pool.pick_for(needed)
+        while worker is None and self._evict_lru(exclude=self.pinned):
+            worker = self.pool.pick_for(needed)
+        return Placement(worker=worker) if worker is not None else None
+
+    def _place_on(self, base: Parked, own: bool, request: LiveRequest, needed: int) -> Placement | None:
+        worker = self.pool.workers.get(base.worker)
+        if worker is None or not worker.ready:
+            return None
+        # never skip a position the request asks outputs about, and always feed at least one token
+        common = min(shared_prefix(base.tokens, request.prompt), request.first_output_position, len(request.prompt) - 1)
+        if common <= 0 and not own:
+            return None
+        released = len(base.tokens) if own else 0
+        while worker.capacity - worker.reserved_tokens + released < needed:
+            if not self._evict_lru(exclude=self.pinned | {base.seq_id}, worker=base.worker):
+                return None
+        if own:
+            del self.parked[base.key]
+            worker.reserved_tokens -= len(base.tokens)
+            return Placement(worker, seq_id=base.seq_id, backtrack=len(base.tokens) - common, start=common,
+                             held=base.tokens)
+        self.pinned.add(base.seq_id)
+        return Placement(worker, fork_of=base.seq_id, backtrack=len(base.tokens) - common, start=common,
+                         held=base.tokens)
+
+    def forked(self, parent: int) -> None:
+        """The step carrying a fork of ``parent`` ran (or will never run): it may be evicted again."""
+        self.pinned.discard(parent)
+
+    # -- parking -------------------------------------------------------------------------------
+
+    def park(self, request: LiveRequest, worker: WorkerInfo) -> bool:
+        """Keep a finished session turn's sequence on its worker; False: free it as usual."""
+        ref = request.submit.session
+        tokens = request.kv_tokens
+        if ref is None or not request.on_worker or not 0 < len(tokens) <= self.config.kv_tokens_per_session:
+            return False
+        previous = self.parked.get(ref.key)
+        if previous is not None:
+            self._evict(previous)
+        self.parked[ref.key] = Parked(ref.key, request.seq_id, worker.identity, list(tokens), time.monotonic())
+        worker.reserved_tokens += len(tokens)
+        limit = int(worker.capacity * self.config.kv_parked_fraction)
+        while self.held_tokens(worker.identity) > limit:
+            if not self._evict_lru(exclude=self.pinned | {request.seq_id}, worker=worker.identity):
+                break
+        if self.held_tokens(worker.identity) > limit:  # this session alone is over the budget
+            self._evict(self.parked[ref.key])
+        return True
+
+    def failed(self, seq_id: int) -> None:
+        """A sequence parked while its last step ran failed that step: the worker released it."""
+        for parked in self.parked.values():
+            if parked.seq_id == seq_id:
+                del self.parked[parked.key]
+                worker = self.pool.workers.get(parked.worker)
+                if worker is not None:
+                    worker.reserved_tokens -= len(parked.tokens)
+                return
+
+    def drop_worker(self, identity: bytes) -> None:
+        """A lost worker took its parked sequences with it."""
+        for key in [k for k, p in self.parked.items() if p.worker == identity]:
+            del self.parked[key]
+
+    # -- eviction ------------------------------------------------------------------------------
+
+    def _evict(self, parked: Parked) -> None:
+        del self.parked[parked.key]
+        worker = self.pool.workers.get(parked.worker)
+        if worker is not None:
+            worker.reserved_tokens -= len(parked.tokens)
+            self._free(parked.worker, parked.seq_id)
+        log.debug("sessions.evicted", session=parked.key, tokens=len(parked.tokens))
+
+    def _evict_lru(self, exclude: set[int], worker: bytes | None = None) -> bool:
+        """Free the least recently parked sequence (on ``worker`` when given); False: none to free."""
+        for parked in self.parked.values():
+            if parked.seq_id not in exclude and (worker is None or parked.worker == worker):
+                self._evict(parked)
+                return True
+        return False
