@@ -5,6 +5,9 @@ Seed format: optional declarations (``%start name``, other ``%...`` lines ignore
 and regexes (``"/re/"`` or ``'/re/'``); the special rule ``SKIP`` lists lexemes to skip between tokens;
 ``//`` and ``/* */`` comments; an optional second ``%%`` ends the rules. A rule whose alternatives are
 each one keyword or regex becomes a Lark terminal (UPPER name); every other rule a Lark rule (lower name).
+Difference from AICI's lexer: keywords are not reserved. Where a regex terminal (e.g. IDENTIFIER) also
+matches a keyword, llguidance lexes both ways and the parser decides, so ``return = 3;`` is accepted
+when ``IDENTIFIER "=" ...`` is a rule (AICI preferred the keyword and rejected it).
 """
 
 from __future__ import annotations
@@ -108,8 +111,10 @@ def yacc_to_lark(src: str) -> str:
     names: dict[str, str] = {}
     for n in defined:
         lark = n.upper().replace(".", "_") if n in terminals else "r_" + n.lower().replace(".", "_")
-        if lark in names.values():
-            raise YaccError(f"rule names collide after translation: {n!r}")
+        base, k = lark, 1
+        while lark in names.values():  # names differing only in case: keep them apart
+            k += 1
+            lark = f"{base}_{k}"
         names[n] = lark
 
     def item(tok: str, rule: str) -> str:

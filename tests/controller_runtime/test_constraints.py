@@ -1,0 +1,148 @@
+"""The seed-004 yacc -> Lark translator, llguidance-backed constraints, and the native example controller."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+
+import jsonschema
+import llguidance
+import pytest
+
+from common import aici_wire
+from controllers.native import NativeLoadError, load_native_controllers
+from services.controller_runtime.constraints import FINISHED, OK, REJECTED, Constraint, ConstraintError
+from services.controller_runtime.runtime import UserError
+from services.controller_runtime.yacc_lark import YaccError, yacc_to_lark
+from tests.controller_runtime.conftest import allowed, mid, row, start
+
+# seed 004's C fragment, abridged (same lexical conventions: SKIP, "/regex/", keywords, // comments)
+C_GRAMMAR = r"""
+%start translation_unit
+%%
+SKIP
+: "//\*[^*]*\*+([^/*][^*]*\*+)*//"   // block comment
+| "///.*/"                           // line comment
+| "/\n?[ \t\v\f]*/"                  // white-space
+;
+IDENTIFIER: "/[a-zA-Z_][0-9a-zA-Z_]*/" ;
+CONSTANT
+: "/0[xX][0-9a-fA-F]+[uUlL]*?/"
+| "/[0-9]+[uUlL]*?/"
+;
+STRING_LITERAL: '/"(\\.|[^\\"])*"/' ;
+primary_expression
+: IDENTIFIER
+| CONSTANT
+| STRING_LITERAL
+| "(" expression ")"
+;
+expression
+: primary_expression
+| expression "+" primary_expression
+| expression "*" primary_expression
+;
+statement: "return" expression ";" | IDENTIFIER "=" expression ";" ;
+translation_unit
+: statement
+| translation_unit statement
+;
+"""
+
+
+def test_yacc_translation_shape():
+    lark = yacc_to_lark(C_GRAMMAR)
+    lines = lark.splitlines()
+    assert lines[0] == "start: r_translation_unit"
+    assert r"%ignore /\/\*[^*]*\*+([^\/*][^*]*\*+)*\//" in lines  # '/' inside a regex is escaped for Lark
+    assert "CONSTANT: /0[xX][0-9a-fA-F]+[uUlL]*?/ | /[0-9]+[uUlL]*?/" in lines
+    assert 'r_statement: "return" r_expression ";" | IDENTIFIER "=" r_expression ";"' in lines
+    assert yacc_to_lark("a: 'x' | ;") == 'start: r_a\nr_a: "x" | ""\n'
+
+
+@pytest.mark.parametrize("program, accepted", [
+    ("x = (a + 0x1F) * 3; /* note */ return x;", True),
+    ('s = "hi\\"there"; // end\nreturn s;', True),
+    ("return x", None),  # an unfinished prefix: accepted so far, not complete
+    ("x = 3 3;", False),
+    ("x = 3 +;", False),
+])
+def test_yacc_grammar_accepts_exactly_c_fragment(tokenizer, program, accepted):
+    c = Constraint.create(tokenizer, 3, C_GRAMMAR)
+    code = c.commit(tokenizer.tokenize(program.encode()))
+    if accepted is False:
+        assert code == REJECTED
+    else:
+        assert code == OK and c.is_accepting() is bool(accepted)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("a 'x' ;", "expected ':'"),
+    ("a: 'x'", "not terminated"),
+    ("a: b ;", "undefined rule 'b'"),
+    ("", "no rules"),
+    ("a: '//' ;", "empty regex"),
+    ("%start z\n%%\na: 'x' ;", "start rule 'z'"),
+    ("a: 'x' ; A: 'y' ;", None),  # distinct names are fine (rule vs terminal)
+    ("a: @ ;", "unexpected character"),
+])
+def test_yacc_errors(bad, message):
+    if message is None:
+        assert yacc_to_lark(bad) == 'start: A\nA: "x"\nA_2: "y"\n'
+        return
+    with pytest.raises(YaccError, match=message):
+        yacc_to_lark(bad)
+
+
+def test_json_schema_constraint_and_eos(tokenizer):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    c = Constraint.create(tokenizer, 1, json.dumps(schema))
+    buf = (ctypes.c_uint32 * tokenizer.mask_words)()
+    assert c.fill_mask(ctypes.addressof(buf), len(buf) * 4) == OK
+    reference = llguidance.LLMatcher(tokenizer.ll, llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_flexible": False}))
+    assert allowed(bytes(buf)) == allowed(reference.compute_bitmask())
+    assert c.commit(tokenizer.tokenize(b'{"n":12')) == OK
+    fork = c.fork()
+    assert c.commit(tokenizer.tokenize(b"}")) == FINISHED
+    jsonschema.validate({"n": 12}, schema)
+    assert c.commit([tokenizer.eos_token]) == FINISHED
+    assert fork.commit([tokenizer.eos_token]) == REJECTED  # '{"n":12' may not end yet
+    assert fork.commit(tokenizer.tokenize(b'"x"')) == REJECTED
+
+
+def test_constraint_errors(tokenizer):
+    for kind, source in ((0, "(unclosed"), (1, "{not json"), (2, "start: undefined_rule"), (3, "a: b ;"), (9, "x")):
+        with pytest.raises(ConstraintError):
+            Constraint.create(tokenizer, kind, source)
+
+
+def test_native_controller_prefix_then_regex(runtime, tokenizer):
+    arg = {"prefix": "Answer: ", "regex": "(yes|no)", "store_var": "out"}
+    pre = start(runtime, "native:constrained", 1, arg=arg)
+    assert pre["error"] == "" and pre["result"]["ff_tokens"] == tokenizer.tokenize(b"Answer: ")
+    data, rows = mid(runtime, (1, None))
+    assert data["seqs"]["1"]["result"] == {"SampleWithBias": {}}
+    reference = llguidance.LLMatcher(tokenizer.ll, llguidance.LLMatcher.grammar_from_regex("(yes|no)"))
+    assert allowed(row(rows, 0, tokenizer)) == allowed(reference.compute_bitmask())
+    yes = tokenizer.tokenize(b"yes")
+    out = runtime.post_pre_process(aici_wire.PostPreProcess(post_ops=[aici_wire.PostOp(id=1, tokens=yes)]))
+    assert out["post_seqs"]["1"]["result"] == {"stop": True}
+    assert out["post_seqs"]["1"]["storage"][0]["WriteVar"]["name"] == "out"
+    assert runtime.seqs[1].host.get_var("out") == json.dumps(yes).encode()
+
+
+def test_native_controller_fork_and_errors(runtime):
+    start(runtime, "native:constrained", 1, arg={"regex": "a+"})
+    data, _ = mid(runtime, (1, None), (2, 1))
+    assert data["seqs"]["2"]["result"] == {"SampleWithBias": {}}
+    assert runtime.seqs[2].obj.host is runtime.seqs[2].host and runtime.seqs[1].obj.host is runtime.seqs[1].host
+    ok, result = runtime.instantiate("bad", [1], "native:constrained", {"regex": "(", "prefix": "x"})
+    assert not ok and "invalid regex constraint" in result["error"] and "constraint error" in result["logs"]
+    with pytest.raises(UserError, match="unknown native controller"):
+        runtime.instantiate("bad2", [1], "native:nope", "")
+    with pytest.raises(NativeLoadError):
+        load_native_controllers({"x": "json:loads"})
+    with pytest.raises(NativeLoadError):
+        load_native_controllers({"x": "no_such_module:Thing"})
