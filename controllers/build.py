@@ -52,6 +52,7 @@ def build_one(source: Path, out_dir: Path) -> Path:
     cc = clang()
     if cc is None:
         raise RuntimeError("clang and wasm-ld (Debian: apt-get install clang lld) are needed to build controllers")
+    source, out_dir = source.resolve(), out_dir.resolve()
     out = out_dir / f"{source.stem}.wasm"
     # Relative paths keep the command (and so the output) independent of where the checkout lives.
     files = [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in [*sdk_sources(), source]]

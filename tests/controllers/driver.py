@@ -1,22 +1,29 @@
-"""Drives Wasm controllers in-process through the controller runtime's host (services/controller_runtime),
-with the real tokenizer and model-free token streams: a `pick` function plays the model, choosing each
-sampled token from the mask the controller returned. Forks, suspends, splices and ff_tokens are applied
-the way the scheduler applies them (seed 001 / AICI v0.0.x)."""
+"""Drives Wasm controllers in-process through the controller runtime (services/controller_runtime: its
+Runtime, registry and Wasm host) with the real tokenizer and model-free token streams: a `pick` function plays
+the model, choosing each sampled token from the mask row the runtime returned. The step loop is the
+scheduler's (seed 001 / AICI v0.0.x): post_pre_process (post_ops, pre_ops, freed), then mid_process with
+clone ops for forks; Splice backtrack/ff_tokens are applied and reported back in the next post_ops."""
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from common import aici_wire as w
 from common.config import Settings
 from common.model_source import load_tokenizer
+from controllers.native import load_native_controllers
 from services.controller_runtime.host import RequestState, SeqHost
 from services.controller_runtime.instances import WasmInstance
+from services.controller_runtime.registry import ModuleRegistry
+from services.controller_runtime.runtime import Runtime
 from services.controller_runtime.tokenizer import TokenizerInfo
 from services.controller_runtime.wasm import WasmController, WasmEngine
 
@@ -35,6 +42,11 @@ class Host:
         self.hf = load_tokenizer(self.settings)
         self.tok = TokenizerInfo.from_hf(self.hf)
         self.engine = WasmEngine(self.settings.controllers, self.tok)
+        self._tmp = tempfile.TemporaryDirectory()
+        self.registry = ModuleRegistry(Path(self._tmp.name), self.engine)
+        self.runtime = Runtime(self.settings.controllers, self.tok, self.engine, self.registry,
+                               load_native_controllers(self.settings.controllers.native))
+        self.ids = itertools.count(1)
         self._modules: dict[bytes, object] = {}
         self._mask = (ctypes.c_uint32 * self.tok.mask_words)()
 
@@ -57,101 +69,129 @@ class Host:
         return inst
 
     def mid(self, inst: WasmInstance, fork_group: list[int]):
-        """mid_process; returns (result, allowed token ids or None)."""
+        """mid_process of a lone instance; returns (result, allowed token ids or None)."""
         addr = ctypes.addressof(self._mask)
         ctypes.memset(addr, 0, ctypes.sizeof(self._mask))
         res = inst.mid_process(fork_group, addr)
         if res != "Stop" and res.SampleWithBias is not None:
-            bits = np.unpackbits(np.frombuffer(bytes(self._mask), dtype=np.uint8), bitorder="little")
-            return res, np.flatnonzero(bits[: self.tok.vocab_size])
+            return res, self.allowed(bytes(self._mask))
         return res, None
+
+    def allowed(self, row: bytes) -> np.ndarray:
+        bits = np.unpackbits(np.frombuffer(row, dtype=np.uint8), bitorder="little")
+        return np.flatnonzero(bits[: self.tok.vocab_size])
 
     def text(self, tokens: list[int]) -> str:
         return b"".join(self.tok.token_bytes[t] for t in tokens).decode("utf-8", "replace")
 
 
+class ControllerFailed(Exception):
+    def __init__(self, error: str, logs: str) -> None:
+        super().__init__(f"{error}\nlogs: {logs}")
+        self.error, self.logs = error, logs
+
+
 @dataclass
 class Seq:
     id: int
-    inst: WasmInstance
     tokens: list[int]
     prompt_len: int
     done: bool = False
     error: str = ""
     logs: str = ""
-    steps: int = 0
     events: list[str] = field(default_factory=list)
+    storage: list = field(default_factory=list)
 
 
 class Run:
-    """A request: its sequences (forks included) stepped together, like the scheduler's step loop."""
+    """One request: instantiate, then step all its sequences (forks included) like the scheduler does."""
 
     def __init__(self, host: Host, wasm: bytes, arg, prompt: str | list[int], pick: Pick,
                  max_steps: int = 200) -> None:
-        self.host, self.pick, self.max_steps = host, pick, max_steps
+        self.host, self.rt, self.pick, self.max_steps = host, host.runtime, pick, max_steps
         ids = host.tok.tokenize(prompt.encode()) if isinstance(prompt, str) else list(prompt)
-        self.request = RequestState(req_id="run", module_arg=json.dumps(arg).encode() if isinstance(arg, dict)
-                                    else (arg.encode() if isinstance(arg, str) else arg))
-        inst = host.instantiate(wasm, self.request.module_arg, ids, request=self.request, seq_id=1)
-        self.seqs = [Seq(1, inst, ids, len(ids))]
-        self.next_id = 2
+        module_id = host.registry.create(wasm, "test")["module_id"]
+        self.req_id = f"req-{next(host.ids)}"
+        ok, res = self.rt.instantiate(self.req_id, ids, module_id, arg)
+        if not ok:
+            raise ControllerFailed(res["error"], res["logs"])
+        self.init_logs = res["logs"]
+        first = Seq(next(host.ids), ids, len(ids))
+        self.seqs = [first]
+        self.request = self.rt.pending[self.req_id].host.request
+        self.pre_ops = [w.PreOp(id=first.id, req_id=self.req_id)]
+        self.post_ops: list[w.PostOp] = []
+        self.freed: list[int] = []
 
-    def _log(self, seq: Seq) -> None:
-        seq.logs += seq.inst.host.logs_text()
+    def _finish(self, seq: Seq, event: str, res: dict | None = None) -> None:
+        seq.done = True
+        seq.events.append(event)
+        if res is not None and res["error"]:
+            seq.error = res["error"]
+        self.freed.append(seq.id)
+
+    def _note(self, seq: Seq, res: dict) -> None:
+        seq.logs += res["logs"]
+        seq.storage += res["storage"]
 
     def step(self) -> bool:
-        """One scheduler step over all live sequences; False when none is left."""
-        live = [s for s in self.seqs if not s.done]
-        if not live:
-            return False
-        mid_ops: list[tuple[Seq, list[int]]] = []
-        for s in live:
-            pre = s.inst.pre_process()
-            self._log(s)
-            if pre.ff_tokens:
-                s.tokens += pre.ff_tokens
-                if s.inst.post_process(pre.ff_tokens, 0).stop:
-                    s.done = True
-                    continue
-            if pre.num_forks == 0:
-                s.done = True
-                s.events.append("pre:stop")
+        """One scheduler step; False when no sequence is left."""
+        by_id = {s.id: s for s in self.seqs}
+        reply = self.rt.post_pre_process(w.PostPreProcess(post_ops=self.post_ops, pre_ops=self.pre_ops,
+                                                          freed=self.freed))
+        self.post_ops, self.pre_ops, self.freed = [], [], []
+        for sid, res in reply["post_seqs"].items():
+            seq = by_id[int(sid)]
+            self._note(seq, res)
+            if res["error"] or res["result"]["stop"]:
+                self._finish(seq, "post:stop", res)
+        ops: list[w.MidOp] = []
+        for sid, res in reply["pre_seqs"].items():
+            seq = by_id.get(int(sid))
+            if seq is None or seq.done:
                 continue
-            if pre.suspend:
-                s.events.append("suspend")
+            self._note(seq, res)
+            pre = res["result"]
+            if res["error"] or pre["num_forks"] == 0:
+                self._finish(seq, "pre:stop", res)
                 continue
-            group = [s]
-            for _ in range(pre.num_forks - 1):
-                child = Seq(self.next_id, s.inst.fork(self.next_id), list(s.tokens), s.prompt_len)
-                self.next_id += 1
+            seq.tokens += pre["ff_tokens"]
+            if pre["suspend"]:
+                seq.events.append("suspend")
+                continue
+            ops.append(w.MidOp(id=seq.id))
+            for _ in range(pre["num_forks"] - 1):
+                child = Seq(next(self.host.ids), list(seq.tokens), seq.prompt_len)
                 self.seqs.append(child)
-                group.append(child)
-            for g in group:
-                mid_ops.append((g, [x.id for x in group]))
-        for s, group in mid_ops:
-            s.steps += 1
-            res, allowed = self.host.mid(s.inst, group)
-            self._log(s)
-            if res == "Stop":
-                s.done = True
-                s.events.append("mid:stop")
+                by_id[child.id] = child
+                ops.append(w.MidOp(id=child.id, clone_id=seq.id))
+        if not ops:
+            if self.freed:   # let the runtime free them
+                self.rt.post_pre_process(w.PostPreProcess(freed=self.freed))
+                self.freed = []
+            return any(not s.done for s in self.seqs)
+        data, rows = self.rt.mid_process(w.MidProcess(ops=ops))
+        row_bytes = self.host.tok.mask_words * 4
+        for i, op in enumerate(ops):
+            seq, res = by_id[op.id], data["seqs"][str(op.id)]
+            self._note(seq, res)
+            result = res["result"]
+            if res["error"] or result == "Stop":
+                self._finish(seq, "mid:stop", res)
                 continue
-            if allowed is not None:
+            if "SampleWithBias" in result:
+                allowed = self.host.allowed(bytes(rows[i * row_bytes:(i + 1) * row_bytes]))
                 assert len(allowed), "empty mask"
-                tok = int(self.pick(s, allowed))
+                tok = int(self.pick(seq, allowed))
                 assert tok in set(allowed.tolist()), f"picked {tok} outside the mask"
                 new, bt = [tok], 0
             else:
-                new, bt = list(res.Splice.ff_tokens), res.Splice.backtrack
-                s.events.append(f"splice:{bt}:{len(new)}")
+                new, bt = result["Splice"]["ff_tokens"], result["Splice"]["backtrack"]
+                seq.events.append(f"splice:{bt}:{len(new)}")
             if bt:
-                del s.tokens[len(s.tokens) - bt:]
-            s.tokens += new
-            stop = s.inst.post_process(new, bt).stop
-            self._log(s)
-            if stop:
-                s.done = True
-                s.events.append("post:stop")
+                del seq.tokens[len(seq.tokens) - bt:]
+            seq.tokens += new
+            self.post_ops.append(w.PostOp(id=seq.id, tokens=new, backtrack=bt))
         return True
 
     def run(self) -> Run:

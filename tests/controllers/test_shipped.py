@@ -1,0 +1,254 @@
+"""The shipped controllers (controllers/wasm/*.wasm as committed) driven in-process through the controller
+runtime with the real tokenizer and model-free token streams (random, lowest-id, or a scripted text)."""
+
+import ast
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+import regex as pyregex
+
+from tests.controllers.driver import ControllerFailed, Run, module, pick_lowest, pick_text
+
+
+def pick_random(seed: int, prefer_eos: bool = False):
+    rng = np.random.default_rng(seed)
+
+    def pick(seq, allowed):
+        if prefer_eos and pick.eos in set(allowed.tolist()):
+            return pick.eos
+        return int(rng.choice(allowed))
+    return pick
+
+
+def random_picker(host, seed, prefer_eos=False):
+    p = pick_random(seed, prefer_eos)
+    p.eos = host.tok.eos_token
+    return p
+
+
+def generated_tokens(run, seq=None):
+    seq = seq or run.seqs[0]
+    return seq.tokens[seq.prompt_len:]
+
+
+# -- yesno ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["lowest", "highest"])
+def test_yesno_answers_one_token_yes_or_no(host, which):
+    yes, no = host.tok.tokenize(b"Yes")[0], host.tok.tokenize(b"No")[0]
+    masks = []
+
+    def pick(seq, allowed):
+        masks.append(sorted(allowed.tolist()))
+        return int(allowed[0] if which == "lowest" else allowed[-1])
+
+    run = Run(host, module("yesno"), "", "Is the sky blue? Answer:", pick).run()
+    assert masks == [sorted([yes, no])]
+    assert generated_tokens(run) == [min(yes, no) if which == "lowest" else max(yes, no)]
+    assert run.text() in ("Yes", "No")
+    assert run.seqs[0].events[-1] == "post:stop" and not run.seqs[0].error
+
+
+# -- uppercase ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_uppercase_forces_a_capital_every_fourth_byte_and_stops_after_50(host, seed):
+    run = Run(host, module("uppercase"), "", "Write a tweet about rain:", random_picker(host, seed)).run()
+    seq = run.seqs[0]
+    assert "splice:0" not in " ".join(seq.events)   # a real prompt: nothing invented
+    gen = generated_tokens(run)
+    assert len(gen) == 50 and seq.events[-1] == "post:stop"
+    data = b"".join(host.tok.token_bytes[t] for t in gen)
+    assert len(data) >= 50
+    assert all(65 <= data[i] <= 90 for i in range(0, len(data), 4)), data
+
+
+def test_uppercase_invents_a_prompt_for_an_empty_one(host):
+    run = Run(host, module("uppercase"), "", [], random_picker(host, 7)).run()
+    seq = run.seqs[0]
+    invented = host.tok.tokenize(b"Here's a tweet:\n")
+    assert seq.tokens[: len(invented)] == invented
+    assert seq.events[0] == f"splice:0:{len(invented)}"
+    data = b"".join(host.tok.token_bytes[t] for t in seq.tokens[len(invented):])
+    assert len(seq.tokens) - len(invented) == 50
+    assert all(65 <= data[i] <= 90 for i in range(0, len(data), 4)), data
+
+
+# -- constrain ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(4))
+def test_constrain_regex_output_matches(host, seed):
+    rx = r"[0-9]{3}-[a-z]{2,4}( [A-Z][a-z]{0,5})?"
+    run = Run(host, module("constrain"), {"regex": rx}, "Code:", random_picker(host, seed), max_steps=60).run()
+    assert pyregex.fullmatch(rx, run.text()), run.text()
+    assert run.seqs[0].events[-1] in ("post:stop", "mid:stop") and not run.seqs[0].error
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_constrain_choices(host, seed):
+    choices = ["red", "green", "light blue", "blue-ish"]
+    run = Run(host, module("constrain"), {"choices": choices}, "Color:", random_picker(host, seed)).run()
+    assert run.text() in choices
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "pet": {"enum": ["cat", "dog"]}},
+          "required": ["name", "age", "pet"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_constrain_json_schema_output_validates(host, seed):
+    run = Run(host, module("constrain"), {"json_schema": SCHEMA}, "JSON:", random_picker(host, seed, True),
+              max_steps=120).run()
+    jsonschema.validate(json.loads(run.text()), SCHEMA)
+
+
+def test_constrain_json_schema_as_string_and_scripted_model(host):
+    want = '{"name":"Ann","age":42,"pet":"dog"}'
+    run = Run(host, module("constrain"), {"json_schema": json.dumps(SCHEMA)}, "JSON:", pick_text(host, want)).run()
+    assert run.text() == want
+
+
+LARK = 'start: expr\nexpr: term (("+"|"-") term)*\nterm: NUM | "(" expr ")"\nNUM: /[0-9]{1,3}/'
+YACC = """%start expr
+%%
+expr : term | expr "+" term ;
+term : NUM | "(" expr ")" ;
+NUM : "/[0-9]{1,3}/" ;
+"""
+
+
+@pytest.mark.parametrize("arg", [{"grammar": LARK, "syntax": "lark"}, {"grammar": LARK},
+                                 {"grammar": YACC, "syntax": "yacc"}, {"yacc": YACC}])
+@pytest.mark.parametrize("seed", range(2))
+def test_constrain_grammar_output_parses(host, arg, seed):
+    run = Run(host, module("constrain"), {**arg, "max_tokens": 60}, "Sum:", random_picker(host, seed, True),
+              max_steps=80).run()
+    text = run.text()
+    tree = ast.parse(text, mode="eval")   # the grammar is a subset of Python expressions
+    assert all(isinstance(n, (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub)) for n in ast.walk(tree))
+
+
+def test_constrain_grammar_scripted(host):
+    run = Run(host, module("constrain"), {"grammar": YACC, "syntax": "yacc"}, "Sum:", pick_text(host, "(1+22)+333")
+              ).run()
+    assert run.text() == "(1+22)+333"
+
+
+def test_constrain_stop_string_and_max_tokens(host):
+    run = Run(host, module("constrain"), {"stop": ["\n", "END"]}, "Say:", pick_text(host, "hello there\nmore")).run()
+    assert run.text().startswith("hello there\n") and "more" not in run.text()
+    run = Run(host, module("constrain"), {"stop": "END", "max_tokens": 4}, "Say:",
+              pick_text(host, "one two three four five six")).run()
+    assert len(generated_tokens(run)) == 4
+    run = Run(host, module("constrain"), {"regex": "[a-z ]+", "stop": ["ee"]}, "Say:",
+              pick_text(host, "a tree grows")).run()
+    assert "ee" in run.text() and "grows" not in run.text()
+
+
+@pytest.mark.parametrize("arg,reason", [
+    ({"regex": "(("}, "host rejected the constraint"),
+    ({"grammar": "start: ", "syntax": "cobol"}, "syntax must be"),
+    ({"json_schema": 12}, "json_schema must be"),
+    ({"max_tokens": -1}, "max_tokens must be"),
+    ({"choices": []}, "choices must be a non-empty array"),
+    ({"stop": [""]}, "stop strings must be non-empty"),
+    ("not json", "bad controller_arg"),
+])
+def test_constrain_bad_arg_is_a_clean_error(host, arg, reason):
+    with pytest.raises(ControllerFailed) as exc:
+        Run(host, module("constrain"), arg, "x", pick_lowest)
+    assert "aici_host_stop" in exc.value.error
+    assert "constrain: bad controller_arg" in exc.value.logs and reason in exc.value.logs
+
+
+# -- declctrl -------------------------------------------------------------------------------------------
+
+def test_declctrl_fixed_gen_choose_set_stop(host):
+    prog = {"steps": [
+        {"Fixed": {"text": " The answer is"}},
+        {"Gen": {"rx": " [0-9]{1,3}", "set_var": "num"}},
+        {"Fixed": {"text": ". Color:"}},
+        {"Choose": {"options": [" red", " blue"], "set_var": "color"}},
+        {"Set": {"var": "summary", "value": "{{num}}/{{color}}"}},
+        {"Set": {"var": "summary", "value": "!", "append": True}},
+        {"Fixed": {"text": " Done{{color}}."}},
+        {"Stop": {}},
+        {"Fixed": {"text": " never"}},
+    ]}
+    run = Run(host, module("declctrl"), prog, "Q:", pick_text(host, " The answer is 42. Color: blue")).run()
+    assert run.text() == " The answer is 42. Color: blue Done blue."
+    assert run.var("num") == " 42" and run.var("color") == " blue" and run.var("summary") == " 42/ blue!"
+    assert not run.seqs[0].error
+    assert any(s["WriteVar"]["name"] == "num" for s in run.seqs[0].storage)
+
+
+def test_declctrl_gen_stop_at_max_tokens_and_eos_backtrack(host):
+    eos = host.tok.eos_token
+    prog = {"steps": [
+        {"Gen": {"stop_at": "!", "set_var": "a"}},
+        {"Fixed": {"text": "|"}},
+        {"Gen": {"max_tokens": 2, "set_var": "b"}},
+        {"Fixed": {"text": "|"}},
+        {"Gen": {"set_var": "c"}},   # the scripted model ends this one with EOS -> backtracked
+        {"Fixed": {"text": "|end"}},
+    ]}
+    script = "Hi there!|one two|tail"   # tokens: Hi, ' there', '!', '|', one, ' two', '|', tail
+    run = Run(host, module("declctrl"), prog, "Q:", pick_text(host, script, eos_after=True)).run()
+    seq = run.seqs[0]
+    assert (run.var("a"), run.var("b"), run.var("c")) == ("Hi there", "one two", "tail")
+    assert run.text() == "Hi there!|one two|tail|end"
+    assert eos not in seq.tokens
+    assert "splice:1:" in " ".join(seq.events), seq.events   # the EOS was taken back with the next Fixed
+
+
+def test_declctrl_json_schema_gen(host):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    prog = {"steps": [{"Fixed": {"text": "Result: "}}, {"Gen": {"json_schema": schema, "set_var": "j"}},
+                      {"Fixed": {"text": "\n"}}]}
+    run = Run(host, module("declctrl"), prog, "Q:", random_picker(host, 3, True)).run()
+    jsonschema.validate(json.loads(run.var("j")), schema)
+    assert run.text() == f"Result: {run.var('j')}\n"
+
+
+def test_declctrl_fork_branches_share_variables_and_wait(host):
+    prog = {"steps": [
+        {"Fixed": {"text": " Start."}},
+        {"Fork": {"branches": [
+            [{"Fixed": {"text": " French:"}}, {"Gen": {"max_tokens": 4, "set_var": "french"}}],
+            [{"Fixed": {"text": " German:"}}, {"Gen": {"max_tokens": 2, "set_var": "german"}}],
+            [{"Wait": {"vars": ["french", "german"]}}, {"Fixed": {"text": " Both: {{french}} / {{german}}"}}],
+        ]}},
+        {"Fixed": {"text": " End."}},
+    ]}
+    run = Run(host, module("declctrl"), prog, "Q:", random_picker(host, 5)).run()
+    assert len(run.seqs) == 3
+    fr, de, waiter = run.seqs
+    assert all(not s.error for s in run.seqs), [s.error for s in run.seqs]
+    assert run.text(fr).startswith(" Start. French:") and run.text(fr).endswith(" End.")
+    assert run.text(de).startswith(" Start. German:") and run.text(de).endswith(" End.")
+    assert "suspend" in waiter.events
+    assert run.text(waiter) == f" Start. Both: {run.var('french')} / {run.var('german')} End."
+    assert run.var("french") and run.var("german")
+
+
+@pytest.mark.parametrize("prog,reason", [
+    ({"steps": [{"Jump": {}}]}, "unknown or malformed step"),
+    ({"steps": [{"Fixed": {"txt": "a"}}]}, "Fixed needs"),
+    ({"steps": [{"Fork": {"branches": []}}]}, "Fork needs"),
+    ({"steps": [{"Fork": {"branches": [[{"Wait": {"vars": "x"}}]]}}]}, "Wait needs"),
+    ({"stepz": []}, "controller_arg must be"),
+    ({"steps": [{"Gen": {"rx": "[a-"}}]}, "host rejected the constraint"),
+])
+def test_declctrl_bad_program_is_a_clean_error(host, prog, reason):
+    try:   # program errors fail instantiate; constraint errors fail the step that reaches the Gen
+        seq = Run(host, module("declctrl"), prog, "x", pick_lowest).run().seqs[0]
+        error, logs = seq.error, seq.logs
+    except ControllerFailed as exc:
+        error, logs = exc.error, exc.logs
+    assert "aici_host_stop" in error
+    assert reason in logs
