@@ -23,7 +23,7 @@ SRC = ROOT / "src"
 WASM = ROOT / "wasm"
 
 CFLAGS = [
-    "--target=wasm32", "-O2", "-nostdlib", "-ffreestanding", "-fno-ident",
+    "--target=wasm32", "-Oz", "-nostdlib", "-ffreestanding", "-fno-ident",
     "-mbulk-memory", "-mmutable-globals", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
 ]
 LDFLAGS = [
