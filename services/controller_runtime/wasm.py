@@ -193,19 +193,20 @@ class WasmController:
             error = ffi.wasmtime_func_call_unchecked(self._ctx, self._funcs[export], args, 1, byref(trap))
         finally:
             _tls.inst = None
-        if error:
-            raise ControllerError(f"{export}: {wasmtime.WasmtimeError._from_ptr(error)}")
+        if error:  # a host function failed (its trap comes back as an error)
+            raise ControllerError(self._failure(export, str(wasmtime.WasmtimeError._from_ptr(error)), None, deadline_ms))
         if trap:
-            raise ControllerError(self._trap_message(export, wasmtime.Trap._from_ptr(trap), deadline_ms))
+            t = wasmtime.Trap._from_ptr(trap)
+            raise ControllerError(self._failure(export, t.message, t.trap_code, deadline_ms))
         return args[0].i32
 
-    def _trap_message(self, export: str, trap: wasmtime.Trap, deadline_ms: float) -> str:
+    def _failure(self, export: str, text: str, code: wasmtime.TrapCode | None, deadline_ms: float) -> str:
         if self.host.error:
             return f"{export}: {self.host.error}"
-        if trap.trap_code == wasmtime.TrapCode.INTERRUPT:
+        if code == wasmtime.TrapCode.INTERRUPT:
             return f"{export}: deadline of {deadline_ms:g} ms exceeded"
-        lines = [line.strip() for line in (trap.message or "").splitlines() if line.strip()]
-        message = lines[-1] if lines else str(trap.trap_code)  # the cause, after wasmtime's backtrace
+        lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+        message = lines[-1] if lines else str(code)  # the cause, after wasmtime's backtrace
         size = _memory_size(self._ctx_addr, self._mem_addr)  # a failed memory.grow shows up as a trap later
         return f"{export}: trap: {message} (memory {size} of {self.engine.settings.max_memory_bytes} bytes)"
 
