@@ -8,7 +8,7 @@ import pytest
 
 from common.config import Images, Settings
 from common.protos.salience.v1.salience_pb2 import ImageAttachment
-from services.gateway.salience.images import ImageError, ImageSupport, prepare_images
+from services.gateway.salience.images import ImageError, ImageSupport, check_unattached, prepare_images
 from tests.worker.test_vision import png
 
 
@@ -86,6 +86,10 @@ async def test_vision_tokens_without_an_attachment(support: ImageSupport) -> Non
     tokens = [1] + run(support, 64) + [2]
     message = await refused(support, tokens, [], appended_from=0)
     assert "<|vision_start|> at position 1, outside every attached image's range" in message
+    with pytest.raises(ImageError) as caught:
+        check_unattached(support, tokens[-2:], 41)  # a call appending [<|vision_end|>, 2] at offset 41
+    assert "append_tokens holds <|vision_end|> at position 41, outside" in caught.value.message
+    check_unattached(support, [1, 2, 3], 41)
     stray = tokens + [support.spec.image_pad_id]  # type: ignore[union-attr]
     message = await refused(support, stray, [attach(png(0), 1, 67)])
     assert f"<|image_pad|> at position {len(tokens)}" in message

@@ -68,9 +68,15 @@ async def prepare_images(
     ``appended_from`` the index where the appended tokens begin. Raises :class:`ImageError`."""
     if images:  # decoding and processing images is CPU work: off the event loop
         return await asyncio.to_thread(_prepare, support, list(tokens), list(images), appended_from)
-    if support.spec is not None:
-        _check_stray_vision_tokens(support.spec, tokens, appended_from, [])
+    check_unattached(support, tokens[appended_from:], appended_from)
     return []
+
+
+def check_unattached(support: ImageSupport, append_tokens: Sequence[int], offset: int) -> None:
+    """For a call without images: its appended tokens (placed from position ``offset``) must hold
+    no vision token. Raises :class:`ImageError`."""
+    if support.spec is not None:
+        _check_stray_vision_tokens(support.spec, append_tokens, offset, [])
 
 
 def _prepare(
@@ -118,23 +124,27 @@ def _prepare(
         if problem is not None:
             raise ImageError(f"{name}: {problem}")
         result.append(wire.ImageInput(start=start, end=end, data=image.bytes, mime=image.mime))
-    _check_stray_vision_tokens(spec, tokens, appended_from, result)
+    _check_stray_vision_tokens(spec, tokens[appended_from:], appended_from, result)
     return result
 
 
 def _check_stray_vision_tokens(
-    spec: VisionSpec, tokens: Sequence[int], appended_from: int, blocks: list[wire.ImageInput]
+    spec: VisionSpec, appended: Sequence[int], offset: int, blocks: list[wire.ImageInput]
 ) -> None:
-    """Every vision token in the appended tokens must belong to a declared block."""
+    """Every vision token of ``appended`` (placed from position ``offset``) must lie in one of
+    ``blocks`` (sorted by position)."""
     vision = {spec.vision_start_id: "<|vision_start|>", spec.vision_end_id: "<|vision_end|>",
               spec.image_pad_id: "<|image_pad|>"}
     covered = iter(blocks)
     block = next(covered, None)
-    for position in range(appended_from, len(tokens)):
+    for i, token in enumerate(appended):
+        if token not in vision:
+            continue
+        position = offset + i
         while block is not None and block.end <= position:
             block = next(covered, None)
-        if tokens[position] in vision and (block is None or position < block.start):
+        if block is None or position < block.start:
             raise ImageError(
-                f"append_tokens holds {vision[tokens[position]]} at position {position}, outside every attached "
+                f"append_tokens holds {vision[token]} at position {position}, outside every attached "
                 "image's range: each vision block needs a matching ImageAttachment"
             )

@@ -22,7 +22,7 @@ from common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, MEMORY_PRESS
 from common.protos.salience.v1 import salience_pb2 as pb
 from services.gateway.driver import STALL_GRACE_S, Gateway, new_request_id
 from services.gateway.engine import HEALTH_MAX_AGE_S, worker_stage
-from services.gateway.salience.images import ImageError, ImageSupport, prepare_images
+from services.gateway.salience.images import ImageError, ImageSupport, check_unattached, prepare_images
 from services.gateway.salience.store import SessionStoreClient
 
 log = structlog.get_logger()
@@ -163,6 +163,10 @@ class Turn:
     async def _images(self, length: int) -> list[wire.ImageInput]:
         req = self.request
         if not req.images:
+            try:  # no attachment: the appended tokens may hold no vision token either
+                check_unattached(self.images, req.append_tokens, req.offset)
+            except ImageError as exc:
+                raise Abort(exc.code, exc.message) from None
             return []
         session = await self.store.get(req.session_id)
         tokens = session.tokens[: req.offset] + list(req.append_tokens)
