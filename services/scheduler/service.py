@@ -263,6 +263,7 @@ class Scheduler:
             controlled = await self.controllers.plan(self.running.values(), self.limits.step_token_budget)
             steps = self._build_steps(controlled)
             if not steps:
+                self.controllers.flush()
                 self._flush_events()
                 self.wake.clear()
                 try:
