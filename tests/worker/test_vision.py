@@ -120,6 +120,15 @@ def test_image_prompt_greedy_matches_transformers(vl: LoadedModel, spec: VisionS
     assert serve(vl_engine, 1, [(prompt, images)], 16) == want
 
 
+def test_text_prompt_on_the_vl_model_matches_transformers(vl: LoadedModel, spec: VisionSpec, vl_engine: Engine) -> None:
+    prompt = [11, 22, 33, 44, 55, 66, 77, 88]
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        want = vl.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                                 min_new_tokens=12, pad_token_id=0)[0, len(prompt) :].tolist()
+    assert serve(vl_engine, 3, [(prompt[:3], []), (prompt[3:], [])], 12) == want
+
+
 def test_chunked_prefill_and_two_images_match_transformers(vl: LoadedModel, spec: VisionSpec, vl_engine: Engine) -> None:
     prompt, images = build(spec, [11, 22], png(2, (280, 140)), [33, 44, 55], png(3), [66])
     want = reference(vl, spec, prompt, images, 12)
