@@ -42,14 +42,22 @@ static void *heap_take(uint32_t n) {
     return p;
 }
 
+/* Every caller would have to check for NULL; a controller out of memory traps instead (the runtime ends
+ * that sequence with the memory-limit error). */
+__attribute__((noreturn)) static void out_of_memory(void) {
+    static const char msg[] = "aici sdk: out of memory\n";
+    aici_log(msg, sizeof msg - 1);
+    __builtin_trap();
+}
+
 void *malloc(size_t n) {
     uint32_t c = 4;   /* 16 bytes including the header */
     while ((1u << c) < n + 8) {
-        if (++c >= NCLASS) return NULL;
+        if (++c >= NCLASS) out_of_memory();
     }
     uint32_t *blk = free_lists[c];
     if (blk) free_lists[c] = *(void **)(blk + 2);
-    else if (!(blk = heap_take(1u << c))) return NULL;
+    else if (!(blk = heap_take(1u << c))) out_of_memory();
     blk[0] = c;
     return blk + 2;
 }

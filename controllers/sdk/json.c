@@ -230,7 +230,9 @@ char *aici_json_str(aici_json v, uint32_t *len) {
 int aici_json_str_eq(aici_json v, const char *s) {
     if (aici_json_type(v) != AICI_J_STRING) return 0;
     uint32_t l = (uint32_t)strlen(s);
-    if (v.n == l + 2 && memcmp(v.p + 1, s, l) == 0) return 1;   /* fast path, no escapes */
+    int escaped = 0;
+    for (uint32_t i = 1; i + 1 < v.n && !escaped; i++) escaped = v.p[i] == '\\';
+    if (!escaped) return v.n == l + 2 && memcmp(v.p + 1, s, l) == 0;
     uint32_t n;
     char *u = aici_json_str(v, &n);
     int eq = n == l && memcmp(u, s, l) == 0;

@@ -5,6 +5,8 @@
  *   {"op":"mask","pattern":p,"prefix":s}        -> mid_process returns the trie-walked mask of the regex recognizer
  *                                                  after `prefix`; logs {"top":state,"accepting":bool}
  *   {"op":"vars"}                               -> exercises set/append/get, logs what get returned
+ *   {"op":"get","doc":text,"keys":[k...]}       -> {"values":[<re-serialization string> | null...]} via aici_json_get
+ *   {"op":"oom"}                                -> allocates 1 MiB blocks until the memory limit
  */
 #include "aici.h"
 
@@ -171,6 +173,41 @@ static void test_vars(void) {
     out(&b);
 }
 
+static void test_get(void) {
+    uint32_t n;
+    char *doc = field("doc", &n);
+    aici_json obj, keys, k, v;
+    aici_buf b = {0};
+    aici_buf_puts(&b, "{\"values\":[");
+    if (aici_json_parse(doc, n, &obj) && aici_json_get(arg, "keys", &keys)) {
+        aici_json_iter it = {0};
+        int first = 1;
+        while (aici_json_next(keys, &it, NULL, &k)) {
+            char *key = aici_json_str(k, NULL);
+            if (!first) aici_buf_putc(&b, ',');
+            first = 0;
+            if (aici_json_get(obj, key, &v)) {
+                aici_buf one = {0};
+                dump(&one, v);
+                aici_json_put_str(&b, one.p, one.n);
+                aici_buf_free(&one);
+            } else {
+                aici_buf_puts(&b, "null");
+            }
+            free(key);
+        }
+    }
+    aici_buf_puts(&b, "]}");
+    out(&b);
+}
+
+static void test_oom(void) {
+    for (uint32_t i = 0;; i++) {
+        char *p = malloc(1 << 20);
+        p[i & 0xFFFF] = 1;
+    }
+}
+
 static void init_prompt(const uint32_t *prompt, uint32_t n) {
     uint32_t len;
     aici_json op;
@@ -180,6 +217,8 @@ static void init_prompt(const uint32_t *prompt, uint32_t n) {
     else if (aici_json_str_eq(op, "json")) test_json();
     else if (aici_json_str_eq(op, "mask")) test_mask_init();
     else if (aici_json_str_eq(op, "vars")) test_vars();
+    else if (aici_json_str_eq(op, "get")) test_get();
+    else if (aici_json_str_eq(op, "oom")) test_oom();
 }
 
 static aici_mid_result mid_process(const uint32_t *fork_group, uint32_t n) {

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import regex as pyregex
 
-from tests.controllers.driver import Host
+from tests.controllers.driver import ControllerFailed, Host, Run, pick_lowest
 
 
 def run_op(host: Host, wasm: bytes, arg: dict):
@@ -75,6 +75,20 @@ def test_json_reader_edge_cases(host, sdk_test_wasm):
         else:
             assert got is not None, f"{doc!r} should be accepted"
             assert json.loads(got, object_pairs_hook=list) == want, doc
+
+
+def test_json_object_lookup_unescapes_keys(host, sdk_test_wasm):
+    doc = r'{"a\nb":1,"a\\nb":2,"\u00e9":3,"\u00e9x":[4],"dup":5,"dup":6,"n":{"dup":7}}'
+    keys = ["a\nb", "a\\nb", "é", "éx", "dup", "missing", "n"]
+    _, res = run_op(host, sdk_test_wasm, {"op": "get", "doc": doc, "keys": keys})
+    assert [None if v is None else json.loads(v) for v in res["values"]] == [1, 2, 3, [4], 5, None, {"dup": 7}]
+
+
+def test_out_of_memory_traps_cleanly(host, sdk_test_wasm):
+    with pytest.raises(ControllerFailed) as exc:
+        Run(host, sdk_test_wasm, {"op": "oom"}, "x", pick_lowest)
+    assert "trap" in exc.value.error and "memory" in exc.value.error
+    assert "aici sdk: out of memory" in exc.value.logs
 
 
 def reference_mask(host: Host, pattern: str, prefix: str) -> np.ndarray:
