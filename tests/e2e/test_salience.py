@@ -128,3 +128,123 @@ async def test_open_generate_fork_generate_dump(stack, stub, model_name, hf_gree
     assert main.decoded == hf_greedy(history + other, 4)
     assert await dump(stub, fork) == history[:at] + other + branch.decoded
     assert await dump(stub, session) == history + other + main.decoded
+
+
+# -- offsets ------------------------------------------------------------------------------------
+
+
+async def test_offset_drift_and_truncating_rewrite(stack, stub, model_name, hf_greedy) -> None:
+    session = await open_session(stub, model_name)
+    prompt = encode(stack, "One, two, three, four,")
+    turn = await generate(stub, session_id=session, append_tokens=prompt, offset=0, max_tokens=4, **greedy())
+    length = len(prompt) + 4
+    for offset, truncating in ((length - 1, False), (length + 1, False), (length + 1, True), (0, False)):
+        code, details = await status_of(
+            generate(stub, session_id=session, append_tokens=[1], offset=offset, truncating=truncating, max_tokens=1)
+        )
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, (offset, truncating, details)
+        assert f"offset {offset}" in details
+    assert await dump(stub, session) == prompt + turn.decoded  # refused calls changed nothing
+
+    # rewrite history: drop the generated tokens and the last prompt token, append something else
+    keep = len(prompt) - 1
+    rewrite = encode(stack, " five")
+    again = await generate(stub, session_id=session, append_tokens=rewrite, offset=keep, truncating=True,
+                           max_tokens=3, **greedy())
+    assert again.decoded == hf_greedy(prompt[:keep] + rewrite, 3)
+    assert await dump(stub, session) == prompt[:keep] + rewrite + again.decoded
+    # truncating=true with offset equal to the length is a plain append
+    tail = await generate(stub, session_id=session, offset=keep + len(rewrite) + 3, truncating=True, max_tokens=0)
+    assert tail.done.finish_reason == Done.FINISH_REASON_LENGTH and not tail.tokens
+
+
+# -- scoring, logprobs, readouts ----------------------------------------------------------------
+
+
+def reference_forward(hf_model, tokens: list[int]):
+    with torch.inference_mode():
+        return hf_model(torch.tensor([tokens]), output_hidden_states=True)
+
+
+async def test_scoring_logprobs_equal_transformers(stack, stub, model_name, hf_model) -> None:
+    session = await open_session(stub, model_name)
+    tokens = encode(stack, "Scoring a sentence: the quick brown fox jumps over the lazy dog, twice over.")
+    n = len(tokens)
+    # first call warms the session's KV; the second asks about early positions it holds, with top-k
+    await generate(stub, session_id=session, append_tokens=tokens[:-3], offset=0, max_tokens=0)
+    scored = await generate(
+        stub, session_id=session, append_tokens=tokens[-3:], offset=n - 3, max_tokens=0, logprob_top_k=3,
+        logprobs_ranges=[pb.PositionRange(start=0, end=4), pb.PositionRange(start=n - 6, end=n)],
+    )
+    assert scored.done.finish_reason == Done.FINISH_REASON_LENGTH and scored.done.completion_tokens == 0
+    expected_positions = [0, 1, 2, 3, *range(n - 6, n)]
+    assert [t.position for t in scored.tokens] == expected_positions
+    assert all(t.is_prefill for t in scored.tokens)
+    assert [t.id for t in scored.tokens] == [tokens[p] for p in expected_positions]
+    logprobs = reference_forward(hf_model, tokens).logits[0].float().log_softmax(-1)
+    first = scored.tokens[0]
+    assert not first.has_sampled_logprob  # nothing precedes position 0
+    for token in scored.tokens[1:]:
+        row = logprobs[token.position - 1]
+        assert token.has_sampled_logprob
+        assert token.sampled_logprob == pytest.approx(row[token.id].item(), abs=2e-3)
+        top = row.topk(3)
+        assert [a.id for a in token.logprobs] == top.indices.tolist()
+        assert [a.logprob for a in token.logprobs] == pytest.approx(top.values.tolist(), abs=2e-3)
+    assert await dump(stub, session) == tokens  # scoring appends nothing
+
+
+async def test_decode_logprobs(stack, stub, model_name, hf_model, hf_greedy) -> None:
+    session = await open_session(stub, model_name)
+    prompt = encode(stack, "Count: 1, 2, 3,")
+    n = len(prompt)
+    result = await generate(stub, session_id=session, append_tokens=prompt, offset=0, max_tokens=3, logprob_top_k=2,
+                            logprobs_ranges=[pb.PositionRange(start=n - 1, end=n + 2)], **greedy())
+    assert [(t.position, t.is_prefill) for t in result.tokens] == [(n - 1, True), (n, False), (n + 1, False), (n + 2, False)]
+    decoded = hf_greedy(prompt, 3)
+    assert result.decoded == decoded
+    logprobs = reference_forward(hf_model, prompt + decoded).logits[0].float().log_softmax(-1)
+    for token in result.tokens:
+        covered = token.position < n + 2
+        assert token.has_sampled_logprob == covered
+        if covered:
+            assert token.sampled_logprob == pytest.approx(logprobs[token.position - 1, token.id].item(), abs=2e-3)
+            assert len(token.logprobs) == 2 and token.logprobs[0].id == logprobs[token.position - 1].argmax().item()
+
+
+async def test_readouts_equal_transformers_logit_lens(stack, stub, model_name, hf_model) -> None:
+    manifest = await stub.GetReadoutManifest(pb.GetReadoutManifestRequest())
+    config = hf_model.config
+    assert manifest.concepts == stack.settings.sessions.readout_concepts
+    assert manifest.hidden_size == config.hidden_size and manifest.dtype == "float32"
+    layers = list(manifest.layers)
+    assert layers and all(0 <= layer < config.num_hidden_layers for layer in layers)
+    assert layers[-1] == config.num_hidden_layers - 1
+
+    session = await open_session(stub, model_name)
+    tokens = encode(stack, "I am so happy today, but yesterday was sad.")
+    n = len(tokens)
+    result = await generate(stub, session_id=session, append_tokens=tokens, offset=0, max_tokens=2,
+                            readout_ranges=[pb.PositionRange(start=2, end=n)], **greedy())
+    prefill = result.prefill
+    assert [t.position for t in prefill] == list(range(2, n))
+    assert all(not t.has_sampled_logprob for t in prefill)  # readouts were asked, not logprobs
+    assert all(not t.readout for t in result.tokens if not t.is_prefill)
+
+    out = reference_forward(hf_model, tokens)
+    unembed = hf_model.get_output_embeddings().weight
+    rows = unembed[[stack.tokenizer.encode(w, add_special_tokens=False)[0] for w in manifest.concepts]]
+    with torch.inference_mode():
+        check_readouts(prefill, out, rows, layers, hf_model)
+
+
+def check_readouts(prefill, out, rows, layers, hf_model) -> None:
+    config = hf_model.config
+    for token in prefill:
+        got = np.array(token.readout, dtype=np.float32).reshape(len(layers), rows.shape[0])
+        for i, layer in enumerate(layers):
+            hidden = out.hidden_states[layer + 1][0, token.position]
+            # transformers' last hidden state has the final norm applied already
+            normed = hidden if layer == config.num_hidden_layers - 1 else hf_model.model.norm(hidden)
+            expected = (normed @ rows.T).float().numpy()
+            np.testing.assert_allclose(got[i], expected, atol=2e-3, rtol=1e-3)
