@@ -5,6 +5,8 @@ the allowed-token bitset, computed straight into the destination memory."""
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from enum import IntEnum
 
 import llguidance
@@ -46,6 +48,22 @@ def grammar_for(kind: int, source: str) -> str:
     raise ConstraintError(f"unknown constraint kind {kind}")
 
 
+MAX_TEMPLATES = 256
+_templates: OrderedDict[tuple[int, int, str], llguidance.LLMatcher] = OrderedDict()
+_templates_lock = threading.Lock()  # instantiate runs in worker threads
+
+
+def _compile(tokenizer: TokenizerInfo, kind: int, source: str) -> llguidance.LLMatcher:
+    grammar = grammar_for(kind, source)
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer.ll)
+    if error:
+        raise ConstraintError(error)
+    matcher = llguidance.LLMatcher(tokenizer.ll, grammar, log_level=0)
+    if matcher.is_error():
+        raise ConstraintError(matcher.get_error())
+    return matcher
+
+
 class Constraint:
     """One llguidance matcher; all methods return the ABI's codes instead of raising."""
 
@@ -57,14 +75,20 @@ class Constraint:
 
     @classmethod
     def create(cls, tokenizer: TokenizerInfo, kind: int, source: str) -> Constraint:
-        grammar = grammar_for(kind, source)
-        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer.ll)
-        if error:
-            raise ConstraintError(error)
-        matcher = llguidance.LLMatcher(tokenizer.ll, grammar, log_level=0)
-        if matcher.is_error():
-            raise ConstraintError(matcher.get_error())
-        return cls(matcher, tokenizer)
+        """A fresh matcher: a deep copy of a cached template, so sequences with the same grammar share
+        its compiled form and lazily built lexer states (~0.6 µs instead of ~0.3 ms, warm masks)."""
+        key = (id(tokenizer.ll), kind, source)
+        with _templates_lock:
+            template = _templates.get(key)
+            if template is not None:
+                _templates.move_to_end(key)
+        if template is None:
+            template = _compile(tokenizer, kind, source)
+            with _templates_lock:
+                _templates[key] = template
+                while len(_templates) > MAX_TEMPLATES:
+                    _templates.popitem(last=False)
+        return cls(template.deep_copy(), tokenizer)
 
     def commit(self, tokens: list[int]) -> int:
         """Advance by ``tokens``: OK, FINISHED (nothing but EOS may follow) or REJECTED (state unchanged)."""

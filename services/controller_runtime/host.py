@@ -101,7 +101,7 @@ class SeqHost:
             del self.logs[:drop]
 
     def logs_text(self) -> str:
-        return self.logs.decode("utf-8", "replace")
+        return self.logs.decode("utf-8", "replace") if self.logs else ""
 
     # -- facilities ------------------------------------------------------------------------------------
     @property

@@ -34,6 +34,10 @@ WASI_BADF, WASI_PERM = 8, 63
 
 _memory_data = ctypes.CFUNCTYPE(c_void_p, c_void_p, c_void_p)(("wasmtime_memory_data", ffi.dll))
 _memory_size = ctypes.CFUNCTYPE(ctypes.c_size_t, c_void_p, c_void_p)(("wasmtime_memory_data_size", ffi.dll))
+# the hot path with plain-address prototypes: no per-call argument conversion
+_call_unchecked = ctypes.CFUNCTYPE(c_void_p, c_void_p, c_void_p, c_void_p, ctypes.c_size_t, c_void_p)(
+    ("wasmtime_func_call_unchecked", ffi.dll))
+_set_epoch_deadline = ctypes.CFUNCTYPE(None, c_void_p, ctypes.c_uint64)(("wasmtime_context_set_epoch_deadline", ffi.dll))
 _no_finalizer = ctypes.CFUNCTYPE(None, c_void_p)(lambda _: None)
 _tls = threading.local()  # .inst: the WasmController whose export is running on this thread
 
@@ -101,9 +105,13 @@ class WasmEngine:
         self._callbacks: list = []  # keep ctypes callbacks alive
         _define_imports(self)
         self.ticker = Ticker(self.engine, settings.epoch_tick_ms / 1000)
+        self._ticks: dict[float, int] = {}
 
     def ticks(self, deadline_ms: float) -> int:
-        return math.ceil(deadline_ms / self.settings.epoch_tick_ms) + 1
+        ticks = self._ticks.get(deadline_ms)
+        if ticks is None:
+            ticks = self._ticks[deadline_ms] = math.ceil(deadline_ms / self.settings.epoch_tick_ms) + 1
+        return ticks
 
     # -- modules ---------------------------------------------------------------------------------------
     def compile(self, wasm: bytes) -> wasmtime.Module:
@@ -160,9 +168,13 @@ class WasmController:
         self._ctx = self.store._context()
         self._ctx_addr = ctypes.cast(self._ctx, c_void_p).value
         self._mem_addr = ctypes.addressof(self.memory._memory)
-        self._funcs = {name: byref(ex[name]._func) for name in REQUIRED_EXPORTS}
+        self._func_structs = [ex[name]._func for name in REQUIRED_EXPORTS]  # keep alive
+        self._funcs = {name: ctypes.addressof(f) for name, f in zip(REQUIRED_EXPORTS, self._func_structs)}
         self._panic = byref(ex["aici_panic"]._func) if module.has_panic else None
         self._args = (ffi.wasmtime_val_raw * 1)()
+        self._args_addr = ctypes.addressof(self._args)
+        self._trap = ctypes.POINTER(ffi.wasm_trap_t)()
+        self._trap_addr = ctypes.addressof(self._trap)
         self.blob_process_arg = self.blob_tokenize = self.blob_storage = b""
 
     # -- guest memory ----------------------------------------------------------------------------------
@@ -184,19 +196,21 @@ class WasmController:
     def _call(self, export: str, deadline_ms: float, with_handle: bool) -> int:
         """Run an export under the deadline; returns its i32 result (0 if none); raises ControllerError."""
         self.engine.ticker.touch()
-        ffi.wasmtime_context_set_epoch_deadline(self._ctx, self.engine.ticks(deadline_ms))
+        _set_epoch_deadline(self._ctx_addr, self.engine.ticks(deadline_ms))
         args = self._args
         args[0].i32 = self.handle if with_handle else 0
-        trap = ctypes.POINTER(ffi.wasm_trap_t)()
         _tls.inst = self
         try:
-            error = ffi.wasmtime_func_call_unchecked(self._ctx, self._funcs[export], args, 1, byref(trap))
+            error = _call_unchecked(self._ctx_addr, self._funcs[export], self._args_addr, 1, self._trap_addr)
         finally:
             _tls.inst = None
         if error:  # a host function failed (its trap comes back as an error)
-            raise ControllerError(self._failure(export, str(wasmtime.WasmtimeError._from_ptr(error)), None, deadline_ms))
-        if trap:
-            t = wasmtime.Trap._from_ptr(trap)
+            err = wasmtime.WasmtimeError._from_ptr(ctypes.cast(error, ctypes.POINTER(ffi.wasmtime_error_t)))
+            raise ControllerError(self._failure(export, str(err), None, deadline_ms))
+        if self._trap:
+            t = wasmtime.Trap._from_ptr(ctypes.POINTER(ffi.wasm_trap_t)(self._trap.contents))
+            self._trap = ctypes.POINTER(ffi.wasm_trap_t)()
+            self._trap_addr = ctypes.addressof(self._trap)
             raise ControllerError(self._failure(export, t.message, t.trap_code, deadline_ms))
         return args[0].i32
 
@@ -230,7 +244,7 @@ class WasmController:
         if self._panic is None:
             return
         trap = ctypes.POINTER(ffi.wasm_trap_t)()
-        ffi.wasmtime_context_set_epoch_deadline(self._ctx, self.engine.ticks(self.engine.settings.pre_deadline_ms))
+        _set_epoch_deadline(self._ctx_addr, self.engine.ticks(self.engine.settings.pre_deadline_ms))
         _tls.inst = self
         try:
             ffi.wasmtime_func_call_unchecked(self._ctx, self._panic, self._args, 1, byref(trap))
