@@ -112,6 +112,7 @@ class Controllers(BaseModel):
     max_ff_rounds: int = Field(10, ge=1, description="pre_process ff_tokens fed back to post_process per step")
     max_log_bytes: int = Field(64 << 10, ge=1024, description="captured stdout/stderr kept per call")
     max_module_bytes: int = Field(64 << 20, ge=1024, description="largest Wasm module mk_module accepts")
+    pending_ttl_s: float = Field(600.0, gt=0, description="an instantiated controller never bound to a sequence is dropped after this")
     module_dir: Path | None = Field(None, description="modules, compiled cache and tags (default: <run_dir>/controllers)")
     native: dict[str, str] = Field(
         default_factory=lambda: {"constrained": "controllers.native.constrained:ConstrainedController"},

@@ -55,7 +55,7 @@ class Runtime:
         self.engine = engine
         self.registry = registry
         self.natives = natives
-        self.pending: dict[str, Instance] = {}  # req_id -> instantiated, not yet bound to a sequence
+        self.pending: dict[str, tuple[float, Instance]] = {}  # req_id -> (created, instance) not yet bound
         self.seqs: dict[int, Instance] = {}
         self._row_bytes = tokenizer.mask_words * 4
 
@@ -64,6 +64,7 @@ class Runtime:
         """Create and initialise a controller; returns (ok, SequenceResult-shaped dict)."""
         if not isinstance(req_id, str) or not req_id:
             raise UserError("instantiate needs a string req_id")
+        self._expire_pending()
         if req_id in self.pending:
             raise UserError(f"req_id {req_id!r} is already instantiated")
         if isinstance(prompt, str):
@@ -83,8 +84,15 @@ class Runtime:
             instance.close()
             return False, seq_result(host, _micros(start), error=str(exc))
         request.live_seqs = 1
-        self.pending[req_id] = instance
+        self.pending[req_id] = (time.monotonic(), instance)
         return True, seq_result(host, _micros(start), result={})
+
+    def _expire_pending(self) -> None:
+        """Drop instances whose request never reached the GPU (cancelled before its first step)."""
+        cutoff = time.monotonic() - self.settings.pending_ttl_s
+        for req_id, (created, instance) in list(self.pending.items()):
+            if created < cutoff and self.pending.pop(req_id, None) is not None:
+                instance.close()
 
     def _make_instance(self, module_ref: str, host: SeqHost) -> Instance:
         if module_ref.startswith(NATIVE_PREFIX):
@@ -128,9 +136,10 @@ class Runtime:
     def _bind(self, op: aici_wire.PreOp) -> str:
         if op.id in self.seqs:
             return f"sequence {op.id} already has a controller"
-        instance = self.pending.pop(op.req_id, None)
-        if instance is None:
+        entry = self.pending.pop(op.req_id, None)
+        if entry is None:
             return f"no instantiated controller for req_id {op.req_id!r}"
+        instance = entry[1]
         instance.host.seq_id = op.id
         self.seqs[op.id] = instance
         return ""

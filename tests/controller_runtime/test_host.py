@@ -69,6 +69,14 @@ def test_trap_in_init_is_an_instantiate_error(runtime):
     assert not ok and "aici_init_prompt: trap" in result["error"] and "bad" not in runtime.pending
 
 
+def test_unbound_instances_expire(runtime, tokenizer):
+    module_id = runtime.registry.create(controller(), "t")["module_id"]
+    assert runtime.instantiate("old", [1], module_id, "")[0]
+    runtime.pending["old"] = (runtime.pending["old"][0] - LIMITS.pending_ttl_s - 1, runtime.pending["old"][1])
+    assert runtime.instantiate("new", [1], module_id, "")[0]
+    assert set(runtime.pending) == {"new"}
+
+
 def test_logs_capture_stdout_bounded(runtime, engine, tokenizer):
     # iovec at 16384 -> "hello\n" at 16400; fd 1
     data = str_data(16400, "hello\n") + '(data (i32.const 16384) "\\10\\40\\00\\00\\06\\00\\00\\00")'
