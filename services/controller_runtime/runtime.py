@@ -134,8 +134,11 @@ class Runtime:
         return {"post_seqs": post_seqs, "pre_seqs": pre_seqs}
 
     def _bind(self, op: aici_wire.PreOp) -> str:
+        """Bind ``op.req_id``'s instance to ``op.id``. The scheduler never reuses a live id, so an id that
+        is still bound belongs to a sequence it lost (e.g. it restarted): that instance is dropped."""
         if op.id in self.seqs:
-            return f"sequence {op.id} already has a controller"
+            log.info("controller_runtime.rebind", seq_id=op.id, req_id=op.req_id)
+            self.free([op.id])
         entry = self.pending.pop(op.req_id, None)
         if entry is None:
             return f"no instantiated controller for req_id {op.req_id!r}"

@@ -75,6 +75,10 @@ def test_unbound_instances_expire(runtime, tokenizer):
     runtime.pending["old"] = (runtime.pending["old"][0] - LIMITS.pending_ttl_s - 1, runtime.pending["old"][1])
     assert runtime.instantiate("new", [1], module_id, "")[0]
     assert set(runtime.pending) == {"new"}
+    start(runtime, module_id, 1)
+    old = runtime.seqs[1]
+    start(runtime, module_id, 1)  # a restarted scheduler reuses id 1: the stale instance is dropped
+    assert runtime.seqs[1] is not old and old.host.request.live_seqs == 0
 
 
 def test_logs_capture_stdout_bounded(runtime, engine, tokenizer):
