@@ -8,6 +8,9 @@
  *   {"Wait": {"vars": [name...]}}                     suspend until every variable is set
  *   {"Set": {"var": name, "value": str, "append": bool}}
  *   {"Stop": {}}
+ * Any step body may carry "label": name (the token position where that step ended is remembered); a Fixed with
+ * "following": name backtracks everything generated after that step before inserting its text (labels of the
+ * removed steps are forgotten).
  */
 #include "aici.h"
 
@@ -25,6 +28,51 @@ static uint32_t pending_backtrack;   /* an EOS that ended a Gen, removed with th
 static aici_gen gen;
 static aici_json gen_body;
 static uint32_t *ff;
+
+__attribute__((noreturn)) static void fail(const char *what, const char *detail);
+
+#define MAX_LABELS 32
+static char *label_names[MAX_LABELS];
+static uint32_t label_pos[MAX_LABELS], n_labels;
+
+/* Remembers where the step with this body ended (token count). */
+static void set_label(aici_json body, uint32_t pos) {
+    aici_json v;
+    if (!aici_json_get(body, "label", &v)) return;
+    char *name = aici_json_str(v, NULL);
+    for (uint32_t i = 0; i < n_labels; i++)
+        if (strlen(label_names[i]) == strlen(name) && memcmp(label_names[i], name, strlen(name)) == 0) {
+            label_pos[i] = pos;
+            free(name);
+            return;
+        }
+    if (n_labels == MAX_LABELS) fail("too many labels", NULL);
+    label_names[n_labels] = name;
+    label_pos[n_labels++] = pos;
+}
+
+/* Labels of steps whose text a backtrack removed are forgotten. */
+static void drop_labels_after(uint32_t pos) {
+    uint32_t j = 0;
+    for (uint32_t i = 0; i < n_labels; i++) {
+        if (label_pos[i] > pos) {
+            free(label_names[i]);
+            continue;
+        }
+        label_names[j] = label_names[i];
+        label_pos[j++] = label_pos[i];
+    }
+    n_labels = j;
+}
+
+static int find_label(const char *name, uint32_t *pos) {
+    for (uint32_t i = 0; i < n_labels; i++)
+        if (strlen(label_names[i]) == strlen(name) && memcmp(label_names[i], name, strlen(name)) == 0) {
+            *pos = label_pos[i];
+            return 1;
+        }
+    return 0;
+}
 
 __attribute__((noreturn)) static void fail(const char *what, const char *detail) {
     aici_logs("declctrl: ");
@@ -60,13 +108,18 @@ static int validate(aici_json steps, int depth) {
     aici_json_iter it = {0};
     aici_json step, body, v, b;
     while (aici_json_next(steps, &it, NULL, &step)) {
-        switch (step_kind(step, &body)) {
+        int kind = step_kind(step, &body);
+        if (kind != K_BAD && aici_json_get(body, "label", &v) && aici_json_type(v) != AICI_J_STRING)
+            return fail("label must be a string", NULL), 0;
+        switch (kind) {
         case K_BAD:
             return fail("unknown or malformed step (expected {\"Fixed\"|\"Gen\"|\"Choose\"|\"Fork\"|\"Wait\"|"
                         "\"Set\"|\"Stop\": {...}})", NULL), 0;
         case K_FIXED:
             if (!aici_json_get(body, "text", &v) || aici_json_type(v) != AICI_J_STRING)
                 return fail("Fixed needs \"text\": string", NULL), 0;
+            if (aici_json_get(body, "following", &v) && aici_json_type(v) != AICI_J_STRING)
+                return fail("following must be a label name", NULL), 0;
             break;
         case K_CHOOSE:
             if (!aici_json_get(body, "options", &v) || aici_json_type(v) != AICI_J_ARRAY || !aici_json_len(v))
@@ -181,6 +234,7 @@ static void finish_gen(void) {
         free(var);
     }
     if (gen.ended_by_eos) pending_backtrack = 1;
+    set_label(gen_body, aici_n_tokens - pending_backtrack);
     aici_gen_free(&gen);
     gen_active = 0;
     frames[n_frames - 1].idx++;
@@ -242,8 +296,16 @@ static aici_mid_result mid_process(const uint32_t *fork_group, uint32_t n) {
         case K_FORK:
             return noop();   /* the next pre_process suspends or forks */
         case K_FIXED: {
-            aici_json text;
+            aici_json text, following;
             uint32_t len, bt = pending_backtrack;
+            if (aici_json_get(body, "following", &following)) {
+                char *name = aici_json_str(following, NULL);
+                uint32_t pos;
+                if (!name || !find_label(name, &pos)) fail("Fixed follows an unknown label", name);
+                free(name);
+                if (pos < aici_n_tokens) bt = aici_n_tokens - pos;
+            }
+            drop_labels_after(aici_n_tokens - bt);
             aici_json_get(body, "text", &text);
             char *s = expand(text, &len);
             free(ff);
@@ -251,6 +313,7 @@ static aici_mid_result mid_process(const uint32_t *fork_group, uint32_t n) {
             free(s);
             frames[n_frames - 1].idx++;
             pending_backtrack = 0;
+            set_label(body, aici_n_tokens - bt + n);
             return aici_mid_splice(bt, ff, n);
         }
         default: {   /* Gen, Choose */

@@ -116,9 +116,9 @@ class Run:
         if not ok:
             raise ControllerFailed(res["error"], res["logs"])
         self.init_logs = res["logs"]
+        self.storage: list[dict] = list(res["storage"])   # every variable write of the request, in order
         first = Seq(next(host.ids), ids, len(ids))
         self.seqs = [first]
-        self.request = self.rt.pending[self.req_id].host.request
         self.pre_ops = [w.PreOp(id=first.id, req_id=self.req_id)]
         self.post_ops: list[w.PostOp] = []
         self.freed: list[int] = []
@@ -133,6 +133,7 @@ class Run:
     def _note(self, seq: Seq, res: dict) -> None:
         seq.logs += res["logs"]
         seq.storage += res["storage"]
+        self.storage += res["storage"]
 
     def step(self) -> bool:
         """One scheduler step; False when no sequence is left."""
@@ -205,8 +206,14 @@ class Run:
         return self.host.text(seq.tokens[seq.prompt_len:])
 
     def var(self, name: str) -> str | None:
-        v = self.request.storage.vars.get(name)
-        return v[1].decode() if v else None
+        """The variable's value, replayed from the storage writes the results reported."""
+        value = None
+        for entry in self.storage:
+            write = entry["WriteVar"]
+            if write["name"] == name:
+                data = bytes.fromhex(write["value"])
+                value = (value or b"") + data if write["op"] == "Append" else data
+        return None if value is None else value.decode()
 
 
 def module(name: str) -> bytes:

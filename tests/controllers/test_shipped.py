@@ -205,6 +205,24 @@ def test_declctrl_gen_stop_at_max_tokens_and_eos_backtrack(host):
     assert "splice:1:" in " ".join(seq.events), seq.events   # the EOS was taken back with the next Fixed
 
 
+def test_declctrl_following_a_label_backtracks(host):
+    prog = {"steps": [
+        {"Fixed": {"text": " Answer:", "label": "q"}},
+        {"Gen": {"max_tokens": 3, "set_var": "first", "label": "g"}},
+        {"Fixed": {"text": " Again:", "following": "q"}},   # drops the 3 generated tokens
+        {"Gen": {"max_tokens": 2, "set_var": "second"}},
+        {"Fixed": {"text": ".", "following": "q"}},         # and again
+    ]}
+    run = Run(host, module("declctrl"), prog, "Q:", random_picker(host, 11)).run()
+    seq = run.seqs[0]
+    answer = host.tok.tokenize(b" Answer:")
+    assert seq.tokens[seq.prompt_len:] == answer + host.tok.tokenize(b".")
+    splices = [e for e in seq.events if e.startswith("splice:")]
+    again = len(host.tok.tokenize(b" Again:"))
+    assert splices == [f"splice:0:{len(answer)}", "splice:3:%d" % again, "splice:%d:1" % (again + 2)]
+    assert len(host.tok.tokenize(run.var("first").encode())) >= 1 and run.var("second")
+
+
 def test_declctrl_json_schema_gen(host):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
@@ -243,6 +261,11 @@ def test_declctrl_fork_branches_share_variables_and_wait(host):
     ({"steps": [{"Fork": {"branches": [[{"Wait": {"vars": "x"}}]]}}]}, "Wait needs"),
     ({"stepz": []}, "controller_arg must be"),
     ({"steps": [{"Gen": {"rx": "[a-"}}]}, "host rejected the constraint"),
+    ({"steps": [{"Fixed": {"text": "a", "following": "nowhere"}}]}, "Fixed follows an unknown label"),
+    ({"steps": [{"Fixed": {"text": "a", "label": 3}}]}, "label must be a string"),
+    ({"steps": [{"Fixed": {"text": "a", "label": "a"}}, {"Gen": {"max_tokens": 1, "label": "g"}},
+                {"Fixed": {"text": "b", "following": "a"}}, {"Fixed": {"text": "c", "following": "g"}}]},
+     "Fixed follows an unknown label"),   # g's text was backtracked away
 ])
 def test_declctrl_bad_program_is_a_clean_error(host, prog, reason):
     try:   # program errors fail instantiate; constraint errors fail the step that reaches the Gen
