@@ -12,7 +12,7 @@ from enum import IntEnum
 import llguidance
 
 from services.controller_runtime.tokenizer import TokenizerInfo
-from services.controller_runtime.yacc_lark import YaccError, yacc_to_lark
+from services.controller_runtime.yacc_lark import yacc_to_lark
 
 
 class ConstraintKind(IntEnum):

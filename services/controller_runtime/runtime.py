@@ -43,6 +43,8 @@ def module_arg_bytes(arg: Any) -> bytes:
 
 
 def seq_result(host: SeqHost, micros: int, result: Any = None, error: str = "") -> dict[str, Any]:
+    if error and not error.startswith("controller already failed"):
+        log.info("controller_runtime.seq_failed", req_id=host.request.req_id, seq_id=host.seq_id, error=error[:500])
     return {"error": error, "result": result, "storage": host.storage_log, "logs": host.logs_text(),
             "micros": micros}
 
@@ -186,8 +188,8 @@ class Runtime:
                                           f"request, more than max_forks {self.settings.max_forks}")
         except ControllerError as exc:
             logs.append(host.logs_text())
-            return {"error": str(exc), "result": None, "storage": storage + host.storage_log,
-                    "logs": "".join(logs), "micros": _micros(start)}
+            failed = seq_result(host, _micros(start), error=str(exc))
+            return failed | {"storage": storage + host.storage_log, "logs": "".join(logs)}
         return {"error": "", "result": {"suspend": result.suspend, "num_forks": result.num_forks,
                                         "ff_tokens": ff + result.ff_tokens},
                 "storage": storage, "logs": "".join(logs), "micros": _micros(start)}

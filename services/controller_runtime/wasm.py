@@ -11,7 +11,6 @@ limit or host misuse ends only the sequence whose call it was.
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 import struct
 import threading

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import msgspec
-import pytest
 import zmq
 import zmq.asyncio
 
