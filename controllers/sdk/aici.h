@@ -180,6 +180,13 @@ typedef struct {
     void (*trie_finished)(aici_recognizer *r);
 } aici_recognizer_vt;
 struct aici_recognizer { const aici_recognizer_vt *vt; };
+/* The seed's separate push_byte / byte_allowed, in terms of try_push_byte. */
+static inline int aici_recognizer_byte_allowed(aici_recognizer *r, uint8_t b) {
+    if (!r->vt->try_push_byte(r, b)) return 0;
+    r->vt->pop_bytes(r, 1);
+    return 1;
+}
+static inline int aici_recognizer_push_byte(aici_recognizer *r, uint8_t b) { return r->vt->try_push_byte(r, b); }
 
 /* Walks the trie from the recognizer's current state: sets the bit of every token whose bytes are viable,
  * plus EOS if special_allowed(EOS). `mask` must be zeroed by the caller (aici_mask_new). */
@@ -187,7 +194,8 @@ void aici_compute_mask(aici_recognizer *r, uint32_t *mask);
 /* Advances the recognizer by the bytes of a token and collapses; 0 if some byte was not viable (state kept). */
 int aici_recognizer_push_token(aici_recognizer *r, uint32_t tok);
 
-/* FunctionalRecognizer over u32 states: append returns 1 and sets *next iff the byte is viable. */
+/* FunctionalRecognizer over u32 states: append returns 1 and sets *next iff the byte is viable (the seed's
+ * byte_allowed + append in one call). */
 typedef struct aici_functional aici_functional;
 struct aici_functional {
     uint32_t (*initial)(aici_functional *f);

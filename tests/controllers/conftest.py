@@ -1,4 +1,3 @@
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,14 +14,12 @@ def host() -> Host:
 
 
 @pytest.fixture(scope="session")
-def sdk_test_wasm(tmp_path_factory) -> bytes:
-    """The SDK test module (tests/controllers/sdk_test.c linked with the SDK), built fresh."""
+def have_clang() -> None:
     if build.clang() is None:
         pytest.skip("clang and wasm-ld are not installed (Debian: apt-get install clang lld); CI installs them")
-    return build.build_one(HERE / "sdk_test.c", tmp_path_factory.mktemp("sdk_test")).read_bytes()
 
 
 @pytest.fixture(scope="session")
-def have_clang() -> None:
-    if build.clang() is None or shutil.which("wasm-ld") is None and shutil.which("wasm-ld-14") is None:
-        pytest.skip("clang and wasm-ld are not installed (Debian: apt-get install clang lld); CI installs them")
+def sdk_test_wasm(have_clang, tmp_path_factory) -> bytes:
+    """The SDK test module (tests/controllers/sdk_test.c linked with the SDK), built fresh."""
+    return build.build_one(HERE / "sdk_test.c", tmp_path_factory.mktemp("sdk_test")).read_bytes()
