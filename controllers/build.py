@@ -40,6 +40,12 @@ def clang() -> str | None:
     return cc
 
 
+def toolchain() -> str:
+    """First line of `clang --version`: the committed bytes are only reproducible with the same version."""
+    out = subprocess.run([clang() or "clang", "--version"], capture_output=True, text=True, check=True).stdout
+    return out.splitlines()[0].strip()
+
+
 def sdk_sources() -> list[Path]:
     return sorted(SDK.glob("*.c"))
 
@@ -62,8 +68,16 @@ def build_one(source: Path, out_dir: Path) -> Path:
 
 
 def build_all(out_dir: Path, extra: list[Path] = ()) -> list[Path]:
+    """Builds every controller (and `extra` sources) into out_dir; records the compiler in out_dir/TOOLCHAIN."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [build_one(src, out_dir) for src in [*controller_sources(), *extra]]
+    built = [build_one(src, out_dir) for src in [*controller_sources(), *extra]]
+    (out_dir / "TOOLCHAIN").write_text(toolchain() + "\n")
+    return built
+
+
+def committed_toolchain() -> str:
+    path = WASM / "TOOLCHAIN"
+    return path.read_text().strip() if path.exists() else "unknown"
 
 
 def check() -> list[str]:
@@ -82,7 +96,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.check:
         bad = check()
-        print("differ: " + ", ".join(bad) if bad else "all controllers match their sources")
+        print(f"differ: {', '.join(bad)} (committed with {committed_toolchain()!r}, here {toolchain()!r})"
+              if bad else "all controllers match their sources")
         return 1 if bad else 0
     for p in build_all(args.out, [e.resolve() for e in args.extra]):
         print(f"{p}  {p.stat().st_size} bytes")
