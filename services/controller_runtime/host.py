@@ -74,11 +74,12 @@ class SeqHost:
     """Host state of one sequence; a fork gets a copy (constraints deep-copied, storage shared)."""
 
     def __init__(self, tokenizer: TokenizerInfo, request: RequestState, capabilities: dict[str, bool],
-                 max_log_bytes: int) -> None:
+                 max_log_bytes: int, max_constraints: int = 64) -> None:
         self.tokenizer = tokenizer
         self.request = request
         self.capabilities = capabilities
         self.max_log_bytes = max_log_bytes
+        self.max_constraints = max_constraints
         self.seq_id = 0
         self.constraints: dict[int, Constraint] = {}
         self._next_handle = 1
@@ -160,6 +161,9 @@ class SeqHost:
     # -- constraints -----------------------------------------------------------------------------------
     def constraint_new(self, kind: int, source: str) -> int:
         """A new constraint's handle (> 0), or -1 with the reason in the logs."""
+        if len(self.constraints) >= self.max_constraints:
+            self.log(f"constraint error: more than {self.max_constraints} live constraints\n".encode())
+            return -1
         try:
             constraint = Constraint.create(self.tokenizer, kind, source)
         except ConstraintError as exc:
@@ -183,7 +187,7 @@ class SeqHost:
         self.constraints.pop(handle, None)
 
     def fork(self, seq_id: int) -> SeqHost:
-        child = SeqHost(self.tokenizer, self.request, self.capabilities, self.max_log_bytes)
+        child = SeqHost(self.tokenizer, self.request, self.capabilities, self.max_log_bytes, self.max_constraints)
         child.seq_id = seq_id
         child.constraints = {h: c.fork() for h, c in self.constraints.items()}
         child._next_handle = self._next_handle

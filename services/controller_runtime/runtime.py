@@ -39,6 +39,8 @@ def module_arg_bytes(arg: Any) -> bytes:
     """AICI: a string module_arg is passed as is, any other JSON value serialized."""
     if arg is None:
         return b""
+    if isinstance(arg, bytes):
+        return arg
     return arg.encode() if isinstance(arg, str) else json.dumps(arg).encode()
 
 
@@ -77,7 +79,7 @@ class Runtime:
         if not isinstance(module_ref, str) or not module_ref:
             raise UserError("instantiate needs a module_id (module id, tag or native:<name>)")
         request = RequestState(req_id, module_arg_bytes(module_arg))
-        host = SeqHost(self.tokenizer, request, CAPABILITIES, self.settings.max_log_bytes)
+        host = SeqHost(self.tokenizer, request, CAPABILITIES, self.settings.max_log_bytes, self.settings.max_constraints)
         instance = self._make_instance(module_ref, host)
         start = time.perf_counter()
         try:
@@ -211,6 +213,9 @@ class Runtime:
             parent = self.seqs.get(op.clone_id)
             if parent is None:
                 failed[op.id] = f"unknown clone_id {op.clone_id}"
+                continue
+            if parent.host.request.live_seqs >= self.settings.max_forks:
+                failed[op.id] = f"request already has max_forks {self.settings.max_forks} sequences"
                 continue
             try:
                 self.seqs[op.id] = parent.fork(op.id)

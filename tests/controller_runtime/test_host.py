@@ -129,6 +129,21 @@ def test_fork_group_and_max_forks(runtime):
     assert "max_forks" in pre["error"]
 
 
+def test_clones_beyond_max_forks_fail(runtime):
+    start(runtime, controller(), 1)
+    ops = [(1, None)] + [(100 + i, 1) for i in range(LIMITS.max_forks)]
+    data, _ = mid(runtime, *ops)
+    errors = [data["seqs"][str(i)]["error"] for i, _ in ops]
+    assert errors[:LIMITS.max_forks] == [""] * LIMITS.max_forks
+    assert "max_forks" in errors[-1] and runtime.seqs[1].host.request.live_seqs == LIMITS.max_forks
+
+
+def test_constraints_per_instance_are_bounded(tokenizer):
+    host = SeqHost(tokenizer, RequestState("x", b""), {}, 4096, max_constraints=2)
+    assert host.constraint_new(0, "a") > 0 and host.constraint_new(0, "b") > 0
+    assert host.constraint_new(0, "c") == -1 and b"more than 2 live constraints" in host.logs
+
+
 def test_variable_store_versions():
     store = VariableStore()
     assert store.execute({"ReadVar": {"name": "x"}}) == ({"VariableMissing": {}}, None)
