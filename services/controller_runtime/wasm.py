@@ -52,20 +52,26 @@ class ControllerError(Exception):
 
 
 class Ticker:
-    """Advances the engine's epoch every ``period`` seconds while calls happen; sleeps when idle."""
+    """Advances the engine's epoch every ``period`` seconds while calls happen; sleeps once no call
+    has started for IDLE_TICKS ticks and none is running."""
 
     IDLE_TICKS = 1000
 
     def __init__(self, engine: wasmtime.Engine, period: float) -> None:
         self.engine, self.period = engine, period
         self.calls = 0
+        self.in_call: dict[int, bool] = {}  # thread id -> running an export now
         self._wake = threading.Event()
         threading.Thread(target=self._run, name="epoch-ticker", daemon=True).start()
 
-    def touch(self) -> None:
+    def enter(self) -> None:
+        self.in_call[threading.get_ident()] = True
         self.calls += 1
         if not self._wake.is_set():
             self._wake.set()
+
+    def leave(self) -> None:
+        self.in_call[threading.get_ident()] = False
 
     def _run(self) -> None:
         seen, idle = -1, 0
@@ -75,7 +81,7 @@ class Ticker:
             self.engine.increment_epoch()
             idle = idle + 1 if self.calls == seen else 0
             seen = self.calls
-            if idle > self.IDLE_TICKS:
+            if idle > self.IDLE_TICKS and not any(self.in_call.values()):
                 self._wake.clear()
                 idle = 0
 
@@ -194,7 +200,8 @@ class WasmController:
     # -- calls -----------------------------------------------------------------------------------------
     def _call(self, export: str, deadline_ms: float, with_handle: bool) -> int:
         """Run an export under the deadline; returns its i32 result (0 if none); raises ControllerError."""
-        self.engine.ticker.touch()
+        ticker = self.engine.ticker
+        ticker.enter()
         _set_epoch_deadline(self._ctx_addr, self.engine.ticks(deadline_ms))
         args = self._args
         args[0].i32 = self.handle if with_handle else 0
@@ -203,6 +210,7 @@ class WasmController:
             error = _call_unchecked(self._ctx_addr, self._funcs[export], self._args_addr, 1, self._trap_addr)
         finally:
             _tls.inst = None
+            ticker.leave()
         if error:  # a host function failed (its trap comes back as an error)
             err = wasmtime.WasmtimeError._from_ptr(ctypes.cast(error, ctypes.POINTER(ffi.wasmtime_error_t)))
             raise ControllerError(self._failure(export, str(err), None, deadline_ms))
@@ -244,11 +252,13 @@ class WasmController:
             return
         trap = ctypes.POINTER(ffi.wasm_trap_t)()
         _set_epoch_deadline(self._ctx_addr, self.engine.ticks(self.engine.settings.pre_deadline_ms))
+        self.engine.ticker.enter()
         _tls.inst = self
         try:
             ffi.wasmtime_func_call_unchecked(self._ctx, self._panic, self._args, 1, byref(trap))
         finally:
             _tls.inst = None
+            self.engine.ticker.leave()
 
     def setup(self, deadline_ms: float) -> None:
         """aici_init + aici_create (the controller's constructor runs here)."""

@@ -63,6 +63,14 @@ def test_faults_end_only_their_sequence(runtime, tokenizer, body, expected):
     assert "2" not in runtime.post_pre_process(aici_wire.PostPreProcess())["pre_seqs"]
 
 
+def test_long_call_keeps_the_ticker_awake(runtime, engine, monkeypatch):
+    """An infinite loop in init (1000 ms deadline) outlasts the ticker's idle timeout and still times out."""
+    monkeypatch.setattr(engine.ticker, "IDLE_TICKS", 10)
+    module_id = runtime.registry.create(controller(init_prompt="(loop $l (br $l))"), "t")["module_id"]
+    ok, result = runtime.instantiate("spin", [1], module_id, "")
+    assert not ok and f"deadline of {LIMITS.init_deadline_ms:g} ms exceeded" in result["error"]
+
+
 def test_trap_in_init_is_an_instantiate_error(runtime):
     module_id = runtime.registry.create(controller(init_prompt="unreachable"), "t")["module_id"]
     ok, result = runtime.instantiate("bad", [1], module_id, "")
