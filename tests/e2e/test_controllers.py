@@ -205,8 +205,9 @@ def test_module(stack, tmp_path_factory) -> str:
 
 
 async def plain_greedy(stack) -> list[int]:
-    messages = await ws_generate(stack.ws_url, greedy_config(prompt=PLAIN_PROMPT, max_tokens=PLAIN_TOKENS,
-                                                             ignore_eos=True))
+    config = greedy_config(prompt=PLAIN_PROMPT, max_tokens=PLAIN_TOKENS)
+    config["parameters"]["ignore_eos"] = True
+    messages = await ws_generate(stack.ws_url, config)
     assert messages[-1]["type"] == "completion", messages[-1]
     return token_ids(messages)
 
@@ -330,7 +331,8 @@ async def test_backtrack_and_ff_tokens(stack, test_module, hf_greedy):
     logged = json.loads(re.search(r"TOKENS:(\[.*?\])", fork.logs).group(1))
     assert logged == ff1 + free[:1] + ff2 + last  # the controller's view after the backtrack
     before, _, after = fork.text.partition(" \u21a9 ")
-    assert before == tok.decode(ff1 + free) and after == tok.decode(ff2 + last), fork.text
+    shown = [tok.decode(ids, skip_special_tokens=True) for ids in (ff1 + free, ff2 + last)]
+    assert [before, after] == shown, fork.text
     assert out.usage == {"sampled_tokens": 4, "ff_tokens": len(ff1) + len(ff2), "cost": 8 + len(ff1) + len(ff2)}
 
 
