@@ -46,7 +46,12 @@ class WasmInstance:
 
     def setup(self, prompt: list[int]) -> None:
         self.ctrl.setup(self.d.init_deadline_ms)
-        self.ctrl.invoke("aici_init_prompt", json.dumps({"prompt": prompt}).encode(), self.d.init_deadline_ms)
+        logs, storage = bytes(self.host.logs), list(self.host.storage_log)  # what the constructor did
+        try:
+            self.ctrl.invoke("aici_init_prompt", json.dumps({"prompt": prompt}).encode(), self.d.init_deadline_ms)
+        finally:
+            self.host.logs[:0] = logs
+            self.host.storage_log[:0] = storage
 
     def pre_process(self) -> aici_wire.PreProcessResult:
         return self._invoke("aici_pre_process", b"{}", self.d.pre_deadline_ms, _pre_decoder)

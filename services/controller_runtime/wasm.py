@@ -279,7 +279,11 @@ class WasmController:
         src_size = _memory_size(self._ctx_addr, self._mem_addr)
         dst_size = _memory_size(child._ctx_addr, child._mem_addr)
         if src_size > dst_size:
-            child.memory.grow(child.store, (src_size - dst_size) // 65536)
+            try:
+                child.memory.grow(child.store, (src_size - dst_size) // 65536)
+            except wasmtime.WasmtimeError as exc:
+                child.close()
+                raise ControllerError(f"fork: {exc}") from exc
         ctypes.memmove(_memory_data(child._ctx_addr, child._mem_addr), _memory_data(self._ctx_addr, self._mem_addr),
                        src_size)
         for name in self.module.mutable_globals:

@@ -96,6 +96,12 @@ def test_logs_capture_stdout_bounded(runtime, engine, tokenizer):
     start(runtime, controller(data=data, pre=body + ret_const(1100, '{"num_forks":1,"suspend":false,"ff_tokens":[]}')), 1)
     pre = runtime.post_pre_process(aici_wire.PostPreProcess())["pre_seqs"]["1"]
     assert pre["logs"] == "hello\n"
+    # output of the constructor (aici_create) and of init_prompt both reach instantiate's logs
+    create = body + "(i32.const 7)"
+    module_id = runtime.registry.create(controller(data=data, create=create, init_prompt=body + ret_const(1024, "{}")),
+                                        "t")["module_id"]
+    ok, result = runtime.instantiate("logs", [1], module_id, "")
+    assert ok and result["logs"] == "hello\nhello\n"
     host = SeqHost(tokenizer, RequestState("x", b""), {}, 1024)
     for _ in range(100):
         host.log(b"0123456789")
