@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 
 import llguidance
 import pytest
@@ -61,6 +62,19 @@ def test_faults_end_only_their_sequence(runtime, tokenizer, body, expected):
     assert again["post_seqs"]["1"]["result"] == {"stop": False} and again["pre_seqs"]["3"]["error"] == ""
     runtime.free([2])
     assert "2" not in runtime.post_pre_process(aici_wire.PostPreProcess())["pre_seqs"]
+
+
+def test_pre_and_post_have_their_own_deadlines(runtime):
+    spin = "(loop $l (br $l))"
+    start(runtime, controller(), 1)
+    start(runtime, controller(post=spin), 2)
+    pre = start(runtime, controller(pre=spin), 3)
+    assert f"aici_pre_process: deadline of {LIMITS.pre_deadline_ms:g} ms exceeded" in pre["error"]
+    started = time.perf_counter()
+    out = runtime.post_pre_process(aici_wire.PostPreProcess(post_ops=[aici_wire.PostOp(id=i, tokens=[5]) for i in (1, 2)]))
+    assert time.perf_counter() - started < 1.0  # the spinning post_process was cut off, not waited for
+    assert f"aici_post_process: deadline of {LIMITS.post_deadline_ms:g} ms exceeded" in out["post_seqs"]["2"]["error"]
+    assert out["post_seqs"]["1"]["result"] == {"stop": False} and out["pre_seqs"]["1"]["error"] == ""
 
 
 def test_long_call_keeps_the_ticker_awake(runtime, engine, monkeypatch):
