@@ -5,7 +5,8 @@
  *            "stop_at": str, "set_var": name}}        generate (optionally constrained), store the text
  *   {"Choose": {"options": [str...], "set_var": name}} generate exactly one of the options
  *   {"Fork": {"branches": [[step...], ...]}}           fork; branch i runs in fork i, then the steps after Fork
- *   {"Wait": {"vars": [name...]}}                     suspend until every variable is set
+ *   {"Wait": {"vars": [name...], "max_steps": n}}     suspend until every variable is set (fail after n
+ *                                                     suspended steps, default 1000)
  *   {"Set": {"var": name, "value": str, "append": bool}}
  *   {"Stop": {}}
  * Any step body may carry "label": name (the token position where that step ended is remembered); a Fixed with
@@ -24,6 +25,7 @@ static char *arg_text;   /* controller_arg; every aici_json below points into it
 static frame frames[MAX_FRAMES];
 static uint32_t n_frames;
 static int fork_pending, gen_active;
+static uint64_t wait_steps;          /* steps suspended in the current Wait */
 static uint32_t pending_backtrack;   /* an EOS that ended a Gen, removed with the next splice */
 static aici_gen gen;
 static aici_json gen_body;
@@ -136,6 +138,9 @@ static int validate(aici_json steps, int depth) {
         case K_WAIT:
             if (!aici_json_get(body, "vars", &v) || aici_json_type(v) != AICI_J_ARRAY)
                 return fail("Wait needs \"vars\": [name, ...]", NULL), 0;
+            int64_t ms;
+            if (aici_json_get(body, "max_steps", &v) && (!aici_json_int(v, &ms) || ms < 0))
+                return fail("Wait max_steps must be a non-negative integer", NULL), 0;
             break;
         case K_SET:
             if (!aici_json_get(body, "var", &v) || aici_json_type(v) != AICI_J_STRING ||
@@ -219,7 +224,8 @@ static int settle(aici_json *body) {
         nth(f->steps, f->idx, &step);
         int k = step_kind(step, body);
         if (k == K_SET) do_set(*body);
-        else if (!(k == K_WAIT && vars_ready(*body))) return k;
+        else if (k == K_WAIT && vars_ready(*body)) wait_steps = 0;
+        else return k;
         f->idx++;
     }
 }
@@ -257,8 +263,13 @@ static aici_pre_result pre_process(void) {
     case K_END:
     case K_STOP:
         return aici_pre_stop();
-    case K_WAIT:
+    case K_WAIT: {
+        aici_json v;
+        int64_t limit = 1000;
+        if (aici_json_get(body, "max_steps", &v)) aici_json_int(v, &limit);
+        if (++wait_steps > (uint64_t)limit) fail("Wait gave up: its variables were not set within max_steps steps", NULL);
         return aici_pre_suspend();
+    }
     case K_FORK:
         aici_json_get(body, "branches", &branches);
         fork_pending = 1;

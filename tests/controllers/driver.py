@@ -166,10 +166,7 @@ class Run:
                 self.seqs.append(child)
                 by_id[child.id] = child
                 ops.append(w.MidOp(id=child.id, clone_id=seq.id))
-        if not ops:
-            if self.freed:   # let the runtime free them
-                self.rt.post_pre_process(w.PostPreProcess(freed=self.freed))
-                self.freed = []
+        if not ops:   # everyone suspended or done (freed ids go out with the next step)
             return any(not s.done for s in self.seqs)
         data, rows = self.rt.mid_process(w.MidProcess(ops=ops))
         row_bytes = self.host.tok.mask_words * 4
@@ -198,6 +195,8 @@ class Run:
     def run(self) -> Run:
         for _ in range(self.max_steps):
             if not self.step():
+                self.rt.post_pre_process(w.PostPreProcess(freed=self.freed))   # release the instances
+                self.freed = []
                 return self
         raise AssertionError(f"controller did not finish in {self.max_steps} steps")
 

@@ -254,6 +254,16 @@ def test_declctrl_fork_branches_share_variables_and_wait(host):
     assert run.var("french") and run.var("german")
 
 
+def test_declctrl_wait_gives_up_after_max_steps(host):
+    prog = {"steps": [{"Fork": {"branches": [[{"Fixed": {"text": " a"}}],
+                                             [{"Wait": {"vars": ["never"], "max_steps": 5}}]]}}]}
+    run = Run(host, module("declctrl"), prog, "Q:", pick_lowest).run()
+    done, waiter = run.seqs
+    assert not done.error and run.text(done) == " a"
+    assert waiter.events.count("suspend") == 5
+    assert "aici_host_stop" in waiter.error and "Wait gave up" in waiter.logs
+
+
 @pytest.mark.parametrize("prog,reason", [
     ({"steps": [{"Jump": {}}]}, "unknown or malformed step"),
     ({"steps": [{"Fixed": {"txt": "a"}}]}, "Fixed needs"),
