@@ -144,7 +144,16 @@ static uint32_t stop_offset(aici_gen *g, const char *text, uint32_t len) {
     return best;
 }
 
-static char *gen_text(aici_gen *g, uint32_t *full, uint32_t *len);
+static char *gen_text(aici_gen *g, uint32_t *full, uint32_t *len) {
+    aici_buf b = {0};
+    aici_buf_put(&b, "", 0);
+    if (g->start < aici_n_tokens) aici_detokenize(&b, aici_tokens + g->start, aici_n_tokens - g->start);
+    *full = b.n;
+    b.n = stop_offset(g, b.p, b.n);
+    b.p[b.n] = 0;
+    *len = b.n;
+    return b.p;
+}
 
 int aici_gen_post(aici_gen *g, const uint32_t *toks, uint32_t n) {
     if (g->done || !n) return g->done;
@@ -164,17 +173,6 @@ int aici_gen_post(aici_gen *g, const uint32_t *toks, uint32_t n) {
         free(t);
     }
     return g->done;
-}
-
-static char *gen_text(aici_gen *g, uint32_t *full, uint32_t *len) {
-    aici_buf b = {0};
-    aici_buf_put(&b, "", 0);
-    if (g->start < aici_n_tokens) aici_detokenize(&b, aici_tokens + g->start, aici_n_tokens - g->start);
-    *full = b.n;
-    b.n = stop_offset(g, b.p, b.n);
-    b.p[b.n] = 0;
-    *len = b.n;
-    return b.p;
 }
 
 char *aici_gen_text(aici_gen *g, uint32_t *len) {
