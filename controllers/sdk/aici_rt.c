@@ -52,9 +52,8 @@ __attribute__((noreturn)) static void out_of_memory(void) {
 
 void *malloc(size_t n) {
     uint32_t c = 4;   /* 16 bytes including the header */
-    while ((1u << c) < n + 8) {
-        if (++c >= NCLASS) out_of_memory();
-    }
+    if (n > (1u << (NCLASS - 1)) - 8) out_of_memory();
+    while ((1u << c) < n + 8) c++;
     uint32_t *blk = free_lists[c];
     if (blk) free_lists[c] = *(void **)(blk + 2);
     else if (!(blk = heap_take(1u << c))) out_of_memory();
@@ -68,8 +67,9 @@ void free(void *p) {
     free_lists[blk[0]] = blk;
 }
 void *calloc(size_t n, size_t size) {
+    if (size && n > 0xFFFFFFFFu / size) out_of_memory();
     void *p = malloc(n * size);
-    if (p) memset(p, 0, n * size);
+    memset(p, 0, n * size);
     return p;
 }
 void *realloc(void *p, size_t n) {
@@ -77,7 +77,7 @@ void *realloc(void *p, size_t n) {
     uint32_t have = (1u << ((uint32_t *)p - 2)[0]) - 8;
     if (n <= have) return p;
     void *q = malloc(n);
-    if (q) memcpy(q, p, have);
+    memcpy(q, p, have);
     free(p);
     return q;
 }
