@@ -11,7 +11,6 @@ treated as text-only.
 from __future__ import annotations
 
 import io
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,17 +107,16 @@ def decode_image(data: bytes, max_pixels: int) -> Any:
     if not data:
         raise ImageDecodeError("the image has no bytes")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            width, height = image.size
-            if width * height > max_pixels:
-                raise ImageDecodeError(f"the image is {width}x{height} pixels, over the limit of {max_pixels}")
-            image.load()
-            return image.convert("RGB")
-    except ImageDecodeError:
-        raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageDecodeError(f"the bytes are not a readable image: {exc}") from exc
+        image = Image.open(io.BytesIO(data))  # reads the header only
+    except UnidentifiedImageError as exc:
+        raise ImageDecodeError("the bytes are not a readable image (PNG, JPEG, WebP, GIF, ...)") from exc
+    except Image.DecompressionBombError as exc:
+        raise ImageDecodeError(f"the image is too large: {exc}") from exc
+    width, height = image.size
+    if width * height > max_pixels:
+        raise ImageDecodeError(f"the image is {width}x{height} pixels, over the limit of {max_pixels}")
+    try:
+        image.load()
+        return image.convert("RGB")
     except (OSError, ValueError, SyntaxError) as exc:  # truncated or corrupt data
         raise ImageDecodeError(f"the image could not be decoded: {exc}") from exc
