@@ -37,6 +37,11 @@ _memory_size = ctypes.CFUNCTYPE(ctypes.c_size_t, c_void_p, c_void_p)(("wasmtime_
 _call_unchecked = ctypes.CFUNCTYPE(c_void_p, c_void_p, c_void_p, c_void_p, ctypes.c_size_t, c_void_p)(
     ("wasmtime_func_call_unchecked", ffi.dll))
 _set_epoch_deadline = ctypes.CFUNCTYPE(None, c_void_p, ctypes.c_uint64)(("wasmtime_context_set_epoch_deadline", ffi.dll))
+# host functions: the raw value slots arrive as int32s; argument k is v[4*k] (wasmtime_val_raw is 16 bytes)
+_callback_t = ctypes.CFUNCTYPE(ctypes.c_size_t, c_void_p, c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t)
+_define_unchecked = ctypes.CFUNCTYPE(c_void_p, c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p,
+                                     ctypes.c_size_t, c_void_p, c_void_p, c_void_p, c_void_p)(
+    ("wasmtime_linker_define_func_unchecked", ffi.dll))
 _no_finalizer = ctypes.CFUNCTYPE(None, c_void_p)(lambda _: None)
 _tls = threading.local()  # .inst: the WasmController whose export is running on this thread
 
@@ -104,6 +109,7 @@ class WasmEngine:
         cfg.epoch_interruption = True
         cfg.cranelift_opt_level = "speed"
         cfg.max_wasm_stack = settings.max_wasm_stack_bytes
+        cfg.memory_may_move = False  # a memory's base address is fixed: WasmController caches it
         self.engine = wasmtime.Engine(cfg)
         self.cache_key = f"wasmtime-{version('wasmtime')}-epoch"  # compiled artifacts depend on both
         self.linker = wasmtime.Linker(self.engine)
@@ -173,6 +179,8 @@ class WasmController:
         self._ctx = self.store._context()
         self._ctx_addr = ctypes.cast(self._ctx, c_void_p).value
         self._mem_addr = ctypes.addressof(self.memory._memory)
+        self._base = _memory_data(self._ctx_addr, self._mem_addr)
+        self._size = _memory_size(self._ctx_addr, self._mem_addr)  # grows only; re-read when exceeded
         self._func_structs = [ex[name]._func for name in REQUIRED_EXPORTS]  # keep alive
         self._funcs = {name: ctypes.addressof(f) for name, f in zip(REQUIRED_EXPORTS, self._func_structs)}
         self._panic = byref(ex["aici_panic"]._func) if module.has_panic else None
@@ -185,11 +193,12 @@ class WasmController:
     # -- guest memory ----------------------------------------------------------------------------------
     def guest_address(self, ptr: int, length: int) -> int:
         ptr &= 0xFFFFFFFF
-        length &= 0xFFFFFFFF
-        size = _memory_size(self._ctx_addr, self._mem_addr)
-        if ptr + length > size:
-            raise HostError(f"guest pointer {ptr}+{length} is outside its memory ({size} bytes)")
-        return _memory_data(self._ctx_addr, self._mem_addr) + ptr
+        end = ptr + (length & 0xFFFFFFFF)
+        if end > self._size:
+            self._size = _memory_size(self._ctx_addr, self._mem_addr)
+            if end > self._size:
+                raise HostError(f"guest pointer {ptr}+{length & 0xFFFFFFFF} is outside its memory ({self._size} bytes)")
+        return self._base + ptr
 
     def read(self, ptr: int, length: int) -> bytes:
         return ctypes.string_at(self.guest_address(ptr, length), length & 0xFFFFFFFF)
@@ -311,7 +320,7 @@ def _define_imports(engine: WasmEngine) -> None:
                     raise HostError("host function called outside a controller call")
                 r = fn(inst, vals)
                 if has_result:
-                    vals[0].i32 = r
+                    vals[0] = r
                 return 0
             except BaseException as exc:  # noqa: BLE001 - becomes a trap of this sequence only
                 message = str(exc) if isinstance(exc, HostError) else f"{name}: {type(exc).__name__}: {exc}"
@@ -320,16 +329,17 @@ def _define_imports(engine: WasmEngine) -> None:
                 raw = message.encode()
                 return ctypes.cast(ffi.wasmtime_trap_new(raw, len(raw)), c_void_p).value
 
-        cb = ffi.wasmtime_func_unchecked_callback_t(callback)
+        cb = _callback_t(callback)
         engine._callbacks.append((cb, ty))
         m, n = module.encode(), name.encode()
-        error = ffi.wasmtime_linker_define_func_unchecked(engine.linker.ptr(), m, len(m), n, len(n), ty.ptr(), cb,
-                                                          None, _no_finalizer)
+        address = lambda obj: ctypes.cast(obj, c_void_p).value  # noqa: E731
+        error = _define_unchecked(address(engine.linker.ptr()), m, len(m), n, len(n), address(ty.ptr()), address(cb),
+                                  None, address(_no_finalizer))
         if error:
-            raise wasmtime.WasmtimeError._from_ptr(error)
+            raise wasmtime.WasmtimeError._from_ptr(ctypes.cast(error, ctypes.POINTER(ffi.wasmtime_error_t)))
 
     def read_blob(inst: WasmController, v) -> int:
-        blob_id, dst, size = v[0].i32, v[1].i32, v[2].i32 & 0xFFFFFFFF
+        blob_id, dst, size = v[0], v[4], v[8] & 0xFFFFFFFF
         if blob_id == BLOB_TRIE:
             data = tok.trie_blob
         elif blob_id == BLOB_MODULE_ARG:
@@ -348,47 +358,47 @@ def _define_imports(engine: WasmEngine) -> None:
         return len(data)
 
     def tokenize(inst: WasmController, v) -> int:
-        tokens = tok.tokenize(inst.read(v[0].i32, v[1].i32))
+        tokens = tok.tokenize(inst.read(v[0], v[4]))
         inst.blob_tokenize = struct.pack(f"<{len(tokens)}I", *tokens)
         return BLOB_TOKENIZE
 
     def storage_cmd(inst: WasmController, v) -> int:
-        inst.blob_storage = inst.host.storage_cmd_json(inst.read(v[0].i32, v[1].i32))
+        inst.blob_storage = inst.host.storage_cmd_json(inst.read(v[0], v[4]))
         return BLOB_STORAGE
 
     def return_logit_bias(inst: WasmController, v) -> None:
-        inst.host.return_logit_bias_from(inst.guest_address(v[0].i32, tok.mask_words * 4))
+        inst.host.return_logit_bias_from(inst.guest_address(v[0], tok.mask_words * 4))
 
     def return_result(inst: WasmController, v) -> None:
-        inst.host.set_result(inst.read(v[0].i32, v[1].i32))
+        inst.host.set_result(inst.read(v[0], v[4]))
 
     def get_config(inst: WasmController, v) -> int:
-        return int(inst.host.get_config(inst.read(v[0].i32, v[1].i32).decode("utf-8", "replace")))
+        return int(inst.host.get_config(inst.read(v[0], v[4]).decode("utf-8", "replace")))
 
     def stop(inst: WasmController, v) -> None:
         raise HostError("*** aici_host_stop()")
 
     def constraint_new(inst: WasmController, v) -> int:
-        source = inst.read(v[1].i32, v[2].i32).decode("utf-8", "replace")
-        return inst.host.constraint_new(v[0].i32, source)
+        source = inst.read(v[4], v[8]).decode("utf-8", "replace")
+        return inst.host.constraint_new(v[0], source)
 
     def constraint_commit(inst: WasmController, v) -> int:
-        n = v[2].i32 & 0xFFFFFFFF
-        raw = inst.read(v[1].i32, 4 * n)
-        return inst.host.constraint(v[0].i32).commit(list(struct.unpack(f"<{n}I", raw)))
+        n = v[8] & 0xFFFFFFFF
+        raw = inst.read(v[4], 4 * n)
+        return inst.host.constraint(v[0]).commit(list(struct.unpack(f"<{n}I", raw)))
 
     def constraint_return_bias(inst: WasmController, v) -> int:
-        return inst.host.constraint_return_bias(v[0].i32)
+        return inst.host.constraint_return_bias(v[0])
 
     def constraint_mask(inst: WasmController, v) -> int:
         nbytes = tok.mask_words * 4
-        return inst.host.constraint(v[0].i32).fill_mask(inst.guest_address(v[1].i32, nbytes), nbytes)
+        return inst.host.constraint(v[0]).fill_mask(inst.guest_address(v[4], nbytes), nbytes)
 
     def constraint_rollback(inst: WasmController, v) -> int:
-        return inst.host.constraint(v[0].i32).rollback(v[1].i32 & 0xFFFFFFFF)
+        return inst.host.constraint(v[0]).rollback(v[4] & 0xFFFFFFFF)
 
     def constraint_free(inst: WasmController, v) -> None:
-        inst.host.constraint_free(v[0].i32)
+        inst.host.constraint_free(v[0])
 
     env = [
         ("aici_host_read_blob", 3, 1, read_blob),
@@ -420,7 +430,7 @@ def _define_wasi(define: Callable, settings: Controllers) -> None:
     """reference §1.2: fd_write(1|2) captured into logs; clock only monotonic and always 0; the rest stubbed."""
 
     def fd_write(inst: WasmController, v) -> int:
-        fd, iovs, n, nwritten = v[0].i32, v[1].i32, v[2].i32 & 0xFFFFFFFF, v[3].i32
+        fd, iovs, n, nwritten = v[0], v[4], v[8] & 0xFFFFFFFF, v[12]
         if fd not in (1, 2):
             return WASI_BADF
         total = 0
@@ -432,24 +442,24 @@ def _define_wasi(define: Callable, settings: Controllers) -> None:
         return 0
 
     def fdstat_get(inst: WasmController, v) -> int:
-        if v[0].i32 not in (0, 1, 2):
+        if v[0] not in (0, 1, 2):
             return WASI_BADF
-        inst.write(v[1].i32, struct.pack("<BxHxxxxQQ", 2, 0, 0, 0))  # character device
+        inst.write(v[4], struct.pack("<BxHxxxxQQ", 2, 0, 0, 0))  # character device
         return 0
 
     def clock_time_get(inst: WasmController, v) -> int:
-        if v[0].i32 != 1:
+        if v[0] != 1:
             return WASI_PERM
-        inst.write(v[2].i32, struct.pack("<Q", 0))
+        inst.write(v[8], struct.pack("<Q", 0))
         return 0
 
     def zero_pair(inst: WasmController, v) -> int:
-        inst.write(v[0].i32, b"\0\0\0\0")
-        inst.write(v[1].i32, b"\0\0\0\0")
+        inst.write(v[0], b"\0\0\0\0")
+        inst.write(v[4], b"\0\0\0\0")
         return 0
 
     def proc_exit(inst: WasmController, v) -> None:
-        raise HostError(f"proc_exit({v[0].i32})")
+        raise HostError(f"proc_exit({v[0]})")
 
     wasi = "wasi_snapshot_preview1"
     ok = lambda i, v: 0  # noqa: E731
