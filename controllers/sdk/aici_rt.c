@@ -283,10 +283,13 @@ static void reply(aici_buf *b) {
     aici_buf_free(b);
 }
 
-/* Reads the process arg; returns its raw bytes (free them) and the parsed value. */
+/* Reads the process arg; returns its raw bytes (free them) and the parsed value. The blob id is fixed by the
+ * ABI, so it is asked for once (each host call costs a few µs). */
+static uint32_t process_arg_blob;
 static uint8_t *process_arg(aici_json *arg) {
     uint32_t n;
-    uint8_t *raw = aici_read_blob(aici_host_process_arg(), &n);
+    if (!process_arg_blob) process_arg_blob = aici_host_process_arg();
+    uint8_t *raw = aici_read_blob(process_arg_blob, &n);
     if (!aici_json_parse((const char *)raw, n, arg)) {
         aici_logs("aici sdk: process arg is not valid JSON\n");
         aici_host_stop();
@@ -319,9 +322,7 @@ EXPORT(aici_init_prompt) void aici_init_prompt(uint32_t h) {
 }
 
 EXPORT(aici_pre_process) void aici_pre_process(uint32_t h) {
-    (void)h;
-    aici_json arg;
-    free(process_arg(&arg));
+    (void)h;   /* its process arg is always {}: not read */
     aici_pre_result r = ctrl->pre_process ? ctrl->pre_process() : aici_pre_continue();
     aici_buf b = {0};
     aici_buf_puts(&b, "{\"num_forks\":");
