@@ -31,23 +31,38 @@ static aici_gen gen;
 static aici_json gen_body;
 static uint32_t *ff;
 
-__attribute__((noreturn)) static void fail(const char *what, const char *detail);
+__attribute__((noreturn)) static void fail(const char *what, const char *detail) {
+    aici_logs("declctrl: ");
+    aici_logs(what);
+    if (detail) {
+        aici_logs(": ");
+        aici_logs(detail);
+    }
+    aici_logs("\n");
+    aici_host_stop();
+}
 
 #define MAX_LABELS 32
 static char *label_names[MAX_LABELS];
 static uint32_t label_pos[MAX_LABELS], n_labels;
+
+static int label_index(const char *name) {
+    for (uint32_t i = 0; i < n_labels; i++)
+        if (strlen(label_names[i]) == strlen(name) && memcmp(label_names[i], name, strlen(name)) == 0) return (int)i;
+    return -1;
+}
 
 /* Remembers where the step with this body ended (token count). */
 static void set_label(aici_json body, uint32_t pos) {
     aici_json v;
     if (!aici_json_get(body, "label", &v)) return;
     char *name = aici_json_str(v, NULL);
-    for (uint32_t i = 0; i < n_labels; i++)
-        if (strlen(label_names[i]) == strlen(name) && memcmp(label_names[i], name, strlen(name)) == 0) {
-            label_pos[i] = pos;
-            free(name);
-            return;
-        }
+    int i = label_index(name);
+    if (i >= 0) {
+        label_pos[i] = pos;
+        free(name);
+        return;
+    }
     if (n_labels == MAX_LABELS) fail("too many labels", NULL);
     label_names[n_labels] = name;
     label_pos[n_labels++] = pos;
@@ -67,25 +82,6 @@ static void drop_labels_after(uint32_t pos) {
     n_labels = j;
 }
 
-static int find_label(const char *name, uint32_t *pos) {
-    for (uint32_t i = 0; i < n_labels; i++)
-        if (strlen(label_names[i]) == strlen(name) && memcmp(label_names[i], name, strlen(name)) == 0) {
-            *pos = label_pos[i];
-            return 1;
-        }
-    return 0;
-}
-
-__attribute__((noreturn)) static void fail(const char *what, const char *detail) {
-    aici_logs("declctrl: ");
-    aici_logs(what);
-    if (detail) {
-        aici_logs(": ");
-        aici_logs(detail);
-    }
-    aici_logs("\n");
-    aici_host_stop();
-}
 
 static int step_kind(aici_json step, aici_json *body) {
     aici_json_iter it = {0};
@@ -311,8 +307,9 @@ static aici_mid_result mid_process(const uint32_t *fork_group, uint32_t n) {
             uint32_t len, bt = pending_backtrack;
             if (aici_json_get(body, "following", &following)) {
                 char *name = aici_json_str(following, NULL);
-                uint32_t pos;
-                if (!name || !find_label(name, &pos)) fail("Fixed follows an unknown label", name);
+                int li = name ? label_index(name) : -1;
+                if (li < 0) fail("Fixed follows an unknown label", name);
+                uint32_t pos = label_pos[li];
                 free(name);
                 if (pos < aici_n_tokens) bt = aici_n_tokens - pos;
             }
