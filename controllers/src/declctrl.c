@@ -99,55 +99,53 @@ static int nth(aici_json arr, uint32_t i, aici_json *out) {
     return 0;
 }
 
-/* Checks a step list recursively; names the first problem. */
-static int validate(aici_json steps, int depth) {
-    if (aici_json_type(steps) != AICI_J_ARRAY) return fail("steps must be an array", NULL), 0;
-    if (depth > 8) return fail("forks nested too deeply", NULL), 0;
+/* Checks a step list recursively; fails naming the first problem. */
+static void validate(aici_json steps, int depth) {
+    if (aici_json_type(steps) != AICI_J_ARRAY) fail("steps must be an array", NULL);
+    if (depth > 8) fail("forks nested too deeply", NULL);
     aici_json_iter it = {0};
     aici_json step, body, v, b;
     while (aici_json_next(steps, &it, NULL, &step)) {
         int kind = step_kind(step, &body);
         if (kind != K_BAD && aici_json_get(body, "label", &v) && aici_json_type(v) != AICI_J_STRING)
-            return fail("label must be a string", NULL), 0;
+            fail("label must be a string", NULL);
         switch (kind) {
         case K_BAD:
-            return fail("unknown or malformed step (expected {\"Fixed\"|\"Gen\"|\"Choose\"|\"Fork\"|\"Wait\"|"
-                        "\"Set\"|\"Stop\": {...}})", NULL), 0;
+            fail("unknown or malformed step (expected {\"Fixed\"|\"Gen\"|\"Choose\"|\"Fork\"|\"Wait\"|"
+                        "\"Set\"|\"Stop\": {...}})", NULL);
         case K_FIXED:
             if (!aici_json_get(body, "text", &v) || aici_json_type(v) != AICI_J_STRING)
-                return fail("Fixed needs \"text\": string", NULL), 0;
+                fail("Fixed needs \"text\": string", NULL);
             if (aici_json_get(body, "following", &v) && aici_json_type(v) != AICI_J_STRING)
-                return fail("following must be a label name", NULL), 0;
+                fail("following must be a label name", NULL);
             break;
         case K_CHOOSE:
             if (!aici_json_get(body, "options", &v) || aici_json_type(v) != AICI_J_ARRAY || !aici_json_len(v))
-                return fail("Choose needs \"options\": [string, ...]", NULL), 0;
+                fail("Choose needs \"options\": [string, ...]", NULL);
             break;
         case K_FORK: {
             if (!aici_json_get(body, "branches", &v) || aici_json_type(v) != AICI_J_ARRAY || !aici_json_len(v))
-                return fail("Fork needs \"branches\": [[step, ...], ...]", NULL), 0;
+                fail("Fork needs \"branches\": [[step, ...], ...]", NULL);
             aici_json_iter bi = {0};
-            while (aici_json_next(v, &bi, NULL, &b))
-                if (!validate(b, depth + 1)) return 0;
+            while (aici_json_next(v, &bi, NULL, &b)) validate(b, depth + 1);
             break;
         }
         case K_WAIT:
             if (!aici_json_get(body, "vars", &v) || aici_json_type(v) != AICI_J_ARRAY)
-                return fail("Wait needs \"vars\": [name, ...]", NULL), 0;
+                fail("Wait needs \"vars\": [name, ...]", NULL);
             int64_t ms;
             if (aici_json_get(body, "max_steps", &v) && (!aici_json_int(v, &ms) || ms < 0))
-                return fail("Wait max_steps must be a non-negative integer", NULL), 0;
+                fail("Wait max_steps must be a non-negative integer", NULL);
             break;
         case K_SET:
             if (!aici_json_get(body, "var", &v) || aici_json_type(v) != AICI_J_STRING ||
                 !aici_json_get(body, "value", &v) || aici_json_type(v) != AICI_J_STRING)
-                return fail("Set needs \"var\" and \"value\" strings", NULL), 0;
+                fail("Set needs \"var\" and \"value\" strings", NULL);
             break;
         default:
             break;
         }
     }
-    return 1;
 }
 
 /* Text with every {{name}} replaced by the variable's value (empty if unset). */
@@ -248,7 +246,7 @@ static void init_prompt(const uint32_t *prompt, uint32_t n) {
     arg_text = (char *)aici_read_blob(aici_host_module_arg(), &len);
     if (!aici_json_parse(arg_text, len, &arg) || !aici_json_get(arg, "steps", &steps))
         fail("controller_arg must be a JSON object {\"steps\": [...]}", NULL);
-    if (!validate(steps, 0)) return;
+    validate(steps, 0);
     frames[0] = (frame){steps, 0};
     n_frames = 1;
 }
