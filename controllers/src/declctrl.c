@@ -265,6 +265,7 @@ static aici_pre_result pre_process(void) {
         return aici_pre_suspend();
     }
     case K_FORK:
+        if (!aici_config("fork")) fail("Fork needs the host's \"fork\" capability, which is off", NULL);
         aici_json_get(body, "branches", &branches);
         fork_pending = 1;
         return aici_pre_fork(aici_json_len(branches));
@@ -310,6 +311,8 @@ static aici_mid_result mid_process(const uint32_t *fork_group, uint32_t n) {
                 uint32_t pos = label_pos[li];
                 free(name);
                 if (pos < aici_n_tokens) bt = aici_n_tokens - pos;
+                if (bt && !aici_config("backtrack"))
+                    fail("following needs the host's \"backtrack\" capability, which is off", NULL);
             }
             drop_labels_after(aici_n_tokens - bt);
             aici_json_get(body, "text", &text);

@@ -56,13 +56,14 @@ class Host:
         return self._modules[wasm]
 
     def instantiate(self, wasm: bytes, arg: bytes | str | dict = b"", prompt: list[int] | None = None,
-                    request: RequestState | None = None, seq_id: int = 1) -> WasmInstance:
+                    request: RequestState | None = None, seq_id: int = 1,
+                    caps: dict[str, bool] = CAPS) -> WasmInstance:
         if isinstance(arg, dict):
             arg = json.dumps(arg)
         if isinstance(arg, str):
             arg = arg.encode()
         request = request or RequestState(req_id="test", module_arg=arg)
-        host = SeqHost(self.tok, request, CAPS, self.settings.controllers.max_log_bytes)
+        host = SeqHost(self.tok, request, caps, self.settings.controllers.max_log_bytes)
         host.seq_id = seq_id
         inst = WasmInstance(WasmController(self.engine, self.module(wasm), host), self.settings.controllers)
         inst.setup(prompt if prompt is not None else [])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import regex as pyregex
 
+from services.controller_runtime.wasm import ControllerError
 from tests.controllers.driver import ControllerFailed, Run, module, pick_lowest, pick_text
 
 
@@ -252,6 +253,14 @@ def test_declctrl_fork_branches_share_variables_and_wait(host):
     assert "suspend" in waiter.events
     assert run.text(waiter) == f" Start. Both: {run.var('french')} / {run.var('german')} End."
     assert run.var("french") and run.var("german")
+
+
+def test_declctrl_fork_without_the_fork_capability_is_a_clean_error(host):
+    prog = {"steps": [{"Fork": {"branches": [[{"Fixed": {"text": " a"}}], [{"Fixed": {"text": " b"}}]]}}]}
+    inst = host.instantiate(module("declctrl"), prog, prompt=[1, 2], caps={"fork": False})
+    with pytest.raises(ControllerError, match="aici_host_stop"):
+        inst.pre_process()
+    assert "Fork needs the host's \"fork\" capability" in inst.host.logs_text()
 
 
 def test_declctrl_wait_gives_up_after_max_steps(host):
