@@ -19,10 +19,11 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
+from common import wire
 from common.config import Sessions
 from services.scheduler.requests import LiveRequest
 from services.scheduler.workers import WorkerInfo, WorkerPool
@@ -37,6 +38,7 @@ class Parked:
     worker: bytes
     tokens: list[int]  # exactly what the worker's sequence holds
     parked_at: float
+    images: list[wire.ImageInput] = field(default_factory=list)  # the images whose blocks ``tokens`` hold
 
 
 @dataclass
@@ -59,6 +61,13 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def same_images_prefix(held: list[wire.ImageInput], wanted: list[wire.ImageInput], limit: int) -> int:
+    """``limit``, cut back to the first image block that does not hold the same image at the same
+    place in both lists: equal token ids there do not mean equal KV."""
+    differ = {(i.start, i.end, i.data) for i in held} ^ {(i.start, i.end, i.data) for i in wanted}
+    return min([limit] + [start for start, _, _ in differ])
 
 
 class SessionKV:
@@ -105,6 +114,7 @@ class SessionKV:
             return None
         # never skip a position the request asks outputs about, and always feed at least one token
         common = min(shared_prefix(base.tokens, request.prompt), request.first_output_position, len(request.prompt) - 1)
+        common = same_images_prefix(base.images, request.submit.images, common)
         if common <= 0 and not own:
             return None
         released = len(base.tokens) if own else 0
@@ -135,7 +145,8 @@ class SessionKV:
         previous = self.parked.get(ref.key)
         if previous is not None:
             self._evict(previous)
-        self.parked[ref.key] = Parked(ref.key, request.seq_id, worker.identity, list(tokens), time.monotonic())
+        images = [image for image in request.submit.images if image.end <= len(tokens)]
+        self.parked[ref.key] = Parked(ref.key, request.seq_id, worker.identity, list(tokens), time.monotonic(), images)
         worker.reserved_tokens += len(tokens)
         limit = int(worker.capacity * self.config.kv_parked_fraction)
         while self.held_tokens(worker.identity) > limit:

@@ -48,17 +48,17 @@ class VisionFallback(HFFallback):
         self.deltas: dict[int, list[tuple[int, int]]] = {}
 
     def stage_images(self, seq_id: int, tokens: list[int], start: int, images: list[wire.ImageInput]) -> None:
-        """Check and preprocess the images of ``tokens`` (the whole sequence) whose blocks lie in
-        the part its next forward computes, ``tokens[start:]``; images wholly before ``start`` are
-        in the KV cache already. Raises ValueError (with the reason) for a block that is cut by
-        ``start`` or is not a valid block for its image."""
+        """Check and preprocess the images of ``tokens`` (the whole sequence) whose pad tokens lie
+        in the part its next forward computes, ``tokens[start:]``; images whose pads are before
+        ``start`` are in the KV cache already. Raises ValueError (with the reason) for a pad run
+        cut by ``start`` or a block that is not valid for its image."""
         staged: list[_Staged] = []
         for image in sorted(images, key=lambda im: im.start):
-            if image.end <= start:
-                continue
+            if image.end - 1 <= start:
+                continue  # its pad tokens are computed (a re-fed <|vision_end|> is text)
             where = f"image [{image.start}, {image.end})"
-            if image.start < start:
-                raise ValueError(f"{where} is split: the tokens before {start} were computed without it")
+            if image.start + 1 < start:
+                raise ValueError(f"{where} is split: its pad tokens before {start} were computed without it")
             if staged and image.start < staged[-1].end:
                 raise ValueError(f"{where} overlaps image [{staged[-1].start}, {staged[-1].end})")
             problem = self.spec.block_problem(tokens, image.start, image.end)

@@ -234,6 +234,34 @@ async def test_fork_may_not_split_an_image_block(stub: pb_grpc.SalienceStub, ora
     assert await dump(stub, early) == TEXT_1
 
 
+async def test_truncating_turns_keep_or_drop_whole_images(
+    stub: pb_grpc.SalienceStub, oracle: LoadedModel, spec: VisionSpec
+) -> None:
+    image = png(8)
+    block = image_block(spec, image)
+    start, end = len(TEXT_1), len(TEXT_1) + len(block)
+    session = await open_session(stub)
+    decoded, _ = await generate(stub, session_id=session, append_tokens=TEXT_1 + block + TEXT_2, offset=0,
+                                max_tokens=4, images=[attachment(image, start, end)])
+    length = end + len(TEXT_2) + len(decoded)
+    # rewinding into the block would leave half an image
+    code, message = await refused(
+        generate(stub, session_id=session, append_tokens=[216], offset=start + 10, truncating=True, max_tokens=1)
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION, message
+    assert len(await dump(stub, session)) == length
+    # rewinding to just after the block keeps the image
+    decoded, _ = await generate(stub, session_id=session, append_tokens=[216], offset=end, truncating=True,
+                                max_tokens=6)
+    assert decoded == reference(oracle, spec, TEXT_1 + block + [216], {start: image}, 6)
+    # rewinding to before the block drops it: the same pad tokens appended again are plain text unless
+    # attached again, and a new attachment there is a different image
+    other = png(9)
+    decoded, _ = await generate(stub, session_id=session, append_tokens=block, offset=start, truncating=True,
+                                max_tokens=6, images=[attachment(other, start, end)])
+    assert decoded == reference(oracle, spec, TEXT_1 + block, {start: other}, 6)
+
+
 async def test_mismatched_ranges_are_invalid_argument(stub: pb_grpc.SalienceStub, spec: VisionSpec) -> None:
     image = png(7)
     block = image_block(spec, image)

@@ -168,6 +168,21 @@ def test_fork_and_backtrack_keep_image_positions(vl: LoadedModel, spec: VisionSp
     vl_engine.free([30, 31])
 
 
+def test_refeeding_the_end_of_a_block(vl: LoadedModel, spec: VisionSpec, vl_engine: Engine) -> None:
+    """A turn that recomputes a session's last token, <|vision_end|>, sends the image again with the
+    chunk: its pads are in the KV already, so only a chunk cutting through them is refused."""
+    prompt, images = build(spec, [11, 22], png(9))
+    want = reference(vl, spec, prompt + [33], images, 6)
+    driver = Driver(vl_engine)
+    result = driver.step([SeqStep(seq_id=60, tokens=prompt, sample=False, sampling=GREEDY, images=images)])
+    assert not result.failures, result.failures
+    result = driver.step([SeqStep(seq_id=60, tokens=[spec.vision_end_id, 33], backtrack=1, images=images)])
+    assert not result.failures, result.failures
+    assert decode(driver, 60, result.samples[60].token_id, 6) == want
+    result = driver.step([SeqStep(seq_id=60, tokens=prompt[-10:] + [33], backtrack=11, images=images)])
+    assert "is split: its pad tokens before" in {f.seq_id: f.message for f in result.failures}[60]
+
+
 def test_bad_image_fails_its_sequence_only(spec: VisionSpec, vl_engine: Engine) -> None:
     prompt, images = build(spec, [11], png(7), [22])
     short_run = [11, spec.vision_start_id] + [spec.image_pad_id] * 63 + [spec.vision_end_id, 22]  # one pad too few
