@@ -77,6 +77,37 @@ def test_uppercase_invents_a_prompt_for_an_empty_one(host):
     assert all(65 <= data[i] <= 90 for i in range(0, len(data), 4)), data
 
 
+def test_uppercase_state_survives_a_fork(host):
+    """Fork = new instance with the parent's memory and globals: the SDK heap, the recognizer stack and the token
+    count carry over, and the two copies then diverge independently."""
+    rng = np.random.default_rng(9)
+    parent = host.instantiate(module("uppercase"), b"", prompt=host.tok.tokenize(b"Write:"), seq_id=1)
+    out = {1: [], 2: []}
+
+    def step(inst, key):
+        inst.pre_process()
+        res, allowed = host.mid(inst, [key])
+        if res == "Stop":
+            return True
+        tok = int(rng.choice(allowed))
+        out[key].append(tok)
+        return inst.post_process([tok], 0).stop
+
+    for _ in range(10):
+        step(parent, 1)
+    child = parent.fork(2)
+    out[2] = list(out[1])
+    done = {1: False, 2: False}
+    while not all(done.values()):
+        for key, inst in ((1, parent), (2, child)):
+            if not done[key]:
+                done[key] = step(inst, key)
+    assert len(out[1]) == len(out[2]) == 50 and out[1][:10] == out[2][:10] and out[1] != out[2]
+    for toks in out.values():
+        data = b"".join(host.tok.token_bytes[t] for t in toks)
+        assert all(65 <= data[i] <= 90 for i in range(0, len(data), 4)), data
+
+
 # -- constrain ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("seed", range(4))
