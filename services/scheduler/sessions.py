@@ -110,7 +110,7 @@ class SessionKV:
 
     def _place_on(self, base: Parked, own: bool, request: LiveRequest, needed: int) -> Placement | None:
         worker = self.pool.workers.get(base.worker)
-        if worker is None or not worker.ready:
+        if worker is None or not worker.ready or worker.suspect_since is not None:
             return None
         # never skip a position the request asks outputs about, and always feed at least one token
         common = min(shared_prefix(base.tokens, request.prompt), request.first_output_position, len(request.prompt) - 1)

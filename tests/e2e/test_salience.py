@@ -248,3 +248,152 @@ def check_readouts(prefill, out, rows, layers, hf_model) -> None:
             normed = hidden if layer == config.num_hidden_layers - 1 else hf_model.model.norm(hidden)
             expected = (normed @ rows.T).float().numpy()
             np.testing.assert_allclose(got[i], expected, atol=2e-3, rtol=1e-3)
+
+
+# -- one turn at a time, cancellation, close -----------------------------------------------------
+
+
+async def first_decoded(call, count: int) -> list[int]:
+    """Read a Generate stream until ``count`` decoded tokens arrived."""
+    decoded = []
+    async for event in call:
+        assert event.HasField("token"), "the turn ended before it could be interrupted"
+        if not event.token.is_prefill:
+            decoded.append(event.token.id)
+            if len(decoded) == count:
+                return decoded
+    raise AssertionError("the stream ended early")
+
+
+async def test_busy_session_and_cancel_keeps_exactly_the_tokens_sent(stack, stub, model_name, hf_greedy) -> None:
+    session = await open_session(stub, model_name)
+    prompt = encode(stack, "Count from one to one hundred: one, two, three, four,")
+    call = stub.Generate(pb.GenerateRequest(session_id=session, append_tokens=prompt, offset=0, max_tokens=400,
+                                            top_k=1), timeout=RPC_TIMEOUT_S)
+    seen = await first_decoded(call, 3)
+    code, details = await status_of(generate(stub, session_id=session, offset=len(prompt) + 3, max_tokens=1))
+    assert code == grpc.StatusCode.ABORTED and "session busy" in details
+    # the session is busy, not broken: other calls on it still work
+    assert (await dump(stub, session))[: len(prompt)] == prompt
+    seen += await first_decoded(call, 2)
+    call.cancel()
+
+    async def settled() -> bool:
+        length = len(await dump(stub, session))
+        try:  # a no-op turn: refused as busy until the cancelled turn lets go of the session
+            await generate(stub, session_id=session, offset=length, max_tokens=0)
+            return True
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.ABORTED, exc.details()
+            return False
+
+    await wait_for(settled, 30, "the cancelled turn to release its session")
+    # the session holds the tokens the server sent: those read here, and maybe a few more that were
+    # on their way when the client cancelled; never one that was not sent (they are greedy's)
+    tokens = await dump(stub, session)
+    decoded = tokens[len(prompt):]
+    assert tokens[: len(prompt)] == prompt and decoded[: len(seen)] == seen
+    assert len(decoded) < 400, "the cancellation did not stop the turn"
+    assert decoded == hf_greedy(prompt, len(decoded))
+    seen = decoded
+    # the next turn continues from exactly those tokens (the scheduler's KV held more: it backtracks)
+    more = encode(stack, " The end.")
+    after = await generate(stub, session_id=session, append_tokens=more, offset=len(prompt) + len(seen), max_tokens=4,
+                           **greedy())
+    assert after.decoded == hf_greedy(prompt + seen + more, 4)
+
+
+async def test_close_is_idempotent(stub, model_name) -> None:
+    session = await open_session(stub, model_name)
+    await generate(stub, session_id=session, append_tokens=[1, 2, 3], offset=0, max_tokens=0)
+    for _ in range(2):
+        await stub.CloseSession(pb.CloseSessionRequest(session_id=session))
+    await stub.CloseSession(pb.CloseSessionRequest(session_id="sess-never-opened"))
+    code, _ = await status_of(stub.DumpSession(pb.DumpSessionRequest(session_id=session)))
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, _ = await status_of(generate(stub, session_id=session, offset=3, max_tokens=1))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+async def test_bad_input_gets_specific_status_and_other_sessions_go_on(stack, stub, model_name, hf_greedy) -> None:
+    bystander = await open_session(stub, model_name)
+    prompt = encode(stack, "Bystanders keep working:")
+    running = asyncio.ensure_future(
+        generate(stub, session_id=bystander, append_tokens=prompt, offset=0, max_tokens=8, **greedy())
+    )
+    session = await open_session(stub, model_name)
+    await generate(stub, session_id=session, append_tokens=[10, 11, 12], offset=0, max_tokens=0)
+    max_len = (await stub.OpenSession(pb.OpenSessionRequest(model=model_name))).max_model_len
+    vocab = len(stack.tokenizer)
+    R = pb.PositionRange
+    cases = [
+        (stub.OpenSession(pb.OpenSessionRequest(model="gpt-17")), grpc.StatusCode.INVALID_ARGUMENT, "not served"),
+        (generate(stub, session_id="sess-nope", append_tokens=[1], offset=0, max_tokens=1), grpc.StatusCode.NOT_FOUND,
+         "no session"),
+        (stub.ForkSession(pb.ForkSessionRequest(session_id="sess-nope", at_position=0)), grpc.StatusCode.NOT_FOUND, ""),
+        (stub.DumpSession(pb.DumpSessionRequest(session_id="sess-nope")), grpc.StatusCode.NOT_FOUND, ""),
+        (stub.ForkSession(pb.ForkSessionRequest(session_id=session, at_position=4)),
+         grpc.StatusCode.FAILED_PRECONDITION, "past the session"),
+        (generate(stub, session_id=session, offset=3, max_tokens=0, logprobs_ranges=[R(start=2, end=2)]),
+         grpc.StatusCode.INVALID_ARGUMENT, "logprobs_ranges"),
+        (generate(stub, session_id=session, offset=3, max_tokens=2, logprobs_ranges=[R(start=0, end=6)]),
+         grpc.StatusCode.INVALID_ARGUMENT, "logprobs_ranges"),
+        (generate(stub, session_id=session, offset=3, max_tokens=2, readout_ranges=[R(start=1, end=4)]),
+         grpc.StatusCode.INVALID_ARGUMENT, "readout_ranges"),
+        (generate(stub, session_id=session, append_tokens=[vocab + 5], offset=3, max_tokens=1),
+         grpc.StatusCode.INVALID_ARGUMENT, "token ids"),
+        (generate(stub, session_id=session, offset=3, max_tokens=1, temperature=-1), grpc.StatusCode.INVALID_ARGUMENT,
+         "temperature"),
+        (generate(stub, session_id=session, offset=3, max_tokens=1, top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (generate(stub, session_id=session, append_tokens=[13] * max_len, offset=3, max_tokens=0),
+         grpc.StatusCode.RESOURCE_EXHAUSTED, "context"),
+        (generate(stub, session_id=session, append_tokens=[13] * 10, offset=3, max_tokens=max_len - 12),
+         grpc.StatusCode.RESOURCE_EXHAUSTED, "context"),
+        (generate(stub, session_id=session, offset=3, max_tokens=1,
+                  images=[pb.ImageAttachment(bytes=b"\x89PNG", mime="image/png", pad_range_start=0, pad_range_end=3)]),
+         grpc.StatusCode.INVALID_ARGUMENT, "text-only"),
+    ]
+    for call, expected, words in cases:
+        code, details = await status_of(call)
+        assert code == expected, (expected, details)
+        assert words in details, details
+    assert await dump(stub, session) == [10, 11, 12]  # no refused call changed the session
+    assert (await running).decoded == hf_greedy(prompt, 8)
+
+
+# -- durability ------------------------------------------------------------------------------------
+
+
+async def test_sessions_survive_session_store_and_worker_restarts(stack, stub, model_name, hf_greedy) -> None:
+    session = await open_session(stub, model_name)
+    prompt = encode(stack, "Durable sessions remember:")
+    first = await generate(stub, session_id=session, append_tokens=prompt, offset=0, max_tokens=4, **greedy())
+    history = prompt + first.decoded
+
+    stack.restart("session_store")
+
+    async def dumped() -> list[int] | None:
+        try:
+            return await dump(stub, session)
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+            return None
+
+    await wait_for(dumped, 60, "the session store to come back")
+    assert await dump(stub, session) == history
+
+    assert (await asyncio.to_thread(stack.scheduler_health))["parked_sessions"] > 0
+    stack.restart("worker")  # the session's parked KV goes with it: the next turn recomputes it
+
+    async def new_worker_ready() -> bool:
+        health = await asyncio.to_thread(stack.scheduler_health)
+        return health["ready"] and health["parked_sessions"] == 0  # the old worker is gone, and its KV
+
+    await wait_for(new_worker_ready, 180, "a new worker")
+    more = encode(stack, " and so")
+    second = await generate(stub, session_id=session, append_tokens=more, offset=len(history), max_tokens=4, **greedy())
+    assert second.decoded == hf_greedy(history + more, 4)
+    assert await dump(stub, session) == history + more + second.decoded
