@@ -216,7 +216,7 @@ static inline uint32_t aici_stack_top(const aici_stack_recognizer *s) { return s
 
 /* Byte-level regex as a FunctionalRecognizer (lazy DFA over a Thompson NFA; implicit full match).
  * Syntax: literals, \-escapes (\n \t \r \f \v \0 \xHH \d \D \w \W \s \S and escaped metacharacters),
- * [classes] with ranges/negation/escapes, ., *, +, ?, {m}, {m,}, {m,n}, |, (groups), (?:groups), leading ^ and
+ * [classes] with ranges/negation/escapes, ., *, +, ?, {m}, {m,}, {m,n}, {,n}, |, (groups), (?:groups), leading ^ and
  * trailing $ (ignored: matching is always anchored). '.' is any byte except \n. Non-ASCII UTF-8 literals match
  * as byte sequences; a class lists bytes, so put multi-byte characters outside classes. */
 typedef struct aici_regex aici_regex;

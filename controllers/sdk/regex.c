@@ -228,20 +228,31 @@ static frag parse_atom(aici_regex *rx) {
     return frag_set(rx, &s);
 }
 
-/* {m}, {m,}, {m,n}: returns 1 and the bounds (max = -1 for none), or 0 if this '{' is a literal. */
+/* Reads a decimal count at *p (saturating at 100000); 0 if there is no digit. */
+static int read_count(aici_regex *rx, uint32_t *p, int *out) {
+    int v = 0, digits = 0;
+    for (; *p < rx->len && rx->src[*p] >= '0' && rx->src[*p] <= '9'; (*p)++, digits++)
+        if (v < 100000) v = v * 10 + rx->src[*p] - '0';
+    *out = v;
+    return digits > 0;
+}
+
+/* {m}, {m,}, {m,n}, {,n}: returns 1 and the bounds (max = -1 for none), or 0 if this '{' is a literal. */
 static int parse_braces(aici_regex *rx, int *mn, int *mx) {
     uint32_t p = rx->pos + 1;
-    int a = 0, b, digits = 0;
-    while (p < rx->len && rx->src[p] >= '0' && rx->src[p] <= '9' && a < 10000) { a = a * 10 + rx->src[p++] - '0'; digits++; }
-    if (!digits) return 0;
+    int a, b;
+    int has_min = read_count(rx, &p, &a);
     b = a;
     if (p < rx->len && rx->src[p] == ',') {
         p++;
-        if (p < rx->len && rx->src[p] >= '0' && rx->src[p] <= '9') {
-            b = 0;
-            while (p < rx->len && rx->src[p] >= '0' && rx->src[p] <= '9' && b < 10000) b = b * 10 + rx->src[p++] - '0';
-        } else b = -1;
+        if (!read_count(rx, &p, &b)) {
+            if (!has_min) return 0;   /* "{,}" */
+            b = -1;
+        }
+    } else if (!has_min) {
+        return 0;
     }
+    if (!has_min) a = 0;
     if (p >= rx->len || rx->src[p] != '}') return 0;
     rx->pos = p + 1;
     *mn = a;

@@ -22,6 +22,7 @@ REGEX_CASES = [
     (r"a|bc|", ["", "a", "b", "bc", "bcd", "ab"]),
     (r"(ab)*c?", ["", "ab", "abab", "ababc", "aba", "c", "cc", "abca"]),
     (r"x{2,3}y{2}z{1,}w{0,1}", ["xxyyz", "xxxyyzzzw", "xyyz", "xxxxyyz", "xxyyzww", "xxy"]),
+    (r"a{,2}b{x}(c){300}", ["a{,2}b{x}" + "c" * 300, "a{,2}b{x}" + "c" * 299, "aab"]),
     (r"\d{3}-\w+\s\S\.", ["123-ab_9 x.", "123-ab_9 x", "12-a b.", "123- x.", "123-a\tQ."]),
     (r"[^a-c\]]+[a\-z]", ["xyz", "dd-", "]a", "abc", "d\\a", "q-"]),
     (r"(?:yes|no)(, (yes|no))*", ["yes", "no, yes, no", "no,", "maybe", "yes, "]),
@@ -43,7 +44,8 @@ def test_regex_recognizer_matches_python_regex(host, sdk_test_wasm, pattern, inp
     assert res["viable"] == want_viable
 
 
-@pytest.mark.parametrize("pattern", ["((a)", "a)", "*a", "[a-", "a{3,1}", "\\", "\\q", "[z-a]"])
+@pytest.mark.parametrize("pattern", ["((a)", "a)", "*a", "[a-", "a{3,1}", "\\", "\\q", "[z-a]", "a{123456}",
+                                     "(" * 150 + ")" * 150])
 def test_regex_syntax_errors_are_reported(host, sdk_test_wasm, pattern):
     _, res = run_op(host, sdk_test_wasm, {"op": "regex", "pattern": pattern, "inputs": []})
     assert res["ok"] is False and res["error"], res
