@@ -132,3 +132,45 @@ def test_variable_storage_set_append_get(host, sdk_test_wasm):
     inst, res = run_op(host, sdk_test_wasm, {"op": "vars"})
     assert res == {"v1": 1, "v2": 2, "version": 2, "hex": b'he"l\0lo\xff!'.hex(), "missing": True}
     assert inst.host.request.storage.vars["x"] == (2, b'he"l\0lo\xff!')
+
+
+def random_regex(rng, depth: int = 0) -> str:
+    """A random pattern from the subset both engines read the same way."""
+    def atom() -> str:
+        r = rng.random()
+        if depth < 3 and r < 0.2:
+            return "(" + random_regex(rng, depth + 1) + ")"
+        if r < 0.3:
+            return rng.choice(["[ab]", "[^a]", "[a-c]", "[^\\n]", "\\d", "\\s"])
+        if r < 0.37:
+            return "."
+        return rng.choice(["a", "b", "c", " ", "1"])
+
+    def piece() -> str:
+        a, r = atom(), rng.random()
+        if r < 0.15:
+            return a + "*"
+        if r < 0.25:
+            return a + "+"
+        if r < 0.35:
+            return a + "?"
+        if r < 0.42:
+            lo = int(rng.integers(0, 3))
+            return a + rng.choice([f"{{{lo}}}", f"{{{lo},}}", f"{{{lo},{lo + int(rng.integers(0, 3))}}}"])
+        return a
+
+    alts = ["".join(piece() for _ in range(int(rng.integers(0, 4)))) for _ in range(int(rng.integers(1, 3)))]
+    return "|".join(alts)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_regex_recognizer_agrees_with_python_on_random_patterns(host, sdk_test_wasm, seed):
+    rng = np.random.default_rng(seed)
+    pattern = random_regex(rng)
+    inputs = ["".join(rng.choice(list("abc 1\n"), size=int(rng.integers(0, 7)))) for _ in range(40)]
+    _, res = run_op(host, sdk_test_wasm, {"op": "regex", "pattern": pattern, "inputs": inputs})
+    assert res["ok"], (pattern, res)
+    compiled = pyregex.compile(pattern.encode())
+    for s, got_match, got_viable in zip(inputs, res["matches"], res["viable"]):
+        assert got_match == (compiled.fullmatch(s.encode()) is not None), (pattern, s)
+        assert got_viable == (compiled.fullmatch(s.encode(), partial=True) is not None), (pattern, s)
