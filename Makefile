@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tiller-installed
 
-.PHONY: install up down status test test-fast bench logs clean
+.PHONY: install up down status test test-fast bench logs clean controllers
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: install
 
 bench: install
 	$(PY) deploy/loadtest/bench_stack.py
+
+# rebuild controllers/wasm/*.wasm from controllers/src + controllers/sdk (needs clang + lld)
+controllers: install
+	$(PY) controllers/build.py
 
 logs:
 	tail -n 50 run/logs/*.log
