@@ -177,6 +177,15 @@ async def test_image_turns_match_transformers_and_survive_a_worker_restart(
     decoded3, _ = await generate(stub, session_id=session, append_tokens=[216], offset=len(tokens), max_tokens=6)
     tokens += [216]
     assert decoded3 == reference(oracle, spec, tokens, {start: image}, 6)
+    tokens += decoded3
+
+    # the session store keeps the image bytes durably, and a worker that lost the KV again recomputes from them
+    vl_stack.restart("session_store")
+    vl_stack.restart("worker")
+    await wait_for_new_worker(vl_stack)
+    decoded4, _ = await generate(stub, session_id=session, append_tokens=[28], offset=len(tokens), max_tokens=6)
+    tokens += [28]
+    assert decoded4 == reference(oracle, spec, tokens, {start: image}, 6)
 
 
 async def test_different_images_give_different_tokens(stub: pb_grpc.SalienceStub, spec: VisionSpec) -> None:
