@@ -12,14 +12,9 @@
 #ifndef TILLER_AICI_H
 #define TILLER_AICI_H
 
-typedef unsigned char uint8_t;
-typedef unsigned short uint16_t;
-typedef unsigned int uint32_t;
-typedef int int32_t;
-typedef unsigned long long uint64_t;
-typedef long long int64_t;
-typedef unsigned long size_t;
-#define NULL ((void *)0)
+/* Freestanding headers that clang ships itself (no libc needed). */
+#include <stddef.h>
+#include <stdint.h>
 
 /* ---------- 1. host imports ---------- */
 #define AICI_IMPORT(name) __attribute__((import_module("env"), import_name(#name)))
