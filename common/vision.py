@@ -24,7 +24,8 @@ VL_MODEL_TYPES = frozenset({"qwen2_vl"})
 
 
 class ImageDecodeError(ValueError):
-    """The bytes are not an image Pillow can read, or the image is too large."""
+    """The bytes are not an image Pillow can read, the image is too large, or the model's
+    processor refuses it."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,10 @@ class VisionSpec:
 
     def process(self, image: Any) -> ProcessedImage:
         """Run the model's image processor over one decoded image."""
-        out = self.processor(images=[image], return_tensors="pt")
+        try:
+            out = self.processor(images=[image], return_tensors="pt")
+        except ValueError as exc:  # e.g. an aspect ratio the processor refuses
+            raise ImageDecodeError(f"the model's image processor refuses this image: {exc}") from exc
         t, h, w = (int(v) for v in out["image_grid_thw"][0])
         return ProcessedImage(pixel_values=out["pixel_values"], grid_thw=(t, h, w))
 

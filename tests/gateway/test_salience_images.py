@@ -100,6 +100,9 @@ async def test_bad_bytes_mime_and_sizes(support: ImageSupport) -> None:
     assert "not a readable image" in await refused(support, tokens, [attach(b"\x89PNG broken", 1, 67)])
     assert "has no bytes" in await refused(support, tokens, [attach(b"", 1, 67)])
     truncated = png(0)[: len(png(0)) // 2]
+    assert "processor refuses this image: absolute aspect ratio" in await refused(
+        support, tokens, [attach(png(0, (3000, 10)), 1, 67)]
+    )
     assert "could not be decoded: image file is truncated" in await refused(support, tokens, [attach(truncated, 1, 67)])
     assert "is not an image type" in await refused(support, tokens, [attach(png(0), 1, 67, mime="text/plain")])
     settings = Settings(model="random:qwen2-vl-tiny", images=Images(max_image_pixels=100 * 100, max_image_bytes=10))
