@@ -110,6 +110,10 @@ async def test_bad_bytes_mime_and_sizes(support: ImageSupport) -> None:
     assert "over the limit of 10" in await refused(small, tokens, [attach(png(0), 1, 67)])
     small = ImageSupport.load(Settings(model="random:qwen2-vl-tiny", images=Images(max_image_pixels=100 * 100)))
     assert "224x224 pixels, over the limit of 10000" in await refused(small, tokens, [attach(png(0), 1, 67)])
+    one = ImageSupport.load(Settings(model="random:qwen2-vl-tiny", images=Images(max_images_per_request=1)))
+    two = tokens + run(support, 64)
+    message = await refused(one, two, [attach(png(0), 1, 67), attach(png(0), 68, 134)])
+    assert "2 images attached; at most 1 per call" in message
 
 
 async def test_text_only_model_refuses_every_image() -> None:
