@@ -346,10 +346,12 @@ EXPORT(aici_mid_process) void aici_mid_process(uint32_t h) {
     aici_buf b = {0};
     if (r.kind == AICI_MID_SAMPLE) {
         if (!mask_given) {
-            uint32_t *m = aici_mask_new();
-            aici_mask_allow_all(m);
-            aici_host_return_logit_bias(m);
-            free(m);
+            static uint32_t *all_allowed;
+            if (!all_allowed) {
+                all_allowed = aici_mask_new();
+                aici_mask_allow_all(all_allowed);
+            }
+            aici_host_return_logit_bias(all_allowed);
         }
         aici_buf_puts(&b, "{\"SampleWithBias\":{}}");
     } else if (r.kind == AICI_MID_SPLICE) {
