@@ -89,7 +89,7 @@ def start_stack(run_dir: Path, **env_overrides: str) -> Stack:
         TILLER_HTTP_PORT=str(free_port()),
         TILLER_GRPC_PORT=str(free_port()),
         TILLER_READY_TIMEOUT_S="300",
-        PYTHONPATH=str(ROOT),
+        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
     )
     env.update(env_overrides)
     with mock.patch.dict(os.environ, env, clear=True):

@@ -2,7 +2,9 @@
 
 Prints tokens/s of plain generate on one prompt, of one Tiller stream, and the aggregate of N
 concurrent Tiller streams, with time-to-first-token and inter-token latency p50/p99, and the ratios
-against the baseline measured in the same run. Starts its own stack unless ``--url`` is given.
+against the baselines measured in the same run: plain generate and the worker engine alone at batch 1
+(the stack's overhead is what one stream loses against the engine). Starts its own stack, with the
+caller's TILLER_* settings (model, device, ...), unless ``--url`` is given.
 
     python deploy/loadtest/bench_stack.py [--tokens 128] [--streams 16] [--url ws://127.0.0.1:8080/generate]
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -21,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from common.config import get_settings  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
@@ -40,26 +45,51 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def plain_generate(tokens: int) -> float:
-    """Tokens/s of plain transformers greedy generation on the same model and prompt."""
+def in_process_baselines(tokens: int) -> tuple[float, float]:
+    """Tokens/s of plain ``transformers.generate`` and of the worker engine alone (batch 1, no
+    sockets), greedy, on the configured model, device and dtype, for the same prompt."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from common.config import Settings
-    from common.model_source import load_tokenizer, resolve_model
+    from common.config import get_settings
+    from common.model_source import load_tokenizer
+    from common.wire import SamplingParams, SeqStep, Step
+    from services.worker.engine import Engine
+    from services.worker.model_loader import load_model
 
-    settings = Settings()
-    tokenizer = load_tokenizer(settings)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(settings, weights=True).directory, dtype=torch.float32)
-    ids = torch.tensor([tokenizer(PROMPT).input_ids])
-    with torch.inference_mode():
-        model.generate(ids, max_new_tokens=8, do_sample=False)  # warm-up
+    settings = get_settings()
+    loaded = load_model(settings, lambda progress, message: None)
+    ids = load_tokenizer(settings)(PROMPT).input_ids
+    engine = Engine.create(loaded, settings)
+
+    def engine_run(n: int) -> None:
+        result = engine.step(Step(step_id=0, seqs=[SeqStep(seq_id=1, tokens=ids, sampling=SamplingParams(temperature=0))]))
+        for step_id in range(1, n):
+            result = engine.step(Step(step_id=step_id, seqs=[SeqStep(seq_id=1, tokens=[result.samples[1].token_id])]))
+        engine.free([1])
+
+    def timed(run) -> float:
+        if loaded.device.type == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-        elapsed = time.perf_counter() - start
-    generated = out.shape[1] - ids.shape[1]
-    del model
-    return generated / elapsed
+        run()
+        if loaded.device.type == "cuda":
+            torch.cuda.synchronize()
+        return tokens / (time.perf_counter() - start)
+
+    prompt = torch.tensor([ids], device=loaded.device)
+    with torch.inference_mode():
+        def generate(n: int) -> None:
+            loaded.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
+                                  min_new_tokens=n, do_sample=False, pad_token_id=loaded.eos_token_ids[0])
+
+        generate(8)  # warm-up
+        engine_run(8)
+        generate_tok_s = timed(lambda: generate(tokens))
+        engine_tok_s = timed(lambda: engine_run(tokens))
+    del engine, loaded
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return generate_tok_s, engine_tok_s
 
 
 async def one_stream(url: str, tokens: int) -> StreamStats:
@@ -117,13 +147,14 @@ def main() -> None:
     parser.add_argument("--url", help="a running stack's WebSocket URL; default: start one")
     args = parser.parse_args()
 
-    baseline = plain_generate(args.tokens)
+    baseline, engine_alone = in_process_baselines(args.tokens)
     stack = None
     url = args.url
     if url is None:
         from tests.stack import start_stack
 
-        stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-bench-")))
+        configured = {k: v for k, v in os.environ.items() if k.startswith("TILLER_")}
+        stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-bench-")), **configured)
         url = stack.ws_url
     try:
         asyncio.run(one_stream(url, 8))  # warm-up
@@ -132,11 +163,14 @@ def main() -> None:
     finally:
         if stack is not None:
             stack.down()
-    print(f"model SmolLM2-135M-Instruct, {args.tokens} greedy tokens per stream, CPU threads as configured")
+    settings = get_settings()
+    print(f"model {settings.model} on {settings.device}, {args.tokens} greedy tokens per stream")
     print(f"{'plain transformers.generate':28s} {baseline:8.1f} tok/s")
+    print(f"{'worker engine alone, batch 1':28s} {engine_alone:8.1f} tok/s  ({engine_alone / baseline:5.2f}x plain)")
     print(describe("tiller, 1 stream", single_tok_s, single, baseline))
     print(describe(f"tiller, {args.streams} streams (aggregate)", many_tok_s, many, baseline))
     print(f"per-stream median {statistics.median(r.tokens / r.total_s for r in many):.1f} tok/s")
+    print(f"one stream through the whole stack keeps {single_tok_s / engine_alone:.0%} of the engine's own batch-1 speed")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
-"""Decode speed of the worker engine vs ``transformers.generate`` (greedy, same prompt, same process).
+"""Decode speed of the worker engine vs ``transformers.generate`` (greedy, same prompt, same weights, same process).
 
     .venv/bin/python deploy/loadtest/worker_bench.py [--new-tokens 64] [--batch 1 16] [--repeats 3]
+    # on a GPU, the default model's shapes and a Llama-1B shape, random bf16 weights:
+    python deploy/loadtest/worker_bench.py --models random:smollm2 llama-1b --batch 1 16 64 256
 
-Reads the usual settings (TILLER_MODEL, TILLER_DEVICE, ...). For each batch size it prints, for
-both, the prefill time (prompt to first token), the median ms per decode step and the decode
-tokens/s it gives, and end-to-end tokens/s. Engine runs start with an empty prefix cache (cold
-prefill, comparable with generate); the ``engine+pc`` row repeats them with the prompt's full
-blocks already cached, as a second request sharing the prompt would find them. Each figure is the
-best of ``--repeats`` runs, and steps are timed one by one (generate through a stopping
-criterion), so a busy machine skews the medians less than the totals.
+Reads the usual settings (TILLER_MODEL, TILLER_DEVICE, ...); ``--models`` runs several models in
+one go: each is a model setting (``smollm2``, ``random:<dir>``, a model directory) or ``llama-1b``
+(random weights shaped like Llama-3.2-1B). For each batch size it prints, for both, the prefill
+time (prompt to first token), the median ms per decode step and the decode tokens/s it gives, and
+end-to-end tokens/s. Engine runs start with an empty prefix cache (cold prefill, comparable with
+generate); the ``engine+pc`` row repeats them with the prompt's full blocks already cached, as a
+second request sharing the prompt would find them. Each figure is the best of ``--repeats`` runs,
+and steps are timed one by one (generate through a stopping criterion), so a busy machine skews
+the medians less than the totals. It also prints whether the engine's greedy tokens equal
+generate's for the first sequence of each batch.
 """
 
 from __future__ import annotations
@@ -19,21 +24,32 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteria, StoppingCriteriaList
 
-from common.config import get_settings
+from common.config import Settings, get_settings
 from common.model_source import load_tokenizer
 from common.wire import SamplingParams, SeqStep, Step
 from services.worker.engine import Engine
-from services.worker.model_loader import load_model
+from services.worker.kv_cache import BLOCK_SIZE
+from services.worker.model_loader import LoadedModel, load_model, pick_device, pick_dtype
 
 PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message in a bottle."}]
+
+
+# Llama-3.2-1B's shapes (random weights: only the shapes matter for speed)
+LLAMA_1B = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
+    tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+)
+SYNTHETIC_PROMPT_TOKENS = 48
 
 
 @dataclass
 class Run:
     prefill_s: float  # from the start to the first token
     step_s: list[float]  # each later decode step
+    tokens: list[int]  # the first sequence's generated tokens
 
     @property
     def total_s(self) -> float:
@@ -75,7 +91,8 @@ def bench_generate(model, prompt: list[int], batch: int, new_tokens: int, device
         )
     assert out.shape[1] == len(prompt) + new_tokens
     stamps = [started, *clock.stamps]
-    return Run(prefill_s=stamps[1] - stamps[0], step_s=[b - a for a, b in zip(stamps[1:], stamps[2:])])
+    return Run(prefill_s=stamps[1] - stamps[0], step_s=[b - a for a, b in zip(stamps[1:], stamps[2:])],
+               tokens=out[0, len(prompt):].tolist())
 
 
 def bench_engine(engine: Engine, prompt: list[int], batch: int, new_tokens: int, run: int, warm: bool = False) -> Run:
@@ -91,57 +108,103 @@ def bench_engine(engine: Engine, prompt: list[int], batch: int, new_tokens: int,
     prefill = time.perf_counter() - started
     assert not result.failures, result.failures
     steps = []
+    tokens = [result.samples[seq_ids[0]].token_id]
     for step_id in range(1, new_tokens):
         started = time.perf_counter()
         seqs = [SeqStep(seq_id=s, tokens=[result.samples[s].token_id]) for s in seq_ids]
         result = engine.step(Step(step_id=step_id, seqs=seqs))
         _sync(engine.device)
         steps.append(time.perf_counter() - started)
+        tokens.append(result.samples[seq_ids[0]].token_id)
     engine.free(seq_ids)
-    return Run(prefill_s=prefill, step_s=steps)
+    return Run(prefill_s=prefill, step_s=steps, tokens=tokens)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--repeats", type=int, default=3, help="best of N runs")
-    args = parser.parse_args()
+def load(spec: str, settings: Settings) -> tuple[LoadedModel, list[int]]:
+    """The model named by ``spec`` (see the module docstring) and the prompt to use with it."""
+    if spec != "llama-1b":
+        model_settings = settings.model_copy(update={"model": spec})
+        loaded = load_model(model_settings, lambda progress, message: None)
+        tokenizer = load_tokenizer(model_settings)
+        return loaded, tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_dict=False)
+    device = pick_device(settings.device)
+    dtype = pick_dtype(settings.dtype, device)
+    torch.manual_seed(settings.seed)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_1B), dtype=dtype).to(device).eval()
+    loaded = LoadedModel(model=model, config=model.config, name=spec, device=device, dtype=dtype,
+                         eos_token_ids=[LLAMA_1B["eos_token_id"]],
+                         max_model_len=min(settings.limits.max_model_len, LLAMA_1B["max_position_embeddings"]))
+    prompt = torch.randint(1000, 100000, (SYNTHETIC_PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0))
+    return loaded, prompt.tolist()
 
-    settings = get_settings()
-    loaded = load_model(settings, lambda progress, message: None)
-    engine = Engine.create(loaded, settings)
-    prompt = load_tokenizer(settings).apply_chat_template(PROMPT, add_generation_prompt=True, return_dict=False)
+
+def _first_difference(a: list[int], b: list[int]) -> str:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"differ from token {i}"
+    return "equal" if len(a) == len(b) else "differ in length"
+
+
+def bench_model(spec: str, settings: Settings, args: argparse.Namespace) -> None:
+    loaded, prompt = load(spec, settings)
+    batch_limit = max(args.batch)
+    blocks_per_seq = -(-(len(prompt) + args.new_tokens + BLOCK_SIZE) // BLOCK_SIZE)
+    graphs = batch_limit if settings.limits.cuda_graphs else 0
+    engine = Engine(loaded, num_blocks=batch_limit * blocks_per_seq + 1, cuda_graph_batch=graphs)
     n = args.new_tokens
     print(
-        f"model={settings.model} device={loaded.device} dtype={loaded.dtype} threads={torch.get_num_threads()} "
+        f"\nmodel={spec} device={loaded.device} dtype={loaded.dtype} threads={torch.get_num_threads()} "
         f"backend={engine.backend} prompt={len(prompt)} tokens new={n} repeats={args.repeats}"
     )
-    # Warm both paths up once (allocator, kernels, lazy pages of the KV pool).
-    bench_engine(engine, prompt, max(args.batch), 4, run=0)
+    # Warm both paths up once (allocator, kernels, lazy pages of the KV pool, CUDA graphs).
+    for batch in args.batch:
+        bench_engine(engine, prompt, batch, n, run=0)
     bench_generate(loaded.model, prompt, 1, 2, loaded.device)
 
-    print(f"{'impl':<10}{'batch':>6}{'prefill ms':>12}{'ms/step':>10}{'decode tok/s':>14}{'e2e tok/s':>11}")
+    print(f"{'impl':<10}{'batch':>6}{'prefill ms':>12}{'ms/step':>10}{'decode tok/s':>14}{'e2e tok/s':>11}"
+          f"  greedy vs generate")
     e2e: dict[tuple[str, int], float] = {}
+    decode: dict[tuple[str, int], float] = {}
     for batch in args.batch:
         runs: dict[str, list[Run]] = {"generate": [], "engine": [], "engine+pc": []}
         for r in range(args.repeats):  # interleaved, so a busy spell hits both alike
             runs["generate"].append(bench_generate(loaded.model, prompt, batch, n, loaded.device))
             runs["engine"].append(bench_engine(engine, prompt, batch, n, run=r + 1))
             runs["engine+pc"].append(bench_engine(engine, prompt, batch, n, run=r + 101, warm=True))
+        want = runs["generate"][0].tokens
         for impl, results in runs.items():
             prefill = min(run.prefill_s for run in results)
             step = min(statistics.median(run.step_s) for run in results)
             e2e[(impl, batch)] = batch * n / min(run.total_s for run in results)
+            decode[(impl, batch)] = batch / step
+            check = "" if impl == "generate" else _first_difference(results[0].tokens, want)
             print(
                 f"{impl:<10}{batch:>6}{prefill * 1000:>12.1f}{step * 1000:>10.2f}{batch / step:>14.1f}"
-                f"{e2e[(impl, batch)]:>11.1f}"
+                f"{e2e[(impl, batch)]:>11.1f}  {check}"
             )
+    for batch in args.batch:
+        ratio = decode[("engine", batch)] / decode[("generate", batch)]
+        print(f"{spec} batch {batch}: engine decode {ratio:.1f}x generate's")
     if 1 in args.batch:
         for batch in args.batch:
             if batch != 1:
                 ratio = e2e[("engine", batch)] / e2e[("engine", 1)]
-                print(f"engine batch {batch} vs batch 1 (e2e tok/s): {ratio:.1f}x")
+                print(f"{spec} engine batch {batch} vs batch 1 (e2e tok/s): {ratio:.1f}x")
+    del engine, loaded
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=None, help="model settings to run (default: TILLER_MODEL)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--repeats", type=int, default=3, help="best of N runs")
+    args = parser.parse_args()
+    settings = get_settings()
+    for spec in args.models or [settings.model]:
+        bench_model(spec, settings, args)
 
 
 if __name__ == "__main__":

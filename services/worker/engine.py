@@ -36,7 +36,8 @@ Each SeqStep is applied in the order :class:`common.wire.SeqStep` gives:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,6 +87,25 @@ class _Masks:
 
 class _Invalid(Exception):
     """A sequence's part of a step cannot run; the message goes to the scheduler."""
+
+
+def _plain_decode(s: SeqStep) -> bool:
+    """One token fed and sampled after, nothing else asked (see Engine._admit_decode)."""
+    return (
+        len(s.tokens) == 1 and s.sample and s.sampling is None and not s.backtrack and s.fork_of is None
+        and not s.images and not s.scores and not s.readouts
+    )
+
+
+def _check_mask(s: SeqStep, masks: _Masks) -> None:
+    """A sampling sequence's mask row, when it names one, must be in the frame and allow a token."""
+    if s.mask_row < 0:
+        return
+    index = masks.index.get(s.mask_row)
+    if index is None:
+        raise _Invalid(f"sequence {s.seq_id}: mask row {s.mask_row} is missing from the step's mask frame")
+    if not masks.allows_any[index]:
+        raise _Invalid(f"sequence {s.seq_id}: its mask allows no token")
 
 
 class Engine:
@@ -394,11 +414,41 @@ class Engine:
             raise _Invalid(f"sequence {s.seq_id}: top_logprobs must be in [0, {self.vocab_size}]")
         return capture
 
+    def _admit_decode(self, s: SeqStep, seq: _Seq, masks: _Masks) -> SeqInput:
+        """``_admit`` for the commonest SeqStep, one token fed to a live sequence and sampled after:
+        no prefix lookup (a single token to sample after is always computed), no forks, backtracks
+        or parameter changes to apply. Keeps big decode batches cheap on the host."""
+        token = s.tokens[0]
+        if not 0 <= token < self.vocab_size:
+            raise _Invalid(f"sequence {s.seq_id}: token ids must be in [0, {self.vocab_size})")
+        start = len(seq.tokens)
+        if start >= self.max_model_len:
+            raise _Invalid(f"sequence {s.seq_id} would reach {start + 1} tokens, over max_model_len {self.max_model_len}")
+        _check_mask(s, masks)
+        with self._pool_errors(s.seq_id, start + 1):
+            self.tables.prepare_write(s.seq_id, start)
+            self.tables.reserve(s.seq_id, start + 1)
+        seq.tokens.append(token)
+        return SeqInput(seq_id=s.seq_id, tokens=s.tokens, start=start, logits=True)
+
+    @contextmanager
+    def _pool_errors(self, seq_id: int, end: int) -> Iterator[None]:
+        """Turns the pool running out of blocks into this sequence's failure."""
+        try:
+            yield
+        except PoolExhausted as exc:
+            raise _Invalid(
+                f"KV cache exhausted: sequence {seq_id} needs room for {end} tokens ({exc}; "
+                f"capacity {self.tables.capacity_tokens} tokens)"
+            ) from exc
+
     def _admit(self, s: SeqStep, masks: _Masks) -> tuple[SeqInput | None, int]:
         """Validate one SeqStep, start or update its sequence, backtrack, reuse cached prefix
         blocks and reserve the rest. Returns what the forward pass must compute for it (None:
         nothing, every fed token came from the cache) and how many fed tokens the cache gave."""
         seq = self.seqs.get(s.seq_id)
+        if seq is not None and _plain_decode(s):
+            return self._admit_decode(s, seq, masks), 0
         if seq is None and s.sampling is None:
             raise _Invalid(f"sequence {s.seq_id} is unknown and its step carries no sampling parameters")
         if s.sampling is not None:
@@ -421,12 +471,8 @@ class Engine:
         end = length + len(s.tokens)
         if end > self.max_model_len:
             raise _Invalid(f"sequence {s.seq_id} would reach {end} tokens, over max_model_len {self.max_model_len}")
-        if s.sample and s.mask_row >= 0:
-            index = masks.index.get(s.mask_row)
-            if index is None:
-                raise _Invalid(f"sequence {s.seq_id}: mask row {s.mask_row} is missing from the step's mask frame")
-            if not masks.allows_any[index]:
-                raise _Invalid(f"sequence {s.seq_id}: its mask allows no token")
+        if s.sample:
+            _check_mask(s, masks)
         capture = self._capture(s, length if s.tokens else length - 1, end)
 
         if seq is None:
@@ -441,18 +487,13 @@ class Engine:
             feed = seq.tokens[-1:]
             self._truncate(s.seq_id, seq, length - 1)
         start = len(seq.tokens)
-        try:
-            limit = start + len(feed) - (1 if s.sample else 0)
-            if capture:  # asked-about positions are computed, never taken from the cache
-                limit = min(limit, capture[0])
+        limit = start + len(feed) - (1 if s.sample else 0)
+        if capture:  # asked-about positions are computed, never taken from the cache
+            limit = min(limit, capture[0])
+        with self._pool_errors(s.seq_id, end):
             first = self.tables.match_prefix(s.seq_id, seq.tokens, feed, limit)
             self.tables.prepare_write(s.seq_id, first)
             self.tables.reserve(s.seq_id, end)
-        except PoolExhausted as exc:
-            raise _Invalid(
-                f"KV cache exhausted: sequence {s.seq_id} needs room for {end} tokens ({exc}; "
-                f"capacity {self.tables.capacity_tokens} tokens)"
-            ) from exc
         seq.tokens += feed
         hits = first - start if s.tokens else 0
         if first == end:

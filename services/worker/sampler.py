@@ -219,11 +219,13 @@ def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[Samp
         values, ids = top.values.tolist(), top.indices.tolist()
         for j, i in enumerate(rows):
             top_ids[i], top_lps[i] = ids[j][: ks[i]], values[j][: ks[i]]
+    # one device-to-host transfer for the tokens and their logprobs
+    pairs = torch.stack((tokens.double(), logprob.double())).tolist()
     return [
         SampledToken(
-            token_id=t,
+            token_id=int(t),
             logprob=lp,
-            top=[TokenLogprob(token_id=a, logprob=b) for a, b in zip(top_ids[i], top_lps[i])],
+            top=[TokenLogprob(token_id=a, logprob=b) for a, b in zip(top_ids[i], top_lps[i])] if ks[i] else [],
         )
-        for i, (t, lp) in enumerate(zip(tokens.tolist(), logprob.tolist()))
+        for i, (t, lp) in enumerate(zip(*pairs))
     ]
