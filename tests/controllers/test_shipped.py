@@ -170,6 +170,17 @@ def test_constrain_grammar_scripted(host):
     assert run.text() == "(1+22)+333"
 
 
+def test_constrain_without_constraint_allows_every_token(host):
+    sizes = []
+
+    def pick(seq, allowed):
+        sizes.append(len(allowed))
+        return int(allowed[100 + len(sizes)])
+
+    run = Run(host, module("constrain"), {"max_tokens": 3}, "Hi", pick).run()
+    assert sizes == [host.tok.vocab_size] * 3 and len(generated_tokens(run)) == 3
+
+
 def test_constrain_stop_string_and_max_tokens(host):
     run = Run(host, module("constrain"), {"stop": ["\n", "END"]}, "Say:", pick_text(host, "hello there\nmore")).run()
     assert run.text().startswith("hello there\n") and "more" not in run.text()
