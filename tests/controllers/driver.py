@@ -35,7 +35,8 @@ Pick = Callable[["Seq", np.ndarray], int]   # (sequence, allowed token ids) -> t
 
 
 class Host:
-    """One WasmEngine over the real tokenizer; instantiates controllers like the runtime's `instantiate`."""
+    """The runtime's pieces over the real tokenizer: a WasmEngine, a module registry and a Runtime (for `Run`),
+    plus `instantiate`/`mid` for driving one WasmInstance directly (SDK unit tests, forks by hand)."""
 
     def __init__(self) -> None:
         self.settings = Settings()
