@@ -202,6 +202,24 @@ async def test_different_images_give_different_tokens(stub: pb_grpc.SalienceStub
     assert outputs[0] != outputs[1]
 
 
+async def test_concurrent_sessions_keep_their_own_images(
+    stub: pb_grpc.SalienceStub, oracle: LoadedModel, spec: VisionSpec
+) -> None:
+    images = [png(10 + i, size) for i, size in enumerate([(224, 224), (280, 140), (140, 280)])]
+    prompts = []
+    for i, image in enumerate(images):
+        block = image_block(spec, image)
+        prompts.append((TEXT_1[: i + 2] + block + TEXT_2, len(TEXT_1[: i + 2]), len(block)))
+    sessions = [await open_session(stub) for _ in images]
+    results = await asyncio.gather(*(
+        generate(stub, session_id=session, append_tokens=prompt, offset=0, max_tokens=10,
+                 images=[attachment(image, start, start + n)])
+        for session, image, (prompt, start, n) in zip(sessions, images, prompts)
+    ))
+    for (decoded, _), image, (prompt, start, _) in zip(results, images, prompts):
+        assert decoded == reference(oracle, spec, prompt, {start: image}, 10)
+
+
 async def test_a_second_image_in_a_later_turn(stub: pb_grpc.SalienceStub, oracle: LoadedModel, spec: VisionSpec) -> None:
     first, second = png(4), png(5, (280, 140))  # the second: a 10x20 grid, 50 pads
     block1, block2 = image_block(spec, first), image_block(spec, second)
