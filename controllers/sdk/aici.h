@@ -6,7 +6,8 @@
  *   3. the AiciCtrl callback struct: a controller fills an `aici_ctrl` and returns it from aici_controller();
  *   4. the token trie (AICI's serialized toktrie) and the walker computing a mask from a Recognizer;
  *   5. Recognizer <- StackRecognizer <- FunctionalRecognizer, and a byte-level regex FunctionalRecognizer;
- *   6. wrappers of the host-accelerated llguidance constraints.
+ *   6. wrappers of the host-accelerated llguidance constraints;
+ *   7. one generation under a JSON spec (constraint + stop strings + token limit), as constrain/declctrl use it.
  * Everything lives in linear memory (plus the exported __stack_pointer), so the host can fork an instance by
  * copying its memory and mutable globals. */
 #ifndef TILLER_AICI_H
