@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -197,6 +198,13 @@ class ControllerSteps:
         self.by_seq: dict[int, Branch] = {}
         self.freed: list[int] = []  # ended sequences the runtime has not been told about
         self.free_later: dict[bytes, list[int]] = defaultdict(list)  # worker frees after this step's forks
+        self.main_s = 0.0  # wall time spent in post_pre_process/mid_process calls, IPC included
+        self.seq_steps = 0  # controlled sequence-steps (mid_process ops) run so far
+
+    def stats(self) -> dict[str, float]:
+        """Main-channel cost so far, for health replies and the controller benchmark."""
+        per_seq = self.main_s / self.seq_steps * 1e6 if self.seq_steps else 0.0
+        return {"main_s": round(self.main_s, 6), "seq_steps": self.seq_steps, "us_per_seq_step": round(per_seq, 1)}
 
     # -- main channel ------------------------------------------------------------------------------
 
@@ -209,8 +217,10 @@ class ControllerSteps:
 
     async def _call(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]] | None:
         """A main-channel call; when the runtime fails it, every controlled request fails with the reason."""
+        started = time.perf_counter()
         try:
             reply, frames = await self.channel.call(request, self.settings.main_timeout_s)
+            self.main_s += time.perf_counter() - started
             if reply["type"] != "ok":
                 raise RuntimeUnavailable(f"the controller runtime refused {request['op']}: {reply.get('error')}")
         except RuntimeUnavailable as exc:
@@ -281,9 +291,7 @@ class ControllerSteps:
         pre_ops = [{"id": b.seq_id, "req_id": b.request.submit.controller} for b in assign]
         freed, self.freed = self.freed, []
         assigned_any = any(b.assigned for c in self.requests.values() for b in c.live())
-        if not (post_ops or pre_ops or assigned_any):
-            if freed:
-                self.freed = freed  # nothing to run: tell the runtime with the next call
+        if not (post_ops or pre_ops or assigned_any or freed):
             return []
         called = await self._call({"op": "post_pre_process", "post_ops": post_ops, "pre_ops": pre_ops, "freed": freed})
         for b in assign:
@@ -362,6 +370,7 @@ class ControllerSteps:
 
     async def _mid_process(self, plan: Plan, runnable: list[tuple[Branch, int | None]]) -> None:
         ops = [{"id": b.seq_id, "clone_id": clone} for b, clone in runnable]
+        self.seq_steps += len(ops)
         called = await self._call({"op": "mid_process", "ops": ops})
         if called is None:
             return

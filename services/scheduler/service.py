@@ -185,6 +185,7 @@ class Scheduler:
             "running": len(self.running),
             "paused": sum(1 for r in self.requests.values() if r.paused),
             "controller_runtime": controller,
+            "controller_steps": self.controllers.stats(),
             "hidden_size": facts.hidden_size if facts else 0,
             "readout_concepts": facts.readout_concepts if facts else [],
             "readout_layers": facts.readout_layers if facts else [],

@@ -1,0 +1,186 @@
+"""Controller benchmark through the whole stack (gateway -> scheduler -> worker + controller runtime), in one run:
+
+1. Controller overhead per step, in µs per sequence, at 1, 16 and 64 concurrent controlled sequences: the same
+   prompts run as plain greedy requests (``/v1/generate``, ignore_eos) and under the shipped ``declctrl``
+   controller with one unconstrained ``Gen`` step (``/v1/run``), each sequence producing the same number of
+   tokens; overhead = (wall time per step controlled - plain) / sequences. Also what the runtime itself
+   reports spending (the ``micros`` of the run events) per sequence per step.
+2. JSON-schema-constrained generation (the shipped ``constrain`` controller) against unconstrained generation
+   of the same prompts and the same token counts: aggregate tokens/s and their ratio.
+
+Starts its own stack with the caller's TILLER_* settings unless ``--url`` names a running gateway.
+
+    python deploy/loadtest/controller_bench.py [--tokens 32] [--levels 1,16,64]
+                                               [--url http://127.0.0.1:8080 --scheduler ipc://run/scheduler.sock]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+TOPICS = ["a lighthouse", "a dragon", "the sea", "a robot", "a city", "a garden", "winter", "a train", "a violin",
+          "the moon", "a library", "a storm"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "characters": {"type": "array", "items": {"type": "string"}},
+        "story": {"type": "string"},
+    },
+    "required": ["title", "characters", "story"],
+}
+
+
+def prompts(n: int) -> list[str]:
+    """Story openings the model continues (an instruction-style prompt makes it emit EOS at once)."""
+    return [f"Once upon a time, in a land far away, there was {TOPICS[i % len(TOPICS)]} ({i}). Every day, it"
+            for i in range(n)]
+
+
+class SchedulerStats:
+    """The scheduler's own main-channel figures (health ``controller_steps``), when its socket is reachable."""
+
+    def __init__(self, endpoint: str | None) -> None:
+        self.endpoint = endpoint
+
+    async def read(self) -> dict[str, float] | None:
+        if self.endpoint is None:
+            return None
+        from common.sockets import probe_health
+
+        reply = await probe_health(self.endpoint, timeout=10.0)
+        return reply.detail.get("controller_steps") if reply is not None else None
+
+    @staticmethod
+    def describe(before: dict[str, float] | None, after: dict[str, float] | None) -> str:
+        if not before or not after or after["seq_steps"] == before["seq_steps"]:
+            return ""
+        per_seq = (after["main_s"] - before["main_s"]) / (after["seq_steps"] - before["seq_steps"]) * 1e6
+        return f"; {per_seq:6.1f} µs in main-channel calls as the scheduler sees them"
+
+
+@dataclass
+class Outcome:
+    tokens: int  # tokens the sequence generated (sampled + fast-forwarded)
+    micros: int = 0  # time its controller reported
+
+
+async def plain(http: httpx.AsyncClient, prompt: str, tokens: int) -> Outcome:
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": False}
+    response = await http.post("/v1/generate", json=body)
+    response.raise_for_status()
+    return Outcome(response.json()["usage"]["completion_tokens"])
+
+
+async def controlled(http: httpx.AsyncClient, module: str, arg: object, prompt: str, tokens: int) -> Outcome:
+    body = {"controller": module, "controller_arg": arg, "prompt": prompt, "max_tokens": tokens}
+    async with http.stream("POST", "/v1/run", json=body) as response:
+        response.raise_for_status()
+        micros, usage = 0, {}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[len("data: "):])
+            if event["object"] != "run":
+                continue
+            usage = event["usage"]
+            for fork in event["forks"]:
+                micros += fork["micros"]
+                if fork["error"]:
+                    raise RuntimeError(f"controller failed: {fork['error']}")
+    return Outcome(usage["sampled_tokens"] + usage["ff_tokens"], micros)
+
+
+async def batch(calls: list) -> tuple[float, list[Outcome]]:
+    started = time.perf_counter()
+    results = await asyncio.gather(*calls)
+    return time.perf_counter() - started, results
+
+
+async def upload(http: httpx.AsyncClient, name: str) -> str:
+    response = await http.post("/v1/controllers", content=(ROOT / "controllers" / "wasm" / f"{name}.wasm").read_bytes())
+    response.raise_for_status()
+    return response.json()["module_id"]
+
+
+async def overhead(http: httpx.AsyncClient, sched: SchedulerStats, declctrl: str, level: int, tokens: int) -> str:
+    texts = prompts(level)
+    gen = {"steps": [{"Gen": {"max_tokens": tokens}}]}
+    before = await sched.read()
+    ctrl_s, ctrl = await batch([controlled(http, declctrl, gen, p, tokens) for p in texts])
+    seen = SchedulerStats.describe(before, await sched.read())
+    counts = [o.tokens for o in ctrl]  # declctrl may end a Gen early on EOS: replay exactly those counts
+    plain_s, _ = await batch([plain(http, p, n) for p, n in zip(texts, counts)])
+    steps = max(counts)
+    step_ctrl, step_plain = ctrl_s / steps, plain_s / steps
+    per_seq_us = (step_ctrl - step_plain) / level * 1e6
+    runtime_us = sum(o.micros for o in ctrl) / sum(counts)
+    return (f"{level:3d} sequences x {steps} steps: step {step_plain * 1e3:7.2f} ms plain, {step_ctrl * 1e3:7.2f} ms "
+            f"controlled -> overhead {per_seq_us:8.1f} µs per sequence per step end to end; "
+            f"{runtime_us:6.1f} µs in the runtime{seen}")
+
+
+async def constrained_ratio(http: httpx.AsyncClient, constrain: str, n: int, tokens: int) -> str:
+    texts = [p + " Answer as JSON." for p in prompts(n)]
+    ctrl_s, ctrl = await batch([controlled(http, constrain, {"json_schema": SCHEMA}, p, tokens) for p in texts])
+    counts = [o.tokens for o in ctrl]
+    plain_s, _ = await batch([plain(http, p, c) for p, c in zip(texts, counts)])
+    total = sum(counts)
+    ctrl_tps, plain_tps = total / ctrl_s, total / plain_s
+    return (f"JSON schema, {n} concurrent, {total} tokens: constrained {ctrl_tps:8.1f} tok/s, unconstrained "
+            f"{plain_tps:8.1f} tok/s -> ratio {ctrl_tps / plain_tps:5.2f}x")
+
+
+async def bench(url: str, sched: SchedulerStats, levels: list[int], tokens: int) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as http:
+        declctrl, constrain = await upload(http, "declctrl"), await upload(http, "constrain")
+        await overhead(http, sched, declctrl, 2, 4)  # warm-up: compile caches, first steps
+        await constrained_ratio(http, constrain, 2, 8)
+        lines = [await overhead(http, sched, declctrl, level, tokens) for level in levels]
+        lines.append(await constrained_ratio(http, constrain, max(levels[1:2] or levels), tokens))
+    for line in lines:
+        print(line)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per sequence")
+    parser.add_argument("--levels", default="1,16,64", help="concurrent controlled sequences")
+    parser.add_argument("--url", help="a running gateway's HTTP URL; default: start a stack")
+    parser.add_argument("--scheduler", help="with --url: the scheduler's endpoint, for its own figures")
+    args = parser.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    stack = None
+    url, scheduler = args.url, args.scheduler
+    if url is None:
+        from tests.stack import start_stack
+
+        configured = {k: v for k, v in os.environ.items() if k.startswith("TILLER_")}
+        stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-ctrl-bench-")), **configured)
+        url, scheduler = stack.http_url, stack.settings.endpoint("scheduler")
+    try:
+        from common.config import get_settings
+
+        settings = get_settings()
+        print(f"model {settings.model} on {settings.device}, {args.tokens} tokens per sequence, greedy")
+        asyncio.run(bench(url, SchedulerStats(scheduler), levels, args.tokens))
+    finally:
+        if stack is not None:
+            stack.down()
+
+
+if __name__ == "__main__":
+    main()
