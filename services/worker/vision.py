@@ -70,7 +70,8 @@ class VisionFallback(HFFallback):
                 raise ValueError(f"{where}: {exc}") from exc
             count = self.spec.feature_count(processed.grid_thw)
             if count != image.end - image.start - 2:
-                raise ValueError(f"{where} holds {image.end - image.start - 2} pad tokens; the image has {count} features")
+                pads = image.end - image.start - 2
+                raise ValueError(f"{where} holds {pads} pad tokens; the image has {count} features")
             staged.append(_Staged(start=image.start, end=image.end, image=processed))
         if staged:
             self.staged[seq_id] = staged

@@ -220,7 +220,9 @@ async def test_concurrent_sessions_keep_their_own_images(
         assert decoded == reference(oracle, spec, prompt, {start: image}, 10)
 
 
-async def test_a_second_image_in_a_later_turn(stub: pb_grpc.SalienceStub, oracle: LoadedModel, spec: VisionSpec) -> None:
+async def test_a_second_image_in_a_later_turn(
+    stub: pb_grpc.SalienceStub, oracle: LoadedModel, spec: VisionSpec
+) -> None:
     first, second = png(4), png(5, (280, 140))  # the second: a 10x20 grid, 50 pads
     block1, block2 = image_block(spec, first), image_block(spec, second)
     assert len(block2) == 50 + 2
@@ -237,7 +239,9 @@ async def test_a_second_image_in_a_later_turn(stub: pb_grpc.SalienceStub, oracle
     assert decoded2 == reference(oracle, spec, tokens, {len(TEXT_1): first, at: second}, 6)
 
 
-async def test_fork_may_not_split_an_image_block(stub: pb_grpc.SalienceStub, oracle: LoadedModel, spec: VisionSpec) -> None:
+async def test_fork_may_not_split_an_image_block(
+    stub: pb_grpc.SalienceStub, oracle: LoadedModel, spec: VisionSpec
+) -> None:
     image = png(6)
     block = image_block(spec, image)
     start, end = len(TEXT_1), len(TEXT_1) + len(block)

@@ -26,7 +26,9 @@ def attach(data: bytes, start: int, end: int, mime: str = "image/png") -> ImageA
     return ImageAttachment(bytes=data, mime=mime, pad_range_start=start, pad_range_end=end)
 
 
-async def refused(support: ImageSupport, tokens: list[int], images: list[ImageAttachment], appended_from: int = 0) -> str:
+async def refused(
+    support: ImageSupport, tokens: list[int], images: list[ImageAttachment], appended_from: int = 0
+) -> str:
     with pytest.raises(ImageError) as caught:
         await prepare_images(support, tokens, images, appended_from)
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT

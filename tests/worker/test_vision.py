@@ -104,7 +104,9 @@ def serve(engine: Engine, seq_id: int, chunks: list[tuple[list[int], list[ImageI
     return out
 
 
-def test_vl_model_runs_on_the_fallback_with_the_real_processor(vl: LoadedModel, spec: VisionSpec, vl_engine: Engine) -> None:
+def test_vl_model_runs_on_the_fallback_with_the_real_processor(
+    vl: LoadedModel, spec: VisionSpec, vl_engine: Engine
+) -> None:
     assert type(vl.model).__name__ == "Qwen2VLForConditionalGeneration"
     assert vl_engine.backend == "transformers"
     # 224x224 -> 16x16 patches of 14 pixels -> 64 features after the 2x2 merge
@@ -129,7 +131,9 @@ def test_text_prompt_on_the_vl_model_matches_transformers(vl: LoadedModel, spec:
     assert serve(vl_engine, 3, [(prompt[:3], []), (prompt[3:], [])], 12) == want
 
 
-def test_chunked_prefill_and_two_images_match_transformers(vl: LoadedModel, spec: VisionSpec, vl_engine: Engine) -> None:
+def test_chunked_prefill_and_two_images_match_transformers(
+    vl: LoadedModel, spec: VisionSpec, vl_engine: Engine
+) -> None:
     prompt, images = build(spec, [11, 22], png(2, (280, 140)), [33, 44, 55], png(3), [66])
     want = reference(vl, spec, prompt, images, 12)
     first_end = images[0].end + 2  # chunk 1: text, image 1, some text; chunk 2: the rest with image 2
