@@ -353,6 +353,23 @@ async def test_rest_generate_takes_a_controller(stack, modules):
     assert response.json()["generated_text"] in ("cyan", "magenta")
 
 
+async def test_plain_requests_never_touch_the_runtime(stack, modules):
+    async def settled() -> dict[str, float]:  # the last controlled request's ``freed`` may still be on its way
+        while True:
+            first = (await asyncio.to_thread(stack.scheduler_health))["controller_steps"]
+            await asyncio.sleep(0.5)
+            again = (await asyncio.to_thread(stack.scheduler_health))["controller_steps"]
+            if again == first:
+                return first
+
+    before = await settled()
+    assert len(await plain_greedy(stack)) == PLAIN_TOKENS
+    assert (await settled()) == before
+    await run(stack, modules["yesno"], prompt="Is snow white? Answer:", max_tokens=4)
+    after = await settled()
+    assert after["seq_steps"] > before["seq_steps"] and after["main_s"] > before["main_s"]
+
+
 # -- faults -------------------------------------------------------------------------------------------
 
 
