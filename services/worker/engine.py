@@ -153,7 +153,12 @@ class Engine:
         else:
             log.info("worker.fallback_forward", reason=reason)
             self.tables = BlockTables(num_blocks, prefix_caching=False)
-            self.runner = VisionFallback(loaded.model, loaded.vision) if loaded.vision else HFFallback(loaded.model)
+            fallback = VisionFallback(loaded.model, loaded.vision) if loaded.vision else HFFallback(loaded.model)
+            if not fallback.can_capture:
+                readouts = None
+            elif readouts is not None:
+                fallback.tap_layers = frozenset(readouts.layers)
+            self.runner = fallback
             self.backend = "transformers"
         self.readouts = readouts
         self.seqs: dict[int, _Seq] = {}
@@ -172,14 +177,12 @@ class Engine:
             memory_fraction=settings.limits.kv_memory_fraction,
         )
         graphs = settings.limits.max_batch_size if settings.limits.cuda_graphs else 0
-        readouts = None
-        if unsupported_reason(loaded.config, loaded.max_model_len) is None:  # readouts ride on the native forward
-            readouts = Readouts.build(
-                settings.sessions,
-                num_layers=loaded.config.num_hidden_layers,
-                unembedding=loaded.model.get_output_embeddings().weight.detach(),
-                tokenizer=load_tokenizer(settings),
-            )
+        readouts = Readouts.build(  # dropped by a runner that cannot capture hidden states
+            settings.sessions,
+            num_layers=loaded.config.get_text_config().num_hidden_layers,
+            unembedding=loaded.model.get_output_embeddings().weight.detach(),
+            tokenizer=load_tokenizer(settings),
+        )
         return cls(loaded, num_blocks=num_blocks, cuda_graph_batch=graphs, readouts=readouts)
 
     @property
@@ -311,7 +314,7 @@ class Engine:
         if captured is None:
             return scores, readouts
         runner = self.runner
-        assert isinstance(runner, PagedLlama)
+        assert isinstance(runner, (PagedLlama, HFFallback))
         row_of: dict[tuple[int, int], int] = {}
         for item in inputs:
             for p in item.capture:
@@ -402,8 +405,9 @@ class Engine:
         capture = tuple(sorted({q.position for q in s.scores} | set(s.readouts)))
         if not capture:
             return capture
-        if not isinstance(self.runner, PagedLlama):
-            raise _Invalid(f"sequence {s.seq_id}: per-position logprobs and readouts need the native paged forward")
+        if isinstance(self.runner, HFFallback) and not self.runner.can_capture:
+            raise _Invalid(f"sequence {s.seq_id}: per-position logprobs and readouts need a decoder with layers and "
+                           "a final norm; this model's transformers class has none")
         if s.readouts and self.readouts is None:
             raise _Invalid(f"sequence {s.seq_id}: this worker has no readouts configured")
         if capture[0] < start or capture[-1] >= end:

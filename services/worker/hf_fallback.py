@@ -4,6 +4,10 @@ one sequence at a time, each with its own DynamicCache. Correct for any causal L
 KV memory is still accounted in the engine's block tables, so capacity and pool-exhaustion
 failures behave as with the paged runner. Prefix reuse is off (the tables name no blocks); forks
 deep-copy the parent's cache and backtracks crop it.
+
+Captures (per-position logprobs and readouts) work as with the paged runner for decoders with
+``layers`` and a final ``norm`` (Llama-like and vision-language text models): forward hooks on the
+decoder layers keep the asked-about rows.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import copy
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from services.worker.runner import SeqInput
+from services.worker.runner import Captured, SeqInput
 
 
 class HFFallback:
@@ -23,6 +27,31 @@ class HFFallback:
         self.model = model
         self.device = next(model.parameters()).device
         self.caches: dict[int, DynamicCache] = {}
+        decoder = model.get_decoder()
+        layers, norm = getattr(decoder, "layers", None), getattr(decoder, "norm", None)
+        self.can_capture = layers is not None and norm is not None
+        self.tap_layers: frozenset[int] = frozenset()  # decoder layers whose hidden states captures keep
+        self.captured: Captured | None = None  # the last forward's captures (None: none asked)
+        self._recording: dict[int, torch.Tensor] | None = None  # layer -> output, while a capture runs
+        if self.can_capture:
+            self._norm = norm
+            self._last = len(layers) - 1
+            for index, layer in enumerate(layers):
+                layer.register_forward_hook(self._tap(index))
+
+    def _tap(self, index: int):
+        def hook(module: torch.nn.Module, args: object, output: object) -> None:
+            if self._recording is not None:
+                self._recording[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def final_norm_of(self, h: torch.Tensor) -> torch.Tensor:
+        return self._norm(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final hidden states (before the final norm)."""
+        return self.model.get_output_embeddings()(self._norm(h)).float()
 
     def release(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)
@@ -50,11 +79,24 @@ class HFFallback:
 
     def forward(self, inputs: list[SeqInput]) -> torch.Tensor:
         rows: list[torch.Tensor] = []
+        kept: dict[int, list[torch.Tensor]] = {}  # layer -> captured rows per input
         for item in inputs:
             cache = self.caches.setdefault(item.seq_id, DynamicCache(config=self.model.config))
-            out = self.model(**self.model_inputs(item), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            self._recording = {} if item.capture else None
+            try:
+                out = self.model(**self.model_inputs(item), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            finally:
+                recorded, self._recording = self._recording, None
+            if recorded:
+                index = torch.tensor([p - item.start for p in item.capture], device=self.device)
+                for layer in self.tap_layers | {self._last}:
+                    kept.setdefault(layer, []).append(recorded[layer][0, index])
             if item.logits:
                 rows.append(out.logits[0, -1].float())
+        self.captured = None
+        if kept:
+            final = torch.cat(kept[self._last])
+            self.captured = Captured(final=final, layers={layer: torch.cat(kept[layer]) for layer in self.tap_layers})
         if not rows:
             vocab = self.model.get_output_embeddings().weight.shape[0]
             return torch.empty(0, vocab, dtype=torch.float32, device=self.device)

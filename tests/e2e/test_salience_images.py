@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from common.config import Settings
+from common.model_source import load_tokenizer
 from common.protos.salience.v1 import salience_pb2 as pb
 from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
 from common.vision import VisionSpec
@@ -102,17 +103,23 @@ def reference(oracle: LoadedModel, spec: VisionSpec, tokens: list[int], images: 
     return out
 
 
-async def generate(stub: pb_grpc.SalienceStub, **fields) -> tuple[list[int], pb.GenerateDone]:
+async def stream(stub: pb_grpc.SalienceStub, **fields) -> tuple[list[pb.Token], pb.GenerateDone]:
+    """Every Token event of a greedy Generate call, and its Done."""
     call = stub.Generate(pb.GenerateRequest(top_k=1, **fields), timeout=RPC_TIMEOUT_S)
-    decoded, done = [], None
+    tokens, done = [], None
     async for event in call:
         if event.HasField("token"):
-            if not event.token.is_prefill:
-                decoded.append(event.token.id)
+            tokens.append(event.token)
         else:
             done = event.done
     assert done is not None
-    return decoded, done
+    return tokens, done
+
+
+async def generate(stub: pb_grpc.SalienceStub, **fields) -> tuple[list[int], pb.GenerateDone]:
+    """The decoded token ids of a greedy Generate call, and its Done."""
+    tokens, done = await stream(stub, **fields)
+    return [t.id for t in tokens if not t.is_prefill], done
 
 
 async def refused(call) -> tuple[grpc.StatusCode, str]:
@@ -291,6 +298,43 @@ async def test_truncating_turns_keep_or_drop_whole_images(
     decoded, _ = await generate(stub, session_id=session, append_tokens=block, offset=start, truncating=True,
                                 max_tokens=6, images=[attachment(other, start, end)])
     assert decoded == reference(oracle, spec, TEXT_1 + block, {start: other}, 6)
+
+
+async def test_scoring_and_readouts_after_an_image(stub: pb_grpc.SalienceStub, oracle: LoadedModel, spec: VisionSpec) -> None:
+    image = png(12)
+    block = image_block(spec, image)
+    start, end = len(TEXT_1), len(TEXT_1) + len(block)
+    prompt = TEXT_1 + block + TEXT_2
+    session = await open_session(stub)
+    tokens, done = await stream(
+        stub, session_id=session, append_tokens=prompt, offset=0, max_tokens=0, images=[attachment(image, start, end)],
+        logprobs_ranges=[pb.PositionRange(start=end - 1, end=len(prompt))], logprob_top_k=2,
+        readout_ranges=[pb.PositionRange(start=end - 1, end=end + 1)],
+    )
+    assert done.completion_tokens == 0
+    processed = spec.process(spec.decode(image))
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        logits = oracle.model(input_ids=ids, pixel_values=processed.pixel_values,
+                              image_grid_thw=torch.tensor([processed.grid_thw]),
+                              mm_token_type_ids=(ids == spec.image_pad_id).int()).logits[0].float()
+    logprobs = logits.log_softmax(-1)
+    scored = [t for t in tokens if t.has_sampled_logprob]
+    assert [t.position for t in scored] == list(range(end - 1, len(prompt)))
+    for token in scored:
+        assert token.id == prompt[token.position]
+        assert token.sampled_logprob == pytest.approx(logprobs[token.position - 1, token.id].item(), abs=1e-3)
+        assert [a.id for a in token.logprobs] == logprobs[token.position - 1].topk(2).indices.tolist()
+    # readouts: the last readout layer is the final one, whose logit lens is the model's own logits
+    manifest = await stub.GetReadoutManifest(pb.GetReadoutManifestRequest(), timeout=RPC_TIMEOUT_S)
+    assert list(manifest.layers)[-1] == oracle.config.get_text_config().num_hidden_layers - 1
+    tokenizer = load_tokenizer(Settings(model=MODEL))
+    rows = [tokenizer.encode(word, add_special_tokens=False)[0] for word in manifest.concepts]
+    read = {t.position: t.readout for t in tokens if len(t.readout)}
+    assert sorted(read) == [end - 1, end]
+    for position, values in read.items():
+        last = np.array(values).reshape(len(manifest.layers), len(manifest.concepts))[-1]
+        assert last == pytest.approx(logits[position, rows].numpy(), abs=1e-3)
 
 
 async def test_mismatched_ranges_are_invalid_argument(stub: pb_grpc.SalienceStub, spec: VisionSpec) -> None:

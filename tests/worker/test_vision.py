@@ -11,10 +11,12 @@ import torch
 from PIL import Image
 
 from common.config import Settings
+from common.model_source import load_tokenizer
 from common.vision import VisionSpec
-from common.wire import ImageInput, SamplingParams, SeqStep
+from common.wire import ImageInput, SamplingParams, ScoreQuery, SeqStep
 from services.worker.engine import Engine
 from services.worker.model_loader import LoadedModel, load_model
+from services.worker.readouts import Readouts
 from tests.worker.conftest import GREEDY, Driver
 
 
@@ -185,6 +187,41 @@ def test_refeeding_the_end_of_a_block(vl: LoadedModel, spec: VisionSpec, vl_engi
     assert decode(driver, 60, result.samples[60].token_id, 6) == want
     result = driver.step([SeqStep(seq_id=60, tokens=prompt[-10:] + [33], backtrack=11, images=images)])
     assert "is split: its pad tokens before" in {f.seq_id: f.message for f in result.failures}[60]
+
+
+def test_prompt_scores_and_readouts_match_transformers(vl: LoadedModel, spec: VisionSpec) -> None:
+    """Per-position logprobs and logit-lens readouts on the fallback runner, after an image, against
+    transformers' own forward over the same prompt and pixels."""
+    settings = Settings(model="random:qwen2-vl-tiny", device="cpu")
+    readouts = Readouts.build(settings.sessions, num_layers=vl.config.get_text_config().num_hidden_layers,
+                              unembedding=vl.model.get_output_embeddings().weight.detach(),
+                              tokenizer=load_tokenizer(settings))
+    engine = Engine(vl, num_blocks=64, readouts=readouts)
+    prompt, images = build(spec, [11, 22], png(11), [33, 44, 55])
+    positions = [len(prompt) - 4, len(prompt) - 2, len(prompt) - 1]  # <|vision_end|> and text after the image
+    scores = [ScoreQuery(p, prompt[p + 1] if p + 1 < len(prompt) else 7) for p in positions]
+    result = Driver(engine).step([SeqStep(seq_id=70, tokens=prompt, sample=False, sampling=GREEDY, images=images,
+                                          scores=scores, top_logprobs=3, readouts=positions)])
+    assert not result.failures, result.failures
+
+    processed = spec.process(spec.decode(images[0].data))
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        logits = vl.model(input_ids=ids, pixel_values=processed.pixel_values,
+                          image_grid_thw=torch.tensor([processed.grid_thw]),
+                          mm_token_type_ids=(ids == spec.image_pad_id).int()).logits[0].float()
+    logprobs = logits.log_softmax(-1)
+    for got, query in zip(result.scores[70], scores):
+        assert (got.position, got.target) == (query.position, query.target)
+        assert got.logprob == pytest.approx(float(logprobs[query.position, query.target]), abs=1e-4)
+        assert [t.token_id for t in got.top] == logprobs[query.position].topk(3).indices.tolist()
+    # the last readout layer is the final layer: its logit lens is the model's logits at the concepts' tokens
+    assert readouts.layers[-1] == vl.config.get_text_config().num_hidden_layers - 1
+    rows = [load_tokenizer(settings).encode(w, add_special_tokens=False)[0] for w in readouts.concepts]
+    for got in result.readouts[70]:
+        values = np.frombuffer(got.values, dtype="<f4").reshape(len(readouts.layers), len(readouts.concepts))
+        assert values[-1] == pytest.approx(logits[got.position, rows].numpy(), abs=1e-3)
+    engine.free([70])
 
 
 def test_bad_image_fails_its_sequence_only(spec: VisionSpec, vl_engine: Engine) -> None:
