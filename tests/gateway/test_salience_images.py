@@ -124,3 +124,13 @@ async def test_text_only_model_refuses_every_image() -> None:
     message = await refused(text_only, [1, 2, 3], [attach(png(0), 0, 3)])
     assert "the served model SmolLM2-135M-Instruct is text-only: it takes no images" in message
     assert await prepare_images(text_only, [1, 2, 3], [], appended_from=0) == []
+
+
+async def test_unsupported_vision_language_family_says_so(tmp_path) -> None:
+    from transformers import Qwen2_5_VLConfig
+
+    Qwen2_5_VLConfig().save_pretrained(tmp_path)
+    other = ImageSupport.load(Settings(model=str(tmp_path), served_model_name="vl-other"))
+    assert other.spec is None
+    message = await refused(other, [1, 2, 3], [attach(png(0), 0, 3)])
+    assert "vl-other is a qwen2_5_vl vision-language model, whose images this server does not handle" in message

@@ -22,7 +22,7 @@ from common import wire
 from common.config import Settings
 from common.model_source import resolve_model
 from common.protos.salience.v1 import salience_pb2
-from common.vision import ImageDecodeError, VisionSpec
+from common.vision import VL_MODEL_TYPES, ImageDecodeError, VisionSpec
 
 
 class ImageError(Exception):
@@ -36,23 +36,34 @@ class ImageError(Exception):
 
 @dataclass(frozen=True)
 class ImageSupport:
-    """What the served model does with images: ``spec`` None means text-only."""
+    """What the served model does with images: ``spec`` None means none (``refusal`` says why)."""
 
     model_name: str
     spec: VisionSpec | None
     max_image_bytes: int
     max_images: int
+    refusal: str = ""
 
     @classmethod
     def load(cls, settings: Settings) -> ImageSupport:
         """Read the served model's config (and processor, for a vision-language model); blocking."""
         directory = resolve_model(settings).directory
         config = AutoConfig.from_pretrained(directory)
+        name = settings.served_model_name
+        spec = VisionSpec.load(directory, config, settings.images.max_image_pixels)
+        if spec is not None:
+            refusal = ""
+        elif getattr(config, "vision_config", None) is not None:
+            refusal = (f"the served model {name} is a {config.model_type} vision-language model, whose images this "
+                       f"server does not handle (supported: {', '.join(sorted(VL_MODEL_TYPES))})")
+        else:
+            refusal = f"the served model {name} is text-only: it takes no images"
         return cls(
-            model_name=settings.served_model_name,
-            spec=VisionSpec.load(directory, config, settings.images.max_image_pixels),
+            model_name=name,
+            spec=spec,
             max_image_bytes=settings.images.max_image_bytes,
             max_images=settings.images.max_images_per_request,
+            refusal=refusal,
         )
 
 
@@ -84,10 +95,7 @@ def _prepare(
 ) -> list[wire.ImageInput]:
     spec = support.spec
     if spec is None:
-        raise ImageError(
-            f"the served model {support.model_name} is text-only: it takes no images "
-            f"({len(images)} attached); send text tokens only"
-        )
+        raise ImageError(f"{support.refusal} ({len(images)} attached); send text tokens only")
     if len(images) > support.max_images:
         raise ImageError(f"{len(images)} images attached; at most {support.max_images} per call")
     order = sorted(range(len(images)), key=lambda i: images[i].pad_range_start)
