@@ -60,6 +60,7 @@ def in_process_baselines(tokens: int) -> tuple[float, float]:
     loaded = load_model(settings, lambda progress, message: None)
     ids = load_tokenizer(settings)(PROMPT).input_ids
     engine = Engine.create(loaded, settings)
+    engine.capture_graphs()  # as the worker does at start-up
 
     def engine_run(n: int) -> None:
         result = engine.step(Step(step_id=0, seqs=[SeqStep(seq_id=1, tokens=ids, sampling=SamplingParams(temperature=0))]))
@@ -83,7 +84,7 @@ def in_process_baselines(tokens: int) -> tuple[float, float]:
                                   min_new_tokens=n, do_sample=False, pad_token_id=loaded.eos_token_ids[0])
 
         generate(8)  # warm-up
-        engine_run(8)
+        engine_run(tokens)
         generate_tok_s = timed(lambda: generate(tokens))
         engine_tok_s = timed(lambda: engine_run(tokens))
     del engine, loaded
@@ -157,7 +158,7 @@ def main() -> None:
         stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-bench-")), **configured)
         url = stack.ws_url
     try:
-        asyncio.run(one_stream(url, 8))  # warm-up
+        asyncio.run(one_stream(url, args.tokens))  # warm-up
         single_tok_s, single = asyncio.run(streams(url, 1, args.tokens))
         many_tok_s, many = asyncio.run(streams(url, args.streams, args.tokens))
     finally:

@@ -151,6 +151,7 @@ def bench_model(spec: str, settings: Settings, args: argparse.Namespace) -> None
     blocks_per_seq = -(-(len(prompt) + args.new_tokens + BLOCK_SIZE) // BLOCK_SIZE)
     graphs = batch_limit if settings.limits.cuda_graphs else 0
     engine = Engine(loaded, num_blocks=batch_limit * blocks_per_seq + 1, cuda_graph_batch=graphs)
+    engine.capture_graphs()  # as the worker does at start-up
     n = args.new_tokens
     print(
         f"\nmodel={spec} device={loaded.device} dtype={loaded.dtype} threads={torch.get_num_threads()} "

@@ -3,9 +3,10 @@
 A decode step of a small model is a few hundred tiny kernels; launching them one by one from Python
 costs far more than running them. A step whose inputs are all single tokens is therefore replayed
 from a CUDA graph captured for its *bucket*: the batch padded up to a power of two and the block
-tables padded to a power-of-two width, so a handful of graphs serve every batch. Graphs are
-captured lazily, the first time a bucket is needed, and share one memory pool (they never run
-concurrently, and each keeps its own output alive).
+tables padded to a power-of-two width, so a handful of graphs serve every batch. The worker
+captures them all at start-up (:meth:`DecodeGraphs.capture_all`; a bucket missing then is captured
+the first time it is needed); they share one memory pool (they never run concurrently, and each
+keeps its own output alive).
 
 Every step's inputs (token ids, positions, KV slots, lengths, block tables) are written into one
 pinned host buffer and moved to the static device buffer the graphs read in a single asynchronous
@@ -98,6 +99,17 @@ class DecodeGraphs:
         graph, out = self._graphs[key]
         graph.replay()
         return out[:n]
+
+    def capture_all(self) -> None:
+        """Capture every (batch, width) bucket now, so that serving never stalls on a capture."""
+        batch = 1
+        while batch <= self.max_batch:
+            width = 1
+            while width <= self.max_width:
+                if (batch, width) not in self._graphs:
+                    self._capture(batch, width)
+                width *= 2
+            batch *= 2
 
     def _forward(self, batch: int, width: int) -> torch.Tensor:
         """The decode forward over the static buffers, as captured."""

@@ -185,6 +185,15 @@ class Engine:
         )
         return cls(loaded, num_blocks=num_blocks, cuda_graph_batch=graphs, readouts=readouts)
 
+    def capture_graphs(self) -> int:
+        """Capture the CUDA graphs of every decode bucket now (a no-op without them); returns
+        how many graphs the runner holds."""
+        graphs = getattr(self.runner, "graphs", None)
+        if graphs is None:
+            return 0
+        graphs.capture_all()
+        return graphs.captured
+
     @property
     def kv_capacity_tokens(self) -> int:
         """Tokens the whole pool holds (live, cached and free blocks alike)."""

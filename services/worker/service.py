@@ -55,6 +55,9 @@ class _Loader(threading.Thread):
             loaded = load_model(self.settings, self._report)
             self._report(90, "allocating the KV cache")
             engine = Engine.create(loaded, self.settings)
+            if engine.backend.endswith("cuda_graphs"):
+                self._report(95, "capturing CUDA graphs of decode steps")
+                engine.capture_graphs()
         except Exception as exc:  # any load failure is reported, never raised
             structlog.get_logger().exception("worker.load_failed")
             self.error = f"{type(exc).__name__}: {exc}"
