@@ -1,6 +1,7 @@
-"""Salience on a stack of its own with tight session settings: bearer-token auth on every RPC,
-a short idle TTL, and a KV budget for idle sessions so small that turns of two sessions keep
-evicting each other's KV (which must never change what they generate)."""
+"""Salience on a stack of its own with tight session settings: bearer-token auth on every RPC and
+a KV budget for idle sessions so small that turns of two sessions keep evicting each other's KV
+(which must never change what they generate); and an extra session store and gateway on that
+stack's scheduler with a short idle TTL."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from common.model_source import load_tokenizer
 from common.protos.salience.v1 import salience_pb2 as pb
 from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
 from tests.e2e.test_salience import RPC_TIMEOUT_S, generate, greedy, status_of
-from tests.stack import Stack, start_stack
+from tests.gateway.support import base_env, service, wait_for
+from tests.stack import Stack, free_port, start_stack
 
 TOKEN = "s3cret-token"
-TTL_S = 12.0  # long enough for a few turns on a busy 2-core machine
+TTL_S = 3.0
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
-PARKED_FRACTION = 0.006  # of a 4 x 2048-token KV pool: about one 50-token session
+PARKED_FRACTION = 0.01  # of a 4 x 2048-token KV pool: one session of these (~60 tokens), not two
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,6 @@ def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     started = start_stack(
         tmp_path_factory.mktemp("salience-limits"),
         TILLER_SESSIONS__AUTH_TOKEN=TOKEN,
-        TILLER_SESSIONS__TTL_S=str(TTL_S),
         TILLER_SESSIONS__KV_PARKED_FRACTION=str(PARKED_FRACTION),
         TILLER_LIMITS__MAX_BATCH_SIZE="4",  # a KV pool of 4 x 2048 tokens
     )
@@ -40,6 +41,30 @@ def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 async def stub(tight: Stack) -> AsyncIterator[pb_grpc.SalienceStub]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{tight.settings.grpc_port}") as channel:
         yield pb_grpc.SalienceStub(channel)
+
+
+@pytest.fixture(scope="module")
+async def short_ttl(tight: Stack, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[pb_grpc.SalienceStub]:
+    """A session store with a short TTL, and a gateway using it, on the tight stack's scheduler."""
+    run_dir = tmp_path_factory.mktemp("salience-ttl")
+    port = free_port()
+    env = base_env(run_dir, TILLER_SCHEDULER_ENDPOINT=tight.settings.endpoint("scheduler"),
+                   TILLER_SESSIONS__TTL_S=str(TTL_S), TILLER_SESSIONS__AUTH_TOKEN=TOKEN,
+                   TILLER_HTTP_PORT=str(free_port()), TILLER_GRPC_PORT=str(port))
+    with service("services.session_store", env, run_dir / "session_store.log"), \
+            service("services.gateway", env, run_dir / "gateway.log"):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.SalienceStub(channel)
+
+            async def up() -> bool:
+                try:
+                    await stub.GetReadoutManifest(pb.GetReadoutManifestRequest(), metadata=AUTH, timeout=2)
+                    return True
+                except grpc.aio.AioRpcError:
+                    return False
+
+            await wait_for(up, 120, "the short-TTL gateway")
+            yield stub
 
 
 async def open_session(stub, tight: Stack) -> str:
@@ -67,12 +92,13 @@ async def test_every_rpc_needs_the_bearer_token(tight, stub) -> None:
     assert list((await stub.DumpSession(pb.DumpSessionRequest(session_id=session), metadata=AUTH)).tokens) == [1]
 
 
-async def test_idle_sessions_expire_and_any_call_refreshes_them(tight, stub) -> None:
+async def test_idle_sessions_expire_and_any_call_refreshes_them(tight, short_ttl) -> None:
+    stub = short_ttl
     idle = await open_session(stub, tight)
     kept = await open_session(stub, tight)
     await generate(stub, AUTH, session_id=kept, append_tokens=[5, 6], offset=0, max_tokens=0)
-    for _ in range(2):  # 1.2 TTLs in all, with a refresh every 0.6 TTL
-        await asyncio.sleep(TTL_S * 0.6)
+    for _ in range(4):  # 1.6 TTLs in all, with a refresh every 0.4 TTL
+        await asyncio.sleep(TTL_S * 0.4)
         await generate(stub, AUTH, session_id=kept, offset=2, max_tokens=0)  # the proto's no-op refresh
     code, details = await status_of(stub.DumpSession(pb.DumpSessionRequest(session_id=idle), metadata=AUTH))
     assert code == grpc.StatusCode.NOT_FOUND and "expired" in details
