@@ -299,6 +299,7 @@ class StepResult(Msg, tag="step_result"):
     cached_tokens: dict[int, int] = {}  # seq_id -> fed tokens whose KV came from the prefix cache
     scores: dict[int, list[ScoreResult]] = {}  # seq_id -> answers to its SeqStep.scores
     readouts: dict[int, list[ReadoutResult]] = {}  # seq_id -> answers to its SeqStep.readouts
+    kv_free_tokens: int = -1  # what the worker's KV pool can still take after the step (-1: not reported)
 
 
 class WorkerHello(Msg, tag="worker_hello"):

@@ -42,6 +42,23 @@ class Metrics:
         self.active_streams = Gauge(
             "tiller:active_streams", "Generations in progress", ["surface"], registry=self.registry
         )
+        # the engine's state, as the scheduler's health reports it when /metrics is scraped
+        self.engine_state = {
+            key: Gauge(f"tiller:{key}", doc, registry=self.registry)
+            for key, doc in (
+                ("kv_capacity_tokens", "Tokens the workers' KV pools hold"),
+                ("kv_free_tokens", "Tokens the workers' KV pools can still take"),
+                ("queued", "Requests waiting for admission"),
+                ("running", "Sequences admitted to a worker"),
+            )
+        }
+
+    def observe_engine(self, scheduler_detail: dict) -> None:
+        """Set the engine gauges from the scheduler's health detail (missing keys are left as they are)."""
+        for key, gauge in self.engine_state.items():
+            value = scheduler_detail.get(key)
+            if isinstance(value, (int, float)):
+                gauge.set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -32,7 +32,12 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(gateway_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    gw = gateway_of(request)
+    try:
+        gw.metrics.observe_engine((await gw.engine.health(max_age=1.0)).detail)
+    except TillerError:
+        pass  # the scheduler is away: the engine gauges keep their last values
+    return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/requests/{rid}")

@@ -181,6 +181,9 @@ class Scheduler:
             "max_model_len": self._max_model_len(),
             "eos_token_ids": facts.eos_token_ids if facts else [],
             "kv_capacity_tokens": sum(w.capacity for w in self.pool.ready()),
+            # free KV as the workers' last steps left it (a worker with no step yet: all of it)
+            "kv_free_tokens": sum(w.capacity if w.kv_free_tokens is None else w.kv_free_tokens
+                                  for w in self.pool.ready()),
             "queued": len(self.queue),
             "running": len(self.running),
             "paused": sum(1 for r in self.requests.values() if r.paused),
@@ -211,6 +214,8 @@ class Scheduler:
                     self.wake.set()
             elif isinstance(msg, wire.StepResult):
                 worker = self.pool.workers.get(identity)
+                if worker and msg.kv_free_tokens >= 0:
+                    worker.kv_free_tokens = msg.kv_free_tokens
                 if worker and worker.in_flight and worker.in_flight_step == msg.step_id and not worker.in_flight.done():
                     worker.in_flight.set_result(msg)
             elif isinstance(msg, wire.HealthReply):

@@ -18,6 +18,7 @@ class WorkerInfo:
     in_flight: asyncio.Future[wire.StepResult] | None = None
     in_flight_step: int = -1
     suspect_since: float | None = None  # set when a peer disconnected: answer soon or be dropped
+    kv_free_tokens: int | None = None  # as its last step result reported (None: no step yet)
 
     @property
     def ready(self) -> bool:

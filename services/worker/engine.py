@@ -311,6 +311,7 @@ class Engine:
             cached_tokens=cached,
             scores=scores,
             readouts=readouts,
+            kv_free_tokens=self.tables.free_tokens,
         )
 
     def _position_outputs(

@@ -156,6 +156,16 @@ async def test_metrics(client):
     assert 'tiller:active_streams{surface="rest"} 0.0' in text
 
 
+async def test_metrics_report_the_kv_pool(client):
+    capacity = (await client.get("/health")).json()["scheduler"]["kv_capacity_tokens"]
+    text = (await client.get("/metrics")).text
+    gauges = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith(("tiller:kv_", "tiller:queued", "tiller:running"))}
+    assert gauges["tiller:kv_capacity_tokens"] == capacity > 0
+    assert 0 <= gauges["tiller:kv_free_tokens"] <= capacity
+    assert gauges["tiller:queued"] >= 0 and gauges["tiller:running"] >= 0
+
+
 async def test_request_record(client):
     result = (
         await client.post("/v1/generate", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0.5, "stream": False})
