@@ -248,6 +248,7 @@ class Scheduler:
                 elif silent > LIVENESS_PING_S:
                     await self.worker_router.send(worker.identity, wire.Health())
             self._expire_deadlines()
+            self.sessions.expire()
             self._flush_events()
 
     def _lose_worker(self, worker: WorkerInfo, reason: str) -> None:

@@ -166,6 +166,13 @@ class SessionKV:
                     worker.reserved_tokens -= len(parked.tokens)
                 return
 
+    def expire(self) -> None:
+        """Let go of sequences parked longer than the session TTL (their session is closed or idle
+        past it; a later turn of a live one recomputes)."""
+        cutoff = time.monotonic() - self.config.ttl_s
+        for parked in [p for p in self.parked.values() if p.parked_at < cutoff and p.seq_id not in self.pinned]:
+            self._evict(parked)
+
     def drop_worker(self, identity: bytes) -> None:
         """A lost worker took its parked sequences with it."""
         for key in [k for k, p in self.parked.items() if p.worker == identity]:
