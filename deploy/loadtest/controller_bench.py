@@ -111,17 +111,23 @@ class Setup:
     repeat: int  # each batch runs this many times; the fastest counts (the machine may be shared)
 
 
-async def batch(setup: Setup, make_calls) -> tuple[float, list[Outcome]]:
-    """The fastest of ``setup.repeat`` runs of the calls ``make_calls()`` returns, and that run's outcomes."""
-    best: tuple[float, list[Outcome]] | None = None
-    for _ in range(setup.repeat):
-        started = time.perf_counter()
-        results = await asyncio.gather(*make_calls())
-        elapsed = time.perf_counter() - started
-        if best is None or elapsed < best[0]:
-            best = (elapsed, results)
-    assert best is not None
-    return best
+async def timed(calls: list) -> tuple[float, list[Outcome]]:
+    started = time.perf_counter()
+    results = await asyncio.gather(*calls)
+    return time.perf_counter() - started, results
+
+
+async def compare(setup: Setup, controlled_calls, plain_calls) -> tuple[float, float, list[Outcome]]:
+    """Wall times of the controlled and the plain batch (the fastest of ``setup.repeat`` runs of each, the two
+    alternating so a busy spell on a shared machine hits both), and the controlled outcomes. ``plain_calls``
+    gets the token counts the controlled sequences produced."""
+    ctrl_s, ctrl = await timed(controlled_calls())
+    counts = [o.tokens for o in ctrl]
+    plain_s = (await timed(plain_calls(counts)))[0]
+    for _ in range(setup.repeat - 1):
+        ctrl_s = min(ctrl_s, (await timed(controlled_calls()))[0])
+        plain_s = min(plain_s, (await timed(plain_calls(counts)))[0])
+    return ctrl_s, plain_s, ctrl
 
 
 async def upload(http: httpx.AsyncClient, name: str) -> str:
@@ -135,10 +141,14 @@ async def overhead(setup: Setup, declctrl: str, level: int, tokens: int) -> str:
     texts = prompts(level)
     gen = {"steps": [{"Gen": {"max_tokens": tokens}}]}
     before = await sched.read()
-    ctrl_s, ctrl = await batch(setup, lambda: [controlled(http, declctrl, gen, p, tokens) for p in texts])
+    # declctrl may end a Gen early on EOS: the plain requests replay exactly the controlled token counts
+    ctrl_s, plain_s, ctrl = await compare(
+        setup,
+        lambda: [controlled(http, declctrl, gen, p, tokens) for p in texts],
+        lambda counts: [plain(http, p, n) for p, n in zip(texts, counts)],
+    )
     seen = SchedulerStats.describe(before, await sched.read())
-    counts = [o.tokens for o in ctrl]  # declctrl may end a Gen early on EOS: replay exactly those counts
-    plain_s, _ = await batch(setup, lambda: [plain(http, p, n) for p, n in zip(texts, counts)])
+    counts = [o.tokens for o in ctrl]
     steps = max(counts)
     step_ctrl, step_plain = ctrl_s / steps, plain_s / steps
     per_seq_us = (step_ctrl - step_plain) / level * 1e6
@@ -152,10 +162,12 @@ async def constrained_ratio(setup: Setup, constrain: str, n: int, tokens: int) -
     http = setup.http
     texts = [p + " Answer as JSON." for p in prompts(n)]
     arg = {"json_schema": SCHEMA}
-    ctrl_s, ctrl = await batch(setup, lambda: [controlled(http, constrain, arg, p, tokens) for p in texts])
-    counts = [o.tokens for o in ctrl]
-    plain_s, _ = await batch(setup, lambda: [plain(http, p, c) for p, c in zip(texts, counts)])
-    total = sum(counts)
+    ctrl_s, plain_s, ctrl = await compare(
+        setup,
+        lambda: [controlled(http, constrain, arg, p, tokens) for p in texts],
+        lambda counts: [plain(http, p, c) for p, c in zip(texts, counts)],
+    )
+    total = sum(o.tokens for o in ctrl)
     ctrl_tps, plain_tps = total / ctrl_s, total / plain_s
     return (f"JSON schema, {n} concurrent, {total} tokens: constrained {ctrl_tps:8.1f} tok/s, unconstrained "
             f"{plain_tps:8.1f} tok/s -> ratio {ctrl_tps / plain_tps:5.2f}x")
@@ -180,7 +192,7 @@ def main() -> None:
     parser.add_argument("--levels", default="1,16,64", help="concurrent controlled sequences")
     parser.add_argument("--url", help="a running gateway's HTTP URL; default: start a stack")
     parser.add_argument("--scheduler", help="with --url: the scheduler's endpoint, for its own figures")
-    parser.add_argument("--repeat", type=int, default=2, help="runs of each batch; the fastest counts")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each batch; the fastest counts")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     stack = None

@@ -261,9 +261,15 @@ class ControllerSteps:
                 budget -= chunk
         if not self.requests and not self.freed:
             return plan
-        runnable = await self._post_pre_process(assign)
-        if runnable:
-            await self._mid_process(plan, runnable)
+        try:
+            runnable = await self._post_pre_process(assign)
+            if runnable:
+                await self._mid_process(plan, runnable)
+        except Exception as exc:  # a bug or a nonsensical runtime reply fails the controlled requests, not the loop
+            log.exception("scheduler.controller_step_failed")
+            for controlled in list(self.requests.values()):
+                self.sched._fail(controlled.request, INTERNAL_ERROR, f"controller step failed: {exc}")
+            return Plan()
         for items in plan.per_worker.values():
             for branch, _ in items:
                 branch.request.sampling_dirty = False
@@ -299,9 +305,11 @@ class ControllerSteps:
         if called is None:
             return []
         data = called[0]["data"]
-        for seq_id_key, result in (data.get("post_seqs") or {}).items():
-            branch = self.by_seq.get(int(seq_id_key))
-            if branch is None or branch.finished:
+        post_seqs = data.get("post_seqs") or {}
+        for op in post_ops:
+            branch = self.by_seq.get(op["id"])
+            result = post_seqs.get(str(op["id"]), post_seqs.get(op["id"]))
+            if branch is None or branch.finished or result is None:
                 continue
             branch.note(result)
             if result.get("error"):
