@@ -397,3 +397,19 @@ async def test_sessions_survive_session_store_and_worker_restarts(stack, stub, m
     second = await generate(stub, session_id=session, append_tokens=more, offset=len(history), max_tokens=4, **greedy())
     assert second.decoded == hf_greedy(history + more, 4)
     assert await dump(stub, session) == history + more + second.decoded
+
+
+async def test_scoring_across_prefill_chunks(stack, stub, model_name, hf_model) -> None:
+    chunk = stack.settings.limits.prefill_chunk_tokens
+    text = " ".join(f"Line {i}: the tide came in and went out again." for i in range(chunk // 8))
+    tokens = encode(stack, text)[: chunk + 40]
+    assert len(tokens) == chunk + 40
+    session = await open_session(stub, model_name)
+    around = pb.PositionRange(start=chunk - 3, end=chunk + 3)  # the first chunk's last positions, the second's first
+    scored = await generate(stub, session_id=session, append_tokens=tokens, offset=0, max_tokens=0,
+                            logprobs_ranges=[around], readout_ranges=[around])
+    assert [t.position for t in scored.tokens] == list(range(chunk - 3, chunk + 3))
+    logprobs = reference_forward(hf_model, tokens).logits[0].float().log_softmax(-1)
+    for token in scored.tokens:
+        assert token.has_sampled_logprob and token.readout
+        assert token.sampled_logprob == pytest.approx(logprobs[token.position - 1, token.id].item(), abs=2e-3)
