@@ -148,6 +148,12 @@ class Cancel(Msg, tag="cancel"):
     rid: str
 
 
+class SessionDrop(Msg, tag="session_drop"):
+    """A session was closed: the KV the scheduler keeps for it between turns can go."""
+
+    key: str
+
+
 class Pause(Msg, tag="pause"):
     rid: str
 
@@ -453,6 +459,7 @@ Message = Union[
     HealthReply,
     Submit,
     Cancel,
+    SessionDrop,
     Pause,
     Resume,
     Modify,

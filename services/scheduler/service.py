@@ -101,6 +101,9 @@ class Scheduler:
             return self._submit(gateway, msg)
         if isinstance(msg, wire.Health):
             return await self._health()
+        if isinstance(msg, wire.SessionDrop):
+            self.sessions.drop(msg.key)
+            return wire.Ok()
         if isinstance(msg, (wire.Cancel, wire.Pause, wire.Resume, wire.Modify)):
             request = self.requests.get(msg.rid)
             if request is None or request.gateway != gateway:

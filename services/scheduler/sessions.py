@@ -173,6 +173,13 @@ class SessionKV:
         for parked in [p for p in self.parked.values() if p.parked_at < cutoff and p.seq_id not in self.pinned]:
             self._evict(parked)
 
+    def drop(self, key: str) -> None:
+        """A closed session's parked sequence goes (unless a fork of it is not copied yet: then
+        the TTL takes it)."""
+        parked = self.parked.get(key)
+        if parked is not None and parked.seq_id not in self.pinned:
+            self._evict(parked)
+
     def drop_worker(self, identity: bytes) -> None:
         """A lost worker took its parked sequences with it."""
         for key in [k for k, p in self.parked.items() if p.worker == identity]:

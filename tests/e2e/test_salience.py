@@ -303,11 +303,13 @@ async def test_busy_session_and_cancel_keeps_exactly_the_tokens_sent(stack, stub
     assert after.decoded == hf_greedy(prompt + seen + more, 4)
 
 
-async def test_close_is_idempotent(stub, model_name) -> None:
+async def test_close_is_idempotent_and_lets_the_kv_go(stack, stub, model_name) -> None:
     session = await open_session(stub, model_name)
     await generate(stub, session_id=session, append_tokens=[1, 2, 3], offset=0, max_tokens=0)
+    parked = (await asyncio.to_thread(stack.scheduler_health))["parked_sessions"]
     for _ in range(2):
         await stub.CloseSession(pb.CloseSessionRequest(session_id=session))
+    assert (await asyncio.to_thread(stack.scheduler_health))["parked_sessions"] == parked - 1
     await stub.CloseSession(pb.CloseSessionRequest(session_id="sess-never-opened"))
     code, _ = await status_of(stub.DumpSession(pb.DumpSessionRequest(session_id=session)))
     assert code == grpc.StatusCode.NOT_FOUND

@@ -29,11 +29,16 @@ class SessionStoreError(Exception):
 
 
 class SessionStoreClient:
+    """Sessions in the session store; and, when one is closed, the word to the scheduler that the
+    KV it keeps for the session between turns can go."""
+
     def __init__(self, settings: Settings, ctx: zmq.asyncio.Context) -> None:
         self._dealer = Dealer(ctx, settings.endpoint("session_store"))
+        self._scheduler = Dealer(ctx, settings.endpoint("scheduler"))
 
     def close(self) -> None:
         self._dealer.close()
+        self._scheduler.close()
 
     async def _call(self, msg: wire.Msg) -> wire.Message:
         try:
@@ -57,6 +62,10 @@ class SessionStoreClient:
 
     async def close_session(self, session_id: str) -> None:
         await self._call(wire.SalienceClose(session_id=session_id))
+        try:  # best effort: a scheduler that does not answer lets the KV go after the TTL
+            await self._scheduler.request(wire.SessionDrop(key=session_id), timeout=STORE_TIMEOUT_S)
+        except TimeoutError:
+            pass
 
     async def fork(self, session_id: str, at_position: int) -> wire.SalienceSession:
         return await self._session(wire.SalienceFork(session_id=session_id, at_position=at_position))
