@@ -1,4 +1,5 @@
-"""Salience on a stack of its own with tight session settings: bearer-token auth on every RPC and
+"""Salience on a stack of its own with tight session settings: bearer-token auth on every RPC, priority
+with every batch slot taken, and
 a KV budget for idle sessions so small that turns of two sessions keep evicting each other's KV
 (which must never change what they generate); and an extra session store and gateway on that
 stack's scheduler with a short idle TTL."""
@@ -135,3 +136,28 @@ async def test_evicted_kv_is_recomputed_and_never_changes_a_session(tight, stub,
     # the budget held: the last turn's session kept its KV, the other one's was let go
     assert health["parked_sessions"] == 1, health
     assert health["parked_tokens"] <= PARKED_FRACTION * health["kv_capacity_tokens"] < 2 * health["parked_tokens"]
+
+
+async def test_priority_orders_the_queue(tight, stub) -> None:
+    """With every batch slot taken, a waiting interactive turn (priority 0) starts before a batch
+    turn (priority 10) that was queued earlier."""
+    prompt = tight.tokenizer.encode("Count from one to one hundred: one, two, three, four,")
+    started: dict[str, float] = {}
+
+    async def turn(name: str, max_tokens: int, priority: int) -> None:
+        session = await open_session(stub, tight)
+        request = pb.GenerateRequest(session_id=session, append_tokens=prompt, offset=0, max_tokens=max_tokens,
+                                     priority=priority, top_k=1)
+        async for event in stub.Generate(request, metadata=AUTH, timeout=RPC_TIMEOUT_S):
+            if event.HasField("token") and not event.token.is_prefill:
+                started.setdefault(name, asyncio.get_running_loop().time())
+
+    slots = tight.settings.limits.max_batch_size
+    blockers = [asyncio.ensure_future(turn(f"blocker{i}", 24 * (i + 1), 5)) for i in range(slots)]
+    while len(started) < slots:  # every slot is busy, each freeing at its own time
+        await asyncio.sleep(0.05)
+    batch = asyncio.ensure_future(turn("batch", 2, 10))
+    await asyncio.sleep(0.3)  # queued first
+    interactive = asyncio.ensure_future(turn("interactive", 2, 0))
+    await asyncio.gather(*blockers, batch, interactive)
+    assert started["interactive"] < started["batch"], started
