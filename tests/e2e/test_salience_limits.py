@@ -1,8 +1,7 @@
-"""Salience on a stack of its own with tight session settings: bearer-token auth on every RPC, priority
-with every batch slot taken, and
-a KV budget for idle sessions so small that turns of two sessions keep evicting each other's KV
-(which must never change what they generate); and an extra session store and gateway on that
-stack's scheduler with a short idle TTL."""
+"""Salience on a stack of its own with tight session settings: bearer-token auth on every RPC,
+priority with every batch slot taken, and a KV budget for idle sessions so small that turns of two
+sessions keep evicting each other's KV (which must never change what they generate); and an extra
+session store and gateway on that stack's scheduler with a short idle TTL."""
 
 from __future__ import annotations
 
