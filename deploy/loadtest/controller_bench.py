@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -76,20 +77,33 @@ class SchedulerStats:
 class Outcome:
     tokens: int  # tokens the sequence generated (sampled + fast-forwarded)
     micros: int = 0  # time its controller reported
+    decode_s: float = 0.0  # from its first streamed token to its last event: steady decoding, no admission/prefill
+    decode_steps: int = 0  # events in that span
 
 
 async def plain(http: httpx.AsyncClient, prompt: str, tokens: int) -> Outcome:
-    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": False}
-    response = await http.post("/v1/generate", json=body)
-    response.raise_for_status()
-    return Outcome(response.json()["usage"]["completion_tokens"])
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    first = last = 0.0
+    steps, usage = 0, {}
+    async with http.stream("POST", "/v1/generate", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            message = json.loads(line[len("data: "):])
+            if message["type"] in ("token", "completion"):
+                last = time.perf_counter()
+                first = first or last
+                steps += message["type"] == "token"
+                usage = message.get("usage", usage)
+    return Outcome(usage["completion_tokens"], decode_s=last - first, decode_steps=max(steps - 1, 1))
 
 
 async def controlled(http: httpx.AsyncClient, module: str, arg: object, prompt: str, tokens: int) -> Outcome:
     body = {"controller": module, "controller_arg": arg, "prompt": prompt, "max_tokens": tokens}
     async with http.stream("POST", "/v1/run", json=body) as response:
         response.raise_for_status()
-        micros, usage = 0, {}
+        micros, usage, first, last, steps = 0, {}, 0.0, 0.0, 0
         async for line in response.aiter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -97,11 +111,15 @@ async def controlled(http: httpx.AsyncClient, module: str, arg: object, prompt: 
             if event["object"] != "run":
                 continue
             usage = event["usage"]
+            if usage["sampled_tokens"]:
+                last = time.perf_counter()
+                first = first or last
+                steps += 1
             for fork in event["forks"]:
                 micros += fork["micros"]
                 if fork["error"]:
                     raise RuntimeError(f"controller failed: {fork['error']}")
-    return Outcome(usage["sampled_tokens"] + usage["ff_tokens"], micros)
+    return Outcome(usage["sampled_tokens"] + usage["ff_tokens"], micros, last - first, max(steps - 1, 1))
 
 
 @dataclass
@@ -111,23 +129,34 @@ class Setup:
     repeat: int  # each batch runs this many times; the fastest counts (the machine may be shared)
 
 
-async def timed(calls: list) -> tuple[float, list[Outcome]]:
+@dataclass
+class Timing:
+    wall_s: float  # the whole batch, admission and prefill included
+    step_s: float  # median over its sequences of the time per step while decoding
+
+
+async def timed(calls: list) -> tuple[Timing, list[Outcome]]:
     started = time.perf_counter()
     results = await asyncio.gather(*calls)
-    return time.perf_counter() - started, results
+    step = statistics.median(o.decode_s / o.decode_steps for o in results)
+    return Timing(time.perf_counter() - started, step), results
 
 
-async def compare(setup: Setup, controlled_calls, plain_calls) -> tuple[float, float, list[Outcome]]:
-    """Wall times of the controlled and the plain batch (the fastest of ``setup.repeat`` runs of each, the two
+def faster(a: Timing, b: Timing) -> Timing:
+    return Timing(min(a.wall_s, b.wall_s), min(a.step_s, b.step_s))
+
+
+async def compare(setup: Setup, controlled_calls, plain_calls) -> tuple[Timing, Timing, list[Outcome]]:
+    """Timings of the controlled and the plain batch (the fastest of ``setup.repeat`` runs of each, the two
     alternating so a busy spell on a shared machine hits both), and the controlled outcomes. ``plain_calls``
     gets the token counts the controlled sequences produced."""
-    ctrl_s, ctrl = await timed(controlled_calls())
+    ctrl_t, ctrl = await timed(controlled_calls())
     counts = [o.tokens for o in ctrl]
-    plain_s = (await timed(plain_calls(counts)))[0]
+    plain_t = (await timed(plain_calls(counts)))[0]
     for _ in range(setup.repeat - 1):
-        ctrl_s = min(ctrl_s, (await timed(controlled_calls()))[0])
-        plain_s = min(plain_s, (await timed(plain_calls(counts)))[0])
-    return ctrl_s, plain_s, ctrl
+        ctrl_t = faster(ctrl_t, (await timed(controlled_calls()))[0])
+        plain_t = faster(plain_t, (await timed(plain_calls(counts)))[0])
+    return ctrl_t, plain_t, ctrl
 
 
 async def upload(http: httpx.AsyncClient, name: str) -> str:
@@ -142,18 +171,15 @@ async def overhead(setup: Setup, declctrl: str, level: int, tokens: int) -> str:
     gen = {"steps": [{"Gen": {"max_tokens": tokens}}]}
     before = await sched.read()
     # declctrl may end a Gen early on EOS: the plain requests replay exactly the controlled token counts
-    ctrl_s, plain_s, ctrl = await compare(
+    ctrl_t, plain_t, ctrl = await compare(
         setup,
         lambda: [controlled(http, declctrl, gen, p, tokens) for p in texts],
         lambda counts: [plain(http, p, n) for p, n in zip(texts, counts)],
     )
     seen = SchedulerStats.describe(before, await sched.read())
-    counts = [o.tokens for o in ctrl]
-    steps = max(counts)
-    step_ctrl, step_plain = ctrl_s / steps, plain_s / steps
-    per_seq_us = (step_ctrl - step_plain) / level * 1e6
-    runtime_us = sum(o.micros for o in ctrl) / sum(counts)
-    return (f"{level:3d} sequences x {steps} steps: step {step_plain * 1e3:7.2f} ms plain, {step_ctrl * 1e3:7.2f} ms "
+    per_seq_us = (ctrl_t.step_s - plain_t.step_s) / level * 1e6
+    runtime_us = sum(o.micros for o in ctrl) / sum(o.tokens for o in ctrl)
+    return (f"{level:3d} sequences: decode step {plain_t.step_s * 1e3:7.2f} ms plain, {ctrl_t.step_s * 1e3:7.2f} ms "
             f"controlled -> overhead {per_seq_us:8.1f} µs per sequence per step end to end; "
             f"{runtime_us:6.1f} µs in the runtime{seen}")
 
@@ -162,13 +188,13 @@ async def constrained_ratio(setup: Setup, constrain: str, n: int, tokens: int) -
     http = setup.http
     texts = [p + " Answer as JSON." for p in prompts(n)]
     arg = {"json_schema": SCHEMA}
-    ctrl_s, plain_s, ctrl = await compare(
+    ctrl_t, plain_t, ctrl = await compare(
         setup,
         lambda: [controlled(http, constrain, arg, p, tokens) for p in texts],
         lambda counts: [plain(http, p, c) for p, c in zip(texts, counts)],
     )
     total = sum(o.tokens for o in ctrl)
-    ctrl_tps, plain_tps = total / ctrl_s, total / plain_s
+    ctrl_tps, plain_tps = total / ctrl_t.wall_s, total / plain_t.wall_s
     return (f"JSON schema, {n} concurrent, {total} tokens: constrained {ctrl_tps:8.1f} tok/s, unconstrained "
             f"{plain_tps:8.1f} tok/s -> ratio {ctrl_tps / plain_tps:5.2f}x")
 

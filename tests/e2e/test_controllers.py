@@ -317,6 +317,17 @@ async def test_fork_branches_share_variables(stack, modules):
     assert all(f.finish_reason == "aici-stop" for f in out.forks.values()), out.forks
 
 
+async def test_a_failing_branch_ends_only_itself(stack, modules):
+    program = {"steps": [{"Fork": {"branches": [
+        [{"Fixed": {"text": " fine"}}],
+        [{"Gen": {"regex": "(", "max_tokens": 4}}],  # not a regex: this branch's controller fails
+    ]}}]}
+    out = await run(stack, modules["declctrl"], program, prompt="Hello", max_tokens=16)
+    assert out.forks[1].finish_reason == "fail" and out.forks[1].error, out.forks
+    first = out.forks[0]
+    assert (first.text, first.finish_reason, first.error) == (" fine", "aici-stop", ""), out.forks
+
+
 async def test_backtrack_and_ff_tokens(stack, test_module, hf_greedy):
     """ff_tokens and a splice change the text as the controller says; the freely sampled tokens around them
     are transformers' greedy choices on exactly that text (so the worker's KV followed the backtrack)."""
