@@ -67,7 +67,7 @@ class ControllerRuntime:
                 case aici_wire.Ping():
                     return aici_wire.ok({"pong": 1}), []
                 case aici_wire.Tokens():
-                    return aici_wire.ok({"vocab_size": self.vocab_size, "eos_token_id": self.tokenizer.eos_token}), []
+                    return aici_wire.ok({"vocab_size": self.vocab_size}), []
                 case aici_wire.PostPreProcess():
                     return aici_wire.ok(self.runtime.post_pre_process(request)), []
                 case aici_wire.MidProcess():

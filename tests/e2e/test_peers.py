@@ -102,7 +102,9 @@ async def test_controller_runtime_side_channel_bad_input(stack):
     reply = msgspec.msgpack.decode(
         (await raw_request(endpoint, aici_wire.encode({"$rid": "r1", "op": "no_such_op"})))[0]
     )
-    assert reply == {"type": "error", "error": "unknown side-channel op 'no_such_op'", "data": {}, "$rid": "r1"}
+    # AICI's error envelope: is_user_error says the request, not the runtime, was at fault
+    assert reply == {"type": "error", "error": "unknown side-channel op 'no_such_op'", "data": {}, "$rid": "r1",
+                     "is_user_error": True}
 
 
 @pytest.mark.parametrize("service", ["scheduler", "session_store"])
