@@ -44,6 +44,19 @@ CREATE TABLE IF NOT EXISTS evergreen_fragments (
 """
 
 
+@contextmanager
+def transaction(conn: sqlite3.Connection, begin: str = "BEGIN") -> Iterator[None]:
+    """One transaction on an autocommit-mode connection: committed when the block ends, rolled
+    back when it raises. ``begin="BEGIN IMMEDIATE"`` takes the write lock at once."""
+    conn.execute(begin)
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
 class Store:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,27 +108,16 @@ class Store:
 
     # -- Evergreen node graphs -------------------------------------------------------------
 
-    @contextmanager
-    def _transaction(self) -> Iterator[None]:
-        """One transaction for a batch (the connection is in autocommit mode otherwise)."""
-        self.conn.execute("BEGIN")
-        try:
-            yield
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        self.conn.execute("COMMIT")
-
     def evergreen_put(self, session_id: str, fragments: list[tuple[str, int, bytes]]) -> None:
         """Store fragments; the first one stored for a (node, seq) is kept, as the seed requires."""
-        with self._transaction():
+        with transaction(self.conn):
             self.conn.executemany(
                 "INSERT OR IGNORE INTO evergreen_fragments (session_id, node_id, seq, fragment) VALUES (?,?,?,?)",
                 [(session_id, node_id, seq, fragment) for node_id, seq, fragment in fragments],
             )
 
     def evergreen_drop(self, session_id: str, node_ids: list[str]) -> None:
-        with self._transaction():
+        with transaction(self.conn):
             self.conn.executemany(
                 "DELETE FROM evergreen_fragments WHERE session_id=? AND node_id=?",
                 [(session_id, node_id) for node_id in node_ids],

@@ -13,10 +13,10 @@ import sqlite3
 import time
 import uuid
 from array import array
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 from common import wire
+from services.session_store.db import transaction
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS salience_sessions (
@@ -113,29 +113,18 @@ class SalienceSessions:
         self._put_images(session_id, images)
         return session_id
 
-    @contextmanager
-    def _transaction(self) -> Iterator[None]:
-        """One transaction (the connection is in autocommit mode otherwise)."""
-        self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        self.conn.execute("COMMIT")
-
     # -- operations ----------------------------------------------------------------------------
 
     def open(self, model: str) -> wire.SalienceSession:
-        with self._transaction():
+        with transaction(self.conn, "BEGIN IMMEDIATE"):
             return wire.SalienceSession(session_id=self._create(model, "", [], []))
 
     def close(self, session_id: str) -> None:
-        with self._transaction():
+        with transaction(self.conn, "BEGIN IMMEDIATE"):
             self._delete(session_id)
 
     def get(self, session_id: str) -> wire.SalienceSession:
-        with self._transaction():
+        with transaction(self.conn, "BEGIN IMMEDIATE"):
             row = self._row(session_id)
             return wire.SalienceSession(
                 session_id=session_id,
@@ -145,7 +134,7 @@ class SalienceSessions:
             )
 
     def fork(self, session_id: str, at: int) -> wire.SalienceSession:
-        with self._transaction():
+        with transaction(self.conn, "BEGIN IMMEDIATE"):
             row = self._row(session_id)
             tokens = _unpack(row["tokens"])
             if at > len(tokens):
@@ -162,7 +151,7 @@ class SalienceSessions:
             return wire.SalienceSession(session_id=child, tokens=tokens[:at], images=kept, parent=session_id)
 
     def begin(self, msg: wire.SalienceBegin) -> wire.SalienceSession:
-        with self._transaction():
+        with transaction(self.conn, "BEGIN IMMEDIATE"):
             row = self._row(msg.session_id)
             now = self.clock()
             if row["lease"] and row["lease_until"] >= now:
@@ -211,7 +200,7 @@ class SalienceSessions:
             )
 
     def end(self, msg: wire.SalienceEnd) -> None:
-        with self._transaction():
+        with transaction(self.conn, "BEGIN IMMEDIATE"):
             row = self._row(msg.session_id)
             if row["lease"] != msg.lease:
                 raise SessionError(ABORTED, f"the turn's lease on session {msg.session_id!r} had expired")
@@ -224,7 +213,7 @@ class SalienceSessions:
     def expire(self) -> int:
         """Delete every session idle past the TTL (and not under a live lease); returns how many."""
         now = self.clock()
-        with self._transaction():
+        with transaction(self.conn, "BEGIN IMMEDIATE"):
             ids = [
                 r[0]
                 for r in self.conn.execute(
