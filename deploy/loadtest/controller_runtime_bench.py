@@ -12,7 +12,6 @@ every step), and the native ``constrained`` controller with the same schema.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
