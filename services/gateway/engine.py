@@ -44,6 +44,7 @@ class EngineClient:
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._health: wire.HealthReply | None = None
         self._health_at = 0.0
+        self._health_refreshing = False
         self._background: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
@@ -119,6 +120,24 @@ class EngineClient:
             await self.cancel(rid)
         except TillerError as exc:  # typically: it had just finished
             log.debug("engine.cancel_refused", rid=rid, reason=exc.message)
+
+    def recent_health(self, max_age: float) -> wire.HealthReply | None:
+        """The last health reply seen, never waiting: one older than ``max_age`` seconds is refreshed
+        in the background (for readers such as /metrics that must answer even without a scheduler)."""
+        if time.monotonic() - self._health_at > max_age and not self._health_refreshing:
+            self._health_refreshing = True
+            task = asyncio.get_running_loop().create_task(self._refresh_health())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return self._health
+
+    async def _refresh_health(self) -> None:
+        try:
+            await self.health()
+        except TillerError as exc:
+            log.debug("engine.health_unavailable", reason=exc.message)
+        finally:
+            self._health_refreshing = False
 
     async def health(self, max_age: float = 0.0) -> wire.HealthReply:
         """The scheduler's health; a ready reply younger than ``max_age`` seconds is reused."""
