@@ -63,6 +63,8 @@ class Scheduler:
         self.running: dict[int, LiveRequest] = {}  # seq_id -> request (running or paused)
         self.to_free: dict[bytes, list[int]] = defaultdict(list)
         self.outbox: dict[bytes, list[wire.TokenEvent]] = defaultdict(list)
+        # tokens accepted from the last step whose text is worked out while the next one runs
+        self.deferred: list[tuple[LiveRequest, wire.TokenEvent]] = []
         self.wake = asyncio.Event()
         self.orders = itertools.count()
         self.seq_ids = itertools.count(1)
@@ -273,6 +275,7 @@ class Scheduler:
             controlled = await self.controllers.plan(self.running.values(), self.limits.step_token_budget)
             steps = self._build_steps(controlled)
             if not steps:
+                self._emit_deferred()
                 self.controllers.flush()
                 self._flush_events()
                 self.wake.clear()
@@ -281,8 +284,14 @@ class Scheduler:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            mask = [controlled.mask] if controlled.mask is not None else []
-            results = await asyncio.gather(*(self._run_step(worker, step, mask) for worker, step, _ in steps))
+            in_flight = asyncio.gather(*(self._run_step(worker, step) for worker, step, _ in steps))
+            # Once the steps are on their way (one turn of the loop sends them), the text of the
+            # previous step's tokens is worked out while the workers compute this one.
+            await asyncio.sleep(0)
+            self._emit_deferred()
+            self.controllers.flush()
+            self._flush_events()
+            results = await in_flight
             for (worker, _, batch), result in zip(steps, results):
                 if result is not None:
                     self._apply(worker, batch, result)
@@ -347,13 +356,16 @@ class Scheduler:
             steps.append((worker, step, batch))
         return steps
 
-    async def _run_step(self, worker: WorkerInfo, step: wire.Step, binary: list[bytes]) -> wire.StepResult | None:
+    async def _run_step(self, worker: WorkerInfo, step: wire.Step) -> wire.StepResult | None:
         loop = asyncio.get_running_loop()
         worker.in_flight = loop.create_future()
         worker.in_flight_step = step.step_id
         deadline = time.monotonic() + self.limits.worker_step_timeout_s
         try:
-            await self.worker_router.send(worker.identity, step, binary if any(s.mask_row >= 0 for s in step.seqs) else ())
+            step.masks_follow = self.controllers.awaits_masks(step)
+            await self.worker_router.send(worker.identity, step)
+            if step.masks_follow:  # the controllers' mid_process runs while the worker computes the forward pass
+                await self.worker_router.send(worker.identity, *await self.controllers.step_masks(step))
             while True:
                 try:
                     return await asyncio.wait_for(asyncio.shield(worker.in_flight), timeout=0.25)
@@ -410,14 +422,37 @@ class Scheduler:
         event = wire.TokenEvent(rid=request.rid, tokens=[sampled])
         if token in submit.stop_token_ids or (token in eos and not submit.ignore_eos):
             self._finish(request, "stop", event, stop_reason=token)
-            return
-        event.text = request.text.push([token])
+        elif len(request.generated) >= submit.max_tokens or len(request.prompt) + len(request.generated) >= max_len:
+            self._emit_text(request, event, last=True)
+        else:
+            # Decoding goes on: its text (detokenizing, stop strings) is worked out once the next
+            # step is on its way. A stop string found then ends the request, and the token that
+            # step samples for it is dropped.
+            self.deferred.append((request, event))
+
+    def _emit_text(self, request: LiveRequest, event: wire.TokenEvent, last: bool) -> None:
+        """The text of a token event; finish on a completed stop string, or when it was the ``last``."""
+        event.text = request.text.push([event.tokens[0].token_id])
         if request.text.stopped_by is not None:
             self._finish(request, "stop", event, stop_reason=request.text.stopped_by)
-        elif len(request.generated) >= submit.max_tokens or len(request.prompt) + len(request.generated) >= max_len:
+        elif last:
             self._finish(request, "length", event)
         else:
             self.outbox[request.gateway].append(event)
+
+    def _emit_deferred(self) -> None:
+        deferred, self.deferred = self.deferred, []
+        for request, event in deferred:
+            if request.state is not State.FINISHED:  # it may have been cancelled or failed since
+                self._emit_text(request, event, last=False)
+
+    def _emit_deferred_of(self, request: LiveRequest) -> None:
+        """Work out a request's deferred token text now (before it ends for another reason)."""
+        for i, (deferred, event) in enumerate(self.deferred):
+            if deferred is request:
+                del self.deferred[i]
+                self._emit_text(request, event, last=False)
+                return
 
     def _finish(
         self,
@@ -427,6 +462,9 @@ class Scheduler:
         stop_reason: str | int | None = None,
     ) -> None:
         if request.state is State.FINISHED:
+            return
+        self._emit_deferred_of(request)
+        if request.state is State.FINISHED:  # its deferred text completed a stop string
             return
         event = event or wire.TokenEvent(rid=request.rid)
         if reason != "stop" or isinstance(stop_reason, int):
