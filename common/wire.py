@@ -290,11 +290,23 @@ class Step(Msg, tag="step"):
     step_id: int
     seqs: list[SeqStep]
     free: list[int] = []
+    # The masks come later, in a StepMasks of the same step_id (no frame follows the Step): the
+    # worker runs the forward pass meanwhile and samples once they arrive.
+    masks_follow: bool = False
 
 
 class SeqFailure(msgspec.Struct, kw_only=True):
     seq_id: int
     message: str
+
+
+class StepMasks(Msg, tag="step_masks"):
+    """The sampling part of a Step sent with ``masks_follow``, followed by its mask frame (as a
+    Step's frame, rows by ``SeqStep.mask_row``). ``failures``: sampling sequences not to sample this
+    step (their tokens stay fed), e.g. their controller stopped, spliced or failed."""
+
+    step_id: int
+    failures: list[SeqFailure] = []
 
 
 class StepResult(Msg, tag="step_result"):
@@ -466,6 +478,7 @@ Message = Union[
     Events,
     RequestFailed,
     Step,
+    StepMasks,
     StepResult,
     WorkerHello,
     RecordRequest,

@@ -8,11 +8,15 @@ Each loop iteration, for the controlled sequences only (DESIGN.md "One decoding 
    ended sequences. Results: stop, suspend (sit this step out), ff_tokens (appended now, prefilled in
    this step; the runtime already fed them to post_process), num_forks (k > 1: k-1 new sequences,
    branches of the same request, the worker copies the parent's KV copy-on-write).
-2. ``mid_process`` for the sequences that run this step (new forks with ``clone_id``): ``Stop``,
-   ``SampleWithBias`` (the mask row in the reply's binary frame, forwarded as is to the worker as the
-   step's mask frame) or ``Splice`` (backtrack + ff_tokens fed this step, nothing sampled).
-3. The worker step feeds each sequence what the worker does not hold yet (after a backtrack that
-   reaches into the worker's KV, ``SeqStep.backtrack`` truncates it), samples under the mask.
+2. The worker step goes out at once, with ``Step.masks_follow``: each sequence that runs this step
+   is fed what the worker does not hold yet (after a backtrack that reaches into the worker's KV,
+   ``SeqStep.backtrack`` truncates it) and is to be sampled under mask row i, its place in the
+   ``mid_process`` ops.
+3. ``mid_process`` for those sequences (new forks with ``clone_id``) runs while the worker computes
+   the forward pass: ``Stop``, ``SampleWithBias`` (the mask row in the reply's binary frame) or
+   ``Splice``. Then a ``StepMasks`` carries the reply's mask frame as is to the worker, listing as
+   failures (fed, not sampled) the sequences that stopped, spliced or failed; a Splice's backtrack
+   and ff_tokens are applied once the step's result is in, and fed on the branch's next step.
 
 A controller error or a missed deadline ends only that branch (its event carries the error); the
 request ends when its last branch does. Sequences without a controller never reach this module.
@@ -107,6 +111,7 @@ class Branch:
     suspended: bool = False
     sampled: int = 0  # tokens sampled on this branch
     finished: str | None = None  # the branch's AICI finish reason once it ended
+    mid_splice: tuple[int, list[int]] | None = None  # this step's Splice (backtrack, ff_tokens), applied after it
     event: wire.TokenEvent | None = None  # what this step has to say about the branch
 
     @property
@@ -175,11 +180,21 @@ class Controlled:
 
 @dataclass
 class Plan:
-    """The controlled part of one step: SeqSteps per worker and the mask frame they index."""
+    """The controlled part of one step: SeqSteps per worker."""
 
     per_worker: dict[bytes, list[tuple[Branch, wire.SeqStep]]] = field(default_factory=lambda: defaultdict(list))
-    mask: bytes | None = None
     tokens: int = 0
+
+
+@dataclass
+class PendingMid:
+    """This step's ``mid_process``, run while the workers compute the forward pass."""
+
+    runnable: list[tuple[Branch, int | None]]  # op i samples under mask row i
+    seq_ids: set[int]
+    task: asyncio.Future[None] | None = None
+    frame: bytes | None = None  # the reply's mask rows
+    skip: dict[int, str] = field(default_factory=dict)  # seq_id -> why it is not sampled this step
 
 
 # The Tiller finish reason of a request whose branch 0 ended with an AICI reason.
@@ -200,6 +215,7 @@ class ControllerSteps:
         self.free_later: dict[bytes, list[int]] = defaultdict(list)  # worker frees after this step's forks
         self.main_s = 0.0  # wall time spent in post_pre_process/mid_process calls, IPC included
         self.seq_steps = 0  # controlled sequence-steps (mid_process ops) run so far
+        self.mid: PendingMid | None = None  # this step's mid_process, once the step went out
 
     def stats(self) -> dict[str, float]:
         """Main-channel cost so far, for health replies and the controller benchmark."""
@@ -242,8 +258,10 @@ class ControllerSteps:
         return controlled
 
     async def plan(self, running: Iterable[LiveRequest], budget: int) -> Plan:
-        """post_pre_process, forks, mid_process: the controlled SeqSteps of this step."""
+        """post_pre_process and forks: the controlled SeqSteps of this step (its mid_process runs
+        once the step went out, see :meth:`step_masks`)."""
         plan = Plan()
+        self.mid = None
         assign: list[Branch] = []
         for request in running:
             if not request.submit.controller or request.state is not State.RUNNING:
@@ -263,17 +281,55 @@ class ControllerSteps:
             return plan
         try:
             runnable = await self._post_pre_process(assign)
-            if runnable:
-                await self._mid_process(plan, runnable)
+            for row, (branch, _) in enumerate(runnable):
+                self._plan_sample(plan, branch, row)
         except Exception as exc:  # a bug or a nonsensical runtime reply fails the controlled requests, not the loop
-            log.exception("scheduler.controller_step_failed")
-            for controlled in list(self.requests.values()):
-                self.sched._fail(controlled.request, INTERNAL_ERROR, f"controller step failed: {exc}")
+            self._fail_all(exc)
             return Plan()
+        if runnable:
+            self.mid = PendingMid(runnable, {b.seq_id for b, _ in runnable})
         for items in plan.per_worker.values():
             for branch, _ in items:
                 branch.request.sampling_dirty = False
         return plan
+
+    def _fail_all(self, exc: Exception) -> None:
+        log.exception("scheduler.controller_step_failed")
+        for controlled in list(self.requests.values()):
+            self.sched._fail(controlled.request, INTERNAL_ERROR, f"controller step failed: {exc}")
+
+    def _plan_sample(self, plan: Plan, branch: Branch, row: int) -> None:
+        """Feed the branch what the worker lacks and sample it under mask row ``row``."""
+        if not branch.unfed and not (branch.kv_backtrack or branch.fork_of is not None):
+            branch.kv_len -= 1  # nothing new to feed: compute the last token again to sample after it
+            branch.kv_backtrack += 1
+        self._add(plan, branch, branch.unfed, sample=True, mask_row=row)
+
+    def awaits_masks(self, step: wire.Step) -> bool:
+        """Whether ``step`` samples a sequence whose mask comes from this step's mid_process."""
+        return self.mid is not None and any(s.sample and s.seq_id in self.mid.seq_ids for s in step.seqs)
+
+    async def step_masks(self, step: wire.Step) -> tuple[wire.StepMasks, list[bytes]]:
+        """The StepMasks (and its frame) of a step sent with ``masks_follow``; the first call runs
+        mid_process, the steps of other workers share it."""
+        mid = self.mid
+        assert mid is not None
+        if mid.task is None:
+            mid.task = asyncio.ensure_future(self._run_mid(mid))
+        await asyncio.shield(mid.task)
+        failures = [wire.SeqFailure(seq_id=s.seq_id, message=mid.skip[s.seq_id]) for s in step.seqs if s.seq_id in mid.skip]
+        return wire.StepMasks(step_id=step.step_id, failures=failures), [mid.frame] if mid.frame is not None else []
+
+    async def _run_mid(self, mid: PendingMid) -> None:
+        try:
+            await self._mid_process(mid)
+        except Exception as exc:  # as in plan(): the controlled requests fail, the loop goes on
+            self._fail_all(exc)
+        for branch, _ in mid.runnable:
+            if branch.finished is not None:
+                mid.skip[branch.seq_id] = f"the sequence ended in mid_process ({branch.finished})"
+            elif branch.mid_splice is not None:
+                mid.skip[branch.seq_id] = "the controller spliced instead of sampling"
 
     def _add(self, plan: Plan, branch: Branch, tokens: list[int], *, sample: bool, mask_row: int = -1) -> None:
         request = branch.request
@@ -376,16 +432,16 @@ class ControllerSteps:
             worker.reserved_tokens += request.needed_tokens
         return child
 
-    async def _mid_process(self, plan: Plan, runnable: list[tuple[Branch, int | None]]) -> None:
-        ops = [{"id": b.seq_id, "clone_id": clone} for b, clone in runnable]
+    async def _mid_process(self, mid: PendingMid) -> None:
+        ops = [{"id": b.seq_id, "clone_id": clone} for b, clone in mid.runnable]
         self.seq_steps += len(ops)
         called = await self._call({"op": "mid_process", "ops": ops})
         if called is None:
             return
         reply, frames = called
         seqs = reply["data"].get("seqs") or {}
-        plan.mask = frames[0] if frames else None
-        for row, (branch, _) in enumerate(runnable):
+        mid.frame = frames[0] if frames else None
+        for branch, _ in mid.runnable:
             if branch.finished:
                 continue
             result = seqs.get(str(branch.seq_id), seqs.get(branch.seq_id))
@@ -396,32 +452,23 @@ class ControllerSteps:
             if result.get("error"):
                 self._end(branch, "fail", error=result["error"])
                 continue
-            self._on_mid(plan, branch, result.get("result"), int(result.get("mask_row", row)))
+            self._on_mid(branch, result.get("result"))
 
-    def _on_mid(self, plan: Plan, branch: Branch, mid: Any, row: int) -> None:
+    def _on_mid(self, branch: Branch, mid: Any) -> None:
+        """Stop ends the branch; a Splice waits for the step's result (see :meth:`apply`); anything
+        else samples under the branch's mask row (seed 001: a null result as SampleWithBias does)."""
         if mid == "Stop":
             self._end(branch, "aici-stop")
-            return
-        if isinstance(mid, dict) and "Splice" in mid:
+        elif isinstance(mid, dict) and "Splice" in mid:
             splice = mid["Splice"] or {}
-            backtrack, ff = int(splice.get("backtrack", 0)), [int(t) for t in splice.get("ff_tokens") or []]
-            branch.splice(backtrack, ff)
-            branch.report(backtrack, ff)
-            self._count_ff(self.requests[branch.request.rid], branch, len(ff))
-            self._check_limits(branch, self.sched._max_model_len())
-            if branch.finished:
-                return
-            if not branch.unfed:  # a pure backtrack: compute the new last token again, sample nothing
-                branch.kv_len -= 1
-                branch.kv_backtrack += 1
-            self._add(plan, branch, branch.unfed, sample=False)
-            return
-        # seed 001: a null result means "sample with the mask in the mask frame", as SampleWithBias does
-        masked = (mid is None or (isinstance(mid, dict) and "SampleWithBias" in mid)) and plan.mask is not None
-        if not branch.unfed and not (branch.kv_backtrack or branch.fork_of is not None):
-            branch.kv_len -= 1  # nothing new to feed: compute the last token again to sample after it
-            branch.kv_backtrack += 1
-        self._add(plan, branch, branch.unfed, sample=True, mask_row=row if masked else -1)
+            branch.mid_splice = (int(splice.get("backtrack", 0)), [int(t) for t in splice.get("ff_tokens") or []])
+
+    def _splice(self, branch: Branch, backtrack: int, ff: list[int]) -> None:
+        """Apply a mid_process Splice; its tokens are fed on the branch's next step."""
+        branch.splice(backtrack, ff)
+        branch.report(backtrack, ff)
+        self._count_ff(self.requests[branch.request.rid], branch, len(ff))
+        self._check_limits(branch, self.sched._max_model_len())
 
     def _count_ff(self, controlled: Controlled, branch: Branch, n: int) -> None:
         controlled.ff_total += n
@@ -447,6 +494,10 @@ class ControllerSteps:
             return
         branch.kv_len = len(branch.tokens)  # everything planned was fed
         request.fed = len(request.prompt)
+        if branch.mid_splice is not None:  # fed, not sampled: the controller spliced instead
+            (backtrack, ff), branch.mid_splice = branch.mid_splice, None
+            self._splice(branch, backtrack, ff)
+            return
         if not seq.sample:
             return
         sampled = result.samples.get(seq.seq_id)

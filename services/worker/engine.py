@@ -31,6 +31,10 @@ Each SeqStep is applied in the order :class:`common.wire.SeqStep` gives:
    step samples. Empty ``tokens`` are allowed after a fork or backtrack with ``sample`` set: the
    sequence's last token is then computed again (its logits are not kept between steps).
 4. **sample** from the logits after the last token.
+
+A Step sent with ``masks_follow`` runs in two phases: :meth:`Engine.forward` (steps 1-3 and the
+forward pass) while the scheduler's controllers compute the masks, then :meth:`Engine.sample_with`
+once its :class:`common.wire.StepMasks` came (the mask rows are checked then, not at admission).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from transformers import PretrainedConfig
 
 from common.config import Settings
 from common.model_source import load_tokenizer
-from common.wire import ReadoutResult, ScoreResult, SeqFailure, SeqStep, Step, StepResult, TokenLogprob
+from common.wire import ReadoutResult, ScoreResult, SeqFailure, SeqStep, Step, StepMasks, StepResult, TokenLogprob
 from services.worker.hf_fallback import HFFallback
 from services.worker.vision import VisionFallback
 from services.worker.kv_cache import BlockTables, PagedKVCache, PoolExhausted, bytes_per_token, plan_num_blocks
@@ -89,6 +93,20 @@ class _Invalid(Exception):
     """A sequence's part of a step cannot run; the message goes to the scheduler."""
 
 
+@dataclass
+class Forwarded:
+    """A step between its forward pass and its sampling (see :meth:`Engine.forward`)."""
+
+    step: Step
+    failures: list[SeqFailure]
+    sampling: list[SeqStep]  # the accepted sequences to sample, in the order of the logits rows
+    logits: torch.Tensor | None
+    cached: dict[int, int]
+    scores: dict[int, list[ScoreResult]]
+    readouts: dict[int, list[ReadoutResult]]
+    elapsed_s: float  # time spent on the step so far (not counting a wait for its masks)
+
+
 def _plain_decode(s: SeqStep) -> bool:
     """One token fed and sampled after, nothing else asked (see Engine._admit_decode)."""
     return (
@@ -97,9 +115,10 @@ def _plain_decode(s: SeqStep) -> bool:
     )
 
 
-def _check_mask(s: SeqStep, masks: _Masks) -> None:
-    """A sampling sequence's mask row, when it names one, must be in the frame and allow a token."""
-    if s.mask_row < 0:
+def _check_mask(s: SeqStep, masks: _Masks | None) -> None:
+    """A sampling sequence's mask row, when it names one, must be in the frame and allow a token
+    (``masks`` None: the masks follow the step and are checked before sampling)."""
+    if s.mask_row < 0 or masks is None:
         return
     index = masks.index.get(s.mask_row)
     if index is None:
@@ -236,27 +255,29 @@ class Engine:
             self.tables.release(seq_id)
             self.runner.release(seq_id)
 
-    @torch.inference_mode()
     def step(self, step: Step, mask_frame: bytes | memoryview | None = None) -> StepResult:
         """Free ``step.free``, fork, backtrack, feed every SeqStep, sample where asked.
         Per-sequence problems become ``failures``; an exception means a bug, and the caller fails
         the whole step."""
+        masks = self._mask_rows(step.seqs, mask_frame)
+        forwarded = self.forward(step, masks)
+        return self._sample(forwarded, forwarded.sampling, masks)
+
+    @torch.inference_mode()
+    def forward(self, step: Step, masks: _Masks | None = None) -> Forwarded:
+        """The first phase of :meth:`step`: free, fork, backtrack, feed and run the forward pass,
+        keeping the logits of the sequences to sample. ``masks`` None: the masks follow
+        (``Step.masks_follow``) and :meth:`sample_with` checks them."""
         started = time.perf_counter()
         self.free(step.free)
         failures: list[SeqFailure] = []
-        masks = self._mask_rows(step, mask_frame)
         counts: dict[int, int] = {}
         for s in step.seqs:
             counts[s.seq_id] = counts.get(s.seq_id, 0) + 1
-
-        def fail(s: SeqStep, exc: Exception) -> None:
-            failures.append(SeqFailure(seq_id=s.seq_id, message=str(exc)))
-            self.free([s.seq_id])
-
         candidates: list[SeqStep] = []
         for s in step.seqs:
             if counts[s.seq_id] > 1:
-                fail(s, _Invalid(f"sequence {s.seq_id} appears {counts[s.seq_id]} times in step {step.step_id}"))
+                self._fail(failures, s, _Invalid(f"sequence {s.seq_id} appears {counts[s.seq_id]} times in step {step.step_id}"))
             else:
                 candidates.append(s)
         ready: list[SeqStep] = []
@@ -266,7 +287,7 @@ class Engine:
                     self._fork(s)
                 ready.append(s)
             except _Invalid as exc:
-                fail(s, exc)
+                self._fail(failures, s, exc)
         inputs: list[SeqInput] = []
         accepted: list[SeqStep] = []
         cached: dict[int, int] = {}
@@ -274,7 +295,7 @@ class Engine:
             try:
                 item, hits = self._admit(s, masks)
             except _Invalid as exc:
-                fail(s, exc)
+                self._fail(failures, s, exc)
                 continue
             accepted.append(s)
             self.fed_tokens += len(s.tokens)
@@ -287,7 +308,6 @@ class Engine:
         if copies and self.cache is not None:
             self.cache.copy_blocks(copies)
 
-        samples = {}
         logits: torch.Tensor | None = None
         if inputs:
             logits = self.runner.forward(inputs)  # one row per sampling sequence, in order
@@ -295,22 +315,63 @@ class Engine:
             self.tables.commit(s.seq_id, self.seqs[s.seq_id].tokens)
         scores, readouts = self._position_outputs(inputs, {s.seq_id: s for s in accepted})
         sampling = [s for s in accepted if s.sample]  # each has an input: the last fed token is computed
+        return Forwarded(step, failures, sampling, logits, cached, scores, readouts, time.perf_counter() - started)
+
+    @torch.inference_mode()
+    def sample_with(self, forwarded: Forwarded, masks: StepMasks, mask_frame: bytes | memoryview | None) -> StepResult:
+        """The second phase of a ``masks_follow`` step, once its StepMasks came: the sequences in
+        ``masks.failures`` stay fed and are not sampled (nor reported); the others' mask rows are
+        checked (a missing row or one that allows nothing fails that sequence), then they are sampled."""
+        started = time.perf_counter()
+        rows = self._mask_rows(forwarded.sampling, mask_frame)
+        skipped = {f.seq_id for f in masks.failures}
+        keep: list[SeqStep] = []
+        for s in forwarded.sampling:
+            if s.seq_id in skipped:
+                continue
+            try:
+                _check_mask(s, rows)
+                keep.append(s)
+            except _Invalid as exc:
+                self._fail(forwarded.failures, s, exc)
+        forwarded.elapsed_s += time.perf_counter() - started
+        return self._sample(forwarded, keep, rows)
+
+    def abandon(self, forwarded: Forwarded, message: str) -> StepResult:
+        """End a ``masks_follow`` step whose masks never came: its sampling sequences fail."""
+        for s in forwarded.sampling:
+            self._fail(forwarded.failures, s, _Invalid(f"sequence {s.seq_id}: {message}"))
+        return self._sample(forwarded, [], self._mask_rows([], None))
+
+    def _fail(self, failures: list[SeqFailure], s: SeqStep, exc: Exception) -> None:
+        failures.append(SeqFailure(seq_id=s.seq_id, message=str(exc)))
+        self.free([s.seq_id])
+
+    @torch.inference_mode()
+    def _sample(self, forwarded: Forwarded, sampling: list[SeqStep], masks: _Masks) -> StepResult:
+        """Sample ``sampling`` (a subsequence of ``forwarded.sampling``) and build the step's result."""
+        started = time.perf_counter()
+        samples = {}
         if sampling:
+            logits = forwarded.logits
             assert logits is not None
+            if len(sampling) < len(forwarded.sampling):
+                row_of = {s.seq_id: i for i, s in enumerate(forwarded.sampling)}
+                logits = logits[torch.tensor([row_of[s.seq_id] for s in sampling], device=logits.device)]
             bias = self._sampling_bias(sampling, masks)
             seqs = [self.seqs[s.seq_id] for s in sampling]
             tokens = sample(logits, [q.sampler for q in seqs], [q.tokens for q in seqs], bias)
             samples = {s.seq_id: t for s, t in zip(sampling, tokens)}
-        forward_ms = (time.perf_counter() - started) * 1000
+        step = forwarded.step
         return StepResult(
             mid=step.mid,
             step_id=step.step_id,
             samples=samples,
-            failures=failures,
-            forward_ms=forward_ms,
-            cached_tokens=cached,
-            scores=scores,
-            readouts=readouts,
+            failures=forwarded.failures,
+            forward_ms=(forwarded.elapsed_s + time.perf_counter() - started) * 1000,
+            cached_tokens=forwarded.cached,
+            scores=forwarded.scores,
+            readouts=forwarded.readouts,
             kv_free_tokens=self.tables.free_tokens,
         )
 
@@ -353,10 +414,10 @@ class Engine:
                 readouts.setdefault(seq_id, []).append(ReadoutResult(p, values[j].tobytes()))
         return scores, readouts
 
-    def _mask_rows(self, step: Step, frame: bytes | memoryview | None) -> _Masks:
-        """The packed mask rows this step refers to, in host memory; a frame too short for a row
-        leaves that row out (its sequence then fails in ``_admit``)."""
-        wanted = sorted({s.mask_row for s in step.seqs if s.mask_row >= 0})
+    def _mask_rows(self, seqs: list[SeqStep], frame: bytes | memoryview | None) -> _Masks:
+        """The packed mask rows these sequences refer to, in host memory; a frame too short for a
+        row leaves that row out (its sequence then fails in ``_check_mask``)."""
+        wanted = sorted({s.mask_row for s in seqs if s.mask_row >= 0})
         if not wanted or frame is None:
             return _Masks({}, np.empty((0, 0), dtype=np.int32), np.empty(0, dtype=bool))
         words_per_row = -(-self.vocab_size // 32)
@@ -428,7 +489,7 @@ class Engine:
             raise _Invalid(f"sequence {s.seq_id}: top_logprobs must be in [0, {self.vocab_size}]")
         return capture
 
-    def _admit_decode(self, s: SeqStep, seq: _Seq, masks: _Masks) -> SeqInput:
+    def _admit_decode(self, s: SeqStep, seq: _Seq, masks: _Masks | None) -> SeqInput:
         """``_admit`` for the commonest SeqStep, one token fed to a live sequence and sampled after:
         no prefix lookup (a single token to sample after is always computed), no forks, backtracks
         or parameter changes to apply. Keeps big decode batches cheap on the host."""
@@ -456,7 +517,7 @@ class Engine:
                 f"capacity {self.tables.capacity_tokens} tokens)"
             ) from exc
 
-    def _admit(self, s: SeqStep, masks: _Masks) -> tuple[SeqInput | None, int]:
+    def _admit(self, s: SeqStep, masks: _Masks | None) -> tuple[SeqInput | None, int]:
         """Validate one SeqStep, start or update its sequence, backtrack, reuse cached prefix
         blocks and reserve the rest. Returns what the forward pass must compute for it (None:
         nothing, every fed token came from the cache) and how many fed tokens the cache gave."""

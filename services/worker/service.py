@@ -2,7 +2,9 @@
 
 The model loads on a background thread while the main thread keeps the socket: it sends a
 ``WorkerHello(stage="loading")`` about every second, answers Health, and refuses Steps. Once
-loaded it announces ``ready`` and runs each Step on the main thread. A failed load keeps the
+loaded it announces ``ready`` and runs each Step on the main thread. A Step with ``masks_follow``
+runs its forward pass, then waits (at most ``limits.worker_step_timeout_s``) for its StepMasks before
+sampling, answering Health meanwhile and keeping any other message for after the step. A failed load keeps the
 process up, announcing ``failed`` every few seconds and failing every Step with the reason, so the
 scheduler can report it to clients. A hello also goes out on every (re)connection and after every
 Health, so a restarted scheduler finds its workers.
@@ -14,6 +16,7 @@ import contextvars
 import os
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import structlog
@@ -80,6 +83,7 @@ class WorkerService:
         self.endpoint = settings.endpoint("worker")
         self.loader = _Loader(settings)
         self.engine: Engine | None = None
+        self.backlog: deque[list[bytes]] = deque()  # messages that came while a step awaited its masks
 
     @property
     def stage(self) -> str:
@@ -101,11 +105,14 @@ class WorkerService:
         try:
             while True:
                 # Ready: block. Loading or failed: wake often so completion and hellos are timely.
-                events = dict(poller.poll(None if self.engine is not None else 100))
+                timeout = 0 if self.backlog else None if self.engine is not None else 100
+                events = dict(poller.poll(timeout))
                 if monitor in events:
                     recv_monitor_message(monitor)
                     self._hello()
-                if self.sock in events:
+                if self.backlog:
+                    self._handle(self.backlog.popleft())
+                elif self.sock in events:
                     self._handle(self.sock.recv_multipart())
                 if self.engine is not None:
                     continue
@@ -166,24 +173,60 @@ class WorkerService:
         if isinstance(msg, wire.Step):
             self._send(self._run_step(msg, parts[1] if len(parts) > 1 else None))
         elif isinstance(msg, wire.Health):
-            detail: dict[str, Any] = {"stage": self.stage, "worker_id": self.worker_id, "model": self.settings.model}
-            if self.engine is not None:
-                detail.update(self.engine.stats(), device=str(self.engine.device))
-            elif self.loader.error is not None:
-                detail["message"] = self.loader.error
-            else:
-                detail.update(progress=self.loader.progress, message=self.loader.message)
-            self._send(wire.HealthReply(mid=msg.mid, service="worker", ready=self.engine is not None, detail=detail))
-            self._hello()
+            self._health(msg)
+        elif isinstance(msg, wire.StepMasks):  # its step ended already (failed, or waited too long)
+            self.log.warning("worker.stale_step_masks", step_id=msg.step_id)
         else:
             self.log.warning("worker.unexpected_message", type=type(msg).__name__)
+
+    def _health(self, msg: wire.Health) -> None:
+        detail: dict[str, Any] = {"stage": self.stage, "worker_id": self.worker_id, "model": self.settings.model}
+        if self.engine is not None:
+            detail.update(self.engine.stats(), device=str(self.engine.device))
+        elif self.loader.error is not None:
+            detail["message"] = self.loader.error
+        else:
+            detail.update(progress=self.loader.progress, message=self.loader.message)
+        self._send(wire.HealthReply(mid=msg.mid, service="worker", ready=self.engine is not None, detail=detail))
+        self._hello()
+
+    def _await_masks(self, step_id: int) -> tuple[wire.StepMasks, bytes | None] | None:
+        """The StepMasks of ``step_id`` and its frame, or None when it does not come in time.
+        Health is answered meanwhile; anything else waits in the backlog."""
+        timeout_s = self.settings.limits.worker_step_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
+                return None
+            parts = self.sock.recv_multipart()
+            try:
+                msg = wire.decode(parts[0])
+            except WireError as exc:
+                self.log.warning("worker.malformed_frame", error=str(exc), parts=len(parts))
+                continue
+            if isinstance(msg, wire.StepMasks) and msg.step_id == step_id:
+                return msg, parts[1] if len(parts) > 1 else None
+            if isinstance(msg, wire.Health):
+                self._health(msg)
+            else:
+                self.backlog.append(parts)
 
     def _run_step(self, step: wire.Step, mask_frame: bytes | None) -> wire.StepResult:
         if self.engine is None:
             reason = self.loader.error or "model is still loading"
             return _fail_all(step, f"model not available: {reason}")
         try:
-            return self.engine.step(step, mask_frame)
+            if not step.masks_follow:
+                return self.engine.step(step, mask_frame)
+            forwarded = self.engine.forward(step)
+            masks = self._await_masks(step.step_id)
+            if masks is None:
+                timeout_s = self.settings.limits.worker_step_timeout_s
+                self.log.warning("worker.step_masks_missing", step_id=step.step_id, timeout_s=timeout_s)
+                message = f"the masks of step {step.step_id} (StepMasks) did not come within {timeout_s:g} s"
+                return self.engine.abandon(forwarded, message)
+            return self.engine.sample_with(forwarded, *masks)
         except Exception as exc:  # a bug in one step fails that step only
             self.log.exception("worker.step_failed", step_id=step.step_id)
             self.engine.free(s.seq_id for s in step.seqs)
