@@ -8,7 +8,6 @@ Greedy decoding is asked for the proto's way (top_k=1; temperature 0 means the d
 from __future__ import annotations
 
 import asyncio
-import io
 import time
 from collections.abc import AsyncIterator
 
@@ -16,7 +15,6 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from common.config import Settings
 from common.model_source import load_tokenizer
@@ -25,6 +23,7 @@ from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
 from common.vision import VisionSpec
 from services.scheduler.service import SUSPECT_GRACE_S
 from services.worker.model_loader import LoadedModel, load_model
+from tests.images import png
 from tests.stack import Stack, start_stack
 
 RPC_TIMEOUT_S = 120.0
@@ -32,13 +31,6 @@ MODEL = "random:qwen2-vl-tiny"
 SERVED = "tiny-qwen2-vl"
 TEXT_1 = [1, 504, 2119, 28, 216]  # a few plain token ids around the image
 TEXT_2 = [3101, 30, 216]
-
-
-def png(seed: int, size: tuple[int, int] = (224, 224)) -> bytes:
-    pixels = np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,10 @@ transformers' own Qwen2VLForConditionalGeneration on the same weights and inputs
 
 from __future__ import annotations
 
-import io
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from common.config import Settings
 from common.model_source import load_tokenizer
@@ -17,14 +15,8 @@ from common.wire import ImageInput, SamplingParams, ScoreQuery, SeqStep
 from services.worker.engine import Engine
 from services.worker.model_loader import LoadedModel, load_model
 from services.worker.readouts import Readouts
+from tests.images import png
 from tests.worker.conftest import GREEDY, Driver
-
-
-def png(seed: int, size: tuple[int, int] = (224, 224)) -> bytes:
-    pixels = np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
