@@ -289,7 +289,6 @@ class Scheduler:
             # previous step's tokens is worked out while the workers compute this one.
             await asyncio.sleep(0)
             self._emit_deferred()
-            self.controllers.flush()
             self._flush_events()
             results = await in_flight
             for (worker, _, batch), result in zip(steps, results):
