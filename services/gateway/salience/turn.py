@@ -216,8 +216,10 @@ class Turn:
                 for sampled in item.tokens:
                     position = length + len(self.sent)
                     token = self._decoded_token(sampled, position, outputs)
-                    yield pb.GenerateEvent(token=token)
+                    # counted before the yield: a cancel arriving while the message is on its way
+                    # interrupts the yield, and the client may still have read the token
                     self.sent.append(sampled.token_id)
+                    yield pb.GenerateEvent(token=token)
                 if item.finish_reason is not None:
                     finished = True
                     if item.finish_reason == "timeout":
