@@ -107,6 +107,18 @@ static void test_regex(void) {
     out(&b);
 }
 
+/* Appends v dumped (as a JSON string) when found, else null. */
+static void put_dumped(aici_buf *b, int found, const aici_json *v) {
+    if (!found) {
+        aici_buf_puts(b, "null");
+        return;
+    }
+    aici_buf one = {0};
+    dump(&one, *v);
+    aici_json_put_str(b, one.p, one.n);
+    aici_buf_free(&one);
+}
+
 static void test_json(void) {
     aici_json docs, d, v;
     aici_json_get(arg, "docs", &docs);
@@ -119,14 +131,7 @@ static void test_json(void) {
         char *text = aici_json_str(d, &n);
         if (!first) aici_buf_putc(&b, ',');
         first = 0;
-        if (aici_json_parse(text, n, &v)) {
-            aici_buf one = {0};
-            dump(&one, v);
-            aici_json_put_str(&b, one.p, one.n);
-            aici_buf_free(&one);
-        } else {
-            aici_buf_puts(&b, "null");
-        }
+        put_dumped(&b, aici_json_parse(text, n, &v), &v);
         free(text);
     }
     aici_buf_puts(&b, "]}");
@@ -186,14 +191,7 @@ static void test_get(void) {
             char *key = aici_json_str(k, NULL);
             if (!first) aici_buf_putc(&b, ',');
             first = 0;
-            if (aici_json_get(obj, key, &v)) {
-                aici_buf one = {0};
-                dump(&one, v);
-                aici_json_put_str(&b, one.p, one.n);
-                aici_buf_free(&one);
-            } else {
-                aici_buf_puts(&b, "null");
-            }
+            put_dumped(&b, aici_json_get(obj, key, &v), &v);
             free(key);
         }
     }
