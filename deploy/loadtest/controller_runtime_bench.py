@@ -6,7 +6,7 @@ request and encoding of the reply, in-process (no socket). Controllers: a trivia
 (all-ones mask), the shipped Wasm ``constrain`` controller with a JSON schema (llguidance mask + commit
 every step), and the native ``constrained`` controller with the same schema.
 
-    .venv/bin/python deploy/loadtest/controller_runtime_bench.py [--steps 20] [--repeats 3]
+    .venv/bin/python deploy/loadtest/controller_runtime_bench.py [--steps 64] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ TARGET_US = 30.0
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},
           "required": ["name", "age", "tags"], "additionalProperties": False}
-DOCUMENT = '{"name":"Ada Lovelace","age":36,"tags":["math","poetry","engines","notes"]}'
+DOCUMENT = ('{"name":"Ada Lovelace","age":36,"tags":["math","poetry","engines","notes","analysis","bernoulli",'
+            '"babbage","london","countess","programs","music","looms","numbers","cards","mill","store","tables"]}')
 
 TRIVIAL_WAT = """(module
   (import "env" "aici_host_return_process_result" (func $ret (param i32 i32)))
@@ -78,7 +79,7 @@ def run_case(runtime: Runtime, ref: str, arg: object, n: int, tokens: list[int])
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="steps per case (the JSON document is cut to this)")
+    parser.add_argument("--steps", type=int, default=64, help="steps per case (the JSON document is cut to this)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
@@ -92,7 +93,7 @@ def main() -> None:
     constrain = registry.create((ROOT / "controllers/wasm/constrain.wasm").read_bytes(), "bench")["module_id"]
     doc_tokens = tokenizer.tokenize(DOCUMENT.encode())[: args.steps]
     cases = [
-        ("trivial wasm", trivial, "", [42] * args.steps),
+        ("trivial wasm", trivial, "", [42] * len(doc_tokens)),
         ("json-schema wasm (constrain.wasm)", constrain, {"json_schema": SCHEMA}, doc_tokens),
         ("json-schema native:constrained", "native:constrained", {"json_schema": SCHEMA, "max_tokens": 10_000},
          doc_tokens),

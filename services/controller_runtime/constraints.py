@@ -95,7 +95,10 @@ class Constraint:
         m = self.matcher
         eos = bool(tokens) and tokens[-1] == self.tokenizer.eos_token
         body = tokens[:-1] if eos else tokens
-        if m.validate_tokens(body) != len(body) or not m.consume_tokens(body):
+        consumed = m.try_consume_tokens(body)
+        if consumed != len(body):
+            if consumed:
+                m.rollback(consumed)
             return REJECTED
         if eos:  # EOS ends a constraint only where the grammar may end
             return FINISHED if m.is_accepting() or m.is_stopped() else REJECTED

@@ -18,6 +18,7 @@ from services.controller_runtime.wasm import ControllerError, WasmController
 _pre_decoder = msgspec.json.Decoder(aici_wire.PreProcessResult)
 _post_decoder = msgspec.json.Decoder(aici_wire.PostProcessResult)
 _mid_decoder = msgspec.json.Decoder(aici_wire.MidProcessResult)
+_PRE_DEFAULT = aici_wire.PreProcessResult()  # what a guest flagging IO_PRE_DEFAULT would return
 
 
 def _check_mid(result: aici_wire.MidProcessResult, host: SeqHost) -> aici_wire.MidProcessResult:
@@ -54,6 +55,9 @@ class WasmInstance:
             self.host.storage_log[:0] = storage
 
     def pre_process(self) -> aici_wire.PreProcessResult:
+        if self.ctrl.pre_default and not self.ctrl.dead:
+            self.host.begin_call(None)
+            return _PRE_DEFAULT
         return self._invoke("aici_pre_process", b"{}", self.d.pre_deadline_ms, _pre_decoder)
 
     def mid_process(self, fork_group: list[int], mask_address: int) -> aici_wire.MidProcessResult:

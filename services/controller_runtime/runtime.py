@@ -199,7 +199,7 @@ class Runtime:
     def mid_process(self, req: aici_wire.MidProcess) -> tuple[dict[str, Any], bytearray]:
         """Fork the clones, then run mid_process for every op in order; returns (data, mask rows)."""
         rows = bytearray(len(req.ops) * self._row_bytes)
-        base = ctypes.addressof((ctypes.c_char * len(rows)).from_buffer(rows)) if rows else 0
+        base = ctypes.addressof(ctypes.c_char.from_buffer(rows)) if rows else 0
         seqs: dict[str, dict] = {}
         groups: dict[int, list[int]] = {}
         failed: dict[int, str] = {}

@@ -30,6 +30,7 @@ from services.controller_runtime.tokenizer import TokenizerInfo
 I32, I64 = wasmtime.ValType.i32(), wasmtime.ValType.i64()
 BLOB_MODULE_ARG, BLOB_TOKENIZE, BLOB_PROCESS_ARG, BLOB_STORAGE, BLOB_TRIE = 1, 2, 4, 5, 100
 WASI_BADF, WASI_PERM = 8, 63
+IO_HEADER, IO_NONE, IO_PRE_DEFAULT = 16, 0xFFFFFFFF, 1  # the optional I/O area (ABI.md "Fast path")
 
 _memory_data = ctypes.CFUNCTYPE(c_void_p, c_void_p, c_void_p)(("wasmtime_memory_data", ffi.dll))
 _memory_size = ctypes.CFUNCTYPE(ctypes.c_size_t, c_void_p, c_void_p)(("wasmtime_memory_data_size", ffi.dll))
@@ -43,6 +44,9 @@ _define_unchecked = ctypes.CFUNCTYPE(c_void_p, c_void_p, ctypes.c_char_p, ctypes
                                      ctypes.c_size_t, c_void_p, c_void_p, c_void_p, c_void_p)(
     ("wasmtime_linker_define_func_unchecked", ffi.dll))
 _no_finalizer = ctypes.CFUNCTYPE(None, c_void_p)(lambda _: None)
+_io_words = struct.Struct("<II")
+_io_none = _io_words.pack(IO_NONE, IO_NONE)
+_u32 = struct.Struct("<I")
 _tls = threading.local()  # .inst: the WasmController whose export is running on this thread
 
 # export name -> (params, results) every module must have (aici_panic is optional)
@@ -99,6 +103,7 @@ class WasmModule:
     pre: wasmtime.InstancePre
     mutable_globals: list[str]
     has_panic: bool
+    has_io: bool
 
 
 class WasmEngine:
@@ -149,12 +154,15 @@ class WasmEngine:
         panic = exports.get("aici_panic")
         if panic is not None and (not isinstance(panic, wasmtime.FuncType) or panic.params or panic.results):
             raise ControllerError("export 'aici_panic' must take and return nothing")
+        io = exports.get("tiller_io")
+        if io is not None and (not isinstance(io, wasmtime.FuncType) or io.params or [str(r) for r in io.results] != ["i32"]):
+            raise ControllerError("export 'tiller_io' must take nothing and return an i32")
         try:
             pre = self.linker.instantiate_pre(module)
         except wasmtime.WasmtimeError as exc:
             raise ControllerError(f"module imports something the host does not provide: {exc}") from exc
         mutable = [n for n, t in exports.items() if isinstance(t, wasmtime.GlobalType) and t.mutable]
-        return WasmModule(module, pre, mutable, panic is not None)
+        return WasmModule(module, pre, mutable, panic is not None, io is not None)
 
 
 class WasmController:
@@ -181,8 +189,11 @@ class WasmController:
         self._mem_addr = ctypes.addressof(self.memory._memory)
         self._base = _memory_data(self._ctx_addr, self._mem_addr)
         self._size = _memory_size(self._ctx_addr, self._mem_addr)  # grows only; re-read when exceeded
-        self._func_structs = [ex[name]._func for name in REQUIRED_EXPORTS]  # keep alive
-        self._funcs = {name: ctypes.addressof(f) for name, f in zip(REQUIRED_EXPORTS, self._func_structs)}
+        names = [*REQUIRED_EXPORTS, "tiller_io"] if module.has_io else list(REQUIRED_EXPORTS)
+        self._func_structs = [ex[name]._func for name in names]  # keep alive
+        self._funcs = {name: ctypes.addressof(f) for name, f in zip(names, self._func_structs)}
+        self._io: memoryview | None = None  # the guest's I/O area (header + cap bytes), once set up
+        self._io_offset = self._io_cap = 0
         self._panic = byref(ex["aici_panic"]._func) if module.has_panic else None
         self._args = (ffi.wasmtime_val_raw * 1)()
         self._args_addr = ctypes.addressof(self._args)
@@ -246,8 +257,17 @@ class WasmController:
             raise ControllerError(f"controller already failed: {self.dead}")
         self.host.begin_call(mask_address)
         self.blob_process_arg = arg
+        io = self._io
+        if io is not None:  # arg_len + arg (or NONE: read the blob), result_len = NONE: "write your result here"
+            if len(arg) <= self._io_cap:
+                io[8:16] = _io_words.pack(len(arg), IO_NONE)
+                io[16:16 + len(arg)] = arg
+            else:
+                io[8:16] = _io_none
         try:
             self._call(export, deadline_ms, with_handle=True)
+            if self.host.result is None and io is not None:
+                self._io_result(export, io)
             if self.host.result is None:
                 raise ControllerError(f"{export}: aici_host_return_process_result not called")
         except ControllerError as exc:
@@ -255,6 +275,19 @@ class WasmController:
             self._call_panic()
             raise
         return self.host.result
+
+    def _io_result(self, export: str, io: memoryview) -> None:
+        n, = _u32.unpack_from(io, 12)
+        if n == IO_NONE:
+            return
+        if n > self._io_cap:
+            raise ControllerError(f"{export}: result_len {n} is beyond the I/O area's capacity {self._io_cap}")
+        self.host.result = bytes(io[IO_HEADER:IO_HEADER + n])
+
+    @property
+    def pre_default(self) -> bool:
+        """The guest says its pre_process always continues with no effects (the host may skip calling it)."""
+        return self._io is not None and bool(_u32.unpack_from(self._io, 4)[0] & IO_PRE_DEFAULT)
 
     def _call_panic(self) -> None:
         if self._panic is None:
@@ -275,9 +308,23 @@ class WasmController:
         try:
             self._call("aici_init", deadline_ms, with_handle=False)
             self.handle = self._call("aici_create", deadline_ms, with_handle=False)
+            if self.module.has_io:
+                self._set_io(self._call("tiller_io", deadline_ms, with_handle=False) & 0xFFFFFFFF)
         except ControllerError as exc:
             self.dead = str(exc)
             raise
+
+    def _set_io(self, offset: int, cap: int | None = None) -> None:
+        """Check the I/O area at guest ``offset``: its header and ``cap`` bytes (read from the header unless
+        given) must lie in the memory, which never moves, so a view over it stays valid."""
+        try:
+            if cap is None:
+                cap = ctypes.c_uint32.from_address(self.guest_address(offset, IO_HEADER)).value
+            address = self.guest_address(offset, IO_HEADER + cap)
+        except HostError as exc:
+            raise ControllerError(f"tiller_io: the I/O area is not in the guest's memory: {exc}") from exc
+        self._io = memoryview((ctypes.c_char * (IO_HEADER + cap)).from_address(address)).cast("B")
+        self._io_offset, self._io_cap = offset, cap
 
     def fork(self, seq_id: int) -> WasmController:
         """A new instance whose memory and mutable globals are copies of this one's (between calls)."""
@@ -297,6 +344,8 @@ class WasmController:
                        src_size)
         for name in self.module.mutable_globals:
             child.exports[name].set_value(child.store, self.exports[name].value(self.store))
+        if self._io is not None:
+            child._set_io(self._io_offset, self._io_cap)
         return child
 
     def close(self) -> None:
@@ -383,9 +432,8 @@ def _define_imports(engine: WasmEngine) -> None:
         return inst.host.constraint_new(v[0], source)
 
     def constraint_commit(inst: WasmController, v) -> int:
-        n = v[8] & 0xFFFFFFFF
-        raw = inst.read(v[4], 4 * n)
-        return inst.host.constraint(v[0]).commit(list(struct.unpack(f"<{n}I", raw)))
+        raw = inst.read(v[4], 4 * (v[8] & 0xFFFFFFFF))
+        return inst.host.constraint(v[0]).commit(memoryview(raw).cast("I").tolist())
 
     def constraint_return_bias(inst: WasmController, v) -> int:
         return inst.host.constraint_return_bias(v[0])

@@ -229,6 +229,16 @@ def test_declctrl_fixed_gen_choose_set_stop(host):
     assert any(s["WriteVar"]["name"] == "num" for s in run.seqs[0].storage)
 
 
+def test_args_and_results_beyond_the_sdk_io_area_take_the_blob_calls(host):
+    """A prompt and ff_tokens whose JSON is longer than the SDK's 4 KiB I/O area still get through."""
+    text = " a b c d e f g h" * 200
+    prompt = host.tok.tokenize(("word " * 1200).encode())
+    assert len(json.dumps({"prompt": prompt})) > 4096 and len(host.tok.tokenize(text.encode())) > 1000
+    run = Run(host, module("declctrl"), {"steps": [{"Fixed": {"text": text}}, {"Stop": {}}]}, prompt,
+              pick_lowest).run()
+    assert run.text() == text and not run.seqs[0].error
+
+
 def test_declctrl_gen_stop_at_max_tokens_and_eos_backtrack(host):
     eos = host.tok.eos_token
     prog = {"steps": [
