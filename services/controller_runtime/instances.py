@@ -18,7 +18,6 @@ from services.controller_runtime.wasm import ControllerError, WasmController
 _pre_decoder = msgspec.json.Decoder(aici_wire.PreProcessResult)
 _post_decoder = msgspec.json.Decoder(aici_wire.PostProcessResult)
 _mid_decoder = msgspec.json.Decoder(aici_wire.MidProcessResult)
-_PRE_DEFAULT = aici_wire.PreProcessResult()  # what a guest flagging IO_PRE_DEFAULT would return
 
 
 def _check_mid(result: aici_wire.MidProcessResult, host: SeqHost) -> aici_wire.MidProcessResult:
@@ -54,14 +53,17 @@ class WasmInstance:
             self.host.logs[:0] = logs
             self.host.storage_log[:0] = storage
 
+    @property
+    def pre_default(self) -> bool:
+        """pre_process would continue with no effect (the guest says so through its I/O area): the runtime
+        skips the call."""
+        return not self.ctrl.dead and self.ctrl.pre_default
+
     def pre_process(self) -> aici_wire.PreProcessResult:
-        if self.ctrl.pre_default and not self.ctrl.dead:
-            self.host.begin_call(None)
-            return _PRE_DEFAULT
         return self._invoke("aici_pre_process", b"{}", self.d.pre_deadline_ms, _pre_decoder)
 
     def mid_process(self, fork_group: list[int], mask_address: int) -> aici_wire.MidProcessResult:
-        arg = b'{"fork_group":[%s]}' % ",".join(map(str, fork_group)).encode()
+        arg = b'{"fork_group":[%s]}' % b",".join(b"%d" % i for i in fork_group)
         result = self._invoke("aici_mid_process", arg, self.d.mid_deadline_ms, _mid_decoder, mask_address)
         try:
             return _check_mid(result, self.host)
@@ -86,6 +88,8 @@ class WasmInstance:
 
 class NativeInstance:
     """A trusted Python controller; exceptions and overrun deadlines end the sequence (after the call)."""
+
+    pre_default = False
 
     def __init__(self, cls: type[NativeController], host: SeqHost, deadlines: Controllers) -> None:
         self.cls = cls

@@ -167,6 +167,10 @@ class Runtime:
         times), as AICI v0.0.x does, so the scheduler never reports them in post_ops."""
         instance = self.seqs[seq_id]
         host = instance.host
+        if instance.pre_default:
+            host.begin_call(None)
+            return {"error": "", "result": {"suspend": False, "num_forks": 1, "ff_tokens": []}, "storage": [],
+                    "logs": "", "micros": 0}
         start = time.perf_counter()
         logs, storage, ff = [], [], []
         try:
@@ -201,11 +205,10 @@ class Runtime:
         rows = bytearray(len(req.ops) * self._row_bytes)
         base = ctypes.addressof(ctypes.c_char.from_buffer(rows)) if rows else 0
         seqs: dict[str, dict] = {}
-        groups: dict[int, list[int]] = {}
+        groups: dict[int, list[int]] = {}  # fork groups of the clones and their parents; others are alone
         failed: dict[int, str] = {}
         for op in req.ops:
             if op.clone_id is None:
-                groups.setdefault(op.id, [op.id])
                 continue
             if op.id in self.seqs:
                 failed[op.id] = f"sequence {op.id} already exists; cannot clone {op.clone_id} into it"
@@ -233,7 +236,7 @@ class Runtime:
                 continue
             start = time.perf_counter()
             try:
-                result = instance.mid_process(groups[op.id], base + i * self._row_bytes)
+                result = instance.mid_process(groups.get(op.id) or [op.id], base + i * self._row_bytes)
             except ControllerError as exc:
                 seqs[str(op.id)] = seq_result(instance.host, _micros(start), error=str(exc))
                 continue
@@ -242,7 +245,11 @@ class Runtime:
 
 
 def _builtin(result: aici_wire.MidProcessResult) -> Any:
-    return result if isinstance(result, str) else msgspec.to_builtins(result)
+    if isinstance(result, str):
+        return result
+    if result.SampleWithBias == {}:  # the usual answer, without the generic conversion
+        return {"SampleWithBias": {}}
+    return msgspec.to_builtins(result)
 
 
 def _micros(start: float) -> int:
