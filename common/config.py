@@ -33,6 +33,8 @@ class Limits(BaseModel):
     max_tokens_cap: int = Field(4096, ge=1)
     prefill_chunk_tokens: int = Field(512, ge=16, description="prompt tokens of one sequence per step")
     step_token_budget: int = Field(2048, ge=16, description="tokens fed to the model in one step")
+    pipeline_depth: int = Field(2, ge=1, le=2, description="steps in flight per worker: 2 queues the next "
+                                "decode step while one runs (a sequence's step feeds the worker's own last sample)")
     max_top_logprobs: int = Field(20, ge=0)
     max_stop_strings: int = Field(16, ge=0)
     max_ws_message_bytes: int = Field(1 << 20, ge=1024, description="largest WebSocket frame accepted")

@@ -257,8 +257,12 @@ class SeqStep(msgspec.Struct, kw_only=True, omit_defaults=True):
        stood before this step (its KV blocks shared copy-on-write, its sampling params and history).
     2. ``backtrack``: drop that many tokens from the end of the sequence (its KV is truncated).
     3. feed ``tokens`` (a prompt chunk, fast-forward tokens, or the last sampled token); may be empty
-       only after a fork or backtrack with ``sample`` set.
+       only after a fork or backtrack with ``sample`` set, or with ``follow``.
     4. when ``sample`` is set, sample the next token from the logits after the last fed token.
+
+    ``follow`` (``tokens`` empty): feed the token the worker sampled for this sequence in its previous
+    step, which the scheduler has not seen yet; it lets the scheduler send a decode step before the
+    previous step's result is back (the worker never waits for it between steps).
 
     ``sampling`` is sent when a sequence starts or its parameters change. ``mask_row`` indexes the
     step's mask frame (-1: no mask). ``images`` (positions in the whole sequence) are the images
@@ -267,6 +271,7 @@ class SeqStep(msgspec.Struct, kw_only=True, omit_defaults=True):
     seq_id: int
     tokens: list[int]
     sample: bool = True
+    follow: bool = False
     sampling: SamplingParams | None = None
     mask_row: int = -1
     fork_of: int | None = None

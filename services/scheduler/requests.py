@@ -31,9 +31,12 @@ class LiveRequest:
     reserved: int = 0  # KV tokens reserved on its worker at admission
     seq_id: int = -1
     worker: bytes = b""
-    fed: int = 0  # prompt tokens already fed to the worker
+    fed: int = 0  # prompt tokens sent to the worker
+    applied: int = 0  # prompt tokens whose step results were applied
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # the last sampled token, fed on the next step
+    in_flight: int = 0  # steps sent with this request whose results are not applied yet
+    last_sample: bool = False  # whether the last step sent samples it (its next step can ``follow``)
     sampling_dirty: bool = True  # send SamplingParams with the next SeqStep
     # Session turns (Salience): the first SeqStep forks ``fork_of`` and/or drops ``backtrack``
     # tokens of a parked sequence; ``kv_tokens`` is what the worker's sequence holds once every

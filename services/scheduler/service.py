@@ -4,6 +4,11 @@ Gateways connect to the frontend ROUTER and submit requests; workers connect to 
 announce themselves and execute one batched ``Step`` per message. Each loop iteration admits queued
 requests, sends every worker one ``Step`` for its sequences, applies the sampled tokens (stop
 conditions, detokenization, stop strings) and sends every gateway one ``Events`` message.
+
+Steps are pipelined: up to ``limits.pipeline_depth`` steps are in flight, so a worker finds its next step
+waiting when it finishes one. A decoding request in the step before gets a ``follow`` SeqStep (the
+worker feeds the token it just sampled); when that token turns out to end the request (EOS, a stop
+string), the one sampled after it is dropped.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from dataclasses import dataclass
 
 import structlog
 import zmq
@@ -47,6 +53,15 @@ LIVENESS_DEAD_S = 10.0
 
 class WorkerLost(Exception):
     pass
+
+
+@dataclass
+class InFlight:
+    """Steps sent together (one per worker) and their results to come."""
+
+    steps: list[tuple[WorkerInfo, wire.Step, list[tuple[LiveRequest | Branch, wire.SeqStep]]]]
+    results: asyncio.Future[list[wire.StepResult | None]]
+    controlled: bool  # controlled sequences are in it: the next plan waits for its results
 
 
 class Scheduler:
@@ -221,8 +236,9 @@ class Scheduler:
                 worker = self.pool.workers.get(identity)
                 if worker and msg.kv_free_tokens >= 0:
                     worker.kv_free_tokens = msg.kv_free_tokens
-                if worker and worker.in_flight and worker.in_flight_step == msg.step_id and not worker.in_flight.done():
-                    worker.in_flight.set_result(msg)
+                waiting = worker.in_flight.get(msg.step_id) if worker else None
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(msg)
             elif isinstance(msg, wire.HealthReply):
                 pass  # touch() above was the point
             else:
@@ -236,7 +252,7 @@ class Scheduler:
             now = time.monotonic()
             for worker in self.pool.workers.values():
                 worker.suspect_since = now
-                if worker.in_flight is None:
+                if not worker.in_flight:
                     await self.worker_router.send(worker.identity, wire.Health())
 
     async def check_liveness(self) -> None:
@@ -244,7 +260,7 @@ class Scheduler:
             await asyncio.sleep(LIVENESS_PING_S / 4)
             now = time.monotonic()
             for worker in list(self.pool.workers.values()):
-                if worker.in_flight is not None:
+                if worker.in_flight:
                     continue
                 silent = now - worker.last_seen
                 suspect = worker.suspect_since is not None and now - worker.suspect_since > SUSPECT_GRACE_S
@@ -269,12 +285,22 @@ class Scheduler:
     # the step loop
 
     async def step_loop(self) -> None:
+        in_flight: deque[InFlight] = deque()
         while True:
             self._expire_deadlines()
             self._admit()
-            controlled = await self.controllers.plan(self.running.values(), self.limits.step_token_budget)
-            steps = self._build_steps(controlled)
-            if not steps:
+            sent = False
+            if len(in_flight) < self.limits.pipeline_depth:
+                plan = Plan()
+                if not any(f.controlled for f in in_flight):
+                    plan = await self.controllers.plan(self.running.values(), self.limits.step_token_budget)
+                steps = self._build_steps(plan)
+                if steps:
+                    results = asyncio.gather(*(self._run_step(worker, step) for worker, step, _ in steps))
+                    in_flight.append(InFlight(steps, results, controlled=bool(plan.per_worker)))
+                    sent = True
+                    await asyncio.sleep(0)  # one turn of the loop sends them
+            if not in_flight:
                 self._emit_deferred()
                 self.controllers.flush()
                 self._flush_events()
@@ -284,14 +310,13 @@ class Scheduler:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            in_flight = asyncio.gather(*(self._run_step(worker, step) for worker, step, _ in steps))
-            # Once the steps are on their way (one turn of the loop sends them), the text of the
-            # previous step's tokens is worked out while the workers compute this one.
-            await asyncio.sleep(0)
+            if sent and len(in_flight) < self.limits.pipeline_depth:
+                continue  # queue the step after it at once
+            # The text of the tokens applied last is worked out while the workers compute.
             self._emit_deferred()
             self._flush_events()
-            results = await in_flight
-            for (worker, _, batch), result in zip(steps, results):
+            oldest = in_flight.popleft()
+            for (worker, _, batch), result in zip(oldest.steps, await oldest.results):
                 if result is not None:
                     self._apply(worker, batch, result)
             self.controllers.flush()
@@ -314,7 +339,7 @@ class Scheduler:
             request.state = State.RUNNING
             request.seq_id = placement.seq_id if placement.seq_id is not None else next(self.seq_ids)
             request.fork_of, request.backtrack = placement.fork_of, placement.backtrack
-            request.fed = request.cached_tokens = placement.start
+            request.fed = request.applied = request.cached_tokens = placement.start
             request.kv_tokens = list(placement.held or [])
             request.worker = worker.identity
             request.reserved = request.needed_tokens
@@ -330,20 +355,30 @@ class Scheduler:
         for identity, items in controlled.per_worker.items():
             per_worker[identity] += [(b, s) for b, s in items if b.finished is None and b.request.state is State.RUNNING]
         # decoding sequences first (one token each), then prompt chunks within the token budget
+        max_len = self._max_model_len()
         ordered = sorted(
-            (r for r in self.running.values() if not r.paused and not r.submit.controller),
+            (r for r in self.running.values() if not r.paused and not r.submit.controller and self._steppable(r, max_len)),
             key=lambda r: (r.fed < len(r.prompt), r.sort_key),
         )
         for request in ordered:
             if budget <= 0:
                 break
-            tokens, sample = request.next_feed(min(self.limits.prefill_chunk_tokens, budget))
-            budget -= len(tokens)
-            seq = wire.SeqStep(seq_id=request.seq_id, tokens=tokens, sample=sample, images=request.images_in(tokens))
-            self._session_feed(request, seq)
+            if request.in_flight and request.last_sample:  # decoding in the step before: feed its sample
+                seq = wire.SeqStep(seq_id=request.seq_id, tokens=[], follow=True)
+                budget -= 1
+            else:
+                prefill = request.fed < len(request.prompt)
+                tokens, sample = request.next_feed(min(self.limits.prefill_chunk_tokens, budget))
+                budget -= len(tokens)
+                seq = wire.SeqStep(seq_id=request.seq_id, tokens=tokens, sample=sample, images=request.images_in(tokens))
+                self._session_feed(request, seq)
+                if prefill:
+                    request.fed += len(tokens)
             if request.sampling_dirty:
                 seq.sampling = request.submit.sampling
                 request.sampling_dirty = False
+            request.in_flight += 1
+            request.last_sample = seq.sample
             per_worker[request.worker].append((request, seq))
         steps = []
         for identity in set(per_worker) | {i for i, seqs in self.to_free.items() if seqs}:
@@ -355,10 +390,22 @@ class Scheduler:
             steps.append((worker, step, batch))
         return steps
 
+    def _steppable(self, request: LiveRequest, max_len: int) -> bool:
+        """Whether a plain request may go into the step being built. With a step of it in flight, only
+        a prompt chunk that does not sample, or a ``follow`` of a decoding step whose token will not be
+        its last (a session turn never follows: the KV it keeps must hold exactly its tokens)."""
+        if not request.in_flight:
+            return True
+        if request.in_flight > 1 or (request.fed >= len(request.prompt) and not request.last_sample):
+            return False
+        if not request.last_sample:
+            return True
+        after = len(request.generated) + 1  # tokens once the step in flight is applied
+        return (request.submit.session is None and after < request.submit.max_tokens
+                and len(request.prompt) + after < max_len)
+
     async def _run_step(self, worker: WorkerInfo, step: wire.Step) -> wire.StepResult | None:
-        loop = asyncio.get_running_loop()
-        worker.in_flight = loop.create_future()
-        worker.in_flight_step = step.step_id
+        done = worker.in_flight[step.step_id] = asyncio.get_running_loop().create_future()
         deadline = time.monotonic() + self.limits.worker_step_timeout_s
         try:
             step.masks_follow = self.controllers.awaits_masks(step)
@@ -367,7 +414,7 @@ class Scheduler:
                 await self.worker_router.send(worker.identity, *await self.controllers.step_masks(step))
             while True:
                 try:
-                    return await asyncio.wait_for(asyncio.shield(worker.in_flight), timeout=0.25)
+                    return await asyncio.wait_for(asyncio.shield(done), timeout=0.25)
                 except asyncio.TimeoutError:
                     now = time.monotonic()
                     suspect = worker.suspect_since is not None and now - worker.suspect_since > SUSPECT_GRACE_S
@@ -377,8 +424,7 @@ class Scheduler:
             self._lose_worker(worker, str(exc))
             return None
         finally:
-            worker.in_flight = None
-            worker.in_flight_step = -1
+            worker.in_flight.pop(step.step_id, None)
 
     def _apply(self, worker: WorkerInfo, batch: list[tuple[LiveRequest | Branch, wire.SeqStep]], result: wire.StepResult) -> None:
         failures = {f.seq_id: f.message for f in result.failures}
@@ -388,6 +434,7 @@ class Scheduler:
             if isinstance(request, Branch):
                 self.controllers.apply(request, seq, result, max_len)
                 continue
+            request.in_flight -= 1
             if seq.fork_of is not None:
                 self.sessions.forked(seq.fork_of)
             if request.state is State.FINISHED:  # cancelled while its step ran
@@ -397,11 +444,11 @@ class Scheduler:
             if seq.seq_id in failures:
                 self._fail(request, INTERNAL_ERROR, f"the worker failed this sequence: {failures[seq.seq_id]}")
                 continue
-            if request.fed < len(request.prompt):
+            if request.applied < len(request.prompt):
                 self._prompt_outputs(request, seq, result)
                 request.cached_tokens += result.cached_tokens.get(seq.seq_id, 0)
-                request.fed += len(seq.tokens)
-                if request.submit.max_tokens == 0 and request.fed == len(request.prompt):
+                request.applied += len(seq.tokens)
+                if request.submit.max_tokens == 0 and request.applied == len(request.prompt):
                     self._finish(request, "length")
             else:
                 request.pending = None
@@ -539,7 +586,7 @@ class Scheduler:
             request.scored[score.position + 1] = score
         readouts = {r.position: r.values for r in result.readouts.get(seq.seq_id, [])}
         outputs = []
-        for p in range(request.fed, request.fed + len(seq.tokens)):
+        for p in range(request.applied, request.applied + len(seq.tokens)):
             if p not in request.logprob_positions and p not in request.readout_positions:
                 continue
             out = wire.PositionOutput(position=p, token_id=request.prompt[p], readout=readouts.get(p, b""))

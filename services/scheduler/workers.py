@@ -15,8 +15,7 @@ class WorkerInfo:
     hello: wire.WorkerHello
     last_seen: float = field(default_factory=time.monotonic)
     reserved_tokens: int = 0  # KV reserved by admitted requests
-    in_flight: asyncio.Future[wire.StepResult] | None = None
-    in_flight_step: int = -1
+    in_flight: dict[int, asyncio.Future[wire.StepResult]] = field(default_factory=dict)  # step_id -> its result
     suspect_since: float | None = None  # set when a peer disconnected: answer soon or be dropped
     kv_free_tokens: int | None = None  # as its last step result reported (None: no step yet)
 

@@ -69,6 +69,7 @@ class _Seq:
     sampler: SeqSampler
     tokens: list[int] = field(default_factory=list)  # every token fed so far; len() is the cached length
     forks: int = 0  # forks made of this sequence so far (seeds each fork's generator apart)
+    last_sample: int | None = None  # sampled and not fed yet: what a ``follow`` SeqStep feeds
 
 
 def _kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -293,6 +294,8 @@ class Engine:
         cached: dict[int, int] = {}
         for s in ready:
             try:
+                if s.follow:
+                    self._resolve_follow(s)
                 item, hits = self._admit(s, masks)
             except _Invalid as exc:
                 self._fail(failures, s, exc)
@@ -362,6 +365,8 @@ class Engine:
             seqs = [self.seqs[s.seq_id] for s in sampling]
             tokens = sample(logits, [q.sampler for q in seqs], [q.tokens for q in seqs], bias)
             samples = {s.seq_id: t for s, t in zip(sampling, tokens)}
+            for q, t in zip(seqs, tokens):
+                q.last_sample = t.token_id
         step = forwarded.step
         return StepResult(
             mid=step.mid,
@@ -489,6 +494,16 @@ class Engine:
             raise _Invalid(f"sequence {s.seq_id}: top_logprobs must be in [0, {self.vocab_size}]")
         return capture
 
+    def _resolve_follow(self, s: SeqStep) -> None:
+        """A ``follow`` SeqStep feeds the token its sequence sampled last (once)."""
+        seq = self.seqs.get(s.seq_id)
+        if s.tokens:
+            raise _Invalid(f"sequence {s.seq_id}: a follow step carries no tokens")
+        if seq is None or seq.last_sample is None:
+            raise _Invalid(f"sequence {s.seq_id}: follow, but it has no sampled token to feed")
+        s.tokens = [seq.last_sample]
+        s.follow = False
+
     def _admit_decode(self, s: SeqStep, seq: _Seq, masks: _Masks | None) -> SeqInput:
         """``_admit`` for the commonest SeqStep, one token fed to a live sequence and sampled after:
         no prefix lookup (a single token to sample after is always computed), no forks, backtracks
@@ -504,6 +519,7 @@ class Engine:
             self.tables.prepare_write(s.seq_id, start)
             self.tables.reserve(s.seq_id, start + 1)
         seq.tokens.append(token)
+        seq.last_sample = None
         return SeqInput(seq_id=s.seq_id, tokens=s.tokens, start=start, logits=True)
 
     @contextmanager
@@ -570,6 +586,7 @@ class Engine:
             self.tables.prepare_write(s.seq_id, first)
             self.tables.reserve(s.seq_id, end)
         seq.tokens += feed
+        seq.last_sample = None
         hits = first - start if s.tokens else 0
         if first == end:
             return None, hits

@@ -232,6 +232,42 @@ def test_bad_input_fails_only_that_sequence(driver: Driver, prompts) -> None:
     assert driver.engine.stats()["active_seqs"] == 0
 
 
+def test_follow_feeds_the_last_sample_and_matches_generate(driver: Driver, prompts, expected) -> None:
+    """Steps that feed ``follow`` (the worker's own last sample) give transformers' tokens, next to a
+    sequence fed its tokens explicitly in the same steps."""
+    a, b = 470, 471
+    result = driver.step([SeqStep(seq_id=a, tokens=prompts[0], sampling=GREEDY),
+                          SeqStep(seq_id=b, tokens=prompts[1], sampling=GREEDY)])
+    got = {a: [result.samples[a].token_id], b: [result.samples[b].token_id]}
+    while len(got[a]) < NEW_TOKENS:
+        result = driver.step([SeqStep(seq_id=a, tokens=[], follow=True), SeqStep(seq_id=b, tokens=[got[b][-1]])])
+        assert not result.failures, result.failures
+        for seq_id in (a, b):
+            got[seq_id].append(result.samples[seq_id].token_id)
+    driver.engine.free([a, b])
+    assert got == {a: expected[0], b: expected[1]}
+
+
+def test_follow_without_a_sample_to_feed_fails_only_that_sequence(driver: Driver, prompts) -> None:
+    result = driver.step([SeqStep(seq_id=480, tokens=prompts[0], sampling=GREEDY, sample=False),
+                          SeqStep(seq_id=481, tokens=prompts[1], sampling=GREEDY),
+                          SeqStep(seq_id=482, tokens=prompts[2], sampling=GREEDY)])
+    token = result.samples[481].token_id
+    result = driver.step([SeqStep(seq_id=480, tokens=[], follow=True),  # fed, never sampled
+                          SeqStep(seq_id=481, tokens=[token]),  # its sample was fed explicitly ...
+                          SeqStep(seq_id=482, tokens=[token], follow=True),  # tokens and follow
+                          SeqStep(seq_id=483, tokens=[], follow=True)])  # unknown
+    failures = {f.seq_id: f.message for f in result.failures}
+    assert "no sampled token to feed" in failures[480] and "no sampled token to feed" in failures[483]
+    assert "a follow step carries no tokens" in failures[482] and list(result.samples) == [481]
+    result = driver.step([SeqStep(seq_id=481, tokens=[], follow=True)])  # ... so this feeds the new one
+    assert not result.failures and 481 in result.samples
+    second = driver.step([SeqStep(seq_id=481, tokens=[], follow=True)])
+    assert not second.failures
+    driver.engine.free([481])
+    assert driver.engine.stats()["active_seqs"] == 0
+
+
 def test_free_only_step_and_unknown_free_ids(driver: Driver) -> None:
     result = driver.step([], free=[999_999])
     assert result.samples == {} and result.failures == []
