@@ -27,6 +27,8 @@ from common.sockets import ensure_ipc_dir
 
 log = structlog.get_logger()
 
+MAX_LOGS_IN_MESSAGE = 2000  # the tail of a failed init's logs quoted in its error message
+
 
 class Unauthorized(TillerError):
     """No valid credentials for the controller API."""
@@ -62,6 +64,17 @@ class ControllerError(TillerError):
 
     def __init__(self, message: str) -> None:
         super().__init__(INVALID_REQUEST, message)
+
+
+class ControllerInitFailed(ControllerError):
+    """The controller was created but failed while starting (a trap or ``aici_host_stop`` in init);
+    ``result`` is the runtime's SeqResult: ``error``, ``logs`` (often the reason), ``storage``, ``micros``."""
+
+    def __init__(self, result: dict[str, Any]) -> None:
+        logs = str(result.get("logs") or "").strip()
+        detail = f" (logs: {logs[-MAX_LOGS_IN_MESSAGE:]})" if logs else ""
+        super().__init__(f"the controller failed to start: {result['error']}{detail}")
+        self.result = result
 
 
 class SideChannel:
@@ -100,6 +113,13 @@ class SideChannel:
 
     async def call(self, op: str, caller: Caller, **fields: Any) -> dict[str, Any]:
         """Run ``op``; its ``data``, or ControllerError with the runtime's message."""
+        reply = await self._exchange(op, caller, fields)
+        if reply["type"] != "ok":
+            raise ControllerError(str(reply.get("error") or f"{op} failed"))
+        return reply.get("data") or {}
+
+    async def _exchange(self, op: str, caller: Caller, fields: dict[str, Any]) -> dict[str, Any]:
+        """Send ``op`` and wait for the reply with its ``$rid``."""
         self.start()
         rid = str(uuid.uuid4())
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -111,9 +131,7 @@ class SideChannel:
             raise TillerError(INTERNAL_ERROR, f"the controller runtime did not answer {op}; is it running?") from None
         finally:
             self._pending.pop(rid, None)
-        if reply["type"] != "ok":
-            raise ControllerError(str(reply.get("error") or f"{op} failed"))
-        return reply.get("data") or {}
+        return reply
 
     async def mk_module(self, caller: Caller, wasm: bytes) -> dict[str, Any]:
         return await self.call("mk_module", caller, binary=base64.b64encode(wasm).decode("ascii"))
@@ -127,10 +145,13 @@ class SideChannel:
     async def instantiate(
         self, caller: Caller, req_id: str, prompt: list[int], module_id: str, module_arg: str
     ) -> dict[str, Any]:
-        """Instantiate a controller for ``req_id``; a trap or error during init raises ControllerError."""
-        data = await self.call(
-            "instantiate", caller, req_id=req_id, prompt=prompt, module_id=module_id, module_arg=module_arg
-        )
-        if data.get("error"):  # SequenceResult<InitPromptResult> with an error
-            raise ControllerError(f"the controller failed to start: {data['error']}")
+        """Instantiate a controller for ``req_id``. A refused request (unknown module, bad prompt) raises
+        ControllerError; a controller that fails while starting raises ControllerInitFailed."""
+        fields = {"req_id": req_id, "prompt": prompt, "module_id": module_id, "module_arg": module_arg}
+        reply = await self._exchange("instantiate", caller, fields)
+        data = reply.get("data") or {}
+        if data.get("error"):  # the SeqResult of a failed init (AICI answers ok, the runtime error: either works)
+            raise ControllerInitFailed(data)
+        if reply["type"] != "ok":
+            raise ControllerError(str(reply.get("error") or "instantiate failed"))
         return data

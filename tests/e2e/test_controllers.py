@@ -410,10 +410,46 @@ async def test_controller_error_on_websocket_is_a_clean_error(stack, test_module
     assert error["type"] == "error" and "trap" in error["message"] and error["request_id"], error
 
 
-async def test_trap_at_init_is_an_http_error(stack, test_module):
-    response = await run_error(stack, {"controller": test_module, "controller_arg": "trap_init", "prompt": "Hi"})
-    assert response.status_code == 400
-    assert "init" in response.json()["error"]["message"], response.text
+async def test_trap_at_init_fails_fork_0_in_the_stream(stack, test_module):
+    """AICI (rLLM): a controller that fails at instantiate still gets its stream, one ``run`` event failing
+    fork 0 with the error and the logs, nothing generated."""
+    out = await run(stack, test_module, "trap_init", prompt="Hi")
+    assert len(out.events) == 3, out.events  # initial-run, the failure, [DONE]
+    fork = out.events[1]["forks"][0]
+    assert (fork["index"], fork["finish_reason"], fork["text"]) == (0, "fail", ""), fork
+    assert "init" in fork["error"] and "trap" in fork["error"], fork
+    assert out.usage == {"sampled_tokens": 0, "ff_tokens": 0, "cost": 0}
+
+
+async def test_bad_controller_arg_reason_reaches_the_client(stack, modules):
+    """The reason a shipped controller refuses its argument is in its logs: /v1/run streams them, the other
+    surfaces quote them in the error message."""
+    out = await run(stack, modules["constrain"], {"regex": "("}, prompt="Hi")
+    fork = out.forks[0]
+    assert fork.finish_reason == "fail" and "aici_host_stop" in fork.error, fork
+    assert "constrain: bad controller_arg" in fork.logs, fork
+    async with client(stack) as http:
+        response = await http.post("/v1/generate", json={"prompt": "Hi", "controller": modules["constrain"],
+                                                         "controller_arg": {"regex": "("}, "stream": False})
+    assert response.status_code == 400, response.text
+    assert "constrain: bad controller_arg" in response.json()["error"]["message"], response.text
+
+
+async def test_none_controller_is_plain_generation(stack, hf_greedy):
+    """rLLM's ``controller: "none"``: no controller, ``controller_arg`` is the prompt."""
+    expected = hf_greedy(stack.tokenizer(PLAIN_PROMPT).input_ids, 8)
+    out = await run(stack, "none", PLAIN_PROMPT, max_tokens=8)
+    fork = out.forks[0]
+    assert fork.text == stack.tokenizer.decode(expected, skip_special_tokens=True), fork
+    assert (fork.finish_reason, fork.error, fork.logs) == ("length", "", ""), fork
+    assert out.usage == {"sampled_tokens": 8, "ff_tokens": 0, "cost": 16}
+
+
+async def test_null_sampling_fields_take_their_defaults(stack, modules):
+    """rLLM's RunRequest has optional temperature/top_p/top_k/max_tokens: ``null`` is the default."""
+    out = await run(stack, modules["yesno"], prompt="Is snow cold? Answer:", temperature=None, top_p=None,
+                    top_k=None, max_tokens=None)
+    assert out.forks[0].text in ("Yes", "No") and out.forks[0].finish_reason == "aici-stop", out.forks
 
 
 async def test_unknown_module_is_an_http_error(stack):
