@@ -31,7 +31,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from common import wire
+from common import aici_wire, wire
 from common.errors import ERROR_TRAITS, INTERNAL_ERROR, INVALID_REQUEST, MODEL_LOADING_ERROR, TillerError
 from services.gateway.driver import Gateway, context_budget, new_request_id
 from services.gateway.engine import HEALTH_MAX_AGE_S, StreamItem, worker_stage
@@ -44,7 +44,6 @@ from services.gateway.validation import (
     LimitChecks,
     StrictModel,
     TopP,
-    controller_arg_text,
     validate,
 )
 
@@ -276,7 +275,7 @@ async def _start_run(gw: Gateway, run: RunRequest, caller: Caller) -> AsyncItera
     rid = new_request_id("run-")
     if not run.plain:
         try:
-            await _side(gw).instantiate(caller, rid, prompt_ids, run.controller, controller_arg_text(run.controller_arg))
+            await _side(gw).instantiate(caller, rid, prompt_ids, run.controller, aici_wire.module_arg_text(run.controller_arg))
         except ControllerInitFailed as exc:
             return failed_start(rid, model, exc.result)
     queue = gw.engine.open_stream(rid)

@@ -36,7 +36,8 @@ PLAIN_TOKENS = 24
 #               (backtrack 2, ff " forty-two."), samples one more free token, logs its token list and stops;
 #   loop      - mid_process never returns;  trap - traps on its third mid_process;
 #   oom       - grows memory until the limit, then aborts (as an allocator would);
-#   badptr    - hands the host a result pointer outside its memory;  trap_init - traps in init_prompt.
+#   badptr    - hands the host a result pointer outside its memory;  trap_init - traps in init_prompt;
+#   {...}     - (a JSON object) logs its argument and stops in init_prompt.
 TEST_CONTROLLER = r"""
 #include "aici.h"
 enum { SPLICE, LOOP, TRAP, OOM, BADPTR };
@@ -52,7 +53,10 @@ static void init_prompt(const uint32_t *prompt, uint32_t n) {
     else if (IS("oom")) mode = OOM;
     else if (IS("badptr")) mode = BADPTR;
     else if (IS("trap_init")) __builtin_trap();
-    else aici_host_stop();
+    else {
+        if (len && arg[0] == '{') aici_log(arg, len);
+        aici_host_stop();
+    }
 }
 
 static aici_pre_result pre_process(void) {
@@ -433,6 +437,12 @@ async def test_bad_controller_arg_reason_reaches_the_client(stack, modules):
                                                          "controller_arg": {"regex": "("}, "stream": False})
     assert response.status_code == 400, response.text
     assert "constrain: bad controller_arg" in response.json()["error"]["message"], response.text
+
+
+async def test_json_controller_arg_is_serialized_as_aici_does(stack, test_module):
+    """A JSON ``controller_arg`` reaches the controller as serde_json writes it: compact, UTF-8."""
+    out = await run(stack, test_module, {"a": [1, "é"], "b": None}, prompt="Hi")
+    assert out.forks[0].finish_reason == "fail" and out.forks[0].logs == '{"a":[1,"é"],"b":null}', out.forks
 
 
 async def test_none_controller_is_plain_generation(stack, hf_greedy):
