@@ -1,10 +1,12 @@
 """The gateway's side channel to the controller runtime (seed 001): asynchronous requests matched by
 ``$rid``, each carrying the caller as ``$auth``; and how a caller is identified.
 
-Identification (``settings.api_auth``): when bearer tokens are configured, a request must carry
-``Authorization: Bearer <token>`` and the token's user is the caller; otherwise the caller is the
-user named by the ``x-user-id`` header (as rLLM expects a front proxy to set it), or
-``default_user``. A caller is admin iff its name is in ``admins``.
+Identification (``settings.api_auth``): when tokens are configured, a request must carry
+``Authorization: Bearer <token>`` (or pyaici's ``api-key: <token>``) and the token's user is the
+caller, admin iff its name is in ``admins``. Otherwise the caller is the user named by the
+``x-user-id`` header (as rLLM expects a front proxy to set it), or ``default_user``; it is admin iff
+an ``x-user-role`` header says ``admin`` (rLLM's rule), or, without that header, its name is in
+``admins``.
 """
 
 from __future__ import annotations
@@ -50,13 +52,22 @@ def caller_of(conn: HTTPConnection, settings: Settings) -> Caller:
     """The caller of an HTTP or WebSocket request (see the module docstring); Unauthorized if none."""
     auth = settings.api_auth
     if auth.tokens:
-        scheme, _, token = conn.headers.get("authorization", "").partition(" ")
-        user = auth.tokens.get(token.strip()) if scheme.lower() == "bearer" else None
+        user = auth.tokens.get(_token_of(conn, settings))
         if user is None:
-            raise Unauthorized("the controller API needs 'Authorization: Bearer <token>' with a known token")
-    else:
-        user = conn.headers.get(auth.user_header) or auth.default_user
-    return Caller(user=user, is_admin=user in auth.admins)
+            raise Unauthorized(f"the controller API needs 'Authorization: Bearer <token>' (or '{auth.key_header}: "
+                               "<token>') with a known token")
+        return Caller(user=user, is_admin=user in auth.admins)
+    user = conn.headers.get(auth.user_header) or auth.default_user
+    role = conn.headers.get(auth.role_header)
+    return Caller(user=user, is_admin=user in auth.admins if role is None else role == "admin")
+
+
+def _token_of(conn: HTTPConnection, settings: Settings) -> str:
+    """The token a request presents: ``Authorization: Bearer <token>``, else the key header's value."""
+    scheme, _, token = conn.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        return token.strip()
+    return conn.headers.get(settings.api_auth.key_header, "").strip()
 
 
 class ControllerError(TillerError):

@@ -493,6 +493,18 @@ async def test_tags_that_break_the_rules_are_refused(stack, modules):
         assert allowed.json()["tags"][0]["updated_by"] == "bob"
 
 
+async def test_user_role_header_decides_admin(stack, modules):
+    """rLLM's ``x-user-role``: ``admin`` makes any user an admin; another role makes even the default user
+    (``localhost``) an ordinary one, limited to its own ``<user>.`` tags."""
+    async with client(stack, **{"x-user-id": "carol", "x-user-role": "admin"}) as http:
+        response = await http.post("/v1/controllers/tags", json={"module_id": modules["yesno"], "tags": ["carol-any"]})
+        assert response.status_code == 200, response.text
+        assert response.json()["tags"][0]["updated_by"] == "carol"
+    async with client(stack, **{"x-user-role": "user"}) as http:
+        response = await http.post("/v1/controllers/tags", json={"module_id": modules["yesno"], "tags": ["unowned"]})
+        assert response.status_code == 400 and "localhost." in response.json()["error"]["message"], response.text
+
+
 async def test_run_request_validation(stack):
     response = await run_error(stack, {"prompt": "Hi"})
     assert response.status_code == 400 and "controller" in response.json()["error"]["message"]
