@@ -7,6 +7,7 @@ reply carries ``$rid`` (and requests ``$auth``).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Union
 
 import msgspec
@@ -103,8 +104,25 @@ def decode_main(frame: bytes) -> MainRequest:
         raise WireError(f"malformed main-channel request: {exc}") from exc
 
 
+def module_arg_text(arg: Any) -> str:
+    """AICI's module_arg: a string is passed as is, any other JSON value serialized as serde_json does
+    (compact, UTF-8); a missing one is empty."""
+    if arg is None:
+        return ""
+    return arg if isinstance(arg, str) else json.dumps(arg, separators=(",", ":"), ensure_ascii=False)
+
+
+class SideRequestError(WireError):
+    """A side-channel request that is a map but not a valid one; ``rid`` is its ``$rid`` (any type) or None."""
+
+    def __init__(self, message: str, rid: Any) -> None:
+        super().__init__(message)
+        self.rid = rid
+
+
 def decode_side(frame: bytes) -> dict[str, Any]:
-    """A side-channel request: a map with a string ``$rid`` and ``op``; anything else raises WireError."""
+    """A side-channel request: a map with a string ``$rid`` and ``op``; anything else raises WireError
+    (SideRequestError for a map, carrying whatever ``$rid`` it had so that the error reply echoes it)."""
     try:
         request = msgspec.msgpack.decode(frame)
     except msgspec.DecodeError as exc:
@@ -112,7 +130,7 @@ def decode_side(frame: bytes) -> dict[str, Any]:
     if not isinstance(request, dict):
         raise WireError("side-channel request must be a map")
     if not isinstance(request.get("$rid"), str):
-        raise WireError("side-channel request needs a string $rid")
+        raise SideRequestError("side-channel request needs a string $rid", request.get("$rid"))
     return request
 
 

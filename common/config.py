@@ -134,6 +134,10 @@ class ApiAuth(BaseModel):
         description="bearer token -> user name; when any is set, controller calls need 'Authorization: Bearer <token>'",
     )
     user_header: str = Field("x-user-id", description="without tokens: the header naming the user (set by a front proxy)")
+    role_header: str = Field(
+        "x-user-role", description="without tokens: a header that, when present, makes the user admin iff it is 'admin' (rLLM)"
+    )
+    key_header: str = Field("api-key", description="with tokens: also accepted instead of 'Authorization: Bearer' (pyaici)")
     default_user: str = Field("localhost", description="the user when no token is configured and the header is absent")
     admins: list[str] = Field(default_factory=lambda: ["localhost"], description="users who may set any tag")
 

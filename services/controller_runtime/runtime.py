@@ -9,7 +9,6 @@ its error until the scheduler frees it.
 from __future__ import annotations
 
 import ctypes
-import json
 import time
 from typing import Any
 
@@ -36,12 +35,9 @@ class UserError(ValueError):
 
 
 def module_arg_bytes(arg: Any) -> bytes:
-    """AICI: a string module_arg is passed as is, any other JSON value serialized."""
-    if arg is None:
-        return b""
-    if isinstance(arg, bytes):
-        return arg
-    return arg.encode() if isinstance(arg, str) else json.dumps(arg).encode()
+    """AICI: a string module_arg is passed as is, any other JSON value serialized (msgpack callers may
+    also send bytes)."""
+    return arg if isinstance(arg, bytes) else aici_wire.module_arg_text(arg).encode()
 
 
 def seq_result(host: SeqHost, micros: int, result: Any = None, error: str = "") -> dict[str, Any]:

@@ -67,7 +67,7 @@ class ControllerRuntime:
                 case aici_wire.Ping():
                     return aici_wire.ok({"pong": 1}), []
                 case aici_wire.Tokens():
-                    return aici_wire.ok({"vocab_size": self.vocab_size}), []
+                    return aici_wire.ok({"vocab_size": self.vocab_size, "eos_token_id": self.tokenizer.eos_token}), []
                 case aici_wire.PostPreProcess():
                     return aici_wire.ok(self.runtime.post_pre_process(request)), []
                 case aici_wire.MidProcess():
@@ -82,6 +82,9 @@ class ControllerRuntime:
     async def handle_side(self, frame: bytes) -> dict:
         try:
             request = aici_wire.decode_side(frame)
+        except aici_wire.SideRequestError as exc:
+            echo = {} if exc.rid is None else {"$rid": exc.rid}
+            return aici_wire.error(str(exc), is_user_error=True, **echo)
         except WireError as exc:
             return aici_wire.error(str(exc), is_user_error=True)
         rid = {"$rid": request["$rid"]}

@@ -7,8 +7,11 @@
 - ``POST /v1/run``: ``{controller, controller_arg, prompt, temperature, top_p, top_k, max_tokens}`` ->
   server-sent events: ``initial-run``, then ``run`` events with per-fork text deltas, logs, storage,
   errors and finish reasons and the usage so far, then ``[DONE]``. ``controller`` is a module id, a
-  tag or ``native:<name>``; the controller is instantiated before the stream starts, so a bad module,
-  an unknown tag or a trap at init is an HTTP error with the runtime's message.
+  tag, ``native:<name>``, or ``none`` (plain generation from ``controller_arg`` as the prompt when it
+  is a string). The controller is instantiated before the stream starts: a request the runtime refuses
+  (unknown module or tag) is an HTTP error; a controller that fails while starting gives, as in AICI,
+  a stream whose one ``run`` event ends fork 0 with ``finish_reason: "fail"``, its error and logs.
+  ``null`` sampling fields mean their defaults (rLLM's ``Option`` fields).
 
 Who calls is decided by :func:`services.gateway.side_channel.caller_of`. Errors are
 ``{"error": {"type", "message"}}``: 400 for bad requests and refused controllers, 401 without valid
@@ -24,24 +27,23 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import APIRouter
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from common import wire
+from common import aici_wire, wire
 from common.errors import ERROR_TRAITS, INTERNAL_ERROR, INVALID_REQUEST, MODEL_LOADING_ERROR, TillerError
 from services.gateway.driver import Gateway, context_budget, new_request_id
 from services.gateway.engine import HEALTH_MAX_AGE_S, StreamItem, worker_stage
 from services.gateway.httputil import SSE_HEADERS, gateway_of, read_json_object, sse
 from services.gateway.protocol import GatewayError
-from services.gateway.side_channel import Caller, SideChannel, Unauthorized, caller_of
+from services.gateway.side_channel import Caller, ControllerInitFailed, SideChannel, Unauthorized, caller_of
 from services.gateway.validation import (
     Context,
     GenerationRequest,
     LimitChecks,
     StrictModel,
     TopP,
-    controller_arg_text,
     validate,
 )
 
@@ -49,6 +51,9 @@ router = APIRouter()
 
 # Tiller finish reasons of a whole request -> AICI's finish reason for a fork still running at its end.
 ABORTED = {"cancelled": "abort", "timeout": "abort", "error": "fail", "length": "length", "stop": "aici-stop"}
+# The same for ``controller: "none"``: with no controller, a request that stops has sampled EOS.
+PLAIN_FINISH = ABORTED | {"stop": "eos"}
+NONE_CONTROLLER = "none"
 
 
 def _error(exc: TillerError, status: int | None = None) -> JSONResponse:
@@ -126,6 +131,19 @@ class RunRequest(StrictModel, LimitChecks):
     seed: int | None = None
     model: str | None = None  # accepted as the vLLM variant does; must name the served model
 
+    @field_validator("temperature", "top_p", "top_k", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    @property
+    def plain(self) -> bool:
+        """``controller: "none"``: no controller; a string ``controller_arg`` is the prompt (rLLM)."""
+        return self.controller == NONE_CONTROLLER
+
+    def prompt_text(self) -> str:
+        return self.controller_arg if self.plain and isinstance(self.controller_arg, str) else self.prompt
+
     def sampling(self) -> wire.SamplingParams:
         return wire.SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed
@@ -147,12 +165,13 @@ class RunStream:
     gw: Gateway
     rid: str
     queue: asyncio.Queue[StreamItem]
+    finish_names: dict[str, str] = field(default_factory=lambda: ABORTED)
     forks: dict[int, Fork] = field(default_factory=dict)
     sampled: int = 0
     ff: int = 0
 
     def usage(self) -> dict[str, int]:
-        return {"sampled_tokens": self.sampled, "ff_tokens": self.ff, "cost": 2 * self.sampled + self.ff}
+        return usage(self.sampled, self.ff)
 
     def run_event(self, events: list[StreamItem]) -> tuple[dict[str, Any], bool]:
         """One ``run`` event for the events of one step; and whether the request ended."""
@@ -184,7 +203,7 @@ class RunStream:
         if ended is not None:  # every branch still open ends with the request
             for fork in self.forks.values():
                 if not fork.finished:
-                    entry(fork.index)["finish_reason"] = ABORTED.get(ended, "abort")
+                    entry(fork.index)["finish_reason"] = self.finish_names.get(ended, "abort")
                     fork.finished = True
         forks = [e for _, e in sorted(entries.items()) if any(e[k] for k in ("text", "error", "logs", "storage"))
                  or "finish_reason" in e]
@@ -194,7 +213,7 @@ class RunStream:
         return {"object": "run", "forks": forks, "usage": self.usage()}, ended is not None
 
     async def events(self, model: str) -> AsyncIterator[bytes]:
-        yield sse({"id": self.rid, "object": "initial-run", "created": int(time.time()), "model": model})
+        yield initial_run(self.rid, model)
         timeout = self.gw.settings.limits.request_timeout_s + 10.0
         done = False
         try:
@@ -216,12 +235,33 @@ class RunStream:
                 self.gw.engine.cancel_soon(self.rid)
 
 
-async def _start_run(gw: Gateway, run: RunRequest, caller: Caller) -> RunStream:
-    """Tokenize, check the model, instantiate the controller and submit; errors raise before any stream."""
-    if run.model is not None and run.model != gw.settings.served_model_name:
+def usage(sampled: int, ff: int) -> dict[str, int]:
+    """AICI's usage: rLLM's cost is two per sampled token and one per fast-forwarded token."""
+    return {"sampled_tokens": sampled, "ff_tokens": ff, "cost": 2 * sampled + ff}
+
+
+def initial_run(rid: str, model: str) -> bytes:
+    return sse({"id": rid, "object": "initial-run", "created": int(time.time()), "model": model})
+
+
+async def failed_start(rid: str, model: str, result: dict[str, Any]) -> AsyncIterator[bytes]:
+    """AICI's stream for a controller that failed at instantiate: one ``run`` event failing fork 0."""
+    yield initial_run(rid, model)
+    fork = {"index": 0, "text": "", "error": str(result["error"]), "logs": str(result.get("logs") or ""),
+            "storage": list(result.get("storage") or []), "micros": int(result.get("micros") or 0),
+            "finish_reason": "fail"}
+    yield sse({"object": "run", "forks": [fork], "usage": usage(0, 0)})
+    yield sse("[DONE]")
+
+
+async def _start_run(gw: Gateway, run: RunRequest, caller: Caller) -> AsyncIterator[bytes]:
+    """Tokenize, check the model, instantiate the controller and submit; the stream's events.
+    Errors before the controller runs raise (HTTP errors); a failing controller start is a stream."""
+    model = gw.settings.served_model_name
+    if run.model is not None and run.model != model:
         raise GatewayError(INVALID_REQUEST, f"model {run.model!r} is not served here", param="model")
-    if run.prompt:
-        _, prompt_ids = await gw.text.prompt(GenerationRequest(prompt=run.prompt))
+    if run.prompt_text():
+        _, prompt_ids = await gw.text.prompt(GenerationRequest(prompt=run.prompt_text()))
     else:  # AICI's default empty prompt: the start symbol
         tokenizer = gw.text.tokenizer
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
@@ -233,7 +273,11 @@ async def _start_run(gw: Gateway, run: RunRequest, caller: Caller) -> RunStream:
     max_model_len = int(health.detail.get("max_model_len") or gw.settings.limits.max_model_len)
     max_tokens = context_budget(len(prompt_ids), run.max_tokens, max_model_len, max_model_len)
     rid = new_request_id("run-")
-    await _side(gw).instantiate(caller, rid, prompt_ids, run.controller, controller_arg_text(run.controller_arg))
+    if not run.plain:
+        try:
+            await _side(gw).instantiate(caller, rid, prompt_ids, run.controller, aici_wire.module_arg_text(run.controller_arg))
+        except ControllerInitFailed as exc:
+            return failed_start(rid, model, exc.result)
     queue = gw.engine.open_stream(rid)
     try:
         await gw.engine.submit(
@@ -243,13 +287,13 @@ async def _start_run(gw: Gateway, run: RunRequest, caller: Caller) -> RunStream:
                 sampling=run.sampling(),
                 max_tokens=max_tokens,
                 timeout_s=gw.settings.limits.request_timeout_s,
-                controller=rid,
+                controller="" if run.plain else rid,
             )
         )
     except BaseException:
         gw.engine.close_stream(rid)
         raise
-    return RunStream(gw, rid, queue)
+    return RunStream(gw, rid, queue, PLAIN_FINISH if run.plain else ABORTED).events(model)
 
 
 @router.post("/v1/run")
@@ -259,9 +303,7 @@ async def run(request: Request) -> Response:
         caller = caller_of(request, gw.settings)
         body = await read_json_object(request, gw.settings.limits.max_http_body_bytes)
         run_request = validate(RunRequest, body, Context.of(gw.settings))
-        stream = await _start_run(gw, run_request, caller)
+        events = await _start_run(gw, run_request, caller)
     except TillerError as exc:
         return _error(exc)
-    return StreamingResponse(
-        stream.events(gw.settings.served_model_name), media_type="text/event-stream", headers=SSE_HEADERS
-    )
+    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)

@@ -1,10 +1,12 @@
 """The gateway's side channel to the controller runtime (seed 001): asynchronous requests matched by
 ``$rid``, each carrying the caller as ``$auth``; and how a caller is identified.
 
-Identification (``settings.api_auth``): when bearer tokens are configured, a request must carry
-``Authorization: Bearer <token>`` and the token's user is the caller; otherwise the caller is the
-user named by the ``x-user-id`` header (as rLLM expects a front proxy to set it), or
-``default_user``. A caller is admin iff its name is in ``admins``.
+Identification (``settings.api_auth``): when tokens are configured, a request must carry
+``Authorization: Bearer <token>`` (or pyaici's ``api-key: <token>``) and the token's user is the
+caller, admin iff its name is in ``admins``. Otherwise the caller is the user named by the
+``x-user-id`` header (as rLLM expects a front proxy to set it), or ``default_user``; it is admin iff
+an ``x-user-role`` header says ``admin`` (rLLM's rule), or, without that header, its name is in
+``admins``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from common.sockets import ensure_ipc_dir
 
 log = structlog.get_logger()
 
+MAX_LOGS_IN_MESSAGE = 2000  # the tail of a failed init's logs quoted in its error message
+
 
 class Unauthorized(TillerError):
     """No valid credentials for the controller API."""
@@ -48,13 +52,22 @@ def caller_of(conn: HTTPConnection, settings: Settings) -> Caller:
     """The caller of an HTTP or WebSocket request (see the module docstring); Unauthorized if none."""
     auth = settings.api_auth
     if auth.tokens:
-        scheme, _, token = conn.headers.get("authorization", "").partition(" ")
-        user = auth.tokens.get(token.strip()) if scheme.lower() == "bearer" else None
+        user = auth.tokens.get(_token_of(conn, settings))
         if user is None:
-            raise Unauthorized("the controller API needs 'Authorization: Bearer <token>' with a known token")
-    else:
-        user = conn.headers.get(auth.user_header) or auth.default_user
-    return Caller(user=user, is_admin=user in auth.admins)
+            raise Unauthorized(f"the controller API needs 'Authorization: Bearer <token>' (or '{auth.key_header}: "
+                               "<token>') with a known token")
+        return Caller(user=user, is_admin=user in auth.admins)
+    user = conn.headers.get(auth.user_header) or auth.default_user
+    role = conn.headers.get(auth.role_header)
+    return Caller(user=user, is_admin=user in auth.admins if role is None else role == "admin")
+
+
+def _token_of(conn: HTTPConnection, settings: Settings) -> str:
+    """The token a request presents: ``Authorization: Bearer <token>``, else the key header's value."""
+    scheme, _, token = conn.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        return token.strip()
+    return conn.headers.get(settings.api_auth.key_header, "").strip()
 
 
 class ControllerError(TillerError):
@@ -62,6 +75,17 @@ class ControllerError(TillerError):
 
     def __init__(self, message: str) -> None:
         super().__init__(INVALID_REQUEST, message)
+
+
+class ControllerInitFailed(ControllerError):
+    """The controller was created but failed while starting (a trap or ``aici_host_stop`` in init);
+    ``result`` is the runtime's SeqResult: ``error``, ``logs`` (often the reason), ``storage``, ``micros``."""
+
+    def __init__(self, result: dict[str, Any]) -> None:
+        logs = str(result.get("logs") or "").strip()
+        detail = f" (logs: {logs[-MAX_LOGS_IN_MESSAGE:]})" if logs else ""
+        super().__init__(f"the controller failed to start: {result['error']}{detail}")
+        self.result = result
 
 
 class SideChannel:
@@ -100,6 +124,13 @@ class SideChannel:
 
     async def call(self, op: str, caller: Caller, **fields: Any) -> dict[str, Any]:
         """Run ``op``; its ``data``, or ControllerError with the runtime's message."""
+        reply = await self._exchange(op, caller, fields)
+        if reply["type"] != "ok":
+            raise ControllerError(str(reply.get("error") or f"{op} failed"))
+        return reply.get("data") or {}
+
+    async def _exchange(self, op: str, caller: Caller, fields: dict[str, Any]) -> dict[str, Any]:
+        """Send ``op`` and wait for the reply with its ``$rid``."""
         self.start()
         rid = str(uuid.uuid4())
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -111,9 +142,7 @@ class SideChannel:
             raise TillerError(INTERNAL_ERROR, f"the controller runtime did not answer {op}; is it running?") from None
         finally:
             self._pending.pop(rid, None)
-        if reply["type"] != "ok":
-            raise ControllerError(str(reply.get("error") or f"{op} failed"))
-        return reply.get("data") or {}
+        return reply
 
     async def mk_module(self, caller: Caller, wasm: bytes) -> dict[str, Any]:
         return await self.call("mk_module", caller, binary=base64.b64encode(wasm).decode("ascii"))
@@ -127,10 +156,13 @@ class SideChannel:
     async def instantiate(
         self, caller: Caller, req_id: str, prompt: list[int], module_id: str, module_arg: str
     ) -> dict[str, Any]:
-        """Instantiate a controller for ``req_id``; a trap or error during init raises ControllerError."""
-        data = await self.call(
-            "instantiate", caller, req_id=req_id, prompt=prompt, module_id=module_id, module_arg=module_arg
-        )
-        if data.get("error"):  # SequenceResult<InitPromptResult> with an error
-            raise ControllerError(f"the controller failed to start: {data['error']}")
+        """Instantiate a controller for ``req_id``. A refused request (unknown module, bad prompt) raises
+        ControllerError; a controller that fails while starting raises ControllerInitFailed."""
+        fields = {"req_id": req_id, "prompt": prompt, "module_id": module_id, "module_arg": module_arg}
+        reply = await self._exchange("instantiate", caller, fields)
+        data = reply.get("data") or {}
+        if data.get("error"):  # the SeqResult of a failed init (AICI answers ok, the runtime error: either works)
+            raise ControllerInitFailed(data)
+        if reply["type"] != "ok":
+            raise ControllerError(str(reply.get("error") or "instantiate failed"))
         return data

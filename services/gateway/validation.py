@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from common import aici_wire
 from common.config import Limits, Settings
 from common.errors import INVALID_REQUEST
 from common.wire import SamplingParams, SamplingPatch
@@ -251,16 +252,11 @@ class GenerateConfig(StrictModel, LimitChecks):
             top_logprobs=self.options.include_logprobs,
             echo=self.options.echo_prompt,
             controller=self.controller,
-            controller_arg=controller_arg_text(self.controller_arg),
+            controller_arg=aici_wire.module_arg_text(self.controller_arg),
             **self.parameters.request_fields(),
         )
 
 
-def controller_arg_text(value: Any) -> str:
-    """AICI's rule: a JSON string is passed as is, anything else serialized to JSON."""
-    if value is None:
-        return ""
-    return value if isinstance(value, str) else json.dumps(value)
 
 
 class ControlMessage(StrictModel):

@@ -17,7 +17,7 @@ import zmq.asyncio
 from common import aici_wire
 from common.config import Settings
 from common.model_source import load_tokenizer
-from tests.controller_runtime.wat import controller
+from tests.controller_runtime.wat import controller, ret_const
 from tests.gateway.support import base_env, service
 
 START_TIMEOUT_S = 120.0
@@ -171,3 +171,31 @@ async def test_channels_faults_and_restart(tmp_path):
         assert reply["type"] == "ok"
         again = await rt.side_call("mk_module", binary=b64(good))
         assert again["data"]["module_id"] == hashlib.sha256(good).hexdigest()
+
+
+# init_prompt logs its module arg (read into 16384..) through fd_write (iovec at 16000, count at 16008)
+ECHO_ARG = controller(init_prompt="""
+    (local $n i32)
+    (local.set $n (call $read_blob (call $module_arg) (i32.const 16384) (i32.const 4096)))
+    (i32.store (i32.const 16000) (i32.const 16384))
+    (i32.store (i32.const 16004) (local.get $n))
+    (drop (call $fd_write (i32.const 1) (i32.const 16000) (i32.const 1) (i32.const 16008)))
+""" + ret_const(1024, "{}"))
+
+
+async def test_wire_details_as_aici(tmp_path):
+    """tokens names EOS; a side request with a non-string $rid still gets it back in the error; a JSON
+    module_arg reaches the controller serialized as serde_json does (compact, UTF-8)."""
+    eos = load_tokenizer(Settings()).eos_token_id
+    async with runtime_process(tmp_path) as rt:
+        reply, _ = await rt.call({"op": "tokens"})
+        assert reply == {"type": "ok", "data": {"vocab_size": 49152, "eos_token_id": eos}}
+
+        for rid in (7, ["a"]):
+            reply = await rt.side_raw(aici_wire.encode({"$rid": rid, "op": "get_tags"}))
+            assert reply["type"] == "error" and reply["$rid"] == rid and "string $rid" in reply["error"], reply
+
+        module_id = (await rt.side_call("mk_module", binary=b64(ECHO_ARG)))["data"]["module_id"]
+        arg = {"a": [1, "é"], "b": {"c": None}}
+        reply = await rt.side_call("instantiate", req_id="echo", prompt=[1], module_id=module_id, module_arg=arg)
+        assert reply["type"] == "ok" and reply["data"]["logs"] == '{"a":[1,"é"],"b":{"c":null}}', reply

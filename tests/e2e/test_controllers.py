@@ -36,7 +36,8 @@ PLAIN_TOKENS = 24
 #               (backtrack 2, ff " forty-two."), samples one more free token, logs its token list and stops;
 #   loop      - mid_process never returns;  trap - traps on its third mid_process;
 #   oom       - grows memory until the limit, then aborts (as an allocator would);
-#   badptr    - hands the host a result pointer outside its memory;  trap_init - traps in init_prompt.
+#   badptr    - hands the host a result pointer outside its memory;  trap_init - traps in init_prompt;
+#   {...}     - (a JSON object) logs its argument and stops in init_prompt.
 TEST_CONTROLLER = r"""
 #include "aici.h"
 enum { SPLICE, LOOP, TRAP, OOM, BADPTR };
@@ -52,7 +53,10 @@ static void init_prompt(const uint32_t *prompt, uint32_t n) {
     else if (IS("oom")) mode = OOM;
     else if (IS("badptr")) mode = BADPTR;
     else if (IS("trap_init")) __builtin_trap();
-    else aici_host_stop();
+    else {
+        if (len && arg[0] == '{') aici_log(arg, len);
+        aici_host_stop();
+    }
 }
 
 static aici_pre_result pre_process(void) {
@@ -410,10 +414,52 @@ async def test_controller_error_on_websocket_is_a_clean_error(stack, test_module
     assert error["type"] == "error" and "trap" in error["message"] and error["request_id"], error
 
 
-async def test_trap_at_init_is_an_http_error(stack, test_module):
-    response = await run_error(stack, {"controller": test_module, "controller_arg": "trap_init", "prompt": "Hi"})
-    assert response.status_code == 400
-    assert "init" in response.json()["error"]["message"], response.text
+async def test_trap_at_init_fails_fork_0_in_the_stream(stack, test_module):
+    """AICI (rLLM): a controller that fails at instantiate still gets its stream, one ``run`` event failing
+    fork 0 with the error and the logs, nothing generated."""
+    out = await run(stack, test_module, "trap_init", prompt="Hi")
+    assert len(out.events) == 3, out.events  # initial-run, the failure, [DONE]
+    fork = out.events[1]["forks"][0]
+    assert (fork["index"], fork["finish_reason"], fork["text"]) == (0, "fail", ""), fork
+    assert "init" in fork["error"] and "trap" in fork["error"], fork
+    assert out.usage == {"sampled_tokens": 0, "ff_tokens": 0, "cost": 0}
+
+
+async def test_bad_controller_arg_reason_reaches_the_client(stack, modules):
+    """The reason a shipped controller refuses its argument is in its logs: /v1/run streams them, the other
+    surfaces quote them in the error message."""
+    out = await run(stack, modules["constrain"], {"regex": "("}, prompt="Hi")
+    fork = out.forks[0]
+    assert fork.finish_reason == "fail" and "aici_host_stop" in fork.error, fork
+    assert "constrain: bad controller_arg" in fork.logs, fork
+    async with client(stack) as http:
+        response = await http.post("/v1/generate", json={"prompt": "Hi", "controller": modules["constrain"],
+                                                         "controller_arg": {"regex": "("}, "stream": False})
+    assert response.status_code == 400, response.text
+    assert "constrain: bad controller_arg" in response.json()["error"]["message"], response.text
+
+
+async def test_json_controller_arg_is_serialized_as_aici_does(stack, test_module):
+    """A JSON ``controller_arg`` reaches the controller as serde_json writes it: compact, UTF-8."""
+    out = await run(stack, test_module, {"a": [1, "é"], "b": None}, prompt="Hi")
+    assert out.forks[0].finish_reason == "fail" and out.forks[0].logs == '{"a":[1,"é"],"b":null}', out.forks
+
+
+async def test_none_controller_is_plain_generation(stack, hf_greedy):
+    """rLLM's ``controller: "none"``: no controller, ``controller_arg`` is the prompt."""
+    expected = hf_greedy(stack.tokenizer(PLAIN_PROMPT).input_ids, 8)
+    out = await run(stack, "none", PLAIN_PROMPT, max_tokens=8)
+    fork = out.forks[0]
+    assert fork.text == stack.tokenizer.decode(expected, skip_special_tokens=True), fork
+    assert (fork.finish_reason, fork.error, fork.logs) == ("length", "", ""), fork
+    assert out.usage == {"sampled_tokens": 8, "ff_tokens": 0, "cost": 16}
+
+
+async def test_null_sampling_fields_take_their_defaults(stack, modules):
+    """rLLM's RunRequest has optional temperature/top_p/top_k/max_tokens: ``null`` is the default."""
+    out = await run(stack, modules["yesno"], prompt="Is snow cold? Answer:", temperature=None, top_p=None,
+                    top_k=None, max_tokens=None)
+    assert out.forks[0].text in ("Yes", "No") and out.forks[0].finish_reason == "aici-stop", out.forks
 
 
 async def test_unknown_module_is_an_http_error(stack):
@@ -445,6 +491,18 @@ async def test_tags_that_break_the_rules_are_refused(stack, modules):
         allowed = await http.post("/v1/controllers/tags", json={"module_id": modules["yesno"], "tags": ["bob.yesno"]})
         assert allowed.status_code == 200, allowed.text
         assert allowed.json()["tags"][0]["updated_by"] == "bob"
+
+
+async def test_user_role_header_decides_admin(stack, modules):
+    """rLLM's ``x-user-role``: ``admin`` makes any user an admin; another role makes even the default user
+    (``localhost``) an ordinary one, limited to its own ``<user>.`` tags."""
+    async with client(stack, **{"x-user-id": "carol", "x-user-role": "admin"}) as http:
+        response = await http.post("/v1/controllers/tags", json={"module_id": modules["yesno"], "tags": ["carol-any"]})
+        assert response.status_code == 200, response.text
+        assert response.json()["tags"][0]["updated_by"] == "carol"
+    async with client(stack, **{"x-user-role": "user"}) as http:
+        response = await http.post("/v1/controllers/tags", json={"module_id": modules["yesno"], "tags": ["unowned"]})
+        assert response.status_code == 400 and "localhost." in response.json()["error"]["message"], response.text
 
 
 async def test_run_request_validation(stack):
