@@ -112,6 +112,8 @@ class Controllers(BaseModel):
     max_wasm_stack_bytes: int = Field(512 << 10, ge=64 << 10)
     max_forks: int = Field(16, ge=1, description="live sequences one request may fork into")
     max_ff_rounds: int = Field(10, ge=1, description="pre_process ff_tokens fed back to post_process per step")
+    deadlock_steps: int = Field(3, ge=1, description="steps every sequence of a request may stay suspended before "
+                                "they all end with finish reason 'deadlock' (as rLLM)")
     max_constraints: int = Field(64, ge=1, description="live host constraints one controller instance may hold")
     max_log_bytes: int = Field(64 << 10, ge=1024, description="captured stdout/stderr kept per call")
     max_module_bytes: int = Field(64 << 20, ge=1024, description="largest Wasm module mk_module accepts")

@@ -8,12 +8,35 @@
 static aici_gen gen;
 static int failed;
 
+static const char *const KEYS[] = {"regex", "rx", "json_schema", "yacc", "lark", "grammar", "syntax", "choices",
+                                   "options", "stop", "stop_at", "max_tokens", NULL};
+
+/* 1 and the key when spec (an object) has a member constrain does not know: a typo must not pass silently. */
+static int unknown_key(aici_json spec, aici_json *key) {
+    aici_json_iter it = {0};
+    aici_json val;
+    while (aici_json_next(spec, &it, key, &val)) {
+        int known = 0;
+        for (const char *const *k = KEYS; *k && !known; k++) known = aici_json_str_eq(*key, *k);
+        if (!known) return 1;
+    }
+    return 0;
+}
+
 static void init_prompt(const uint32_t *prompt, uint32_t n) {
     uint32_t len;
     char *arg = (char *)aici_read_blob(aici_host_module_arg(), &len);
-    aici_json spec;
+    aici_json spec, key;
     const char *err = "controller_arg must be a JSON object";
-    if (!aici_json_parse(arg, len, &spec) || !aici_gen_init(&gen, spec, &err)) {
+    int ok = aici_json_parse(arg, len, &spec);
+    if (ok && aici_json_type(spec) == AICI_J_OBJECT && unknown_key(spec, &key)) {
+        aici_logs("constrain: bad controller_arg: unknown key ");
+        aici_log(key.p, key.n);
+        aici_logs("\n");
+        failed = 1;
+        aici_host_stop();
+    }
+    if (!ok || !aici_gen_init(&gen, spec, &err)) {
         aici_logs("constrain: bad controller_arg: ");
         aici_logs(err);
         aici_logs("\n");

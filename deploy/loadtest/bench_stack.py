@@ -7,6 +7,10 @@ against the baselines measured in the same run: plain generate and the worker en
 caller's TILLER_* settings (model, device, ...), unless ``--url`` is given.
 
     python deploy/loadtest/bench_stack.py [--tokens 128] [--streams 16] [--url ws://127.0.0.1:8080/generate]
+
+``--cpu-proxy`` measures what the stack costs per token where a step is as short as on a GPU: a 2-layer,
+64-wide model with SmolLM2's tokenizer at random weights (about 1 ms a step on a CPU), torch on one
+thread so that the other services have a core of their own.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -90,6 +95,23 @@ def in_process_baselines(tokens: int) -> tuple[float, float]:
     return generate_tok_s, engine_tok_s
 
 
+def cpu_proxy_model() -> str:
+    """A random-weights model spec whose decode step is GPU-short on a CPU (see the module docstring)."""
+    from common.config import Settings
+    from common.model_source import resolve_model
+
+    source = resolve_model(Settings(model="random:smollm2")).directory
+    target = Path(tempfile.mkdtemp(prefix="tiller-proxy-model-"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copy(source / name, target / name)
+    config = json.loads((source / "config.json").read_text())
+    config.update(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128)
+    (target / "config.json").write_text(json.dumps(config))
+    return f"random:{target}"
+
+
 def release_accelerator_memory() -> None:
     import gc
 
@@ -153,7 +175,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--url", help="a running stack's WebSocket URL; default: start one")
+    parser.add_argument("--cpu-proxy", action="store_true", help="a tiny model, torch on one thread (see above)")
     args = parser.parse_args()
+    if args.cpu_proxy:  # before torch is imported here or in the stack's processes
+        os.environ.update(OMP_NUM_THREADS="1", TILLER_DEVICE="cpu")
+        os.environ["TILLER_MODEL"] = cpu_proxy_model()
+        get_settings.cache_clear()
 
     baseline, engine_alone = in_process_baselines(args.tokens)
     release_accelerator_memory()  # the model measured in-process is gone: leave the GPU to the stack

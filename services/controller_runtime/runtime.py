@@ -241,10 +241,12 @@ class Runtime:
 
 
 def _builtin(result: aici_wire.MidProcessResult) -> Any:
+    """The reply's ``result``: null when the sequence samples under its mask (seed 001), else "Stop" or
+    the Splice."""
     if isinstance(result, str):
         return result
-    if result.SampleWithBias == {}:  # the usual answer, without the generic conversion
-        return {"SampleWithBias": {}}
+    if result.SampleWithBias is not None:
+        return None
     return msgspec.to_builtins(result)
 
 

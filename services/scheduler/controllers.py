@@ -173,6 +173,7 @@ class Controlled:
     branches: list[Branch]
     indices: itertools.count = field(default_factory=lambda: itertools.count(1))
     ff_total: int = 0
+    suspended_steps: int = 0  # consecutive steps in which every live branch was suspended
 
     def live(self) -> list[Branch]:
         return [b for b in self.branches if b.finished is None]
@@ -198,8 +199,8 @@ class PendingMid:
 
 
 # The Tiller finish reason of a request whose branch 0 ended with an AICI reason.
-REQUEST_REASON = {"eos": "stop", "stop": "stop", "aici-stop": "stop", "length": "length", "fail": "error",
-                  "abort": "cancelled"}
+REQUEST_REASON = {"eos": "stop", "stop": "stop", "aici-stop": "stop", "deadlock": "stop", "length": "length",
+                  "fail": "error", "abort": "cancelled"}
 
 
 class ControllerSteps:
@@ -383,7 +384,20 @@ class ControllerSteps:
                     self._end(branch, "fail", error="the controller runtime returned no pre_process result")
                     continue
                 runnable += self._on_pre(controlled, branch, result)
+            self._check_deadlock(controlled)
         return runnable
+
+    def _check_deadlock(self, controlled: Controlled) -> None:
+        """A request all of whose branches stay suspended (each waiting for another) for more than
+        ``deadlock_steps`` steps ends them all with ``deadlock``, as rLLM does."""
+        live = [b for b in controlled.live() if b.assigned]
+        if not live or not all(b.suspended for b in live):
+            controlled.suspended_steps = 0
+            return
+        controlled.suspended_steps += 1
+        if controlled.suspended_steps > self.settings.deadlock_steps:
+            for branch in live:
+                self._end(branch, "deadlock")
 
     def _on_pre(self, controlled: Controlled, branch: Branch, result: dict[str, Any]) -> list[tuple[Branch, int | None]]:
         branch.note(result)

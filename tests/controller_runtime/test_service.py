@@ -152,7 +152,7 @@ async def test_channels_faults_and_restart(tmp_path):
                                                                     {"id": 3}, {"id": 5, "clone_id": 1}]})
         seqs = reply["data"]["seqs"]
         assert reply["data"]["num_seqs"] == 4 and len(frames) == 1 and len(frames[0]) == 4 * words * 4
-        assert seqs["1"]["result"] == seqs["5"]["result"] == seqs["3"]["result"] == {"SampleWithBias": {}}
+        assert [seqs[k]["result"] for k in "153"] == [None] * 3
         assert seqs["2"]["result"] is None and "unreachable" in seqs["2"]["error"]
         assert frames[0][:words * 4] == b"\xff" * (words * 4) and not any(frames[0][words * 4:2 * words * 4])
         row3 = int.from_bytes(frames[0][2 * words * 4:3 * words * 4], "little")

@@ -179,7 +179,7 @@ class Run:
             if res["error"] or result == "Stop":
                 self._finish(seq, "mid:stop", res)
                 continue
-            if "SampleWithBias" in result:
+            if result is None:  # sample under the mask row (seed 001: no specific result)
                 allowed = self.host.allowed(bytes(rows[i * row_bytes:(i + 1) * row_bytes]))
                 assert len(allowed), "empty mask"
                 tok = int(self.pick(seq, allowed))

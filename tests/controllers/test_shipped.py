@@ -199,6 +199,7 @@ def test_constrain_stop_string_and_max_tokens(host):
     ({"max_tokens": -1}, "max_tokens must be"),
     ({"choices": []}, "choices must be a non-empty array"),
     ({"stop": [""]}, "stop strings must be non-empty"),
+    ({"regex": "a+", "json_shcema": {}}, "unknown key \"json_shcema\""),
     ("not json", "bad controller_arg"),
 ])
 def test_constrain_bad_arg_is_a_clean_error(host, arg, reason):

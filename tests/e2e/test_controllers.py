@@ -321,6 +321,17 @@ async def test_fork_branches_share_variables(stack, modules):
     assert all(f.finish_reason == "aici-stop" for f in out.forks.values()), out.forks
 
 
+async def test_branches_all_waiting_end_in_deadlock(stack, modules):
+    """Both branches wait for a variable only the other would set after its own wait: rLLM's deadlock."""
+    program = {"steps": [{"Fork": {"branches": [
+        [{"Wait": {"vars": ["b"]}}, {"Set": {"var": "a", "value": "1"}}],
+        [{"Wait": {"vars": ["a"]}}, {"Set": {"var": "b", "value": "1"}}],
+    ]}}]}
+    out = await run(stack, modules["declctrl"], program, prompt="Hello", max_tokens=16)
+    assert [f.finish_reason for f in out.forks.values()] == ["deadlock", "deadlock"], out.forks
+    assert out.usage["sampled_tokens"] == 0 and not any(f.storage for f in out.forks.values()), out.forks
+
+
 async def test_a_failing_branch_ends_only_itself(stack, modules):
     program = {"steps": [{"Fork": {"branches": [
         [{"Fixed": {"text": " fine"}}],

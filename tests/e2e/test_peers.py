@@ -76,7 +76,7 @@ async def test_controller_runtime_main_channel(stack):
     reply = msgspec.msgpack.decode((await raw_request(endpoint, aici_wire.encode({"op": "ping"})))[0])
     assert reply == {"type": "ok", "data": {"pong": 1}}
     reply = msgspec.msgpack.decode((await raw_request(endpoint, aici_wire.encode({"op": "tokens"})))[0])
-    assert reply == {"type": "ok", "data": {"vocab_size": len(stack.tokenizer)}}
+    assert reply == {"type": "ok", "data": {"vocab_size": len(stack.tokenizer), "eos_token_id": stack.tokenizer.eos_token_id}}
 
 
 @pytest.mark.parametrize(
