@@ -5,9 +5,9 @@ Seed format: optional declarations (``%start name``, other ``%...`` lines ignore
 and regexes (``"/re/"`` or ``'/re/'``); the special rule ``SKIP`` lists lexemes to skip between tokens;
 ``//`` and ``/* */`` comments; an optional second ``%%`` ends the rules. A rule whose alternatives are
 each one keyword or regex becomes a Lark terminal (UPPER name); every other rule a Lark rule (lower name).
-Difference from AICI's lexer: keywords are not reserved. Where a regex terminal (e.g. IDENTIFIER) also
-matches a keyword, llguidance lexes both ways and the parser decides, so ``return = 3;`` is accepted
-when ``IDENTIFIER "=" ...`` is a rule (AICI preferred the keyword and rejected it).
+Keywords are reserved as the seed's lexer does ("it prefers keywords over regexps"): a regex that matches
+a keyword of the grammar exactly becomes ``(/re/ & ~("kw" | ...))``, so ``return = 3;`` is rejected where
+``IDENTIFIER "=" ...`` is the only rule that could take it (llguidance has no lexeme priorities).
 """
 
 from __future__ import annotations
@@ -60,6 +60,34 @@ def _lexeme(tok: str) -> str | None:
     if not body:
         raise YaccError("empty keyword \"\"")
     return json.dumps(body, ensure_ascii=False)
+
+
+def _keywords(rules: list[tuple[str, list[list[str]]]]) -> list[str]:
+    """Every keyword of the grammar outside SKIP, in order of appearance."""
+    found = [t[1:-1] for name, alts in rules if name != "SKIP" for a in alts for t in a if _lexeme(t) is not None
+             and not _is_regex(t)]
+    return list(dict.fromkeys(found))
+
+
+def _is_regex(tok: str) -> bool:
+    body = tok[1:-1]
+    return len(body) >= 2 and body[0] == "/" and body[-1] == "/"
+
+
+def _reserving(tok: str, keywords: list[str]) -> str:
+    """Lark text for a quoted lexeme; a regex that matches keywords exactly excludes them."""
+    lex = _lexeme(tok)
+    assert lex is not None
+    if not _is_regex(tok) or not keywords:
+        return lex
+    try:
+        rx = re.compile(tok[2:-2])
+        clash = [k for k in keywords if rx.fullmatch(k)]
+    except re.error:  # a Rust-only construct: exclude them all (a keyword never lexes as the regex)
+        clash = keywords
+    if not clash:
+        return lex
+    return f"({lex} & ~({' | '.join(json.dumps(k, ensure_ascii=False) for k in clash)}))"
 
 
 def _parse(src: str) -> tuple[str | None, list[tuple[str, list[list[str]]]]]:
@@ -117,10 +145,11 @@ def yacc_to_lark(src: str) -> str:
             lark = f"{base}_{k}"
         names[n] = lark
 
+    keywords = _keywords(rules)
+
     def item(tok: str, rule: str) -> str:
-        lex = _lexeme(tok)
-        if lex is not None:
-            return lex
+        if _lexeme(tok) is not None:
+            return _reserving(tok, keywords)
         if tok not in names or tok == "SKIP":
             raise YaccError(f"rule {rule!r} refers to undefined rule {tok!r}")
         return names[tok]

@@ -57,6 +57,7 @@ def test_yacc_translation_shape():
     assert r"%ignore /\/\*[^*]*\*+([^\/*][^*]*\*+)*\//" in lines  # '/' inside a regex is escaped for Lark
     assert "CONSTANT: /0[xX][0-9a-fA-F]+[uUlL]*?/ | /[0-9]+[uUlL]*?/" in lines
     assert 'r_statement: "return" r_expression ";" | IDENTIFIER "=" r_expression ";"' in lines
+    assert 'IDENTIFIER: (/[a-zA-Z_][0-9a-zA-Z_]*/ & ~("return"))' in lines  # the keyword is reserved
     assert yacc_to_lark("a: 'x' | ;") == 'start: r_a\nr_a: "x" | ""\n'
 
 
@@ -66,6 +67,8 @@ def test_yacc_translation_shape():
     ("return x", None),  # an unfinished prefix: accepted so far, not complete
     ("x = 3 3;", False),
     ("x = 3 +;", False),
+    ("return = 3;", False),  # a keyword is never an IDENTIFIER (seed 004: keywords win over regexes)
+    ("returned = 3; return returned;", True),
 ])
 def test_yacc_grammar_accepts_exactly_c_fragment(tokenizer, program, accepted):
     c = Constraint.create(tokenizer, 3, C_GRAMMAR)
