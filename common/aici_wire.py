@@ -47,6 +47,7 @@ class PostPreProcess(MainOp, tag="post_pre_process"):
     post_ops: list[PostOp] = []
     pre_ops: list[PreOp] = []
     freed: list[int] = []
+    reset: bool = False  # Tiller: drop every bound sequence first (a scheduler's first call after it started)
 
 
 class MidOp(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -286,7 +286,9 @@ class SeqStep(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class Step(Msg, tag="step"):
-    """One batched forward pass. ``free`` lists sequences to drop before it runs.
+    """One batched forward pass. ``free`` lists sequences to drop before it runs; ``free_all`` drops
+    every sequence first (a scheduler's first step to a worker: what the worker holds belongs to
+    requests of a scheduler that is gone, and its sequence ids will be reused).
 
     When any ``mask_row`` is set, one binary frame follows: ``n_rows`` packed bitsets, little-endian
     bit order, ``ceil(vocab_size / 32)`` uint32 words a row; bit set = token allowed.
@@ -295,6 +297,7 @@ class Step(Msg, tag="step"):
     step_id: int
     seqs: list[SeqStep]
     free: list[int] = []
+    free_all: bool = False
     # The masks come later, in a StepMasks of the same step_id (no frame follows the Step): the
     # worker runs the forward pass meanwhile and samples once they arrive.
     masks_follow: bool = False

@@ -119,6 +119,8 @@ class Runtime:
                 instance.close()
 
     def post_pre_process(self, req: aici_wire.PostPreProcess) -> dict[str, Any]:
+        if req.reset:  # a restarted scheduler: the sequences bound so far belong to requests that are gone
+            self.free(list(self.seqs))
         self.free(req.freed)
         post_seqs: dict[str, dict] = {}
         for op in req.post_ops:

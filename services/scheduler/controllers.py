@@ -217,6 +217,7 @@ class ControllerSteps:
         self.main_s = 0.0  # wall time spent in post_pre_process/mid_process calls, IPC included
         self.seq_steps = 0  # controlled sequence-steps (mid_process ops) run so far
         self.mid: PendingMid | None = None  # this step's mid_process, once the step went out
+        self.runtime_fresh = True  # the first post_pre_process resets the runtime (seqs of a previous scheduler)
 
     def stats(self) -> dict[str, float]:
         """Main-channel cost so far, for health replies and the controller benchmark."""
@@ -356,7 +357,12 @@ class ControllerSteps:
         assigned_any = any(b.assigned for c in self.requests.values() for b in c.live())
         if not (post_ops or pre_ops or assigned_any or freed):
             return []
-        called = await self._call({"op": "post_pre_process", "post_ops": post_ops, "pre_ops": pre_ops, "freed": freed})
+        request = {"op": "post_pre_process", "post_ops": post_ops, "pre_ops": pre_ops, "freed": freed}
+        if self.runtime_fresh:
+            request["reset"] = True
+        called = await self._call(request)
+        if called is not None:
+            self.runtime_fresh = False
         for b in assign:
             b.assigned = True
         if called is None:

@@ -386,7 +386,9 @@ class Scheduler:
             if worker is None:
                 continue
             batch = per_worker.get(identity, [])
-            step = wire.Step(step_id=next(self.step_ids), seqs=[s for _, s in batch], free=self.to_free.pop(identity, []))
+            step = wire.Step(step_id=next(self.step_ids), seqs=[s for _, s in batch], free=self.to_free.pop(identity, []),
+                             free_all=worker.fresh)
+            worker.fresh = False
             steps.append((worker, step, batch))
         return steps
 

@@ -270,7 +270,7 @@ class Engine:
         keeping the logits of the sequences to sample. ``masks`` None: the masks follow
         (``Step.masks_follow``) and :meth:`sample_with` checks them."""
         started = time.perf_counter()
-        self.free(step.free)
+        self.free(list(self.seqs) if step.free_all else step.free)
         failures: list[SeqFailure] = []
         counts: dict[int, int] = {}
         for s in step.seqs:

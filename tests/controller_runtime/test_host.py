@@ -266,3 +266,12 @@ def test_wasm_controller_direct_fork_copies_host_constraints(engine, tokenizer):
     assert parent.host.constraint(handle).commit(tokenizer.tokenize(b"x")) < 0  # parent's state is its own
     with pytest.raises(ControllerError, match="does not export"):
         engine.prepare(engine.compile(b"\0asm\1\0\0\0"))
+
+
+def test_reset_drops_the_bound_sequences_of_a_previous_scheduler(runtime):
+    start(runtime, controller(), 1)
+    ok, _ = runtime.instantiate("waiting", [1], runtime.registry.create(controller(), "test")["module_id"], "")
+    assert ok
+    data = runtime.post_pre_process(aici_wire.PostPreProcess(reset=True, pre_ops=[aici_wire.PreOp(id=2, req_id="waiting")]))
+    assert list(data["pre_seqs"]) == ["2"] and data["pre_seqs"]["2"]["error"] == ""
+    assert list(runtime.seqs) == [2]  # sequence 1 went with the reset; the instance still unbound survived it

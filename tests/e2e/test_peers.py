@@ -214,3 +214,37 @@ async def test_killed_worker_fails_its_requests_cleanly_and_a_new_worker_serves(
         assert [t.token_id for e in events for t in e.tokens] == hf_greedy(request.prompt_ids, 8)
     finally:
         collector.close()
+
+
+async def test_a_restarted_scheduler_starts_from_a_clean_worker(stack, hf_greedy):
+    """A scheduler restarted mid-request numbers its sequences from 1 again: the worker must not append the
+    new request to the sequence the old scheduler left there (its first step drops everything: free_all)."""
+
+    async def restart_scheduler() -> None:
+        stack.restart("scheduler")
+        deadline = time.monotonic() + 60
+        while not (await asyncio.to_thread(stack.scheduler_health))["ready"]:
+            assert time.monotonic() < deadline, "the scheduler did not become ready again"
+            await asyncio.sleep(0.2)
+
+    await restart_scheduler()  # fresh numbering: the next request is sequence 1
+    collector = EventCollector(stack.settings.endpoint("scheduler"))
+    try:
+        doomed = submit(stack, "Count from one to one hundred:", max_tokens=400, ignore_eos=True)
+        reply, _ = await collector.dealer.request(doomed)
+        assert isinstance(reply, wire.Ok)
+        for _ in range(200):  # tokens flow: the worker holds sequence 1
+            if len(collector.events.get(doomed.rid, [])) >= 3:
+                break
+            await asyncio.sleep(0.05)
+        assert collector.events.get(doomed.rid), "the first request never produced tokens"
+    finally:
+        collector.close()
+    await restart_scheduler()
+    collector = EventCollector(stack.settings.endpoint("scheduler"))
+    try:
+        request = submit(stack, "The capital of Italy is", max_tokens=8)
+        events = await collector.run(request)
+        assert [t.token_id for e in events for t in e.tokens] == hf_greedy(request.prompt_ids, 8)
+    finally:
+        collector.close()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.wire import SamplingParams, SeqStep
+from common.wire import SamplingParams, SeqStep, Step
 from services.worker.engine import Engine
 from tests.worker.conftest import GREEDY, Driver
 
@@ -271,6 +271,16 @@ def test_follow_without_a_sample_to_feed_fails_only_that_sequence(driver: Driver
 def test_free_only_step_and_unknown_free_ids(driver: Driver) -> None:
     result = driver.step([], free=[999_999])
     assert result.samples == {} and result.failures == []
+
+
+def test_free_all_drops_every_sequence_before_the_step(driver: Driver, prompts, expected) -> None:
+    driver.step([SeqStep(seq_id=1, tokens=prompts[1], sampling=GREEDY), SeqStep(seq_id=2, tokens=prompts[2], sampling=GREEDY)])
+    assert driver.engine.stats()["active_seqs"] == 2
+    driver.step_id += 1
+    result = driver.engine.step(Step(step_id=driver.step_id, seqs=[SeqStep(seq_id=1, tokens=prompts[0], sampling=GREEDY)],
+                                     free_all=True))
+    assert driver.engine.stats()["active_seqs"] == 1 and result.samples[1].token_id == expected[0][0]
+    driver.engine.free([1])
 
 
 def test_fallback_forward_matches_generate(loaded, prompts, expected) -> None:
