@@ -152,6 +152,7 @@ class Generation:
         return Usage(
             (final.prompt_tokens if final else 0) or self._prompt_len,
             (final.completion_tokens if final else 0) or self._tokens,
+            final.cached_tokens if final else 0,
         )
 
     # -- the stream ---------------------------------------------------------------------------

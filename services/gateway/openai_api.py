@@ -309,7 +309,7 @@ async def _sse_chunks(
         elif isinstance(msg, CompletionMsg):
             yield chunk([fmt.delta("", [], _finish(msg.finish_reason))])
             if include_usage:
-                yield chunk([], msg.usage.to_json())
+                yield chunk([], msg.usage.to_openai())
         elif isinstance(msg, ErrorMsg):
             yield sse(_error_body(msg))
     yield sse("[DONE]")
@@ -377,7 +377,7 @@ async def _serve(
             "created": int(time.time()),
             "model": first.model,
             "choices": [fmt.choice(result.generated_text, entries, _finish(result.finish_reason))],
-            "usage": result.usage.to_json(),
+            "usage": result.usage.to_openai(),
         }
     )
 

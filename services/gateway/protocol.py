@@ -44,6 +44,7 @@ class LogprobEntry:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache or a session
 
     def to_json(self) -> dict[str, int]:
         return {
@@ -51,6 +52,10 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+
+    def to_openai(self) -> dict[str, Any]:
+        """OpenAI's usage object, with ``prompt_tokens_details.cached_tokens`` as vLLM reports it."""
+        return {**self.to_json(), "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import openai
 import pytest
@@ -87,6 +89,22 @@ def test_completion_with_logprobs_and_stop(stack, client, hf_greedy):
         model=stack.settings.served_model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop="."
     )
     assert stopped.choices[0].text == " Paris" and stopped.choices[0].finish_reason == "stop"
+
+
+def test_usage_reports_prompt_tokens_from_the_prefix_cache(stack, client):
+    """The same long prompt twice: the second reuses the first's full KV blocks, and says so as vLLM does."""
+    prompt = f"Note {uuid.uuid4().hex}: " + "the lighthouse keeper climbed the stairs and lit the lamp. " * 4
+    ask = dict(model=stack.settings.served_model_name, prompt=prompt, max_tokens=2, temperature=0)
+    first, second = client.completions.create(**ask), client.completions.create(**ask)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens > 32
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens and cached % 16 == 0  # whole blocks, never the last token
+    stream = client.chat.completions.create(model=stack.settings.served_model_name, max_tokens=1, stream=True,
+                                            messages=[{"role": "user", "content": prompt}],
+                                            stream_options={"include_usage": True})
+    usage = [c.usage for c in stream if c.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens == 0  # a chat template: new prefix
 
 
 def test_streaming_completion_with_echo_and_token_prompt(stack, client, hf_greedy):
