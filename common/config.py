@@ -42,6 +42,10 @@ class Limits(BaseModel):
     request_timeout_s: float = Field(600.0, gt=0, description="a generation running longer ends with timeout")
     rate_limit_per_minute: int = Field(0, ge=0, description="requests per client address; 0 disables")
     worker_step_timeout_s: float = Field(60.0, gt=0)
+    gateway_heartbeat_s: float = Field(1.0, gt=0, description="a gateway with live requests tells the scheduler "
+                                       "it is alive this often")
+    gateway_silence_s: float = Field(10.0, gt=0, description="the scheduler cancels the requests of a gateway "
+                                     "that sent heartbeats and then stayed silent this long (it died)")
     kv_memory_fraction: float | None = Field(
         None, gt=0, le=1, description="share of the memory free after loading the model that the KV pool takes "
         "(default 0.85 on a GPU, 0.5 of available RAM on the CPU)"

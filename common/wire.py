@@ -148,6 +148,12 @@ class Cancel(Msg, tag="cancel"):
     rid: str
 
 
+class GatewayAlive(Msg, tag="gateway_alive"):
+    """A gateway's heartbeat while it streams requests (``limits.gateway_heartbeat_s``); answered with Ok.
+    Once a gateway sent one, the scheduler cancels its requests when it stays silent for
+    ``limits.gateway_silence_s`` (a gateway that died cannot cancel them itself)."""
+
+
 class SessionDrop(Msg, tag="session_drop"):
     """A session was closed: the KV the scheduler keeps for it between turns can go."""
 
@@ -479,6 +485,7 @@ Message = Union[
     HealthReply,
     Submit,
     Cancel,
+    GatewayAlive,
     SessionDrop,
     Pause,
     Resume,

@@ -41,6 +41,7 @@ def _as_error(reply: wire.Message, what: str) -> TillerError:
 class EngineClient:
     def __init__(self, settings: Settings, ctx: zmq.asyncio.Context) -> None:
         self._dealer = Dealer(ctx, settings.endpoint("scheduler"), on_message=self._on_message)
+        self._heartbeat_s = settings.limits.gateway_heartbeat_s
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._health: wire.HealthReply | None = None
         self._health_at = 0.0
@@ -49,6 +50,21 @@ class EngineClient:
 
     def start(self) -> None:
         self._dealer.start()
+        task = asyncio.get_running_loop().create_task(self._heartbeat())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _heartbeat(self) -> None:
+        """While requests stream, tell the scheduler this gateway lives (``wire.GatewayAlive``): should it
+        die, the scheduler cancels its requests instead of generating them for nobody."""
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            if not self._streams:
+                continue
+            try:
+                await self._call(wire.GatewayAlive(), timeout=self._heartbeat_s)
+            except TillerError as exc:
+                log.debug("engine.heartbeat_unanswered", reason=exc.message)
 
     def close(self) -> None:
         for task in self._background:

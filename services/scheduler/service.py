@@ -28,11 +28,11 @@ from common import wire
 from common.config import Settings
 from common.errors import (
     CONTEXT_LENGTH_EXCEEDED,
+    ERROR_TRAITS,
     INTERNAL_ERROR,
     INVALID_REQUEST,
     MEMORY_PRESSURE,
     MODEL_LOADING_ERROR,
-    ERROR_TRAITS,
 )
 from common.model_source import load_tokenizer
 from common.sockets import Router, reply_mid
@@ -77,6 +77,7 @@ class Scheduler:
         self.queue: list[LiveRequest] = []
         self.running: dict[int, LiveRequest] = {}  # seq_id -> request (running or paused)
         self.to_free: dict[bytes, list[int]] = defaultdict(list)
+        self.gateways_seen: dict[bytes, float] = {}  # gateways that send heartbeats -> when last heard from
         self.outbox: dict[bytes, list[wire.TokenEvent]] = defaultdict(list)
         # tokens accepted from the last step whose text is worked out while the next one runs
         self.deferred: list[tuple[LiveRequest, wire.TokenEvent]] = []
@@ -104,6 +105,8 @@ class Scheduler:
     async def serve_frontend(self) -> None:
         while True:
             gateway, msg, _ = await self.frontend.recv()
+            if gateway in self.gateways_seen or isinstance(msg, wire.GatewayAlive):
+                self.gateways_seen[gateway] = time.monotonic()
             try:
                 reply = await self._handle_frontend(gateway, msg)
             except Exception as exc:  # a bug handling one message must not stop the scheduler
@@ -118,6 +121,8 @@ class Scheduler:
             return self._submit(gateway, msg)
         if isinstance(msg, wire.Health):
             return await self._health()
+        if isinstance(msg, wire.GatewayAlive):
+            return wire.Ok()
         if isinstance(msg, wire.SessionDrop):
             self.sessions.drop(msg.key)
             return wire.Ok()
@@ -269,8 +274,21 @@ class Scheduler:
                 elif silent > LIVENESS_PING_S:
                     await self.worker_router.send(worker.identity, wire.Health())
             self._expire_deadlines()
+            self._expire_gateways()
             self.sessions.expire()
             self._flush_events()
+
+    def _expire_gateways(self) -> None:
+        """Cancel the requests of a gateway whose heartbeats stopped: it died with them."""
+        cutoff = time.monotonic() - self.limits.gateway_silence_s
+        for gateway, seen in list(self.gateways_seen.items()):
+            if seen >= cutoff:
+                continue
+            del self.gateways_seen[gateway]
+            orphans = [r for r in self.requests.values() if r.gateway == gateway]
+            log.warning("scheduler.gateway_lost", gateway=gateway.hex(), requests=len(orphans))
+            for request in orphans:
+                self._finish(request, "cancelled")
 
     def _lose_worker(self, worker: WorkerInfo, reason: str) -> None:
         log.warning("scheduler.worker_lost", worker=worker.identity.decode(errors="replace"), reason=reason)

@@ -13,13 +13,16 @@ import httpx
 import pytest
 import websockets
 
+from common.config import Limits
 from tests.gateway.support import (
     base_env,
     collect,
     gateway,
+    gateway_process,
     generate,
     kinds,
     receive,
+    scheduler_idle,
     send,
     service,
     wait_for,
@@ -93,6 +96,23 @@ async def test_timeout_reports_the_partial_text(strict_gateway):
     assert reply.status_code == 504
     body = reply.json()["error"]
     assert body["type"] == "timeout" and body["generated_text"] and body["request_id"].startswith("gen_")
+
+
+async def test_requests_of_a_dead_gateway_are_cancelled(stack, tmp_path):
+    """A gateway killed mid-stream cannot cancel its requests; the scheduler does, once its heartbeats stop."""
+    silence = Limits().gateway_silence_s
+    with gateway_process(dict(stack.env), tmp_path) as (address, proc):
+        async with websockets.connect(f"ws://{address}/generate") as ws:
+            long_run = {"max_tokens": 1500, "ignore_eos": True}  # about a minute of tokens on CI's CPU
+            await send(ws, {"type": "config", "prompt": "Once upon a time", "parameters": long_run})
+            while (await receive(ws))["type"] != "token":
+                pass
+            await asyncio.sleep(2 * Limits().gateway_heartbeat_s)  # heartbeats went out
+            proc.kill()
+            proc.wait()
+    health = await asyncio.to_thread(stack.scheduler_health)
+    assert health["running"] == 1, health
+    await wait_for(lambda: scheduler_idle(stack), silence + 10, "the scheduler to cancel the dead gateway's request")
 
 
 async def test_rate_limit_per_client(limited_gateway):

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.gateway.support import kinds, parse_sse, token_ids, wait_for
+from tests.gateway.support import kinds, parse_sse, scheduler_idle, token_ids, wait_for
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
@@ -22,11 +22,6 @@ async def client(stack):
 @pytest.fixture(scope="module")
 def expected(stack, hf_greedy) -> list[int]:
     return hf_greedy(stack.tokenizer(PROMPT).input_ids, MAX_TOKENS)
-
-
-async def scheduler_idle(stack) -> bool:
-    health = await asyncio.to_thread(stack.scheduler_health)
-    return health["running"] == 0 and health["queued"] == 0
 
 
 async def test_json_flat_body(stack, client, expected):

@@ -16,6 +16,7 @@ from tests.gateway.support import (
     greedy_config,
     kinds,
     receive,
+    scheduler_idle,
     send,
     token_ids,
     wait_for,
@@ -58,11 +59,6 @@ def check_stream(stack, messages, expected_ids: list[int], n_prompt: int, *, ech
         "total_tokens": n_prompt + len(expected_ids),
     }
     assert completion["request_id"] == init["request_id"]
-
-
-async def scheduler_idle(stack) -> bool:
-    health = await asyncio.to_thread(stack.scheduler_health)
-    return health["running"] == 0 and health["queued"] == 0
 
 
 @pytest.mark.parametrize(

@@ -79,6 +79,12 @@ def parse_sse(body: str) -> list[Any]:
     return events
 
 
+async def scheduler_idle(stack) -> bool:
+    """Nothing running or queued in the stack's scheduler."""
+    health = await asyncio.to_thread(stack.scheduler_health)
+    return health["running"] == 0 and health["queued"] == 0
+
+
 async def wait_for(predicate: Any, timeout: float, what: str) -> None:
     """Poll a (possibly async) predicate until it holds."""
     deadline = time.monotonic() + timeout
@@ -118,6 +124,13 @@ def service(module: str, env: dict[str, str], log: Path) -> Iterator[subprocess.
 @contextlib.contextmanager
 def gateway(env: dict[str, str], log_dir: Path, timeout: float = 120.0) -> Iterator[str]:
     """A gateway process on a free port; yields its ``host:port`` once it answers HTTP."""
+    with gateway_process(env, log_dir, timeout) as (address, _):
+        yield address
+
+
+@contextlib.contextmanager
+def gateway_process(env: dict[str, str], log_dir: Path, timeout: float = 120.0) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A gateway process on a free port; yields its ``host:port`` and the process once it answers HTTP."""
     port = free_port()
     log = log_dir / f"gateway-{port}.log"
     env = dict(env, TILLER_HTTP_PORT=str(port), TILLER_GRPC_PORT=str(free_port()))
@@ -131,4 +144,4 @@ def gateway(env: dict[str, str], log_dir: Path, timeout: float = 120.0) -> Itera
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the gateway did not start:\n{log.read_text(errors='replace')}") from None
                 time.sleep(0.2)
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", proc
