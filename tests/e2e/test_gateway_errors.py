@@ -102,7 +102,7 @@ async def test_requests_of_a_dead_gateway_are_cancelled(stack, tmp_path):
     """A gateway killed mid-stream cannot cancel its requests; the scheduler does, once its heartbeats stop."""
     silence = Limits().gateway_silence_s
     with gateway_process(dict(stack.env), tmp_path) as (address, proc):
-        async with websockets.connect(f"ws://{address}/generate") as ws:
+        async with websockets.connect(f"ws://{address}/generate", close_timeout=0.1) as ws:
             long_run = {"max_tokens": 1500, "ignore_eos": True}  # about a minute of tokens on CI's CPU
             await send(ws, {"type": "config", "prompt": "Once upon a time", "parameters": long_run})
             while (await receive(ws))["type"] != "token":
@@ -110,9 +110,10 @@ async def test_requests_of_a_dead_gateway_are_cancelled(stack, tmp_path):
             await asyncio.sleep(2 * Limits().gateway_heartbeat_s)  # heartbeats went out
             proc.kill()
             proc.wait()
-    health = await asyncio.to_thread(stack.scheduler_health)
-    assert health["running"] == 1, health
-    await wait_for(lambda: scheduler_idle(stack), silence + 10, "the scheduler to cancel the dead gateway's request")
+            health = await asyncio.to_thread(stack.scheduler_health)
+            assert health["running"] == 1, health  # nobody is left to cancel it
+            await wait_for(lambda: scheduler_idle(stack), silence + 10,
+                           "the scheduler to cancel the dead gateway's request")
 
 
 async def test_rate_limit_per_client(limited_gateway):
