@@ -279,14 +279,16 @@ class Scheduler:
             self._flush_events()
 
     def _expire_gateways(self) -> None:
-        """Cancel the requests of a gateway whose heartbeats stopped: it died with them."""
+        """Cancel the requests of a gateway whose heartbeats stopped: it died with them (a gateway with
+        nothing to stream is silent too, and simply stops being watched until its next heartbeat)."""
         cutoff = time.monotonic() - self.limits.gateway_silence_s
         for gateway, seen in list(self.gateways_seen.items()):
             if seen >= cutoff:
                 continue
             del self.gateways_seen[gateway]
             orphans = [r for r in self.requests.values() if r.gateway == gateway]
-            log.warning("scheduler.gateway_lost", gateway=gateway.hex(), requests=len(orphans))
+            if orphans:
+                log.warning("scheduler.gateway_lost", gateway=gateway.hex(), requests=len(orphans))
             for request in orphans:
                 self._finish(request, "cancelled")
 
