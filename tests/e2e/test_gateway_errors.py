@@ -31,6 +31,7 @@ from tests.gateway.support import (
 from tests.stack import start_stack
 
 REQUEST_TIMEOUT_S = 5
+CODE_PROMPT = "def parse_config(path):\n    \"\"\"Read a TOML file into a dict.\"\"\"\n"
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +80,10 @@ async def test_content_filter_cancels_a_generation(strict_gateway):
 
 async def test_timeout_reports_the_partial_text(strict_gateway):
     async with websockets.connect(f"ws://{strict_gateway}/generate") as ws:
-        # ignore_eos: a sampled EOS must not end it before the timeout does
+        # ignore_eos: a sampled EOS must not end it before the timeout does; code, not a story, so that the
+        # text never trips this gateway's content filter ("Paris") and ends it first
         long_run = {"max_tokens": 1500, "ignore_eos": True}
-        messages = await generate(ws, {"prompt": "Once upon a time", "parameters": long_run})
+        messages = await generate(ws, {"prompt": CODE_PROMPT, "parameters": long_run})
         error = messages[-1]
         assert kinds(messages)[0] == "init" and error["type"] == "error" and error["error"] == "timeout"
         assert error["request_id"] == messages[0]["request_id"] and error["recovery_action"] == "retry"
@@ -91,7 +93,7 @@ async def test_timeout_reports_the_partial_text(strict_gateway):
         assert kinds(await generate(ws, {"prompt": "Hello", "parameters": {"max_tokens": 1}}))[-1] == "completion"
     async with httpx.AsyncClient(base_url=f"http://{strict_gateway}", timeout=REQUEST_TIMEOUT_S * 6) as client:
         reply = await client.post(
-            "/v1/generate", json={"prompt": "Once upon a time", **long_run, "stream": False}
+            "/v1/generate", json={"prompt": CODE_PROMPT, **long_run, "stream": False}
         )
     assert reply.status_code == 504
     body = reply.json()["error"]
