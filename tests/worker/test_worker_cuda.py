@@ -48,14 +48,16 @@ def _generate(loaded: LoadedModel, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def _decode_batch(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Prefill every prompt in one step, then decode all of them together for ``n - 1`` steps."""
+def _decode_batch(engine: Engine, prompts: list[list[int]], n: int, follow: bool = False) -> list[list[int]]:
+    """Prefill every prompt in one step, then decode all of them together for ``n - 1`` steps (with
+    ``follow``, each decode step feeds the worker's own last samples, as the pipelined scheduler does)."""
     driver = Driver(engine)
     ids = list(range(1, len(prompts) + 1))
     result = driver.step([SeqStep(seq_id=i, tokens=p, sampling=GREEDY) for i, p in zip(ids, prompts)])
     out = [[result.samples[i].token_id] for i in ids]
     for _ in range(n - 1):
-        result = driver.step([SeqStep(seq_id=i, tokens=[o[-1]]) for i, o in zip(ids, out)])
+        result = driver.step([SeqStep(seq_id=i, tokens=[], follow=True) if follow else SeqStep(seq_id=i, tokens=[o[-1]])
+                              for i, o in zip(ids, out)])
         assert not result.failures, result.failures
         for i, o in zip(ids, out):
             o.append(result.samples[i].token_id)
@@ -75,6 +77,7 @@ def test_graph_decode_equals_eager_and_transformers(loaded: LoadedModel) -> None
     got = _decode_batch(graphed, prompts, n)
     assert graphed.runner.graphs.captured >= 2  # more than one width bucket was needed
     assert got == _decode_batch(eager, prompts, n)
+    assert got == _decode_batch(graphed, prompts, n, follow=True)
     for prompt, tokens in zip(prompts, got):
         assert tokens == _generate(loaded, prompt, n)
 
