@@ -1,5 +1,6 @@
 """HTTP plumbing shared by the REST and OpenAI surfaces: bounded JSON bodies, SSE framing, client
-addresses, and abandoning a non-streaming generation when its client disconnects."""
+addresses, JSON text as the streams send it, and abandoning a non-streaming generation when its client
+disconnects."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
+import msgspec
 from starlette.requests import HTTPConnection, Request
 
 from common.errors import INVALID_REQUEST
@@ -15,6 +17,7 @@ from services.gateway.driver import Gateway
 from services.gateway.protocol import GatewayError
 
 T = TypeVar("T")
+_json_encoder = msgspec.json.Encoder()
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # How often a non-streaming request checks whether its client is still there.
@@ -45,9 +48,15 @@ async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
     return data
 
 
+def json_text(data: Any) -> str:
+    """Compact JSON text, non-ASCII as is: what the streaming protocols send per token (msgspec's
+    encoder, about ten times faster than ``json.dumps`` on a token message)."""
+    return _json_encoder.encode(data).decode()
+
+
 def sse(data: dict[str, Any] | str) -> bytes:
     """One server-sent event: ``data: <json>`` and a blank line."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    payload = data if isinstance(data, str) else json_text(data)
     return f"data: {payload}\n\n".encode()
 
 

@@ -18,7 +18,7 @@ from starlette.websockets import WebSocketState
 
 from common.errors import INTERNAL_ERROR, INVALID_REQUEST, TillerError
 from services.gateway.driver import Gateway, Generation, new_request_id, protocol_messages
-from services.gateway.httputil import client_of, gateway_of
+from services.gateway.httputil import client_of, gateway_of, json_text
 from services.gateway.protocol import ErrorMsg, GatewayError, StatusMsg
 from services.gateway.side_channel import caller_of
 from services.gateway.store import NOT_FOUND, StoreError
@@ -71,7 +71,7 @@ class Connection:
     async def _send(self, message: dict[str, Any]) -> None:
         async with self._send_lock:
             if self._ws.application_state is WebSocketState.CONNECTED:
-                await self._ws.send_json(message)
+                await self._ws.send_text(json_text(message))
 
     async def _on_frame(self, raw: str | bytes) -> None:
         try:
