@@ -60,6 +60,7 @@ from services.worker.paged_llama import PagedLlama, unsupported_reason
 from services.worker.readouts import Readouts
 from services.worker.runner import Runner, SeqInput
 from services.worker.sampler import SeqSampler, mask_allows_any, mask_bias, sample, validate_params
+from services.worker.transfer import to_device
 
 log = structlog.get_logger()
 
@@ -360,7 +361,7 @@ class Engine:
             assert logits is not None
             if len(sampling) < len(forwarded.sampling):
                 row_of = {s.seq_id: i for i, s in enumerate(forwarded.sampling)}
-                logits = logits[torch.tensor([row_of[s.seq_id] for s in sampling], device=logits.device)]
+                logits = logits[to_device([row_of[s.seq_id] for s in sampling], logits.device)]
             bias = self._sampling_bias(sampling, masks)
             seqs = [self.seqs[s.seq_id] for s in sampling]
             tokens = sample(logits, [q.sampler for q in seqs], [q.tokens for q in seqs], bias)
@@ -397,9 +398,9 @@ class Engine:
                 row_of[(item.seq_id, p)] = len(row_of)
         score_rows = [(seq_id, q) for seq_id, s in steps.items() for q in s.scores]
         if score_rows:
-            index = torch.tensor([row_of[(seq_id, q.position)] for seq_id, q in score_rows], device=self.device)
+            index = to_device([row_of[(seq_id, q.position)] for seq_id, q in score_rows], self.device)
             logprobs = runner._logits(captured.final[index]).log_softmax(-1)
-            targets = torch.tensor([q.target for _, q in score_rows], device=self.device)
+            targets = to_device([q.target for _, q in score_rows], self.device)
             picked = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist()
             k = max(steps[seq_id].top_logprobs for seq_id, _ in score_rows)
             top_ids, top_lps = ([[]] * len(score_rows), [[]] * len(score_rows))
@@ -412,7 +413,7 @@ class Engine:
                 scores.setdefault(seq_id, []).append(ScoreResult(q.position, q.target, picked[j], alternatives))
         readout_rows = [(seq_id, p) for seq_id, s in steps.items() for p in s.readouts]
         if readout_rows and self.readouts is not None:
-            index = torch.tensor([row_of[key] for key in readout_rows], device=self.device)
+            index = to_device([row_of[key] for key in readout_rows], self.device)
             hidden = [captured.layers[layer][index] for layer in self.readouts.layers]
             values = self.readouts.project(hidden, runner.final_norm_of).cpu().numpy().astype("<f4")
             for j, (seq_id, p) in enumerate(readout_rows):
@@ -439,14 +440,12 @@ class Engine:
         if max(rows) < 0:
             return None
         masked = [i for i, r in enumerate(rows) if r >= 0]
-        words = torch.from_numpy(masks.words[[rows[i] for i in masked]])
-        if self.device.type == "cuda":
-            words = words.pin_memory().to(self.device, non_blocking=True)
+        words = to_device(masks.words[[rows[i] for i in masked]], self.device, torch.int32)
         bias = mask_bias(words, self.vocab_size)
         if len(masked) == len(sampling):
             return bias
         full = torch.zeros(len(sampling), self.vocab_size, device=self.device)
-        full[torch.tensor(masked, device=self.device)] = bias
+        full[to_device(masked, self.device)] = bias
         return full
 
     def _fork(self, s: SeqStep) -> None:
@@ -568,7 +567,7 @@ class Engine:
 
         if seq is None:
             assert s.sampling is not None
-            seq = self.seqs[s.seq_id] = _Seq(sampler=SeqSampler(s.sampling, self.device))
+            seq = self.seqs[s.seq_id] = _Seq(sampler=SeqSampler(s.sampling))
         elif s.sampling is not None:
             seq.sampler.update(s.sampling)
         if s.backtrack:

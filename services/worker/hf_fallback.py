@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from services.worker.runner import Captured, SeqInput
+from services.worker.transfer import to_device
 
 
 class HFFallback:
@@ -73,7 +74,7 @@ class HFFallback:
         """The model's inputs for one sequence's fed tokens (besides its cache)."""
         n = len(item.tokens)
         return {
-            "input_ids": torch.tensor([item.tokens], device=self.device),
+            "input_ids": to_device([item.tokens], self.device),
             "position_ids": torch.arange(item.start, item.start + n, device=self.device).unsqueeze(0),
         }
 
@@ -88,7 +89,7 @@ class HFFallback:
             finally:
                 recorded, self._recording = self._recording, None
             if recorded:
-                index = torch.tensor([p - item.start for p in item.capture], device=self.device)
+                index = to_device([p - item.start for p in item.capture], self.device)
                 for layer in self.tap_layers | {self._last}:
                     kept.setdefault(layer, []).append(recorded[layer][0, index])
             if item.logits:

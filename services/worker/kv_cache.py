@@ -34,6 +34,8 @@ from collections.abc import Sequence
 import psutil
 import torch
 
+from services.worker.transfer import to_device
+
 BLOCK_SIZE = 16  # tokens per block
 NULL_BLOCK = 0
 ROOT_HASH = b""  # the parent hash of a sequence's first block
@@ -329,7 +331,7 @@ class PagedKVCache:
     def zero_blocks(self, blocks: list[int]) -> None:
         """Clear blocks on first use (in every layer): slots past a sequence's end are masked out
         of attention but still multiplied by a zero weight, so they must hold finite numbers."""
-        index = torch.tensor(blocks, device=self.kv.device)
+        index = to_device(blocks, self.kv.device)
         for layer in self.layer_blocks:  # per layer: one strided fill across layers is ~100x slower
             layer.index_fill_(0, index, 0)
 

@@ -24,6 +24,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from services.worker.kv_cache import NULL_BLOCK, PagedKVCache
 from services.worker.runner import Captured, SeqInput
+from services.worker.transfer import to_device
 
 if TYPE_CHECKING:
     from services.worker.cuda_graphs import DecodeGraphs
@@ -213,9 +214,8 @@ class PagedLlama:
                 prefills.append(self._plan_prefill(item, row))
         if fresh:
             self.cache.zero_blocks(fresh)
-        as_long = dict(dtype=torch.long, device=device)
         step = _StepPlan(
-            slots=torch.tensor(slots, **as_long),
+            slots=to_device(slots, device),
             decode=self._plan_decode(decode) if decode else None,
             num_decode=len(decode),
             prefills=prefills,
@@ -223,15 +223,15 @@ class PagedLlama:
         taps: dict[int, torch.Tensor] | None = None
         if capture:
             rows = [first_row[i] + p - item.start for i, item in enumerate(inputs) for p in item.capture]
-            taps = {-1: torch.tensor(rows, **as_long)}
-        x = self._layers(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long), step, taps)
+            taps = {-1: to_device(rows, device)}
+        x = self._layers(to_device(ids, device), to_device(positions, device), step, taps)
         if taps is not None:
             rows_t = taps.pop(-1)
             self.captured = Captured(final=x[rows_t], layers=taps)
         wanted = [last_row[i] for i, item in enumerate(inputs) if item.logits]
         if not wanted:
             return torch.empty(0, self.lm_head.shape[0], dtype=torch.float32, device=device)
-        return self._logits(x[torch.tensor(wanted, **as_long)])
+        return self._logits(x[to_device(wanted, device)])
 
     def _layers(
         self, ids: torch.Tensor, positions: torch.Tensor, step: _StepPlan, taps: dict[int, torch.Tensor] | None = None
@@ -291,8 +291,8 @@ class PagedLlama:
         bs = tables.block_size
         width = -(-max(d.start + 1 for d in decode) // bs)
         rows = [tables.seqs[d.seq_id][:width] for d in decode]
-        blocks = torch.tensor([r + [NULL_BLOCK] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)
-        lengths = torch.tensor([d.start + 1 for d in decode], device=self.device)
+        blocks = to_device([r + [NULL_BLOCK] * (width - len(r)) for r in rows], self.device)
+        lengths = to_device([d.start + 1 for d in decode], self.device)
         valid = torch.arange(width * bs, device=self.device) < lengths.unsqueeze(-1)
         return blocks.view(-1), valid.view(len(decode), 1, 1, width * bs)
 
@@ -305,7 +305,7 @@ class PagedLlama:
         blocks = self.cache.tables.seqs[item.seq_id][: -(-total // bs)]
         query_pos = torch.arange(item.start, total, device=self.device).unsqueeze(-1)
         mask = torch.arange(len(blocks) * bs, device=self.device) <= query_pos
-        return _Prefill(row=row, n=n, blocks=torch.tensor(blocks, dtype=torch.long, device=self.device), mask=mask)
+        return _Prefill(row=row, n=n, blocks=to_device(blocks, self.device), mask=mask)
 
     def _attention(
         self, layer: _Layer, x: torch.Tensor, kv_slots: torch.Tensor, kv_blocks: torch.Tensor, step: _StepPlan

@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from common.config import Sessions
+from services.worker.transfer import to_device
 
 
 def default_layers(num_layers: int) -> list[int]:
@@ -56,7 +57,7 @@ class Readouts:
                 if not ids:
                     raise ValueError(f"readout concept {word!r} encodes to no token")
                 rows.append(ids[0])
-            matrix = unembedding[torch.tensor(rows, device=unembedding.device)]
+            matrix = unembedding[to_device(rows, unembedding.device)]
         return cls(concepts=names, layers=layers, matrix=matrix)
 
     def project(self, hidden: Sequence[torch.Tensor], final_norm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from common.wire import SampledToken, SamplingParams, TokenLogprob
+from services.worker.transfer import to_device
 
 TOP_P_CANDIDATES = (64, 1024)  # how many tokens top-p ranks, in turn, before sorting a whole row
 
@@ -34,17 +35,19 @@ def validate_params(params: SamplingParams, vocab_size: int) -> str | None:
 
 class SeqSampler:
     """A sequence's sampling parameters and its random generator (seeded when ``seed`` is set, so
-    the same seed and parameters give the same tokens)."""
+    the same seed and parameters give the same tokens). The generator lives on the host whatever
+    the device: a seeded draw is one cheap host call, the same on every device, and the draws of a
+    whole step reach the device in one copy."""
 
-    def __init__(self, params: SamplingParams, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.generator = self._generator(params.seed)
 
-    def _generator(self, seed: int | None) -> torch.Generator | None:
+    @staticmethod
+    def _generator(seed: int | None) -> torch.Generator | None:
         if seed is None:
             return None
-        generator = torch.Generator(device=self.device)
+        generator = torch.Generator()
         generator.manual_seed(seed)
         return generator
 
@@ -54,7 +57,7 @@ class SeqSampler:
         state, ``index``). Deterministic, different for every fork, and this generator's own
         stream is left as it is."""
         child = SeqSampler.__new__(SeqSampler)
-        child.device, child.params, child.generator = self.device, self.params, None
+        child.params, child.generator = self.params, None
         if self.generator is not None:
             state = self.generator.get_state().numpy().tobytes()
             digest = hashlib.blake2b(state + index.to_bytes(8, "little"), digest_size=8).digest()
@@ -106,6 +109,7 @@ def sample(
 
     ``histories[i]`` are row i's tokens so far (for the repetition penalty); ``bias`` is an
     optional additive float32 ``[n, vocab]`` (-inf: the token may not be sampled; see mask_bias).
+    On a GPU nothing here waits for the device but the final copy of the results to the host.
     """
     n = logits.shape[0]
     device = logits.device
@@ -113,49 +117,64 @@ def sample(
     scores = logits if bias is None else logits + bias
     penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 and histories[i]]
     if penalised:
-        scores = scores.clone() if scores is logits else scores
-        for i in penalised:
-            ids = torch.tensor(histories[i], device=device)
-            row = scores[i]
-            picked = row.gather(0, ids)
-            penalty = params[i].repetition_penalty
-            row.scatter_(0, ids, torch.where(picked < 0, picked * penalty, picked / penalty))
+        scores = _penalise(scores.clone() if scores is logits else scores, penalised, params, histories)
 
-    tokens = torch.empty(n, dtype=torch.long, device=device)
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
-    drawn = [i for i, p in enumerate(params) if p.temperature != 0]
     if len(greedy) == n:
         tokens = scores.argmax(-1)
-    elif greedy:
-        index = torch.tensor(greedy, device=device)
-        tokens[index] = scores[index].argmax(-1)
-    if drawn:
-        index = torch.tensor(drawn, device=device)
+    else:
+        tokens = torch.empty(n, dtype=torch.long, device=device)
+        if greedy:
+            index = to_device(greedy, device)
+            tokens[index] = scores[index].argmax(-1)
+        drawn = [i for i, p in enumerate(params) if p.temperature != 0]
+        index = to_device(drawn, device)
         probs = _warp([params[i] for i in drawn], scores[index] if len(drawn) < n else scores).softmax(-1)
         tokens[index] = _draw(probs, [samplers[i].generator for i in drawn])
     return _with_logprobs(logits, tokens, params)
+
+
+def _penalise(
+    scores: torch.Tensor, rows: list[int], params: list[SamplingParams], histories: list[list[int]]
+) -> torch.Tensor:
+    """transformers' repetition penalty on ``rows`` of ``scores`` (in place), all rows at once:
+    each row's history is padded with its own first token, and a repeated token changes nothing."""
+    device = scores.device
+    ids = np.empty((len(rows), max(len(histories[i]) for i in rows)), dtype=np.int64)
+    for j, i in enumerate(rows):
+        history = histories[i]
+        ids[j, : len(history)] = history
+        ids[j, len(history) :] = history[0]
+    seen = to_device(ids, device)
+    penalty = to_device([params[i].repetition_penalty for i in rows], device, scores.dtype).unsqueeze(-1)
+    index = to_device(rows, device)
+    penalised = scores[index]
+    picked = penalised.gather(-1, seen)
+    penalised.scatter_(-1, seen, torch.where(picked < 0, picked * penalty, picked / penalty))
+    scores[index] = penalised
+    return scores
 
 
 def _warp(params: list[SamplingParams], scores: torch.Tensor) -> torch.Tensor:
     """Temperature, top-k and top-p over rows of sampled (non-greedy) sequences."""
     device = scores.device
     vocab = scores.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=scores.dtype)
+    temperature = to_device([p.temperature for p in params], device, scores.dtype)
     scores = scores / temperature.unsqueeze(-1)
     ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     if min(ks) < vocab:
         top = scores.topk(max(k for k in ks if k < vocab), dim=-1).values
-        k_index = torch.tensor([k - 1 if k < vocab else 0 for k in ks], device=device).unsqueeze(-1)
-        threshold = top.gather(-1, k_index)
-        threshold[torch.tensor([k == vocab for k in ks], device=device)] = float("-inf")
+        k_index = to_device([k - 1 if k < vocab else 0 for k in ks], device).unsqueeze(-1)
+        unlimited = to_device([k == vocab for k in ks], device, torch.bool).unsqueeze(-1)
+        threshold = top.gather(-1, k_index).masked_fill(unlimited, float("-inf"))
         scores = scores.masked_fill(scores < threshold, float("-inf"))
     nucleus = [j for j, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
-        top_p = torch.tensor([params[j].top_p for j in nucleus], device=device, dtype=scores.dtype).unsqueeze(-1)
+        top_p = to_device([params[j].top_p for j in nucleus], device, scores.dtype).unsqueeze(-1)
         if len(nucleus) == len(params):
             scores = _top_p(scores, top_p)
         else:
-            rows = torch.tensor(nucleus, device=device)
+            rows = to_device(nucleus, device)
             scores[rows] = _top_p(scores[rows], top_p)
     return scores
 
@@ -165,14 +184,17 @@ def _top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     a token stays while the mass ranked above it is below ``top_p``, so the best always stays).
 
     Sorting a whole vocabulary row costs milliseconds on a CPU, and the nucleus nearly always lies
-    among the few most likely tokens: rows are ranked over ``TOP_P_CANDIDATES`` tokens first, and
-    only the rows whose candidates hold less than ``top_p`` go on to a larger ranking.
+    among the few most likely tokens: there, rows are ranked over ``TOP_P_CANDIDATES`` tokens
+    first, and only the rows whose candidates hold less than ``top_p`` go on to a larger ranking.
+    A GPU sorts whole rows at once: it is fast there, and learning which rows are settled would
+    make the host wait for the device.
     """
     probs = scores.softmax(-1)
     vocab = probs.shape[-1]
+    stages = TOP_P_CANDIDATES if scores.device.type == "cpu" else ()
     allowed = torch.zeros_like(scores, dtype=torch.bool)
     rows: torch.Tensor | None = None  # the rows still to settle; None: all of them
-    for candidates in (*TOP_P_CANDIDATES, vocab):
+    for candidates in (*stages, vocab):
         p = probs if rows is None else probs[rows]
         threshold = top_p if rows is None else top_p[rows]
         if candidates < vocab:
@@ -186,7 +208,7 @@ def _top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
             allowed.scatter_(-1, order, keep)
         else:
             allowed[rows] = allowed[rows].scatter(-1, order, keep)
-        if bool(done.all()):
+        if candidates == vocab or bool(done.all()):
             break
         left = (~done).nonzero().squeeze(-1)
         rows = left if rows is None else rows[left]
@@ -195,37 +217,46 @@ def _top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row by inverse-CDF sampling: a uniform number from the row's own generator
-    (so a seed fixes the draws whatever the batch) and the first token whose cumulative
-    probability passes it. torch.multinomial costs ~1 ms per row on a CPU for this."""
+    (so a seed fixes the draws whatever the batch and the device) and the first token whose
+    cumulative probability passes it. torch.multinomial costs ~1 ms per row on a CPU for this."""
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:]
-    uniform = torch.cat([torch.rand(1, generator=g, device=probs.device, dtype=torch.float64) for g in generators])
+    uniform = to_device(_uniforms(generators), probs.device, torch.float64)
     # Strictly below the total, so the token found has a non-zero probability (masks hold).
     target = torch.minimum(uniform.unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(-1)
 
 
+def _uniforms(generators: list[torch.Generator | None]) -> np.ndarray:
+    """One uniform number in [0, 1) per row, on the host: a seeded row's from its own generator,
+    the others' from torch's default generator in one call."""
+    values = torch.rand(len(generators), dtype=torch.float64).numpy()
+    for j, generator in enumerate(generators):
+        if generator is not None:
+            values[j] = torch.rand(1, generator=generator, dtype=torch.float64).item()
+    return values
+
+
 def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[SampledToken]:
-    """The sampled tokens with their logprobs (always) and top alternatives (when requested)."""
+    """The sampled tokens with their logprobs (always) and top alternatives (when requested),
+    brought to the host in one copy."""
+    n = len(params)
     logprobs = logits.log_softmax(-1)
-    logprob = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    parts = [tokens.double(), logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).double()]
     ks = [p.logprobs or 0 for p in params]
-    top_ids: list[list[int]] = [[] for _ in params]
-    top_lps: list[list[float]] = [[] for _ in params]
-    if max(ks) > 0:
-        rows = [i for i, k in enumerate(ks) if k > 0]
-        index = torch.tensor(rows, device=logits.device)
-        top = logprobs[index].topk(max(ks), dim=-1)
-        values, ids = top.values.tolist(), top.indices.tolist()
-        for j, i in enumerate(rows):
-            top_ids[i], top_lps[i] = ids[j][: ks[i]], values[j][: ks[i]]
-    # one device-to-host transfer for the tokens and their logprobs
-    pairs = torch.stack((tokens.double(), logprob.double())).tolist()
+    k = max(ks)
+    rows = [i for i, want in enumerate(ks) if want > 0]
+    if k > 0:
+        top = logprobs[to_device(rows, logits.device)].topk(k, dim=-1)
+        parts += [top.indices.double().flatten(), top.values.double().flatten()]
+    host = torch.cat(parts).tolist()  # token ids and logprobs alike are exact in float64
+    alternatives: list[list[TokenLogprob]] = [[] for _ in params]
+    ids_at, values_at = 2 * n, 2 * n + len(rows) * k
+    for j, i in enumerate(rows):
+        ids = host[ids_at + j * k : ids_at + j * k + ks[i]]
+        values = host[values_at + j * k : values_at + j * k + ks[i]]
+        alternatives[i] = [TokenLogprob(token_id=int(a), logprob=b) for a, b in zip(ids, values)]
     return [
-        SampledToken(
-            token_id=int(t),
-            logprob=lp,
-            top=[TokenLogprob(token_id=a, logprob=b) for a, b in zip(top_ids[i], top_lps[i])] if ks[i] else [],
-        )
-        for i, (t, lp) in enumerate(zip(*pairs))
+        SampledToken(token_id=int(host[i]), logprob=host[n + i], top=alternatives[i])
+        for i in range(n)
     ]

@@ -26,6 +26,7 @@ from common import wire
 from common.vision import ImageDecodeError, ProcessedImage, VisionSpec
 from services.worker.hf_fallback import HFFallback
 from services.worker.runner import SeqInput
+from services.worker.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class VisionFallback(HFFallback):
 
     def model_inputs(self, item: SeqInput) -> dict[str, torch.Tensor]:
         n = len(item.tokens)
-        ids = torch.tensor([item.tokens], device=self.device)
+        ids = to_device([item.tokens], self.device)
         offset = item.start + self._delta_at(item.seq_id, item.start)  # the position of the first fed token
         staged = self.staged.pop(item.seq_id, [])
         if not staged:
@@ -112,7 +113,7 @@ class VisionFallback(HFFallback):
         kinds = torch.zeros(1, n, dtype=torch.int, device=self.device)  # mm_token_type_ids: 1 = image feature
         for block in staged:
             kinds[0, block.start + 1 - item.start : block.end - 1 - item.start] = 1
-        grids = torch.tensor([block.image.grid_thw for block in staged], device=self.device)
+        grids = to_device([block.image.grid_thw for block in staged], self.device)
         inner = self.model.model  # Qwen2VLModel: the encoder and the rope index
         positions, _ = inner.get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=grids)
         positions = positions + offset

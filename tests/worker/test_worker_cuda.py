@@ -7,6 +7,8 @@ Skipped where torch sees no CUDA device (CI has none); run on a GPU machine with
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from common.wire import SamplingParams, SeqStep
 from services.worker.engine import Engine
 from services.worker.model_loader import LoadedModel
+from services.worker.sampler import SeqSampler, sample
 from tests.worker.conftest import Driver
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -105,3 +108,36 @@ def test_mask_bias_on_device_forces_the_allowed_token(loaded: LoadedModel) -> No
                          mask=words.tobytes())
     assert result.samples[1].token_id == 1234
     assert result.samples[2].token_id == _generate(loaded, [5, 6, 8, 9], 1)[0]  # unmasked row untouched
+
+
+MIXED = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.8, seed=7),
+    SamplingParams(temperature=1.0, top_k=20, seed=8),
+    SamplingParams(temperature=0.7, top_p=0.9, seed=9, logprobs=3),
+    SamplingParams(temperature=0, repetition_penalty=1.3),
+]
+
+
+def test_sampling_on_the_device_equals_the_host_and_waits_once() -> None:
+    """Every kind of row at once (greedy, seeded, top-k, top-p, penalty, alternatives): the same
+    tokens as on the host (seeded draws come from host generators either way), and the only
+    synchronizing operation is the copy of the results to the host."""
+    torch.manual_seed(5)
+    logits = torch.randn(len(MIXED), CONFIG["vocab_size"]) * 3
+    histories = [[1, 2, 3], [], [4, 4], [5], [int(logits[4].argmax()), 9]]
+    on_host = sample(logits, [SeqSampler(p) for p in MIXED], histories)
+    on_gpu = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            on_device = sample(on_gpu, [SeqSampler(p) for p in MIXED], histories)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [t.token_id for t in on_device] == [t.token_id for t in on_host]
+    assert [t.logprob for t in on_device] == pytest.approx([t.logprob for t in on_host], abs=1e-4)
+    assert [a.token_id for a in on_device[3].top] == [a.token_id for a in on_host[3].top]
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, syncs

@@ -14,7 +14,7 @@ VOCAB = 1000
 
 
 def _sampler(**kw) -> SeqSampler:
-    return SeqSampler(SamplingParams(**kw), torch.device("cpu"))
+    return SeqSampler(SamplingParams(**kw))
 
 
 def _packed(allowed: np.ndarray) -> np.ndarray:
@@ -51,6 +51,28 @@ def test_repetition_penalty_matches_transformers() -> None:
     logits[0, 10] = 100.0
     got = sample(logits, [_sampler(temperature=0, repetition_penalty=1000.0)], [history])
     assert got[0].token_id != 10
+
+
+def test_repetition_penalty_per_row_matches_transformers() -> None:
+    """Rows with different penalties and history lengths are penalised together, each as
+    transformers would penalise it alone; a row without a penalty or a history is untouched."""
+    torch.manual_seed(5)
+    logits = torch.randn(4, VOCAB) * 3
+    histories = [[3, 3, 10, 500, 999], [7], [1, 2], []]
+    penalties = [1.3, 0.7, 1.0, 2.0]
+    samplers = [_sampler(temperature=0, repetition_penalty=r) for r in penalties]
+    got = sample(logits.clone(), samplers, histories)
+    for i, (history, penalty) in enumerate(zip(histories, penalties)):
+        want = logits[i : i + 1].clone()
+        if history:
+            want = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([history]), want)
+        assert got[i].token_id == int(want.argmax())
+        assert got[i].logprob == pytest.approx(torch.log_softmax(logits[i], -1)[got[i].token_id].item(), abs=1e-5)
+    # a favourite already seen loses its place in every penalised row of the batch
+    logits[0, 10], logits[1, 7] = 50.0, 50.0
+    strong = [_sampler(temperature=0, repetition_penalty=1000.0) for _ in range(2)]
+    got = sample(logits[:2], strong, [[10], [7]])
+    assert got[0].token_id != 10 and got[1].token_id != 7
 
 
 @pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.8), (50, 0.5), (1, 1.0)])
@@ -132,3 +154,17 @@ def test_changing_seed_restarts_the_generator_and_other_changes_do_not() -> None
     assert sampler.generator is generator and sampler.params.temperature == 0.5
     sampler.update(SamplingParams(seed=6))
     assert sampler.generator is not generator
+
+
+def test_top_alternatives_per_row_with_different_counts() -> None:
+    torch.manual_seed(6)
+    logits = torch.randn(3, VOCAB)
+    samplers = [_sampler(temperature=0, logprobs=2), _sampler(temperature=0), _sampler(temperature=0.5, seed=1, logprobs=5)]
+    got = sample(logits, samplers, [[], [], []])
+    raw = torch.log_softmax(logits, -1)
+    for row, k in ((0, 2), (2, 5)):
+        top = raw[row].topk(k)
+        assert [t.token_id for t in got[row].top] == top.indices.tolist()
+        assert [t.logprob for t in got[row].top] == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert got[1].top == []
+    assert got[2].logprob == pytest.approx(raw[2, got[2].token_id].item(), abs=1e-6)
