@@ -505,18 +505,7 @@ async def _serve(
     except TillerError as exc:
         return error_response(ErrorMsg.from_error(exc))
     if parsed.model is not None and parsed.model != gw.settings.served_model_name:
-        message = f"The model `{parsed.model}` does not exist; this server serves `{gw.settings.served_model_name}`."
-        return JSONResponse(
-            {
-                "error": {
-                    "message": message,
-                    "type": "invalid_request_error",
-                    "param": "model",
-                    "code": "model_not_found",
-                }
-            },
-            status_code=404,
-        )
+        return _model_not_found(parsed.model, gw.settings.served_model_name)
     rid = new_request_id(fmt_type.id_prefix)
     choices = await _start(request, parsed.to_requests(context), fmt_type, rid)
     if isinstance(choices, ErrorMsg):
@@ -549,26 +538,39 @@ async def _serve(
     )
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> dict[str, Any]:
+async def _model_card(request: Request) -> dict[str, Any]:
     gw = gateway_of(request)
     try:  # the model's own context once a worker has reported it
         detail = (await gw.engine.health(max_age=HEALTH_MAX_AGE_S)).detail
     except TillerError:
         detail = {}
-    max_model_len = detail.get("max_model_len") or gw.settings.limits.max_model_len
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": gw.settings.served_model_name,
-                "object": "model",
-                "created": gw.created,
-                "owned_by": "tiller",
-                "max_model_len": max_model_len,
-            }
-        ],
+        "id": gw.settings.served_model_name,
+        "object": "model",
+        "created": gw.created,
+        "owned_by": "tiller",
+        "max_model_len": detail.get("max_model_len") or gw.settings.limits.max_model_len,
     }
+
+
+def _model_not_found(model: str, served: str) -> JSONResponse:
+    message = f"The model `{model}` does not exist; this server serves `{served}`."
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+    return JSONResponse(body, status_code=404)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [await _model_card(request)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(request: Request, model: str) -> Response:
+    """One model's card (the official client's ``models.retrieve``)."""
+    served = gateway_of(request).settings.served_model_name
+    if model != served:
+        return _model_not_found(model, served)
+    return JSONResponse(await _model_card(request))
 
 
 @router.post("/v1/completions")

@@ -29,6 +29,10 @@ def chat_ids(stack) -> list[int]:
 def test_models(stack, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [stack.settings.served_model_name]
+    assert client.models.retrieve(stack.settings.served_model_name) == models.data[0]
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-4o")
+    assert caught.value.body["code"] == "model_not_found"
 
 
 def test_streaming_chat_matches_transformers(stack, client, hf_greedy):

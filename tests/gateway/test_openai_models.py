@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
 from common.config import Limits
@@ -126,3 +129,20 @@ def test_chat_refusals():
     assert refusal(ChatCompletionRequest, {**chat, "tool_choice": "required"}).param == "tool_choice"
     assert refusal(ChatCompletionRequest, {**chat, "continue_final_message": True}).param == "continue_final_message"
     assert validate(ChatCompletionRequest, {**chat, "tools": [], "tool_choice": "none"}, CTX).to_requests(CTX)
+    json_object = {**chat, "response_format": {"type": "json_object"}}
+    assert "JSON output is not enabled" in refusal(ChatCompletionRequest, json_object).message  # CTX has no controller
+    assert refusal(ChatCompletionRequest, {**chat, "response_format": {"type": "json_schema"}}).param == "response_format"
+
+
+def test_json_response_format_runs_under_the_json_controller():
+    ctx = dataclasses.replace(CTX, json_controller="native:json")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    data = {"messages": [{"role": "user", "content": "x"}], "n": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    requests = validate(ChatCompletionRequest, data, ctx).to_requests(ctx)
+    assert {r.controller for r in requests} == {"native:json"}
+    assert json.loads(requests[0].controller_arg) == {"json_schema": schema, "max_tokens": CTX.limits.max_tokens_cap}
+    (obj,) = validate(CompletionRequest, {"prompt": "x", "response_format": {"type": "json_object"}}, ctx).to_requests(ctx)
+    assert json.loads(obj.controller_arg)["json_schema"] == {"type": "object"}
+    (text,) = validate(CompletionRequest, {"prompt": "x", "response_format": {"type": "text"}}, CTX).to_requests(CTX)
+    assert text.controller is None

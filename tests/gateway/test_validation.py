@@ -176,4 +176,7 @@ def test_context_budget():
 
 def test_context_from_settings():
     settings = Settings(served_model_name="m")
-    assert Context.of(settings) == Context(limits=settings.limits, served_model_name="m")
+    assert Context.of(settings) == Context(settings.limits, "m", json_controller="native:constrained")
+    for name in ("", "absent"):  # JSON output is off, or names no configured native controller
+        settings = Settings(served_model_name="m", controllers={"response_format": name})
+        assert Context.of(settings).json_controller is None
