@@ -37,6 +37,7 @@ class Limits(BaseModel):
                                 "decode step while one runs (a sequence's step feeds the worker's own last sample)")
     max_top_logprobs: int = Field(20, ge=0)
     max_stop_strings: int = Field(16, ge=0)
+    max_choices: int = Field(64, ge=1, description="choices one OpenAI request may ask for (prompts x n)")
     max_ws_message_bytes: int = Field(1 << 20, ge=1024, description="largest WebSocket frame accepted")
     max_http_body_bytes: int = Field(4 << 20, ge=1024)
     request_timeout_s: float = Field(600.0, gt=0, description="a generation running longer ends with timeout")
@@ -126,6 +127,10 @@ class Controllers(BaseModel):
     native: dict[str, str] = Field(
         default_factory=lambda: {"constrained": "controllers.native.constrained:ConstrainedController"},
         description="trusted Python controllers, name -> 'module:Class'; instantiate them as 'native:<name>'",
+    )
+    response_format: str = Field(
+        "constrained", description="the native controller that enforces the OpenAI API's JSON response_format (given "
+        "{'json_schema': ..., 'max_tokens': ...}); '' or a name not in 'native' refuses JSON response formats",
     )
     main_timeout_s: float = Field(5.0, gt=0, description="how long the scheduler waits for a main-channel reply")
     side_timeout_s: float = Field(30.0, gt=0, description="how long the gateway waits for a side-channel reply")

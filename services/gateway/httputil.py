@@ -66,6 +66,35 @@ async def prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
         yield item
 
 
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """The items of several streams as they come, each with its stream's index. Closing this (or a
+    stream failing) cancels the readers: the cancellation lands in the streams they wait on."""
+    end = object()  # a reader's last item: its stream is exhausted
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def read(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item))
+        finally:
+            queue.put_nowait((i, end))
+
+    readers = [asyncio.ensure_future(read(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        open_streams = len(readers)
+        while open_streams:
+            i, item = await queue.get()
+            if item is end:
+                open_streams -= 1
+            else:
+                yield i, item
+        await asyncio.gather(*readers)  # a reader's failure is raised here
+    finally:
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+
+
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """Await ``work``; cancel it and return None if the client goes away first (Starlette cancels
     streaming responses on disconnect, but not plain handlers)."""

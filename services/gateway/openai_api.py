@@ -9,25 +9,49 @@ client raises the matching exception class.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import math
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import INTERNAL_ERROR, MEMORY_PRESSURE, MODEL_LOADING_ERROR, RATE_LIMITED, TIMEOUT, TillerError
 from services.gateway.driver import Generation, new_request_id
 from services.gateway.engine import HEALTH_MAX_AGE_S
-from services.gateway.httputil import SSE_HEADERS, client_of, gateway_of, read_json_object, sse, unless_disconnected
-from services.gateway.protocol import CompletionMsg, ErrorMsg, InitMsg, LogprobEntry, ServerMsg, TokenMsg
+from services.gateway.httputil import (
+    SSE_HEADERS,
+    client_of,
+    gateway_of,
+    merge,
+    read_json_object,
+    sse,
+    unless_disconnected,
+)
+from services.gateway.protocol import CompletionMsg, ErrorMsg, InitMsg, LogprobEntry, ServerMsg, TokenMsg, Usage
+from services.gateway.side_channel import Caller
 from services.gateway.validation import (
     ChatMessage,
     Context,
     GenerationRequest,
+    Int64,
     LimitChecks,
     MaxTokens,
     RepetitionPenalty,
@@ -35,7 +59,9 @@ from services.gateway.validation import (
     Temperature,
     TopK,
     TopP,
+    context_of,
     validate,
+    wrap_int64,
 )
 
 router = APIRouter()
@@ -66,23 +92,40 @@ def error_response(error: ErrorMsg) -> JSONResponse:
     return JSONResponse(_error_body(error), status_code=error.http_status, headers=headers)
 
 
-def _single_prompt(value: Any) -> str | list[int]:
-    """OpenAI's prompt forms (text, token ids, or a batch of either) narrowed to one prompt."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
-    if isinstance(value, str):
-        if not value:
-            raise ValueError("must not be empty")
-        return value
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return value
-    if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
-        raise ValueError("only one prompt per request is supported")
-    raise ValueError("must be a non-empty string or a non-empty list of token ids")
+def _prompts(value: Any) -> list[str | list[int]]:
+    """OpenAI's prompt forms: one text, one list of token ids, or a batch (a list) of either."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(_is_token_id(t) for t in value)):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError("must be a non-empty string, a non-empty list of token ids, or a list of those")
+    for i, prompt in enumerate(value):
+        if isinstance(prompt, str) and prompt:
+            continue
+        if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+            continue
+        where = f"prompt {i}" if len(value) > 1 else "the prompt"
+        raise ValueError(f"{where} must be a non-empty string or a non-empty list of token ids")
+    return value
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _top_k(value: Any) -> Any:
     return 0 if value == -1 else value  # vLLM's (older) spelling of "disabled"
+
+
+def _only(*neutral: Any, hint: str = "") -> Any:
+    """The type of a request field (OpenAI's or vLLM's) this server does not implement: the values
+    that leave the output as it is without the field pass; any other is refused, not silently ignored."""
+
+    def check(value: Any) -> Any:
+        if value not in neutral:
+            raise ValueError("not supported by this server" + (f"; {hint}" if hint else ""))
+        return value
+
+    return Annotated[Any, AfterValidator(check)]
 
 
 class StreamOptions(BaseModel):
@@ -91,8 +134,35 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)  # description, strict
+
+    name: str
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")  # {}: any JSON value
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("'json_schema' goes with type 'json_schema' (and only with it)")
+        return self
+
+    def output_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the output must follow; None for plain text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        return None if self.json_schema is None else self.json_schema.json_schema
+
+
 class _OpenAIRequest(LimitChecks):
-    model_config = ConfigDict(strict=True, extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
+    # OpenAI clients send fields that change nothing here (user, metadata, ...): those are ignored
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: MaxTokens | None = None
@@ -101,82 +171,85 @@ class _OpenAIRequest(LimitChecks):
     top_k: Annotated[TopK | None, BeforeValidator(_top_k)] = None
     repetition_penalty: RepetitionPenalty | None = None
     stop: StopList | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     ignore_eos: bool = False  # vLLM's extension, for load tools built for vLLM
-    n: int | None = None
+    n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    # what OpenAI or vLLM would apply and this server cannot: refused unless neutral
+    presence_penalty: _only(None, 0, hint="use repetition_penalty") = None
+    frequency_penalty: _only(None, 0, hint="use repetition_penalty") = None
+    logit_bias: _only(None, {}) = None
+    min_p: _only(None, 0) = None
+    min_tokens: _only(None, 0) = None
+    stop_token_ids: _only(None, []) = None
+    bad_words: _only(None, []) = None
+    allowed_token_ids: _only(None) = None
+    include_stop_str_in_output: _only(None, False) = None
+    skip_special_tokens: _only(None, True) = None
+    spaces_between_special_tokens: _only(None, True) = None
+    use_beam_search: _only(None, False) = None
+    length_penalty: _only(None, 1) = None
+    prompt_logprobs: _only(None) = None
+    truncate_prompt_tokens: _only(None) = None
+    guided_json: _only(None) = None
+    guided_regex: _only(None) = None
+    guided_choice: _only(None) = None
+    guided_grammar: _only(None) = None
+    structured_outputs: _only(None) = None
 
-    @field_validator("n")
+    @field_validator("response_format")
     @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError(f"only n=1 is supported (got {value}); send several requests instead")
+    def _json_output_available(cls, value: ResponseFormat | None, info: ValidationInfo) -> ResponseFormat | None:
+        if value is not None and value.output_schema() is not None and context_of(info).json_controller is None:
+            raise ValueError(f"type {value.type!r}: JSON output is not enabled on this server")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value:
-            raise ValueError("not supported; use repetition_penalty")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value:
-            raise ValueError("not supported")
-        return value
-
-    def _request(self, **kwargs: Any) -> GenerationRequest:
-        return GenerationRequest(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            seed=self.seed,
-            stop=tuple(self.stop or ()),
-            ignore_eos=self.ignore_eos,
-            **kwargs,
-        )
+    def _requests(self, context: Context, prompts: list[dict[str, Any]], **kwargs: Any) -> list[GenerationRequest]:
+        """One request per choice: each prompt ``n`` times, choice ``i`` of a prompt seeded ``seed + i``
+        (as vLLM seeds parallel samples), so the choices differ and a seed still fixes them all. A JSON
+        ``response_format`` runs under the JSON controller, whose own token limit never cuts first."""
+        schema = None if self.response_format is None else self.response_format.output_schema()
+        if schema is not None:
+            kwargs["controller"] = context.json_controller
+            kwargs["controller_arg"] = json.dumps({"json_schema": schema, "max_tokens": context.limits.max_tokens_cap})
+        return [
+            GenerationRequest(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                seed=None if self.seed is None else wrap_int64(self.seed + i),
+                stop=tuple(self.stop or ()),
+                ignore_eos=self.ignore_eos,
+                **prompt,
+                **kwargs,
+            )
+            for prompt in prompts
+            for i in range(self.n)
+        ]
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: Annotated[str | list[int], PlainValidator(_single_prompt)]
+    prompt: Annotated[list[str | list[int]], PlainValidator(_prompts)]
     logprobs: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-    @field_validator("best_of")
-    @classmethod
-    def _one_candidate(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError(f"only best_of=1 is supported (got {value})")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError("not supported")
-        return value
+    best_of: _only(None, 1, hint="use n") = None
+    suffix: _only(None, "") = None
 
     @model_validator(mode="after")
-    def _no_prompt_logprobs(self) -> CompletionRequest:
+    def _checks(self, info: ValidationInfo) -> CompletionRequest:
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs would need prompt logprobs, which are not supported")
+        cap = context_of(info).limits.max_choices
+        if len(self.prompt) * self.n > cap:
+            raise ValueError(f"{len(self.prompt)} prompts x n={self.n} make more than {cap} choices")
         return self
 
-    def to_request(self) -> GenerationRequest:
-        text = self.prompt if isinstance(self.prompt, str) else None
-        ids = self.prompt if isinstance(self.prompt, list) else None
-        return self._request(
-            prompt=text, prompt_ids=ids, max_tokens=self.max_tokens, top_logprobs=self.logprobs, echo=self.echo
-        )
+    def to_requests(self, context: Context) -> list[GenerationRequest]:
+        prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_ids": p} for p in self.prompt]
+        return self._requests(context, prompts, max_tokens=self.max_tokens, top_logprobs=self.logprobs, echo=self.echo)
 
 
 class ChatCompletionRequest(_OpenAIRequest):
@@ -184,6 +257,19 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0)] | None = None
+    tools: _only(None, []) = None
+    tool_choice: _only(None, "none", "auto") = None
+    functions: _only(None, []) = None
+    function_call: _only(None, "none", "auto") = None
+    echo: _only(None, False) = None
+    add_generation_prompt: _only(None, True) = None
+    continue_final_message: _only(None, False) = None
+    chat_template: _only(None) = None
+    chat_template_kwargs: _only(None, {}) = None
+    documents: _only(None, []) = None
+    modalities: _only(None, ["text"]) = None
+    audio: _only(None) = None
+    prediction: _only(None) = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -191,9 +277,10 @@ class ChatCompletionRequest(_OpenAIRequest):
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
 
-    def to_request(self) -> GenerationRequest:
-        return self._request(
-            messages=[m.model_dump() for m in self.messages],
+    def to_requests(self, context: Context) -> list[GenerationRequest]:
+        return self._requests(
+            context,
+            [{"messages": [m.model_dump() for m in self.messages]}],
             max_tokens=self.max_completion_tokens or self.max_tokens,
             top_logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
@@ -209,7 +296,8 @@ class _Format:
     object: str
     chunk_object: str
 
-    def __init__(self, logprobs: bool) -> None:
+    def __init__(self, index: int, logprobs: bool) -> None:
+        self.index = index  # the choice's index
         self.logprobs = logprobs
         self.text_offset = 0  # completions' logprobs.text_offset of the next token
 
@@ -240,7 +328,7 @@ class _TextFormat(_Format):
         return out
 
     def choice(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": self._logprobs(entries), "finish_reason": finish_reason}
+        return {"index": self.index, "text": text, "logprobs": self._logprobs(entries), "finish_reason": finish_reason}
 
     delta = choice
 
@@ -262,56 +350,89 @@ class _ChatFormat(_Format):
 
     def choice(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None) -> dict[str, Any]:
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": self._logprobs(entries), "finish_reason": finish_reason}
+        return {
+            "index": self.index,
+            "message": message,
+            "logprobs": self._logprobs(entries),
+            "finish_reason": finish_reason,
+        }
 
     def delta(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None) -> dict[str, Any]:
         delta = {"content": text} if text or entries else {}
         return {
-            "index": 0,
+            "index": self.index,
             "delta": delta,
             "logprobs": self._logprobs(entries) if entries else None,
             "finish_reason": finish_reason,
         }
 
     def opening(self, init: InitMsg, echo: bool) -> dict[str, Any] | None:
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        delta = {"role": "assistant", "content": ""}
+        return {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
 
 
 def _finish(reason: str) -> str:
     return _FINISH_REASONS.get(reason, reason)
 
 
-async def _sse_chunks(
-    fmt: _Format, gen: Generation, init: InitMsg, messages: AsyncIterator[ServerMsg], include_usage: bool
-) -> AsyncIterator[bytes]:
-    created = int(time.time())
+@dataclass
+class _Choice:
+    """One choice of a response: its generation, already past ``init``, and how it is rendered."""
 
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+    fmt: _Format
+    gen: Generation
+    init: InitMsg
+    messages: AsyncIterator[ServerMsg]
+
+
+def _total_usage(usages: list[Usage], n: int) -> dict[str, Any]:
+    """The usage of a response as vLLM counts it: each prompt's tokens once (choices ``k*n`` to
+    ``k*n + n - 1`` share prompt ``k``), every choice's completion tokens."""
+    first_of_each_prompt = usages[::n]
+    total = Usage(
+        prompt_tokens=sum(u.prompt_tokens for u in first_of_each_prompt),
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        cached_tokens=sum(u.cached_tokens for u in first_of_each_prompt),
+    )
+    return total.to_openai()
+
+
+async def _sse_chunks(rid: str, choices: list[_Choice], n: int, include_usage: bool) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    fmt = choices[0].fmt
+
+    def chunk(parts: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         body: dict[str, Any] = {
-            "id": gen.rid,
+            "id": rid,
             "object": fmt.chunk_object,
             "created": created,
-            "model": init.model,
-            "choices": choices,
+            "model": choices[0].init.model,
+            "choices": parts,
         }
         if include_usage:
             body["usage"] = usage
         return sse(body)
 
-    opening = fmt.opening(init, gen.request.echo)
-    if opening is not None:
-        yield chunk([opening])
-    async for msg in messages:
-        if isinstance(msg, TokenMsg):
-            entries = [msg.logprobs] if msg.logprobs else []
-            if msg.token or entries:
-                yield chunk([fmt.delta(msg.token, entries, None)])
-        elif isinstance(msg, CompletionMsg):
-            yield chunk([fmt.delta("", [], _finish(msg.finish_reason))])
-            if include_usage:
-                yield chunk([], msg.usage.to_openai())
-        elif isinstance(msg, ErrorMsg):
-            yield sse(_error_body(msg))
+    for choice in choices:
+        opening = choice.fmt.opening(choice.init, choice.gen.request.echo)
+        if opening is not None:
+            yield chunk([opening])
+    usages: dict[int, Usage] = {}
+    async with contextlib.aclosing(merge([c.messages for c in choices])) as messages:
+        async for i, msg in messages:
+            choice_fmt = choices[i].fmt
+            if isinstance(msg, TokenMsg):
+                entries = [msg.logprobs] if msg.logprobs else []
+                if msg.token or entries:
+                    yield chunk([choice_fmt.delta(msg.token, entries, None)])
+            elif isinstance(msg, CompletionMsg):
+                usages[i] = msg.usage
+                yield chunk([choice_fmt.delta("", [], _finish(msg.finish_reason))])
+            elif isinstance(msg, ErrorMsg):  # the response failed: the other choices end here too
+                yield sse(_error_body(msg))
+                break
+    if include_usage and len(usages) == len(choices):
+        yield chunk([], _total_usage([usages[i] for i in range(len(choices))], n))
     yield sse("[DONE]")
 
 
@@ -328,80 +449,128 @@ async def _collect(messages: AsyncIterator[ServerMsg]) -> tuple[CompletionMsg | 
     return final, entries
 
 
+async def _collect_all(
+    choices: list[_Choice],
+) -> list[tuple[CompletionMsg, list[list[LogprobEntry]]]] | ErrorMsg:
+    """Every choice's final message and logprobs, or the first error (which ends the others)."""
+    tasks = [asyncio.ensure_future(_collect(c.messages)) for c in choices]
+    try:
+        for next_done in asyncio.as_completed(tasks):
+            final, _ = await next_done
+            if isinstance(final, ErrorMsg):
+                return final
+        return [t.result() for t in tasks]  # type: ignore[misc]  # no ErrorMsg left
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _start(
+    request: Request, requests: list[GenerationRequest], fmt_type: type[_Format], rid: str
+) -> list[_Choice] | ErrorMsg:
+    """Start a generation per choice, each up to its ``init``; the first refusal ends them all."""
+    gw = gateway_of(request)
+    # the gateway itself runs the JSON controller of a response_format, for any client
+    caller = Caller(user=gw.settings.api_auth.default_user, is_admin=False)
+    choices: list[_Choice] = []
+    for i, req in enumerate(requests):
+        rid_i = rid if len(requests) == 1 else f"{rid}-{i}"
+        gen = Generation(gw, req, rid=rid_i, surface="openai", client=client_of(request), caller=caller)
+        messages = gen.stream()
+        first = await anext(messages)
+        if isinstance(first, ErrorMsg):
+            await messages.aclose()
+            await _close(choices)
+            return first
+        assert isinstance(first, InitMsg)
+        choices.append(_Choice(fmt_type(i, logprobs=req.top_logprobs is not None), gen, first, messages))
+    return choices
+
+
+async def _close(choices: list[_Choice]) -> None:
+    """End the choices' generations (those still running free their sequences)."""
+    for choice in choices:
+        await choice.messages.aclose()
+
+
 async def _serve(
     request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest], fmt_type: type[_Format]
 ) -> Response:
     gw = gateway_of(request)
+    context = Context.of(gw.settings)
     try:
         body = await read_json_object(request, gw.settings.limits.max_http_body_bytes)
-        parsed = validate(model, body, Context.of(gw.settings))
+        parsed = validate(model, body, context)
     except TillerError as exc:
         return error_response(ErrorMsg.from_error(exc))
     if parsed.model is not None and parsed.model != gw.settings.served_model_name:
-        message = f"The model `{parsed.model}` does not exist; this server serves `{gw.settings.served_model_name}`."
-        return JSONResponse(
-            {
-                "error": {
-                    "message": message,
-                    "type": "invalid_request_error",
-                    "param": "model",
-                    "code": "model_not_found",
-                }
-            },
-            status_code=404,
-        )
-    req = parsed.to_request()
-    gen = Generation(gw, req, rid=new_request_id(fmt_type.id_prefix), surface="openai", client=client_of(request))
-    fmt = fmt_type(logprobs=req.top_logprobs is not None)
-    messages = gen.stream()
-    first = await anext(messages)
-    if isinstance(first, ErrorMsg):
-        await messages.aclose()
-        return error_response(first)
-    assert isinstance(first, InitMsg)
+        return _model_not_found(parsed.model, gw.settings.served_model_name)
+    rid = new_request_id(fmt_type.id_prefix)
+    choices = await _start(request, parsed.to_requests(context), fmt_type, rid)
+    if isinstance(choices, ErrorMsg):
+        return error_response(choices)
     if parsed.stream:
         include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
         return StreamingResponse(
-            _sse_chunks(fmt, gen, first, messages, include_usage), media_type="text/event-stream", headers=SSE_HEADERS
+            _sse_chunks(rid, choices, parsed.n, include_usage), media_type="text/event-stream", headers=SSE_HEADERS
         )
-    collected = await unless_disconnected(request, _collect(messages))
+    try:
+        collected = await unless_disconnected(request, _collect_all(choices))
+    finally:
+        await _close(choices)
     if collected is None:  # the client left; nobody reads this
         return Response(status_code=499)
-    result, entries = collected
-    if isinstance(result, ErrorMsg):
-        return error_response(result)
+    if isinstance(collected, ErrorMsg):
+        return error_response(collected)
     return JSONResponse(
         {
-            "id": gen.rid,
-            "object": fmt.object,
+            "id": rid,
+            "object": choices[0].fmt.object,
             "created": int(time.time()),
-            "model": first.model,
-            "choices": [fmt.choice(result.generated_text, entries, _finish(result.finish_reason))],
-            "usage": result.usage.to_openai(),
+            "model": choices[0].init.model,
+            "choices": [
+                c.fmt.choice(final.generated_text, entries, _finish(final.finish_reason))
+                for c, (final, entries) in zip(choices, collected, strict=True)
+            ],
+            "usage": _total_usage([final.usage for final, _ in collected], parsed.n),
         }
     )
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> dict[str, Any]:
+async def _model_card(request: Request) -> dict[str, Any]:
     gw = gateway_of(request)
     try:  # the model's own context once a worker has reported it
         detail = (await gw.engine.health(max_age=HEALTH_MAX_AGE_S)).detail
     except TillerError:
         detail = {}
-    max_model_len = detail.get("max_model_len") or gw.settings.limits.max_model_len
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": gw.settings.served_model_name,
-                "object": "model",
-                "created": gw.created,
-                "owned_by": "tiller",
-                "max_model_len": max_model_len,
-            }
-        ],
+        "id": gw.settings.served_model_name,
+        "object": "model",
+        "created": gw.created,
+        "owned_by": "tiller",
+        "max_model_len": detail.get("max_model_len") or gw.settings.limits.max_model_len,
     }
+
+
+def _model_not_found(model: str, served: str) -> JSONResponse:
+    message = f"The model `{model}` does not exist; this server serves `{served}`."
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+    return JSONResponse(body, status_code=404)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [await _model_card(request)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(request: Request, model: str) -> Response:
+    """One model's card (the official client's ``models.retrieve``)."""
+    served = gateway_of(request).settings.served_model_name
+    if model != served:
+        return _model_not_found(model, served)
+    return JSONResponse(await _model_card(request))
 
 
 @router.post("/v1/completions")

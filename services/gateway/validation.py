@@ -38,13 +38,16 @@ DEFAULT_TOP_LOGPROBS = 5
 class Context:
     limits: Limits
     served_model_name: str
+    json_controller: str | None = None  # the controller enforcing JSON output (``native:<name>``), if any
 
     @classmethod
     def of(cls, settings: Settings) -> Context:
-        return cls(limits=settings.limits, served_model_name=settings.served_model_name)
+        name = settings.controllers.response_format
+        json_controller = f"native:{name}" if name and name in settings.controllers.native else None
+        return cls(settings.limits, settings.served_model_name, json_controller)
 
 
-def _context(info: ValidationInfo) -> Context:
+def context_of(info: ValidationInfo) -> Context:
     if not isinstance(info.context, Context):  # a programming error, not bad input
         raise RuntimeError("gateway models must be validated with a validation.Context")
     return info.context
@@ -76,9 +79,18 @@ def _message_content(value: Any) -> Any:
     return value
 
 
+# Integers travel to the scheduler and the worker as msgpack int64 (a torch seed too): larger ones are
+# refused here, not failed on the way.
+INT64_MAX = 2**63 - 1
+Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+
+
+def wrap_int64(value: int) -> int:
+    """``value`` wrapped into the int64 range (derived seeds)."""
+    return (value + INT64_MAX + 1) % 2**64 - INT64_MAX - 1
 Temperature = Annotated[float, Field(ge=0)]
 TopP = Annotated[float, Field(gt=0, le=1)]
-TopK = Annotated[int, Field(ge=0)]
+TopK = Annotated[int, Field(ge=0, le=INT64_MAX)]
 RepetitionPenalty = Annotated[float, Field(gt=0)]
 MaxTokens = Annotated[int, Field(ge=1)]
 StopList = Annotated[list[Annotated[str, Field(min_length=1)]], BeforeValidator(_as_list)]
@@ -86,7 +98,7 @@ TopLogprobs = Annotated[Annotated[int, Field(ge=0)] | None, BeforeValidator(_log
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class LimitChecks(BaseModel):
@@ -95,7 +107,7 @@ class LimitChecks(BaseModel):
     @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
     @classmethod
     def _max_tokens_cap(cls, value: int | None, info: ValidationInfo) -> int | None:
-        cap = _context(info).limits.max_tokens_cap
+        cap = context_of(info).limits.max_tokens_cap
         if value is not None and value > cap:
             raise ValueError(f"must be at most {cap} (got {value})")
         return value
@@ -103,15 +115,23 @@ class LimitChecks(BaseModel):
     @field_validator("stop", check_fields=False)
     @classmethod
     def _stop_count(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
-        cap = _context(info).limits.max_stop_strings
+        cap = context_of(info).limits.max_stop_strings
         if value is not None and len(value) > cap:
             raise ValueError(f"at most {cap} stop strings are allowed (got {len(value)})")
+        return value
+
+    @field_validator("n", check_fields=False)
+    @classmethod
+    def _choices_cap(cls, value: int, info: ValidationInfo) -> int:
+        cap = context_of(info).limits.max_choices
+        if value > cap:
+            raise ValueError(f"must be at most {cap} (got {value})")
         return value
 
     @field_validator("include_logprobs", "logprobs", "top_logprobs", check_fields=False)
     @classmethod
     def _top_logprobs_cap(cls, value: Any, info: ValidationInfo) -> Any:
-        cap = _context(info).limits.max_top_logprobs
+        cap = context_of(info).limits.max_top_logprobs
         if isinstance(value, int) and not isinstance(value, bool) and value > cap:
             raise ValueError(f"must be at most {cap} (got {value})")
         return value
@@ -124,7 +144,7 @@ class Parameters(StrictModel, LimitChecks):
     top_k: TopK = 0
     repetition_penalty: RepetitionPenalty = 1.0
     stop: StopList = []
-    seed: int | None = None
+    seed: Int64 | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past EOS (benchmarks)
 
     def request_fields(self) -> dict[str, Any]:
@@ -143,7 +163,7 @@ class ParametersPatch(StrictModel, LimitChecks):
     top_k: TopK | None = None
     repetition_penalty: RepetitionPenalty | None = None
     stop: StopList | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
 
     @model_validator(mode="after")
     def _not_empty(self) -> ParametersPatch:
@@ -232,7 +252,7 @@ class GenerateConfig(StrictModel, LimitChecks):
     @field_validator("model")
     @classmethod
     def _served_model(cls, value: str | None, info: ValidationInfo) -> str | None:
-        served = _context(info).served_model_name
+        served = context_of(info).served_model_name
         if value is not None and value != served:
             raise ValueError(f"model {value!r} is not served here; this server serves {served!r}")
         return value
@@ -275,7 +295,7 @@ class ControlMessage(StrictModel):
 class FeedbackMessage(StrictModel):
     rating: Annotated[float, Field(ge=-1, le=1)]
     text: str | None = None
-    position: Annotated[int, Field(ge=0)] | None = None
+    position: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -261,6 +261,8 @@ async def test_feedback_is_stored_with_the_request(stack):
         assert (await receive(ws))["feedback_id"] > ack["feedback_id"]
         await send(ws, {"type": "feedback", "rating": 2})
         assert (await receive(ws))["message"].startswith("rating:")
+        await send(ws, {"type": "feedback", "rating": 1, "position": 2**64})
+        assert (await receive(ws))["message"].startswith("position: Input should be less than or equal to")
 
     async with httpx.AsyncClient(base_url=stack.http_url) as client:
 
@@ -311,6 +313,12 @@ BAD_CONFIGS = [
     ),
     ({"prompt": "x", "parameters": {"stop": ["s"] * 100}}, "parameters.stop: at most"),
     ({"prompt": "x", "options": {"echo_prompt": "yes"}}, "options.echo_prompt: Input should be a valid boolean"),
+    # beyond int64 (msgpack, torch seeds): refused up front, not an internal_error after init
+    ({"prompt": "x", "parameters": {"seed": 2**64}}, "parameters.seed: Input should be less than or equal to"),
+    (
+        '{"type": "config", "prompt": "x", "parameters": {"temperature": Infinity}}',
+        "parameters.temperature: Input should be a finite number",
+    ),
 ]
 
 
@@ -328,7 +336,7 @@ async def test_bad_input_keeps_the_connection_usable(stack):
         for message, fragment in BAD_FIRST_MESSAGES:
             await expect_error(ws, message, fragment)
         for config, fragment in BAD_CONFIGS:
-            await expect_error(ws, {"type": "config", **config}, fragment)
+            await expect_error(ws, config if isinstance(config, str) else {"type": "config", **config}, fragment)
         await expect_error(ws, {"type": "control", "action": "stop"}, "cannot stop: no generation is running")
         await expect_error(ws, {"type": "control", "action": "pause"}, "cannot pause: no generation is running")
         await expect_error(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
@@ -28,6 +29,10 @@ def chat_ids(stack) -> list[int]:
 def test_models(stack, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [stack.settings.served_model_name]
+    assert client.models.retrieve(stack.settings.served_model_name) == models.data[0]
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-4o")
+    assert caught.value.body["code"] == "model_not_found"
 
 
 def test_streaming_chat_matches_transformers(stack, client, hf_greedy):
@@ -126,8 +131,8 @@ def test_streaming_completion_with_echo_and_token_prompt(stack, client, hf_greed
 
 def test_errors_raise_the_matching_exceptions(stack, client):
     model = stack.settings.served_model_name
-    with pytest.raises(openai.BadRequestError, match="only n=1") as caught:
-        client.chat.completions.create(model=model, messages=MESSAGES, n=2)
+    with pytest.raises(openai.BadRequestError, match="must be at most") as caught:
+        client.chat.completions.create(model=model, messages=MESSAGES, n=stack.settings.limits.max_choices + 1)
     assert caught.value.body["param"] == "n" and caught.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
@@ -152,3 +157,111 @@ def test_raw_error_body_and_sse_done(stack):
     events = parse_sse(reply.text)
     assert events[-1] == "[DONE]" and all(e["object"] == "text_completion" for e in events[:-1])
     assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_batch_prompts_with_n_choices(stack, client, hf_greedy):
+    """A batch of prompts (text and token ids), n choices each: choice k*n + i is prompt k's, each prompt's tokens
+    counted once in the usage (as vLLM does)."""
+    prompts = [PROMPT, stack.tokenizer("def fibonacci(n):").input_ids]
+    ids = [stack.tokenizer(PROMPT).input_ids, prompts[1]]
+    greedy = [hf_greedy(p, 6) for p in ids]
+    expected = [stack.tokenizer.decode(g, skip_special_tokens=True) for g in greedy]
+    ask = dict(model=stack.settings.served_model_name, prompt=prompts, n=2, max_tokens=6, temperature=0)
+    reply = client.completions.create(**ask)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    assert [c.text for c in reply.choices] == [expected[0]] * 2 + [expected[1]] * 2
+    assert reply.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    assert reply.usage.completion_tokens == 2 * (len(greedy[0]) + len(greedy[1]))
+
+    chunks = list(client.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    texts, finishes = ["" for _ in range(4)], [[] for _ in range(4)]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+        finishes[choice.index] += [choice.finish_reason] if choice.finish_reason else []
+    assert texts == [c.text for c in reply.choices] and finishes == [[c.finish_reason] for c in reply.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == reply.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_n_seeded_choices_are_the_seeds_of_single_requests(stack, client):
+    """Choice i of a seeded request samples as a single request seeded seed + i (vLLM's parallel sampling).
+    top_k keeps the draws clear of the float noise between batch shapes, which can move a draw over a flat tail."""
+    ask = dict(
+        model=stack.settings.served_model_name,
+        messages=[{"role": "user", "content": "Write one sentence about the sea."}],
+        max_tokens=8,
+        temperature=1.0,
+        extra_body={"top_k": 5},
+    )
+    reply = client.chat.completions.create(**ask, n=3, seed=1234)
+    texts = [c.message.content for c in reply.choices]
+    singles = [client.chat.completions.create(**ask, seed=1234 + i).choices[0].message.content for i in range(3)]
+    assert texts == singles and len(set(texts)) > 1
+
+    stream = client.chat.completions.create(**ask, n=3, seed=1234, stream=True)
+    streamed, roles = ["", "", ""], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            roles += [choice.index] if choice.delta.role else []
+    assert streamed == texts and sorted(roles) == [0, 1, 2]
+
+
+def test_response_format_json_schema_and_json_object(stack, client):
+    """JSON output runs under the JSON controller: a schema's output validates, streamed or not."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer", "maximum": 9}},
+        "required": ["color", "count"],
+        "additionalProperties": False,
+    }
+    ask = dict(
+        model=stack.settings.served_model_name,
+        messages=[{"role": "user", "content": "Pick a color and a count, as JSON."}],
+        max_tokens=30,
+        temperature=0,
+    )
+    json_schema = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}
+    reply = client.chat.completions.create(**ask, response_format=json_schema)
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    assert reply.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(**ask, stream=True, response_format=json_schema)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == reply.choices[0].message.content
+
+    obj = client.chat.completions.create(**ask, response_format={"type": "json_object"})
+    content = obj.choices[0].message.content
+    assert content.startswith("{")
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+    text = dict(ask, max_tokens=4)
+    plain = client.chat.completions.create(**text, response_format={"type": "text"})
+    assert plain.choices[0].message.content == client.chat.completions.create(**text).choices[0].message.content
+
+
+def test_unsupported_fields_are_refused_not_ignored(stack, client):
+    model = stack.settings.served_model_name
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    refusals = [
+        (dict(tools=[tool]), "tools"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(frequency_penalty=0.5), "frequency_penalty"),
+        (dict(extra_body={"min_p": 0.2}), "min_p"),
+        (dict(extra_body={"stop_token_ids": [2]}), "stop_token_ids"),
+        (dict(response_format={"type": "json_schema"}), "response_format"),
+    ]
+    for kwargs, param in refusals:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, **kwargs)
+        assert caught.value.body["param"] == param, caught.value.body
+    limit = stack.settings.limits.max_choices
+    with pytest.raises(openai.BadRequestError, match=f"more than {limit} choices"):
+        client.completions.create(model=model, prompt=["a", "b"], n=limit, max_tokens=1)
+    # neutral values of the same fields change nothing and pass
+    reply = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=2, temperature=0, frequency_penalty=0, tool_choice="none", user="u"
+    )
+    assert reply.choices[0].finish_reason == "length"

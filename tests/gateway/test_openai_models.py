@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
 from common.config import Limits
@@ -10,7 +13,7 @@ from services.gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from services.gateway.protocol import GatewayError
 from services.gateway.validation import Context, validate
 
-CTX = Context(limits=Limits(max_top_logprobs=5), served_model_name="tiny")
+CTX = Context(limits=Limits(max_top_logprobs=5, max_choices=6), served_model_name="tiny")
 
 
 def refusal(model, data) -> GatewayError:
@@ -21,16 +24,34 @@ def refusal(model, data) -> GatewayError:
 
 
 @pytest.mark.parametrize(
-    ("prompt", "text", "ids"),
-    [("hi", "hi", None), (["hi"], "hi", None), ([1, 2], None, [1, 2]), ([[1, 2]], None, [1, 2])],
+    ("prompt", "forms"),
+    [
+        ("hi", [("hi", None)]),
+        (["hi"], [("hi", None)]),
+        ([1, 2], [(None, [1, 2])]),
+        ([[1, 2]], [(None, [1, 2])]),
+        (["a", "b"], [("a", None), ("b", None)]),
+        ([[1], [2, 3]], [(None, [1]), (None, [2, 3])]),
+        (["a", [4]], [("a", None), (None, [4])]),
+    ],
 )
-def test_completion_prompt_forms(prompt, text, ids):
-    request = validate(CompletionRequest, {"model": "tiny", "prompt": prompt}, CTX).to_request()
-    assert (request.prompt, request.prompt_ids) == (text, ids)
+def test_completion_prompt_forms(prompt, forms):
+    requests = validate(CompletionRequest, {"model": "tiny", "prompt": prompt}, CTX).to_requests(CTX)
+    assert [(r.prompt, r.prompt_ids) for r in requests] == forms
+
+
+def test_n_choices_per_prompt_with_derived_seeds():
+    data = {"prompt": ["a", "b"], "n": 3, "seed": 2**63 - 2, "temperature": 0.5}
+    requests = validate(CompletionRequest, data, CTX).to_requests(CTX)
+    assert [r.prompt for r in requests] == ["a"] * 3 + ["b"] * 3
+    assert [r.seed for r in requests] == [2**63 - 2, 2**63 - 1, -(2**63)] * 2  # as vLLM: seed + i, wrapped
+    assert {r.temperature for r in requests} == {0.5}
+    unseeded = validate(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "n": 2}, CTX)
+    assert [r.seed for r in unseeded.to_requests(CTX)] == [None, None]
 
 
 def test_defaults_like_vllm():
-    request = validate(CompletionRequest, {"prompt": "x", "user": "someone", "top_k": -1}, CTX).to_request()
+    (request,) = validate(CompletionRequest, {"prompt": "x", "user": "someone", "top_k": -1}, CTX).to_requests(CTX)
     assert (request.temperature, request.top_p, request.top_k, request.max_tokens, request.top_logprobs) == (
         1.0,
         1.0,
@@ -43,20 +64,36 @@ def test_defaults_like_vllm():
 @pytest.mark.parametrize(
     ("data", "param", "fragment"),
     [
-        ({"prompt": ["a", "b"]}, "prompt", "only one prompt"),
-        ({"prompt": ""}, "prompt", "must not be empty"),
+        ({"prompt": ["a", ""]}, "prompt", "prompt 1 must be a non-empty string"),
+        ({"prompt": ""}, "prompt", "the prompt must be a non-empty string"),
+        ({"prompt": []}, "prompt", "must be a non-empty string"),
         ({"prompt": [1.5]}, "prompt", "list of token ids"),
-        ({"prompt": "x", "n": 2}, "n", "only n=1"),
-        ({"prompt": "x", "best_of": 3}, "best_of", "only best_of=1"),
+        ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
+        ({"prompt": "x", "n": 7}, "n", "at most 6"),
+        ({"prompt": ["a", "b"], "n": 4}, None, "2 prompts x n=4 make more than 6 choices"),
+        ({"prompt": "x", "best_of": 3}, "best_of", "not supported by this server; use n"),
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "repetition_penalty"),
         ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+        ({"prompt": "x", "min_p": 0.1}, "min_p", "not supported"),
+        ({"prompt": "x", "stop_token_ids": [2]}, "stop_token_ids", "not supported"),
+        ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
+        ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens", "not supported"),
+        ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json", "not supported"),
         ({"prompt": "x", "logprobs": 6}, "logprobs", "at most 5"),
         ({"prompt": "x", "temperature": -1}, "temperature", "greater than or equal to 0"),
+        ({"prompt": "x", "top_p": float("nan")}, "top_p", "finite number"),
+        ({"prompt": "x", "seed": -(2**63) - 1}, "seed", "greater than or equal to"),
     ],
 )
 def test_completion_refusals(data, param, fragment):
     error = refusal(CompletionRequest, data)
     assert error.param == param and fragment in error.message
+
+
+def test_neutral_values_of_unsupported_fields_pass():
+    data = {"prompt": "x", "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1,
+            "skip_special_tokens": True, "min_tokens": 0, "stop_token_ids": [], "metadata": {"a": "b"}}
+    assert len(validate(CompletionRequest, data, CTX).to_requests(CTX)) == 1
 
 
 def test_echo_with_logprobs_is_refused():
@@ -72,10 +109,10 @@ def test_chat_request():
         "top_logprobs": 2,
         "stop": "\n",
     }
-    request = validate(ChatCompletionRequest, data, CTX).to_request()
+    (request,) = validate(ChatCompletionRequest, data, CTX).to_requests(CTX)
     assert request.messages == [{"role": "user", "content": "hi"}]
     assert (request.max_tokens, request.top_logprobs, request.stop) == (7, 2, ("\n",))
-    plain = validate(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]}, CTX).to_request()
+    (plain,) = validate(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]}, CTX).to_requests(CTX)
     assert plain.top_logprobs is None
 
 
@@ -85,4 +122,27 @@ def test_chat_refusals():
         "needs logprobs"
         in refusal(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}).message
     )
-    assert refusal(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "n": 3}).param == "n"
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    assert refusal(ChatCompletionRequest, {**chat, "n": 7}).param == "n"
+    assert refusal(ChatCompletionRequest, {**chat, "tools": [tool]}).param == "tools"
+    assert refusal(ChatCompletionRequest, {**chat, "tool_choice": "required"}).param == "tool_choice"
+    assert refusal(ChatCompletionRequest, {**chat, "continue_final_message": True}).param == "continue_final_message"
+    assert validate(ChatCompletionRequest, {**chat, "tools": [], "tool_choice": "none"}, CTX).to_requests(CTX)
+    json_object = {**chat, "response_format": {"type": "json_object"}}
+    assert "JSON output is not enabled" in refusal(ChatCompletionRequest, json_object).message  # CTX has no controller
+    assert refusal(ChatCompletionRequest, {**chat, "response_format": {"type": "json_schema"}}).param == "response_format"
+
+
+def test_json_response_format_runs_under_the_json_controller():
+    ctx = dataclasses.replace(CTX, json_controller="native:json")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    data = {"messages": [{"role": "user", "content": "x"}], "n": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    requests = validate(ChatCompletionRequest, data, ctx).to_requests(ctx)
+    assert {r.controller for r in requests} == {"native:json"}
+    assert json.loads(requests[0].controller_arg) == {"json_schema": schema, "max_tokens": CTX.limits.max_tokens_cap}
+    (obj,) = validate(CompletionRequest, {"prompt": "x", "response_format": {"type": "json_object"}}, ctx).to_requests(ctx)
+    assert json.loads(obj.controller_arg)["json_schema"] == {"type": "object"}
+    (text,) = validate(CompletionRequest, {"prompt": "x", "response_format": {"type": "text"}}, CTX).to_requests(CTX)
+    assert text.controller is None

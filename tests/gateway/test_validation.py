@@ -58,6 +58,9 @@ def test_minimal_config_gets_defaults():
         ({"prompt": "x", "parameters": {"stop": ["a", "b", "c"]}}, "parameters.stop", "at most 2 stop strings"),
         ({"prompt": "x", "parameters": {"stop": [""]}}, "parameters.stop[0]", "at least 1 character"),
         ({"prompt": "x", "parameters": {"temperature": "hot"}}, "parameters.temperature", "valid number"),
+        ({"prompt": "x", "parameters": {"temperature": float("inf")}}, "parameters.temperature", "finite number"),
+        ({"prompt": "x", "parameters": {"seed": 2**64}}, "parameters.seed", "less than or equal to"),
+        ({"prompt": "x", "parameters": {"top_k": 2**64}}, "parameters.top_k", "less than or equal to"),
         ({"prompt": "x", "parameters": {"temprature": 1}}, "parameters.temprature", "unknown field"),
         ({"prompt": "x", "parameters": []}, "parameters", "JSON object"),
         ({"prompt": 42}, "prompt", "valid string"),
@@ -129,6 +132,7 @@ def test_control_and_feedback_messages():
     assert refusal(FeedbackMessage, {"rating": 1.5}).param == "rating"
     assert refusal(FeedbackMessage, {"rating": True}).param == "rating"
     assert refusal(FeedbackMessage, {"rating": 0, "position": -1}).param == "position"
+    assert refusal(FeedbackMessage, {"rating": 0, "position": 2**64}).param == "position"
 
 
 @pytest.mark.parametrize(
@@ -172,4 +176,7 @@ def test_context_budget():
 
 def test_context_from_settings():
     settings = Settings(served_model_name="m")
-    assert Context.of(settings) == Context(limits=settings.limits, served_model_name="m")
+    assert Context.of(settings) == Context(settings.limits, "m", json_controller="native:constrained")
+    for name in ("", "absent"):  # JSON output is off, or names no configured native controller
+        settings = Settings(served_model_name="m", controllers={"response_format": name})
+        assert Context.of(settings).json_controller is None
