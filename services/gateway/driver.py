@@ -254,6 +254,7 @@ class Generation:
                     sampling=self.request.sampling(),
                     max_tokens=max_tokens,
                     stop=list(self.request.stop),
+                    stop_token_ids=list(self.request.stop_token_ids),
                     ignore_eos=self.request.ignore_eos,
                     timeout_s=gw.settings.limits.request_timeout_s,
                     controller=self.rid if self.request.controller else "",

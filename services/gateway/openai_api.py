@@ -51,6 +51,7 @@ from services.gateway.validation import (
     ChatMessage,
     Context,
     GenerationRequest,
+    INT64_MAX,
     Int64,
     LimitChecks,
     MaxTokens,
@@ -171,6 +172,7 @@ class _OpenAIRequest(LimitChecks):
     top_k: Annotated[TopK | None, BeforeValidator(_top_k)] = None
     repetition_penalty: RepetitionPenalty | None = None
     stop: StopList | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None  # vLLM's
     seed: Int64 | None = None
     ignore_eos: bool = False  # vLLM's extension, for load tools built for vLLM
     n: Annotated[int, Field(ge=1)] = 1
@@ -183,7 +185,6 @@ class _OpenAIRequest(LimitChecks):
     logit_bias: _only(None, {}) = None
     min_p: _only(None, 0) = None
     min_tokens: _only(None, 0) = None
-    stop_token_ids: _only(None, []) = None
     bad_words: _only(None, []) = None
     allowed_token_ids: _only(None) = None
     include_stop_str_in_output: _only(None, False) = None
@@ -198,6 +199,13 @@ class _OpenAIRequest(LimitChecks):
     guided_choice: _only(None) = None
     guided_grammar: _only(None) = None
     structured_outputs: _only(None) = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_of_a_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed with stream: true (as vLLM)")
+        return value
 
     @field_validator("response_format")
     @classmethod
@@ -222,6 +230,7 @@ class _OpenAIRequest(LimitChecks):
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 seed=None if self.seed is None else wrap_int64(self.seed + i),
                 stop=tuple(self.stop or ()),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
                 **prompt,
                 **kwargs,

@@ -204,6 +204,7 @@ class GenerationRequest:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's: any of these ends the generation (its text is not output)
     top_logprobs: int | None = None  # None: no logprobs
     echo: bool = False
     ignore_eos: bool = False

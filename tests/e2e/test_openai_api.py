@@ -96,6 +96,21 @@ def test_completion_with_logprobs_and_stop(stack, client, hf_greedy):
     assert stopped.choices[0].text == " Paris" and stopped.choices[0].finish_reason == "stop"
 
 
+def test_stop_token_ids_end_the_completion(stack, client, hf_greedy):
+    """vLLM's ``stop_token_ids``: the first greedy token among them ends the choice with "stop";
+    it counts as a completion token, and its text is not in the output."""
+    expected = hf_greedy(stack.tokenizer(PROMPT).input_ids, MAX_TOKENS)
+    stop_at = next(i for i in range(2, MAX_TOKENS) if expected[i] not in expected[:i])  # its first occurrence
+    reply = client.completions.create(
+        model=stack.settings.served_model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"stop_token_ids": [expected[stop_at], 10**9]},
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.text == stack.tokenizer.decode(expected[:stop_at], skip_special_tokens=True)
+    assert reply.usage.completion_tokens == stop_at + 1
+
+
 def test_usage_reports_prompt_tokens_from_the_prefix_cache(stack, client):
     """The same long prompt twice: the second reuses the first's full KV blocks, and says so as vLLM does."""
     prompt = f"Note {uuid.uuid4().hex}: " + "the lighthouse keeper climbed the stairs and lit the lamp. " * 4
@@ -250,7 +265,6 @@ def test_unsupported_fields_are_refused_not_ignored(stack, client):
         (dict(tool_choice="required"), "tool_choice"),
         (dict(frequency_penalty=0.5), "frequency_penalty"),
         (dict(extra_body={"min_p": 0.2}), "min_p"),
-        (dict(extra_body={"stop_token_ids": [2]}), "stop_token_ids"),
         (dict(response_format={"type": "json_schema"}), "response_format"),
     ]
     for kwargs, param in refusals:

@@ -75,7 +75,7 @@ def test_defaults_like_vllm():
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "repetition_penalty"),
         ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
         ({"prompt": "x", "min_p": 0.1}, "min_p", "not supported"),
-        ({"prompt": "x", "stop_token_ids": [2]}, "stop_token_ids", "not supported"),
+        ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids[0]", "greater than or equal to 0"),
         ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
         ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens", "not supported"),
         ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json", "not supported"),
@@ -92,7 +92,7 @@ def test_completion_refusals(data, param, fragment):
 
 def test_neutral_values_of_unsupported_fields_pass():
     data = {"prompt": "x", "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1,
-            "skip_special_tokens": True, "min_tokens": 0, "stop_token_ids": [], "metadata": {"a": "b"}}
+            "skip_special_tokens": True, "min_tokens": 0, "metadata": {"a": "b"}}
     assert len(validate(CompletionRequest, data, CTX).to_requests(CTX)) == 1
 
 
@@ -146,3 +146,10 @@ def test_json_response_format_runs_under_the_json_controller():
     assert json.loads(obj.controller_arg)["json_schema"] == {"type": "object"}
     (text,) = validate(CompletionRequest, {"prompt": "x", "response_format": {"type": "text"}}, CTX).to_requests(CTX)
     assert text.controller is None
+
+
+def test_stream_options_need_a_stream():
+    error = refusal(CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}})
+    assert "stream_options" in str(error) and "stream" in str(error)
+    ok = validate(CompletionRequest, {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}, CTX)
+    assert ok.stream_options.include_usage
