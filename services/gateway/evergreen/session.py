@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 
 import grpc
 import structlog
@@ -161,6 +162,7 @@ class Session:
 
     def _fail(self, run: GenerateRun, exc: SessionAbort) -> None:
         """An action failed before or while starting: reported, or the session aborts."""
+        run.phase = Phase.DONE
         try:
             run.fail(exc)
         except SessionAbort as abort:
@@ -202,9 +204,12 @@ class Session:
             return
         run.phase = Phase.RUNNING
         run.task = asyncio.create_task(run.run(flat.leaves))
-        run.task.add_done_callback(self._on_run_done)
+        run.task.add_done_callback(partial(self._on_run_done, run))
 
-    def _on_run_done(self, task: asyncio.Task[None]) -> None:
+    def _on_run_done(self, run: GenerateRun, task: asyncio.Task[None]) -> None:
+        """The run is DONE only now, its failure (if any) queued first: the session's end, which
+        waits for every run to be DONE, can never overtake it."""
+        run.phase = Phase.DONE
         if task.cancelled():
             exc: BaseException | None = None
         else:
