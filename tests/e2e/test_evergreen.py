@@ -332,6 +332,7 @@ async def _until_final(call, node_id: str) -> AsyncIterator[eg.NodeFragment]:
 # -- abort rules ------------------------------------------------------------------------------
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
+TEXT = eg.ChunkMetadata(mimetype="text/plain")
 
 
 def nested(depth: int) -> list[eg.NodeFragment]:
@@ -406,6 +407,17 @@ ABORTS = {
         [msg(generate("p", "r"), parent("p", "q", "img"), text("q", "Describe:"),
              eg.NodeFragment(id="img", chunk_fragment=eg.Chunk(metadata=eg.ChunkMetadata(mimetype="image/webp"), data=b"RIFF")))],
         INVALID, re.compile(r"node 'img': mimetype 'image/webp' cannot be given to SmolLM2-135M-Instruct"),
+    ),
+    # failures found while the action starts, with the client's side already closed: the failure
+    # must still end the session, never the session's normal end overtaking it
+    "input text not UTF-8": (
+        [msg(generate("p", "r"), eg.NodeFragment(id="p", chunk_fragment=eg.Chunk(metadata=TEXT, data=b"\xff\xfe")))],
+        INVALID, "node 'p': text is not valid UTF-8 (invalid start byte at byte 0)",
+    ),
+    "input without text": ([msg(generate("p", "r"), eot("p"))], INVALID, "the GENERATE input holds no text"),
+    "leaf without metadata": (
+        [msg(generate("p", "r"), parent("p", "q"), parent("q", continued=True), text("q", "lost?", seq=1))],
+        INVALID, "node 'q': seq 0 of a leaf must carry metadata with a mimetype",
     ),
     "input never completes": (
         [msg(generate("p", "r"), parent("p", "q", "later"), text("q", "Hi"))], INVALID,
