@@ -345,6 +345,12 @@ async def test_bad_input_gets_specific_status_and_other_sessions_go_on(stack, st
          grpc.StatusCode.INVALID_ARGUMENT, "logprobs_ranges"),
         (generate(stub, session_id=session, offset=3, max_tokens=2, readout_ranges=[R(start=1, end=4)]),
          grpc.StatusCode.INVALID_ARGUMENT, "readout_ranges"),
+        # judged by a drifted offset, the call's problem is the drift, not its ranges or an empty session
+        (generate(stub, session_id=session, offset=0, max_tokens=2), grpc.StatusCode.FAILED_PRECONDITION, "offset 0"),
+        (generate(stub, session_id=session, offset=1, max_tokens=0, logprobs_ranges=[R(start=0, end=3)]),
+         grpc.StatusCode.FAILED_PRECONDITION, "offset 1"),
+        # a max_tokens no session could hold is the proto's context overflow, however large
+        (generate(stub, session_id=session, offset=3, max_tokens=10**6), grpc.StatusCode.RESOURCE_EXHAUSTED, "context"),
         (generate(stub, session_id=session, append_tokens=[vocab + 5], offset=3, max_tokens=1),
          grpc.StatusCode.INVALID_ARGUMENT, "token ids"),
         (generate(stub, session_id=session, offset=3, max_tokens=1, temperature=-1), grpc.StatusCode.INVALID_ARGUMENT,
