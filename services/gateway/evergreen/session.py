@@ -24,6 +24,7 @@ from services.gateway.evergreen.config import GenerateParams, TtlParams, action_
 from services.gateway.evergreen.errors import SessionAbort
 from services.gateway.evergreen.graph import NodeGraph
 from services.gateway.evergreen.turns import check_media
+from services.gateway.grpc_requests import Malformed
 
 log = structlog.get_logger()
 
@@ -55,7 +56,7 @@ class Session:
 
     # -- the stream -----------------------------------------------------------------------
 
-    async def run(self, requests: AsyncIterator[eg.SessionMessage]) -> AsyncIterator[eg.SessionMessage]:
+    async def run(self, requests: AsyncIterator[eg.SessionMessage | Malformed]) -> AsyncIterator[eg.SessionMessage]:
         """The server's side of the stream; raises :class:`SessionAbort` when the session aborts."""
         structlog.contextvars.bind_contextvars(session_id=self.id)
         log.info("evergreen.session_start", client=self._client)
@@ -87,9 +88,11 @@ class Session:
     def _abort(self, exc: SessionAbort) -> None:
         self._out.put_nowait(exc)
 
-    async def _read(self, requests: AsyncIterator[eg.SessionMessage]) -> None:
+    async def _read(self, requests: AsyncIterator[eg.SessionMessage | Malformed]) -> None:
         try:
             async for message in requests:
+                if isinstance(message, Malformed):
+                    raise SessionAbort.invalid(message.message)
                 self._apply(message)
             self._client_done = True
             self._advance()
