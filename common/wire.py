@@ -448,7 +448,8 @@ class SalienceGet(Msg, tag="salience_get"):
 class SalienceBegin(Msg, tag="salience_begin"):
     """Start a turn: check ``offset``/``truncating`` (the proto's rule), rewind, append
     ``append_tokens`` and ``images``, and take the session's busy lease (``lease_s``). Refused with
-    resource_exhausted when the new length plus ``reserve_tokens`` exceeds ``max_len``."""
+    resource_exhausted when the new length plus ``reserve_tokens`` exceeds ``max_len``. With
+    ``check_only`` it only makes those checks (the reply is then an empty session): nothing changes."""
 
     session_id: str
     offset: int
@@ -458,6 +459,7 @@ class SalienceBegin(Msg, tag="salience_begin"):
     append_tokens: list[int] = []
     images: list[ImageInput] = []
     reserve_tokens: int = 0
+    check_only: bool = False
 
 
 class SalienceEnd(Msg, tag="salience_end"):

@@ -180,6 +180,8 @@ class SalienceSessions:
                     f"the session would hold {new_length} tokens plus {msg.reserve_tokens} to generate, over the "
                     f"model's context of {msg.max_len}",
                 )
+            if msg.check_only:
+                return wire.SalienceSession(session_id=msg.session_id)
             tokens = tokens[: msg.offset] + list(msg.append_tokens)
             dropped = [im.start for im in images if im.end > msg.offset]
             self.conn.executemany(

@@ -332,6 +332,7 @@ async def _until_final(call, node_id: str) -> AsyncIterator[eg.NodeFragment]:
 # -- abort rules ------------------------------------------------------------------------------
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
+TEXT = eg.ChunkMetadata(mimetype="text/plain")
 
 
 def nested(depth: int) -> list[eg.NodeFragment]:
@@ -406,6 +407,17 @@ ABORTS = {
         [msg(generate("p", "r"), parent("p", "q", "img"), text("q", "Describe:"),
              eg.NodeFragment(id="img", chunk_fragment=eg.Chunk(metadata=eg.ChunkMetadata(mimetype="image/webp"), data=b"RIFF")))],
         INVALID, re.compile(r"node 'img': mimetype 'image/webp' cannot be given to SmolLM2-135M-Instruct"),
+    ),
+    # failures found while the action starts, with the client's side already closed: the failure
+    # must still end the session, never the session's normal end overtaking it
+    "input text not UTF-8": (
+        [msg(generate("p", "r"), eg.NodeFragment(id="p", chunk_fragment=eg.Chunk(metadata=TEXT, data=b"\xff\xfe")))],
+        INVALID, "node 'p': text is not valid UTF-8 (invalid start byte at byte 0)",
+    ),
+    "input without text": ([msg(generate("p", "r"), eot("p"))], INVALID, "the GENERATE input holds no text"),
+    "leaf without metadata": (
+        [msg(generate("p", "r"), parent("p", "q"), parent("q", continued=True), text("q", "lost?", seq=1))],
+        INVALID, "node 'q': seq 0 of a leaf must carry metadata with a mimetype",
     ),
     "input never completes": (
         [msg(generate("p", "r"), parent("p", "q", "later"), text("q", "Hi"))], INVALID,
@@ -546,7 +558,7 @@ async def test_plain_generate_has_no_error_output(stack):
 
 
 async def test_bad_input_never_hurts_other_sessions_or_http(stack, hf_greedy):
-    async def garbage() -> grpc.StatusCode:
+    async def garbage() -> tuple[grpc.StatusCode, str]:
         async with channel(stack) as ch:
             call = ch.stream_stream("/evergreen.v2.EvergreenService/StartSession")(
                 paced([b"\xff\xff\xff"]), timeout=RPC_TIMEOUT_S
@@ -554,14 +566,15 @@ async def test_bad_input_never_hurts_other_sessions_or_http(stack, hf_greedy):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in call:
                     pass
-            return err.value.code()
+            return err.value.code(), err.value.details()
 
     good = run_session(stack, msg(generate("p", "r"), text("p", "Hi")))
     bad = [run_session(stack, *ABORTS[case][0]) for case in ("cycle", "nesting limit", "unknown action")]
     results = await asyncio.gather(good, garbage(), *bad)
     assert results[0].code == grpc.StatusCode.OK
     assert results[0].text("r") == expected_greedy(stack, hf_greedy, [{"role": "user", "content": "Hi"}])
-    assert results[1] == grpc.StatusCode.INTERNAL
+    assert results[1] == (INVALID, ("the request is not a valid evergreen.v2.SessionMessage message: Error parsing "
+                                   "message with type 'evergreen.v2.SessionMessage': Wire format was corrupt"))
     assert all(r.code == INVALID for r in results[2:])
     async with httpx.AsyncClient(base_url=stack.http_url) as client:
         assert (await client.get("/health")).status_code == 200

@@ -320,7 +320,13 @@ async def test_close_is_idempotent_and_lets_the_kv_go(stack, stub, model_name) -
 # -- bad input ------------------------------------------------------------------------------------
 
 
-async def test_bad_input_gets_specific_status_and_other_sessions_go_on(stack, stub, model_name, hf_greedy) -> None:
+async def raw_generate(channel: grpc.aio.Channel, data: bytes) -> None:
+    """A Generate call with ``data`` as its serialized request."""
+    async for _ in channel.unary_stream("/salience.v1.Salience/Generate")(data, timeout=RPC_TIMEOUT_S):
+        pass
+
+
+async def test_bad_input_gets_specific_status_and_other_sessions_go_on(stack, channel, stub, model_name, hf_greedy) -> None:
     bystander = await open_session(stub, model_name)
     prompt = encode(stack, "Bystanders keep working:")
     running = asyncio.ensure_future(
@@ -345,6 +351,12 @@ async def test_bad_input_gets_specific_status_and_other_sessions_go_on(stack, st
          grpc.StatusCode.INVALID_ARGUMENT, "logprobs_ranges"),
         (generate(stub, session_id=session, offset=3, max_tokens=2, readout_ranges=[R(start=1, end=4)]),
          grpc.StatusCode.INVALID_ARGUMENT, "readout_ranges"),
+        # judged by a drifted offset, the call's problem is the drift, not its ranges or an empty session
+        (generate(stub, session_id=session, offset=0, max_tokens=2), grpc.StatusCode.FAILED_PRECONDITION, "offset 0"),
+        (generate(stub, session_id=session, offset=1, max_tokens=0, logprobs_ranges=[R(start=0, end=3)]),
+         grpc.StatusCode.FAILED_PRECONDITION, "offset 1"),
+        # a max_tokens no session could hold is the proto's context overflow, however large
+        (generate(stub, session_id=session, offset=3, max_tokens=10**6), grpc.StatusCode.RESOURCE_EXHAUSTED, "context"),
         (generate(stub, session_id=session, append_tokens=[vocab + 5], offset=3, max_tokens=1),
          grpc.StatusCode.INVALID_ARGUMENT, "token ids"),
         (generate(stub, session_id=session, offset=3, max_tokens=1, temperature=-1), grpc.StatusCode.INVALID_ARGUMENT,
@@ -357,6 +369,11 @@ async def test_bad_input_gets_specific_status_and_other_sessions_go_on(stack, st
         (generate(stub, session_id=session, offset=3, max_tokens=1,
                   images=[pb.ImageAttachment(bytes=b"\x89PNG", mime="image/png", pad_range_start=0, pad_range_end=3)]),
          grpc.StatusCode.INVALID_ARGUMENT, "text-only"),
+        # bytes that are not the request message (a client built from another .proto, say)
+        (channel.unary_unary("/salience.v1.Salience/DumpSession")(b"\xff\xff\xff"), grpc.StatusCode.INVALID_ARGUMENT,
+         "the request is not a valid salience.v1.DumpSessionRequest message: Error parsing message"),
+        (raw_generate(channel, b"\x0a\x05sess-\x18\x80"), grpc.StatusCode.INVALID_ARGUMENT,
+         "the request is not a valid salience.v1.GenerateRequest message"),
     ]
     for call, expected, words in cases:
         code, details = await status_of(call)

@@ -67,6 +67,18 @@ def test_turns_append_and_offsets_are_checked(sessions) -> None:
     assert sessions.get(sid).tokens == [1, 2, 9]
 
 
+def test_check_only_makes_the_checks_and_changes_nothing(sessions) -> None:
+    sid = sessions.open("m").session_id
+    turn = begin(sessions, sid, 0, [1, 2, 3])
+    assert code_of(lambda: begin(sessions, sid, 3, check_only=True)) == "aborted"  # busy
+    sessions.end(wire.SalienceEnd(session_id=sid, lease=turn.lease))
+    assert code_of(lambda: begin(sessions, sid, 0, check_only=True)) == "failed_precondition"
+    assert code_of(lambda: begin(sessions, sid, 3, [5] * 98, check_only=True)) == "resource_exhausted"
+    assert begin(sessions, sid, 1, [7], truncating=True, check_only=True).lease == ""
+    assert sessions.get(sid).tokens == [1, 2, 3]
+    begin(sessions, sid, 3)  # no lease was left behind
+
+
 def test_one_turn_at_a_time_and_an_expired_lease_is_let_go(sessions, clock) -> None:
     sid = sessions.open("m").session_id
     first = begin(sessions, sid, 0, [1])

@@ -81,6 +81,13 @@ def test_duplicate_seq_keeps_the_first_silently(graph):
     assert contents(graph, "a") == ([b"first", b"end"], True)
 
 
+def test_a_parent_may_start_with_an_empty_fragment(graph):
+    graph.add(parent("p", continued=True))
+    graph.add(parent("p", "a", seq=1))
+    graph.add(text("a", "A"))
+    assert contents(graph, "p") == ([b"A"], True)
+
+
 def test_defaults_seq_zero_and_final(graph):
     graph.add(eg.NodeFragment(id="a", chunk_fragment=eg.Chunk(metadata=TEXT, data=b"x")))
     assert graph.nodes["a"].final_seq == 0 and graph.nodes["a"].complete
@@ -98,6 +105,9 @@ def test_defaults_seq_zero_and_final(graph):
         ([eg.NodeFragment(id="a", seq=-1)], r"seq -1 is negative"),
         ([eg.NodeFragment(id="a", child_ids=["b"], chunk_fragment=eg.Chunk(metadata=TEXT))], r"both child_ids and chunk_fragment"),
         ([text("a", "x", continued=True), parent("a", "b", seq=1)], r"mixes content kinds; the node is a leaf"),
+        # a leaf's seq 0 without any chunk (so without metadata), before or after the leaf's data
+        ([parent("a", continued=True), text("a", "x", seq=1)], r"node 'a': seq 0 of a leaf must carry metadata"),
+        ([text("a", "x", seq=1), parent("a", continued=True)], r"node 'a': seq 0 of a leaf must carry metadata"),
         ([parent("a", "a")], r"cycle in the node graph: a → a"),
         ([parent("a", "b"), parent("b", "c"), parent("c", "a")], r"cycle in the node graph: c → a → b → c"),
         ([parent("a", "b"), parent("c", "a"), parent("b", "c")], r"cycle in the node graph: b → c → a → b"),

@@ -159,8 +159,10 @@ class GenerateRun:
         self._sent = 0  # characters of generated text written so far
 
     async def run(self, leaves: list[Leaf]) -> None:
-        """Generate; a failure aborts the session, or is reported when the action has an ``error`` output."""
-        self.phase = Phase.RUNNING
+        """Generate; a failure aborts the session, or is reported when the action has an ``error`` output.
+
+        The phase stays RUNNING when this returns: the session marks the run DONE once it has seen
+        the task's outcome, so that a failure is never overtaken by the session's normal end."""
         try:
             await self._generate(leaves)
         except SessionAbort as exc:
@@ -168,12 +170,9 @@ class GenerateRun:
         except asyncio.CancelledError:
             self._finish_output()
             raise
-        finally:
-            self.phase = Phase.DONE
 
     def fail(self, exc: SessionAbort) -> None:
         """End this action with ``exc``: reported in its ``error`` node if it has one, else re-raised."""
-        self.phase = Phase.DONE
         if self.bound.error_id is None:
             raise exc
         log.info("evergreen.action_failed", action=self.bound.label, status=exc.status.name, error=exc.message)

@@ -5,7 +5,7 @@ Rules enforced by :meth:`NodeGraph.add` (each violation raises :class:`SessionAb
 * a fragment needs an id and a seq >= 0; a second fragment with a node's seq is ignored silently;
 * nothing may follow a node's final fragment (``continued`` false), and a final fragment may not
   precede a seq already received;
-* only seq 0 carries chunk metadata, and a leaf's seq 0 must carry a mimetype;
+* only seq 0 carries chunk metadata, and a leaf's seq 0 must carry a chunk with a mimetype;
 * a node is a leaf (``chunk_fragment``) or a parent (``child_ids``), never both;
 * no cycles, and no path longer than the nesting limit; node count and inline bytes are bounded;
 * ``file://`` refs must pass :func:`refs.resolve_ref` when they arrive;
@@ -104,6 +104,7 @@ class NodeGraph:
         if (is_leaf or frag.child_ids) and node.leaf is not None and node.leaf != is_leaf:
             kind = "leaf (chunk_fragment)" if node.leaf else "parent (child_ids)"
             raise SessionAbort.invalid(f"node {frag.id!r}: seq {frag.seq} mixes content kinds; the node is a {kind}")
+        self._check_leaf_head(node, frag)
         self._check_limits(node, frag)
         for child in frag.child_ids:
             self._check_edge(frag.id, child)
@@ -134,6 +135,15 @@ class NodeGraph:
             raise SessionAbort.invalid(f"node {frag.id!r}: seq 0 of a leaf must carry metadata with a mimetype")
         if chunk.WhichOneof("payload") == "ref":
             resolve_ref(chunk.ref, self._ref_root)
+
+    @staticmethod
+    def _check_leaf_head(node: Node, frag: eg.NodeFragment) -> None:
+        """A leaf's seq 0 carries its metadata, so a seq 0 without a chunk cannot head a leaf
+        (whichever of the two fragments arrives first); else the leaf's data would be lost."""
+        head = frag if frag.seq == 0 else node.fragments.get(0)
+        is_leaf = frag.HasField("chunk_fragment") or node.leaf is True
+        if is_leaf and head is not None and not head.HasField("chunk_fragment"):
+            raise SessionAbort.invalid(f"node {node.id!r}: seq 0 of a leaf must carry metadata with a mimetype")
 
     @staticmethod
     def _check_boundaries(node: Node, frag: eg.NodeFragment) -> None:

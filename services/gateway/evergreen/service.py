@@ -11,6 +11,7 @@ from common.protos.evergreen.v2 import evergreen_pb2_grpc as eg_grpc
 from services.gateway.driver import Gateway
 from services.gateway.evergreen.errors import SessionAbort
 from services.gateway.evergreen.session import Session
+from services.gateway.grpc_requests import Malformed, add_servicer
 
 # initial metadata naming the session (its key in the session store, and in the gateway's logs)
 SESSION_ID_HEADER = "tiller-evergreen-session-id"
@@ -29,7 +30,7 @@ class EvergreenServicer(eg_grpc.EvergreenServiceServicer):
         self._gw = gw
 
     async def StartSession(  # noqa: N802 (the generated name)
-        self, request_iterator: AsyncIterator[eg.SessionMessage], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[eg.SessionMessage | Malformed], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[eg.SessionMessage]:
         session = Session(self._gw, client=client_address(context.peer()))
         await context.send_initial_metadata(((SESSION_ID_HEADER, session.id),))
@@ -41,4 +42,4 @@ class EvergreenServicer(eg_grpc.EvergreenServiceServicer):
 
 
 def add_to_server(server: grpc.aio.Server, gw: Gateway) -> None:
-    eg_grpc.add_EvergreenServiceServicer_to_server(EvergreenServicer(gw), server)
+    add_servicer(server, eg.DESCRIPTOR.services_by_name["EvergreenService"], EvergreenServicer(gw))

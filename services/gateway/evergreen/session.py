@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 
 import grpc
 import structlog
@@ -23,6 +24,7 @@ from services.gateway.evergreen.config import GenerateParams, TtlParams, action_
 from services.gateway.evergreen.errors import SessionAbort
 from services.gateway.evergreen.graph import NodeGraph
 from services.gateway.evergreen.turns import check_media
+from services.gateway.grpc_requests import Malformed
 
 log = structlog.get_logger()
 
@@ -54,7 +56,7 @@ class Session:
 
     # -- the stream -----------------------------------------------------------------------
 
-    async def run(self, requests: AsyncIterator[eg.SessionMessage]) -> AsyncIterator[eg.SessionMessage]:
+    async def run(self, requests: AsyncIterator[eg.SessionMessage | Malformed]) -> AsyncIterator[eg.SessionMessage]:
         """The server's side of the stream; raises :class:`SessionAbort` when the session aborts."""
         structlog.contextvars.bind_contextvars(session_id=self.id)
         log.info("evergreen.session_start", client=self._client)
@@ -86,9 +88,11 @@ class Session:
     def _abort(self, exc: SessionAbort) -> None:
         self._out.put_nowait(exc)
 
-    async def _read(self, requests: AsyncIterator[eg.SessionMessage]) -> None:
+    async def _read(self, requests: AsyncIterator[eg.SessionMessage | Malformed]) -> None:
         try:
             async for message in requests:
+                if isinstance(message, Malformed):
+                    raise SessionAbort.invalid(message.message)
                 self._apply(message)
             self._client_done = True
             self._advance()
@@ -161,6 +165,7 @@ class Session:
 
     def _fail(self, run: GenerateRun, exc: SessionAbort) -> None:
         """An action failed before or while starting: reported, or the session aborts."""
+        run.phase = Phase.DONE
         try:
             run.fail(exc)
         except SessionAbort as abort:
@@ -202,9 +207,12 @@ class Session:
             return
         run.phase = Phase.RUNNING
         run.task = asyncio.create_task(run.run(flat.leaves))
-        run.task.add_done_callback(self._on_run_done)
+        run.task.add_done_callback(partial(self._on_run_done, run))
 
-    def _on_run_done(self, task: asyncio.Task[None]) -> None:
+    def _on_run_done(self, run: GenerateRun, task: asyncio.Task[None]) -> None:
+        """The run is DONE only now, its failure (if any) queued first: the session's end, which
+        waits for every run to be DONE, can never overtake it."""
+        run.phase = Phase.DONE
         if task.cancelled():
             exc: BaseException | None = None
         else:

@@ -22,6 +22,7 @@ from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
 from common.errors import TillerError
 from services.gateway.driver import Gateway
 from services.gateway.engine import HEALTH_MAX_AGE_S
+from services.gateway.grpc_requests import Malformed, add_servicer
 from services.gateway.salience.images import ImageSupport
 from services.gateway.salience.store import SessionStoreClient, SessionStoreError
 from services.gateway.salience.turn import Abort, Turn
@@ -49,14 +50,21 @@ def _check_auth(token: str, context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
+async def _admit(token: str, request: Any, context: grpc.aio.ServicerContext) -> None:
+    """Auth first, then the request must have parsed; else the call ends here."""
+    problem = _check_auth(token, context)
+    if problem is not None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+    if isinstance(request, Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+
+
 def unary(method: Callable[..., Awaitable[Reply]]) -> Callable[..., Awaitable[Reply]]:
     """Auth first, and store/validation errors become the call's status."""
 
     @wraps(method)
     async def handler(self: SalienceServicer, request: Any, context: grpc.aio.ServicerContext) -> Reply:
-        problem = _check_auth(self.gw.settings.sessions.auth_token, context)
-        if problem is not None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+        await _admit(self.gw.settings.sessions.auth_token, request, context)
         try:
             return await method(self, request, context)
         except (SessionStoreError, Abort) as exc:
@@ -116,9 +124,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         )
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:  # noqa: N802
-        problem = _check_auth(self.gw.settings.sessions.auth_token, context)
-        if problem is not None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+        await _admit(self.gw.settings.sessions.auth_token, request, context)
         turn = Turn(self.gw, self.store, self.images, request)
         try:
             async for event in turn.run():
@@ -136,4 +142,4 @@ class SalienceServicer(pb_grpc.SalienceServicer):
 async def add_to_server(server: grpc.aio.Server, gw: Gateway) -> None:
     images = await asyncio.to_thread(ImageSupport.load, gw.settings)
     store = SessionStoreClient(gw.settings, zmq.asyncio.Context.instance())
-    pb_grpc.add_SalienceServicer_to_server(SalienceServicer(gw, store, images), server)
+    add_servicer(server, pb.DESCRIPTOR.services_by_name["Salience"], SalienceServicer(gw, store, images))

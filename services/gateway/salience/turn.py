@@ -47,6 +47,10 @@ class Abort(Exception):
         self.message = message
 
 
+def _invalid(message: str) -> Abort:
+    return Abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
 def covers(ranges: list[wire.PositionSpan], position: int) -> bool:
     return any(r.start <= position < r.end for r in ranges)
 
@@ -68,22 +72,17 @@ class Turn:
         health = await self._ready()
         facts = health.detail
         max_len = int(facts.get("max_model_len") or self.gw.settings.limits.max_model_len)
-        outputs, sampling = self._validate(int(facts.get("vocab_size") or 0), max_len)
+        self._validate(int(facts.get("vocab_size") or 0), max_len)
         length = req.offset + len(req.append_tokens)  # the session's length once the call is applied
+        try:
+            outputs = self._positions(length)
+        except Abort:  # judged by the client's offset: a drifted offset is the call's real problem
+            await self.store.begin(self._begin(max_len, check_only=True))
+            raise
+        sampling = self._sampling(outputs, length)
         new_images = await self._images(length)
         started = time.monotonic()
-        session = await self.store.begin(
-            wire.SalienceBegin(
-                session_id=req.session_id,
-                offset=req.offset,
-                truncating=req.truncating,
-                append_tokens=list(req.append_tokens),
-                images=new_images,
-                max_len=max_len,
-                reserve_tokens=req.max_tokens,
-                lease_s=self.gw.settings.sessions.busy_lease_s,
-            )
-        )
+        session = await self.store.begin(self._begin(max_len, new_images))
         try:
             if length == 0:  # nothing to prefill: a no-op call (it refreshed the TTL)
                 yield pb.GenerateEvent(done=Done(finish_reason=Done.FINISH_REASON_LENGTH))
@@ -106,32 +105,50 @@ class Turn:
                                                      f"{stage.get('message') or 'retry shortly'}")
         return health
 
-    def _validate(self, vocab_size: int, max_len: int) -> tuple[wire.OutputRequest, wire.SamplingParams]:
+    def _begin(self, max_len: int, images: list[wire.ImageInput] | None = None, *,
+               check_only: bool = False) -> wire.SalienceBegin:
+        req = self.request
+        return wire.SalienceBegin(
+            session_id=req.session_id,
+            offset=req.offset,
+            truncating=req.truncating,
+            append_tokens=list(req.append_tokens),
+            images=images or [],
+            max_len=max_len,
+            reserve_tokens=req.max_tokens,
+            lease_s=self.gw.settings.sessions.busy_lease_s,
+            check_only=check_only,
+        )
+
+    def _validate(self, vocab_size: int, max_len: int) -> None:
+        """The checks that do not depend on the session's length."""
         req = self.request
         limits = self.gw.settings.limits
-
-        def invalid(message: str) -> Abort:
-            return Abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-
         if not req.session_id:
-            raise invalid("session_id is required")
+            raise _invalid("session_id is required")
         if vocab_size and any(t >= vocab_size for t in req.append_tokens):
-            raise invalid(f"append_tokens must be token ids in [0, {vocab_size})")
+            raise _invalid(f"append_tokens must be token ids in [0, {vocab_size})")
         if not req.temperature >= 0:
-            raise invalid(f"temperature must be >= 0 (0 means the default 1.0), got {req.temperature}")
+            raise _invalid(f"temperature must be >= 0 (0 means the default 1.0), got {req.temperature}")
         if not 0 <= req.top_p <= 1:
-            raise invalid(f"top_p must be in [0, 1] (0 means the default 1.0), got {req.top_p}")
+            raise _invalid(f"top_p must be in [0, 1] (0 means the default 1.0), got {req.top_p}")
+        if req.max_tokens > max_len:  # over the context whatever the session holds: the proto's overflow
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"max_tokens {req.max_tokens} is over the model's context of {max_len}")
         if req.max_tokens > limits.max_tokens_cap:
-            raise invalid(f"max_tokens must be at most {limits.max_tokens_cap}, got {req.max_tokens}")
+            raise _invalid(f"max_tokens must be at most {limits.max_tokens_cap}, got {req.max_tokens}")
         if req.logprob_top_k > limits.max_top_logprobs:
-            raise invalid(f"logprob_top_k must be at most {limits.max_top_logprobs}, got {req.logprob_top_k}")
+            raise _invalid(f"logprob_top_k must be at most {limits.max_top_logprobs}, got {req.logprob_top_k}")
         if vocab_size and any(t >= vocab_size for t in req.stop_token_ids):
-            raise invalid(f"stop_token_ids must be token ids in [0, {vocab_size})")
+            raise _invalid(f"stop_token_ids must be token ids in [0, {vocab_size})")
         if not 0 <= req.priority <= 10:
-            raise invalid(f"priority must be in [0, 10] (0 interactive ... 10 batch), got {req.priority}")
-        length = req.offset + len(req.append_tokens)
+            raise _invalid(f"priority must be in [0, 10] (0 interactive ... 10 batch), got {req.priority}")
+
+    def _positions(self, length: int) -> wire.OutputRequest:
+        """The outputs asked for, checked against ``length``, the session's length after the call."""
+        req = self.request
         if length == 0 and req.max_tokens > 0:
-            raise invalid("the session is empty: append tokens to generate from")
+            raise _invalid("the session is empty: append tokens to generate from")
         spans = {}
         for name, ranges, end in (
             ("logprobs_ranges", req.logprobs_ranges, length + req.max_tokens),
@@ -139,26 +156,28 @@ class Turn:
         ):
             for r in ranges:
                 if not r.start < r.end <= end:
-                    raise invalid(
+                    raise _invalid(
                         f"{name} [{r.start}, {r.end}) must be a non-empty range ending at or before {end} "
                         + ("(the tokens after append plus max_tokens)" if name == "logprobs_ranges"
                            else "(readouts cover the tokens after append)")
                     )
             spans[name] = [wire.PositionSpan(r.start, r.end) for r in ranges]
-        outputs = wire.OutputRequest(
+        return wire.OutputRequest(
             logprob_ranges=spans["logprobs_ranges"],
             top_logprobs=req.logprob_top_k,
             readout_ranges=spans["readout_ranges"],
         )
+
+    def _sampling(self, outputs: wire.OutputRequest, length: int) -> wire.SamplingParams:
+        req = self.request
         decode_logprobs = any(r.end > length for r in outputs.logprob_ranges)
         top_k = req.top_k
-        sampling = wire.SamplingParams(
+        return wire.SamplingParams(
             temperature=0.0 if top_k == 1 else (req.temperature or 1.0),  # top-1 sampling is greedy
             top_p=req.top_p or 1.0,
             top_k=top_k,
             logprobs=req.logprob_top_k if decode_logprobs else None,
         )
-        return outputs, sampling
 
     async def _images(self, length: int) -> list[wire.ImageInput]:
         req = self.request
