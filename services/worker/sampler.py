@@ -8,6 +8,7 @@ model logits, before any of that.
 from __future__ import annotations
 
 import hashlib
+import math
 
 import numpy as np
 import torch
@@ -20,14 +21,14 @@ TOP_P_CANDIDATES = (64, 1024)  # how many tokens top-p ranks, in turn, before so
 
 def validate_params(params: SamplingParams, vocab_size: int) -> str | None:
     """Why ``params`` cannot be used, or None."""
-    if not params.temperature >= 0:
-        return f"temperature must be >= 0, got {params.temperature}"
+    if not 0 <= params.temperature < math.inf:
+        return f"temperature must be finite and >= 0, got {params.temperature}"
     if not 0 < params.top_p <= 1:
         return f"top_p must be in (0, 1], got {params.top_p}"
     if params.top_k < 0:
         return f"top_k must be >= 0, got {params.top_k}"
-    if not params.repetition_penalty > 0:
-        return f"repetition_penalty must be > 0, got {params.repetition_penalty}"
+    if not 0 < params.repetition_penalty < math.inf:
+        return f"repetition_penalty must be finite and > 0, got {params.repetition_penalty}"
     if params.logprobs is not None and not 0 <= params.logprobs <= vocab_size:
         return f"logprobs must be in [0, {vocab_size}], got {params.logprobs}"
     return None

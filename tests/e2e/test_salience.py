@@ -361,6 +361,8 @@ async def test_bad_input_gets_specific_status_and_other_sessions_go_on(stack, ch
          grpc.StatusCode.INVALID_ARGUMENT, "token ids"),
         (generate(stub, session_id=session, offset=3, max_tokens=1, temperature=-1), grpc.StatusCode.INVALID_ARGUMENT,
          "temperature"),
+        (generate(stub, session_id=session, offset=3, max_tokens=1, temperature=float("inf")),
+         grpc.StatusCode.INVALID_ARGUMENT, "finite"),
         (generate(stub, session_id=session, offset=3, max_tokens=1, top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
         (generate(stub, session_id=session, append_tokens=[13] * max_len, offset=3, max_tokens=0),
          grpc.StatusCode.RESOURCE_EXHAUSTED, "context"),

@@ -141,6 +141,9 @@ def test_logprobs_from_raw_logits() -> None:
 def test_validate_params() -> None:
     assert validate_params(SamplingParams(), VOCAB) is None
     assert "temperature" in validate_params(SamplingParams(temperature=-0.1), VOCAB)
+    assert "finite" in validate_params(SamplingParams(temperature=float("inf")), VOCAB)
+    assert "temperature" in validate_params(SamplingParams(temperature=float("nan")), VOCAB)
+    assert "repetition_penalty" in validate_params(SamplingParams(repetition_penalty=float("inf")), VOCAB)
     assert "top_p" in validate_params(SamplingParams(top_p=0), VOCAB)
     assert "top_k" in validate_params(SamplingParams(top_k=-1), VOCAB)
     assert "repetition_penalty" in validate_params(SamplingParams(repetition_penalty=0), VOCAB)

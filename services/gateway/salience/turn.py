@@ -9,6 +9,7 @@ sent appended: a client that disconnects mid-turn leaves the session as far as i
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -128,8 +129,8 @@ class Turn:
             raise _invalid("session_id is required")
         if vocab_size and any(t >= vocab_size for t in req.append_tokens):
             raise _invalid(f"append_tokens must be token ids in [0, {vocab_size})")
-        if not req.temperature >= 0:
-            raise _invalid(f"temperature must be >= 0 (0 means the default 1.0), got {req.temperature}")
+        if not 0 <= req.temperature < math.inf:
+            raise _invalid(f"temperature must be finite and >= 0 (0 means the default 1.0), got {req.temperature}")
         if not 0 <= req.top_p <= 1:
             raise _invalid(f"top_p must be in [0, 1] (0 means the default 1.0), got {req.top_p}")
         if req.max_tokens > max_len:  # over the context whatever the session holds: the proto's overflow
