@@ -48,6 +48,7 @@ class Metrics:
             for key, doc in (
                 ("kv_capacity_tokens", "Tokens the workers' KV pools hold"),
                 ("kv_free_tokens", "Tokens the workers' KV pools can still take"),
+                ("kv_reserved_tokens", "KV tokens promised to admitted requests and parked sessions"),
                 ("queued", "Requests waiting for admission"),
                 ("running", "Sequences admitted to a worker"),
             )

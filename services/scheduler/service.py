@@ -209,6 +209,8 @@ class Scheduler:
             # free KV as the workers' last steps left it (a worker with no step yet: all of it)
             "kv_free_tokens": sum(w.capacity if w.kv_free_tokens is None else w.kv_free_tokens
                                   for w in self.pool.ready()),
+            # KV promised to admitted requests and parked sessions: what admission control counts
+            "kv_reserved_tokens": sum(w.reserved_tokens for w in self.pool.ready()),
             "queued": len(self.queue),
             "running": len(self.running),
             "paused": sum(1 for r in self.requests.values() if r.paused),
