@@ -4,7 +4,8 @@ worker's pool is whole again, and greedy output is still token for token what tr
 
 The abrupt endings are the ones load tools produce: a WebSocket dropped without a close frame, an
 SSE stream closed after its first chunk, a stop or pause sent mid-stream, a controlled generation
-abandoned, a bad config in the middle of the burst.
+abandoned, a bad config in the middle of the burst, a Salience turn cancelled and its session closed,
+an Evergreen session cancelled as its output begins.
 """
 
 from __future__ import annotations
@@ -13,9 +14,15 @@ import asyncio
 import json
 import random
 
+import grpc
 import httpx
 import websockets
+from google.protobuf import any_pb2, struct_pb2
 
+from common.protos.evergreen.v2 import evergreen_pb2 as eg
+from common.protos.evergreen.v2 import evergreen_pb2_grpc as eg_grpc
+from common.protos.salience.v1 import salience_pb2 as sal
+from common.protos.salience.v1 import salience_pb2_grpc as sal_grpc
 from services.worker.kv_cache import BLOCK_SIZE
 from tests.gateway.support import collect, greedy_config, receive, send, token_ids, wait_for
 
@@ -97,6 +104,43 @@ async def controlled_abandoned(stack, prompt: str) -> None:
     ws.transport.abort()
 
 
+async def salience_cancelled(stack, prompt: str) -> None:
+    """A Salience turn whose client cancels the call after its first decoded token, then closes
+    the session."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.settings.grpc_port}") as channel:
+        stub = sal_grpc.SalienceStub(channel)
+        opened = await stub.OpenSession(sal.OpenSessionRequest(model=stack.settings.served_model_name))
+        ids = stack.tokenizer(prompt).input_ids
+        call = stub.Generate(sal.GenerateRequest(session_id=opened.session_id, append_tokens=ids, max_tokens=400,
+                                                 top_k=1))
+        async for event in call:
+            if event.HasField("token") and not event.token.is_prefill:
+                break
+        else:
+            raise AssertionError("the turn ended before its first decoded token")
+        call.cancel()
+        await stub.CloseSession(sal.CloseSessionRequest(session_id=opened.session_id))
+
+
+async def evergreen_dropped(stack, prompt: str) -> None:
+    """An Evergreen session whose client cancels the stream once the generation's output begins."""
+    text = eg.Chunk(data=prompt.encode(), metadata=eg.ChunkMetadata(mimetype="text/plain", role="user"))
+    config = any_pb2.Any()
+    config.Pack(struct_pb2.Struct(fields={"max_tokens": struct_pb2.Value(number_value=400)}))
+    action = eg.Action(name="GENERATE", inputs=[eg.NamedParameter(name="prompt", id="p")],
+                       outputs=[eg.NamedParameter(name="response", id="r")], configs=[config])
+    first = eg.SessionMessage(node_fragments=[eg.NodeFragment(id="p", chunk_fragment=text)], actions=[action])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.settings.grpc_port}") as channel:
+        call = eg_grpc.EvergreenServiceStub(channel).StartSession()
+        await call.write(first)
+        async for message in call:
+            if any(f.id == "r" for f in message.node_fragments):
+                break
+        else:
+            raise AssertionError("the session ended before its output began")
+        call.cancel()
+
+
 async def engine_state(stack) -> dict:
     return await asyncio.to_thread(stack.scheduler_health)
 
@@ -116,6 +160,7 @@ async def test_a_burst_of_clients_leaving_every_way_loses_nothing(stack, hf_gree
         ]
     clients += [paused_then_gone(stack, PROMPTS[0]), paused_then_gone(stack, PROMPTS[1]), bad_config(stack)]
     clients += [controlled_abandoned(stack, PROMPTS[3]) for _ in range(3)]
+    clients += [salience_cancelled(stack, p) for p in PROMPTS[:2]] + [evergreen_dropped(stack, p) for p in PROMPTS[2:]]
     rng.shuffle(clients)
     results = await asyncio.wait_for(asyncio.gather(*clients), timeout=300)
 
