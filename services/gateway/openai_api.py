@@ -514,7 +514,7 @@ async def _serve(
     except TillerError as exc:
         return error_response(ErrorMsg.from_error(exc))
     if parsed.model is not None and parsed.model != gw.settings.served_model_name:
-        return _model_not_found(parsed.model, gw.settings.served_model_name)
+        return model_not_found(parsed.model, gw.settings.served_model_name)
     rid = new_request_id(fmt_type.id_prefix)
     choices = await _start(request, parsed.to_requests(context), fmt_type, rid)
     if isinstance(choices, ErrorMsg):
@@ -547,22 +547,28 @@ async def _serve(
     )
 
 
-async def _model_card(request: Request) -> dict[str, Any]:
+async def max_model_len(request: Request) -> int:
+    """The model's own context once a worker has reported it, else the configured one."""
     gw = gateway_of(request)
-    try:  # the model's own context once a worker has reported it
+    try:
         detail = (await gw.engine.health(max_age=HEALTH_MAX_AGE_S)).detail
     except TillerError:
         detail = {}
+    return detail.get("max_model_len") or gw.settings.limits.max_model_len
+
+
+async def _model_card(request: Request) -> dict[str, Any]:
+    gw = gateway_of(request)
     return {
         "id": gw.settings.served_model_name,
         "object": "model",
         "created": gw.created,
         "owned_by": "tiller",
-        "max_model_len": detail.get("max_model_len") or gw.settings.limits.max_model_len,
+        "max_model_len": await max_model_len(request),
     }
 
 
-def _model_not_found(model: str, served: str) -> JSONResponse:
+def model_not_found(model: str, served: str) -> JSONResponse:
     message = f"The model `{model}` does not exist; this server serves `{served}`."
     body = {"error": {"message": message, "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
     return JSONResponse(body, status_code=404)
@@ -578,7 +584,7 @@ async def retrieve_model(request: Request, model: str) -> Response:
     """One model's card (the official client's ``models.retrieve``)."""
     served = gateway_of(request).settings.served_model_name
     if model != served:
-        return _model_not_found(model, served)
+        return model_not_found(model, served)
     return JSONResponse(await _model_card(request))
 
 

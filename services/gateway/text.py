@@ -49,17 +49,26 @@ class TextProcessor:
             text = self._render_chat(request.messages)
             return text, self._tokenizer.encode(text, add_special_tokens=False)
         if request.prompt_ids is not None:
-            vocab = len(self._tokenizer)
-            bad = next((t for t in request.prompt_ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise GatewayError(
-                    INVALID_REQUEST,
-                    f"prompt: token id {bad} is outside the vocabulary (0..{vocab - 1})",
-                    param="prompt",
-                )
-            return self._tokenizer.decode(request.prompt_ids), list(request.prompt_ids)
+            return self._decode(request.prompt_ids, "prompt"), list(request.prompt_ids)
         assert request.prompt is not None
         return request.prompt, self._tokenizer.encode(request.prompt)
+
+    async def decode(self, ids: list[int], param: str) -> str:
+        """The text of token ids (special tokens included), refusing ids outside the vocabulary."""
+        return await self._run(self._decode, ids, param)
+
+    async def token_strings(self, ids: list[int]) -> list[str]:
+        """The vocabulary entries of token ids, as the tokenizer spells them (not decoded)."""
+        return await self._run(self._tokenizer.convert_ids_to_tokens, ids)
+
+    def _decode(self, ids: list[int], param: str) -> str:
+        vocab = len(self._tokenizer)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise GatewayError(
+                INVALID_REQUEST, f"{param}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param=param
+            )
+        return self._tokenizer.decode(ids)
 
     def _render_chat(self, messages: list[dict[str, str]]) -> str:
         if not self._tokenizer.chat_template:

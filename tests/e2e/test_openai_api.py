@@ -279,3 +279,29 @@ def test_unsupported_fields_are_refused_not_ignored(stack, client):
         model=model, messages=MESSAGES, max_tokens=2, temperature=0, frequency_penalty=0, tool_choice="none", user="u"
     )
     assert reply.choices[0].finish_reason == "length"
+
+
+def test_tokenize_counts_what_generation_feeds(stack, client):
+    """vLLM's /tokenize: a prompt and chat messages become the very ids a completion or a chat
+    request feeds (its usage says as much), and /detokenize turns ids back into text."""
+    model = stack.settings.served_model_name
+    with httpx.Client(base_url=stack.http_url, timeout=60) as http:
+        prompt = http.post("/tokenize", json={"model": model, "prompt": PROMPT, "return_token_strs": True}).json()
+        chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
+        back = http.post("/detokenize", json={"model": model, "tokens": prompt["tokens"]}).json()
+        refusals = [
+            (http.post("/tokenize", json={"prompt": PROMPT, "messages": MESSAGES}), 400, "either 'prompt' or 'messages'"),
+            (http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}), 400, "add_special_tokens"),
+            (http.post("/detokenize", json={"tokens": [10**9]}), 400, "outside the vocabulary"),
+            (http.post("/detokenize", json={"tokens": "abc"}), 400, "tokens"),
+            (http.post("/tokenize", json={"model": "gpt-4o", "prompt": "x"}), 404, "gpt-4o"),
+        ]
+    assert prompt["tokens"] == stack.tokenizer(PROMPT).input_ids and prompt["count"] == len(prompt["tokens"])
+    assert prompt["token_strs"] == stack.tokenizer.convert_ids_to_tokens(prompt["tokens"])
+    assert prompt["max_model_len"] == stack.settings.limits.max_model_len
+    assert chat["tokens"] == chat_ids(stack) and chat["token_strs"] is None
+    assert back == {"prompt": PROMPT}
+    usage = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1).usage
+    assert usage.prompt_tokens == chat["count"]
+    for response, status, fragment in refusals:
+        assert response.status_code == status and fragment in response.json()["error"]["message"], response.text

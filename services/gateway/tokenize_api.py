@@ -1,0 +1,97 @@
+"""vLLM's tokenizer endpoints, ``POST /tokenize`` and ``POST /detokenize``.
+
+A prompt or chat messages are tokenized exactly as a completion or chat request renders them, so
+``count`` is what that request's ``usage.prompt_tokens`` would say. Nothing reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import model_validator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from common.errors import TillerError
+from services.gateway.httputil import gateway_of, read_json_object
+from services.gateway.openai_api import error_response, max_model_len, model_not_found
+from services.gateway.protocol import ErrorMsg
+from services.gateway.validation import ChatMessage, Context, GenerationRequest, StrictModel, validate
+
+router = APIRouter()
+
+
+class TokenizeRequest(StrictModel):
+    """vLLM's TokenizeRequest: a ``prompt`` (completions) or ``messages`` (chat). The options that
+    would tokenize otherwise than generation does are refused unless they hold generation's own values."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # generation's own: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input_as_generation_reads_it(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either 'prompt' or 'messages'")
+        own = self.prompt is not None
+        if self.add_special_tokens not in (None, own):
+            raise ValueError(f"add_special_tokens: only {str(own).lower()} (how generation reads this input) is supported")
+        if not self.add_generation_prompt:
+            raise ValueError("add_generation_prompt: only true (how chat generation renders messages) is supported")
+        return self
+
+    def generation(self) -> GenerationRequest:
+        if self.messages is not None:
+            return GenerationRequest(messages=[m.model_dump() for m in self.messages])
+        return GenerationRequest(prompt=self.prompt)
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+async def _parse(request: Request, model: type[StrictModel]) -> Any:
+    """The validated body, or the error response to send instead."""
+    gw = gateway_of(request)
+    try:
+        parsed = validate(model, await read_json_object(request, gw.settings.limits.max_http_body_bytes),
+                          Context.of(gw.settings))
+    except TillerError as exc:
+        return error_response(ErrorMsg.from_error(exc))
+    if parsed.model is not None and parsed.model != gw.settings.served_model_name:
+        return model_not_found(parsed.model, gw.settings.served_model_name)
+    return parsed
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    parsed = await _parse(request, TokenizeRequest)
+    if isinstance(parsed, Response):
+        return parsed
+    text = gateway_of(request).text
+    try:
+        _, ids = await text.prompt(parsed.generation())
+    except TillerError as exc:
+        return error_response(ErrorMsg.from_error(exc))
+    return JSONResponse({
+        "count": len(ids),
+        "max_model_len": await max_model_len(request),
+        "tokens": ids,
+        "token_strs": await text.token_strings(ids) if parsed.return_token_strs else None,
+    })
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    parsed = await _parse(request, DetokenizeRequest)
+    if isinstance(parsed, Response):
+        return parsed
+    try:
+        return JSONResponse({"prompt": await gateway_of(request).text.decode(parsed.tokens, "tokens")})
+    except TillerError as exc:
+        return error_response(ErrorMsg.from_error(exc))
