@@ -40,18 +40,20 @@ class TextProcessor:
     def token_text(self, token_id: int) -> str:
         return self._token_texts[token_id] if 0 <= token_id < len(self._token_texts) else ""
 
-    async def prompt(self, request: GenerationRequest) -> tuple[str, list[int]]:
-        """The prompt as text (what echo shows, what the filter sees) and as token ids."""
-        return await self._run(self._prompt, request)
+    async def prompt(self, request: GenerationRequest, add_special_tokens: bool | None = None) -> tuple[str, list[int]]:
+        """The prompt as text (what echo shows, what the filter sees) and as token ids.
+        ``add_special_tokens`` None: as generation reads it (a text prompt gets the tokenizer's
+        special tokens, rendered chat messages carry their own)."""
+        return await self._run(self._prompt, request, add_special_tokens)
 
-    def _prompt(self, request: GenerationRequest) -> tuple[str, list[int]]:
+    def _prompt(self, request: GenerationRequest, add_special_tokens: bool | None) -> tuple[str, list[int]]:
         if request.messages is not None:
             text = self._render_chat(request.messages)
-            return text, self._tokenizer.encode(text, add_special_tokens=False)
+            return text, self._tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
         if request.prompt_ids is not None:
             return self._decode(request.prompt_ids, "prompt"), list(request.prompt_ids)
         assert request.prompt is not None
-        return request.prompt, self._tokenizer.encode(request.prompt)
+        return request.prompt, self._tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens is not False)
 
     async def decode(self, ids: list[int], param: str) -> str:
         """The text of token ids (special tokens included), refusing ids outside the vocabulary."""

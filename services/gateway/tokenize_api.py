@@ -23,13 +23,12 @@ router = APIRouter()
 
 
 class TokenizeRequest(StrictModel):
-    """vLLM's TokenizeRequest: a ``prompt`` (completions) or ``messages`` (chat). The options that
-    would tokenize otherwise than generation does are refused unless they hold generation's own values."""
+    """vLLM's TokenizeRequest: a ``prompt`` (completions) or ``messages`` (chat)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None  # generation's own: true for a prompt, false for messages
+    add_special_tokens: bool | None = None  # None: as generation reads it (true for a prompt, false for messages)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
@@ -37,9 +36,6 @@ class TokenizeRequest(StrictModel):
     def _one_input_as_generation_reads_it(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either 'prompt' or 'messages'")
-        own = self.prompt is not None
-        if self.add_special_tokens not in (None, own):
-            raise ValueError(f"add_special_tokens: only {str(own).lower()} (how generation reads this input) is supported")
         if not self.add_generation_prompt:
             raise ValueError("add_generation_prompt: only true (how chat generation renders messages) is supported")
         return self
@@ -75,7 +71,7 @@ async def tokenize(request: Request) -> Response:
         return parsed
     text = gateway_of(request).text
     try:
-        _, ids = await text.prompt(parsed.generation())
+        _, ids = await text.prompt(parsed.generation(), parsed.add_special_tokens)
     except TillerError as exc:
         return error_response(ErrorMsg.from_error(exc))
     return JSONResponse({
@@ -95,3 +91,19 @@ async def detokenize(request: Request) -> Response:
         return JSONResponse({"prompt": await gateway_of(request).text.decode(parsed.tokens, "tokens")})
     except TillerError as exc:
         return error_response(ErrorMsg.from_error(exc))
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> Response:
+    """vLLM's: the tokenizer's special tokens and chat template (what lm-eval's remote tokenizer reads)."""
+    tokenizer = gateway_of(request).text.tokenizer
+    return JSONResponse({
+        "tokenizer_class": type(tokenizer).__name__,
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "pad_token": tokenizer.pad_token,
+        "unk_token": tokenizer.unk_token,
+        "chat_template": tokenizer.chat_template,
+        "model_max_length": await max_model_len(request),
+        "vocab_size": len(tokenizer),
+    })

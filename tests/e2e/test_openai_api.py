@@ -289,9 +289,13 @@ def test_tokenize_counts_what_generation_feeds(stack, client):
         prompt = http.post("/tokenize", json={"model": model, "prompt": PROMPT, "return_token_strs": True}).json()
         chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
         back = http.post("/detokenize", json={"model": model, "tokens": prompt["tokens"]}).json()
+        # lm-eval's remote tokenizer: /tokenizer_info, then /tokenize with add_special_tokens false
+        info = http.get("/tokenizer_info").json()
+        plain = http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
         refusals = [
             (http.post("/tokenize", json={"prompt": PROMPT, "messages": MESSAGES}), 400, "either 'prompt' or 'messages'"),
-            (http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}), 400, "add_special_tokens"),
+            (http.post("/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}), 400,
+             "add_generation_prompt"),
             (http.post("/detokenize", json={"tokens": [10**9]}), 400, "outside the vocabulary"),
             (http.post("/detokenize", json={"tokens": "abc"}), 400, "tokens"),
             (http.post("/tokenize", json={"model": "gpt-4o", "prompt": "x"}), 404, "gpt-4o"),
@@ -301,6 +305,8 @@ def test_tokenize_counts_what_generation_feeds(stack, client):
     assert prompt["max_model_len"] == stack.settings.limits.max_model_len
     assert chat["tokens"] == chat_ids(stack) and chat["token_strs"] is None
     assert back == {"prompt": PROMPT}
+    assert plain["tokens"] == stack.tokenizer(PROMPT, add_special_tokens=False).input_ids
+    assert (info["eos_token"], info["chat_template"]) == (stack.tokenizer.eos_token, stack.tokenizer.chat_template)
     usage = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1).usage
     assert usage.prompt_tokens == chat["count"]
     for response, status, fragment in refusals:
