@@ -135,6 +135,9 @@ class Generation:
         self._text = ""  # generated text released so far
         self._tokens = 0  # tokens generated so far
         self._final: wire.TokenEvent | None = None
+        # with request.prompt_logprobs: per prompt position, its token and alternatives, as the
+        # scheduler reports them (before the first generated token)
+        self.prompt_entries: list[list[LogprobEntry]] = []
 
     @property
     def initialized(self) -> bool:
@@ -258,6 +261,7 @@ class Generation:
                     ignore_eos=self.request.ignore_eos,
                     timeout_s=gw.settings.limits.request_timeout_s,
                     controller=self.rid if self.request.controller else "",
+                    outputs=self._prompt_scoring(prompt_ids),
                 )
             )
             async for msg in self._consume(queue):
@@ -330,6 +334,7 @@ class Generation:
         request's first branch (fork index 0) is streamed here; /v1/run shows every branch."""
         if event.index and event.finish_reason is None:
             return []
+        self.prompt_entries += [self._entries(p.token_id, p.logprob, p.top) for p in event.prompt_outputs]
         self._tokens += len(event.tokens)
         if event.finish_reason is not None:
             self._final = event
@@ -381,13 +386,26 @@ class Generation:
             out.append(ErrorMsg.from_error(error, self.rid, self._partial()))
         return out
 
+    def _prompt_scoring(self, prompt_ids: list[int]) -> wire.OutputRequest | None:
+        """What the scheduler reports of the prompt's positions: every token's logprob but the first's
+        (nothing comes before it), when the request asks for prompt logprobs."""
+        if not self.request.prompt_logprobs:
+            return None
+        first = prompt_ids[0]
+        self.prompt_entries = [[LogprobEntry(self._gw.text.token_text(first), first, None)]]
+        spans = [wire.PositionSpan(start=1, end=len(prompt_ids))] if len(prompt_ids) > 1 else []
+        return wire.OutputRequest(logprob_ranges=spans, top_logprobs=self.request.top_logprobs or 0)
+
     def _logprobs(self, token: wire.SampledToken) -> list[LogprobEntry] | None:
         if self.request.top_logprobs is None:
             return None
+        return self._entries(token.token_id, token.logprob, token.top)
+
+    def _entries(self, token_id: int, logprob: float, top: list[wire.TokenLogprob]) -> list[LogprobEntry]:
+        """A token with its logprob, then its ``top_logprobs`` alternatives."""
         text = self._gw.text.token_text
-        return [LogprobEntry(text(token.token_id), token.token_id, token.logprob)] + [
-            LogprobEntry(text(alt.token_id), alt.token_id, alt.logprob)
-            for alt in token.top[: self.request.top_logprobs]
+        return [LogprobEntry(text(token_id), token_id, logprob)] + [
+            LogprobEntry(text(alt.token_id), alt.token_id, alt.logprob) for alt in top[: self.request.top_logprobs]
         ]
 
     def _partial(self) -> str | None:

@@ -249,8 +249,6 @@ class CompletionRequest(_OpenAIRequest):
 
     @model_validator(mode="after")
     def _checks(self, info: ValidationInfo) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs would need prompt logprobs, which are not supported")
         cap = context_of(info).limits.max_choices
         if len(self.prompt) * self.n > cap:
             raise ValueError(f"{len(self.prompt)} prompts x n={self.n} make more than {cap} choices")
@@ -258,7 +256,8 @@ class CompletionRequest(_OpenAIRequest):
 
     def to_requests(self, context: Context) -> list[GenerationRequest]:
         prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_ids": p} for p in self.prompt]
-        return self._requests(context, prompts, max_tokens=self.max_tokens, top_logprobs=self.logprobs, echo=self.echo)
+        return self._requests(context, prompts, max_tokens=self.max_tokens, top_logprobs=self.logprobs, echo=self.echo,
+                              prompt_logprobs=self.echo and self.logprobs is not None)
 
 
 class ChatCompletionRequest(_OpenAIRequest):
@@ -316,8 +315,9 @@ class _Format:
     def delta(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None) -> dict[str, Any]:
         raise NotImplementedError
 
-    def opening(self, init: InitMsg, echo: bool) -> dict[str, Any] | None:
-        """The choice of a first chunk sent before any token, if any."""
+    def opening(self, init: InitMsg, echo: bool, prompt_entries: list[list[LogprobEntry]]) -> dict[str, Any] | None:
+        """The choice of a first chunk sent before any token, if any (with ``echo``: the prompt,
+        with its ``prompt_entries`` when logprobs are asked)."""
         return None
 
 
@@ -331,7 +331,9 @@ class _TextFormat(_Format):
         for sampled, *alternatives in entries:
             out["tokens"].append(sampled.token)
             out["token_logprobs"].append(sampled.logprob)
-            out["top_logprobs"].append({alt.token: alt.logprob for alt in alternatives})
+            # a prompt's first token has no logprob, nor alternatives (as vLLM and OpenAI's legacy API)
+            top = {alt.token: alt.logprob for alt in alternatives}
+            out["top_logprobs"].append(None if sampled.logprob is None else top)
             out["text_offset"].append(self.text_offset)
             self.text_offset += len(sampled.token)
         return out
@@ -341,8 +343,8 @@ class _TextFormat(_Format):
 
     delta = choice
 
-    def opening(self, init: InitMsg, echo: bool) -> dict[str, Any] | None:
-        return self.choice(init.prompt_text, [], None) if echo else None
+    def opening(self, init: InitMsg, echo: bool, prompt_entries: list[list[LogprobEntry]]) -> dict[str, Any] | None:
+        return self.choice(init.prompt_text, prompt_entries, None) if echo else None
 
 
 class _ChatFormat(_Format):
@@ -375,7 +377,7 @@ class _ChatFormat(_Format):
             "finish_reason": finish_reason,
         }
 
-    def opening(self, init: InitMsg, echo: bool) -> dict[str, Any] | None:
+    def opening(self, init: InitMsg, echo: bool, prompt_entries: list[list[LogprobEntry]]) -> dict[str, Any] | None:
         delta = {"role": "assistant", "content": ""}
         return {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
 
@@ -422,14 +424,23 @@ async def _sse_chunks(rid: str, choices: list[_Choice], n: int, include_usage: b
             body["usage"] = usage
         return sse(body)
 
-    for choice in choices:
-        opening = choice.fmt.opening(choice.init, choice.gen.request.echo)
-        if opening is not None:
-            yield chunk([opening])
+    def opening(choice: _Choice) -> bytes | None:
+        part = choice.fmt.opening(choice.init, choice.gen.request.echo, choice.gen.prompt_entries)
+        return None if part is None else chunk([part])
+
+    # a choice with prompt logprobs opens once they are in: they come before its first token
+    unopened = {i for i, c in enumerate(choices) if c.gen.request.prompt_logprobs}
+    for i, choice in enumerate(choices):
+        if i not in unopened and (data := opening(choice)) is not None:
+            yield data
     usages: dict[int, Usage] = {}
     async with contextlib.aclosing(merge([c.messages for c in choices])) as messages:
         async for i, msg in messages:
             choice_fmt = choices[i].fmt
+            if i in unopened and isinstance(msg, TokenMsg | CompletionMsg):
+                unopened.discard(i)
+                if (data := opening(choices[i])) is not None:
+                    yield data
             if isinstance(msg, TokenMsg):
                 entries = [msg.logprobs] if msg.logprobs else []
                 if msg.token or entries:
@@ -539,7 +550,7 @@ async def _serve(
             "created": int(time.time()),
             "model": choices[0].init.model,
             "choices": [
-                c.fmt.choice(final.generated_text, entries, _finish(final.finish_reason))
+                c.fmt.choice(final.generated_text, c.gen.prompt_entries + entries, _finish(final.finish_reason))
                 for c, (final, entries) in zip(choices, collected, strict=True)
             ],
             "usage": _total_usage([final.usage for final, _ in collected], parsed.n),

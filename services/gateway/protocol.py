@@ -37,7 +37,7 @@ def _ms(seconds: float) -> float:
 class LogprobEntry:
     token: str
     token_id: int
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token (nothing comes before it)
 
 
 @dataclass(frozen=True)

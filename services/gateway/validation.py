@@ -206,6 +206,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: any of these ends the generation (its text is not output)
     top_logprobs: int | None = None  # None: no logprobs
+    prompt_logprobs: bool = False  # the prompt tokens' logprobs too, with top_logprobs alternatives each
     echo: bool = False
     ignore_eos: bool = False
     controller: str | None = None  # module id, tag or native:<name> steering the generation (seed 001)

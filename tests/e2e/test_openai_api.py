@@ -8,6 +8,7 @@ import uuid
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.gateway.support import parse_sse
 
@@ -142,6 +143,36 @@ def test_streaming_completion_with_echo_and_token_prompt(stack, client, hf_greed
     )
     text = "".join(c.choices[0].text for c in stream)
     assert text == PROMPT + stack.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(stack, client, hf_model, hf_greedy):
+    """lm-eval's loglikelihood request (token prompts in a batch, echo, logprobs=1, max_tokens=1):
+    every prompt token but the first gets its logprob under transformers' own forward pass, with the
+    model's favourite among its alternatives, then the generated token follows; streamed alike."""
+    prompts = [stack.tokenizer(PROMPT).input_ids, stack.tokenizer("def fibonacci(n):").input_ids]
+    ask = dict(model=stack.settings.served_model_name, prompt=prompts, max_tokens=1, temperature=0, logprobs=1,
+               echo=True, seed=1234)
+    reply = client.completions.create(**ask)
+    streamed = list(client.completions.create(**ask, stream=True))
+    for ids, choice in zip(prompts, sorted(reply.choices, key=lambda c: c.index), strict=True):
+        with torch.inference_mode():
+            expected = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+        logprobs = choice.logprobs
+        generated = hf_greedy(ids, 1)
+        assert logprobs.tokens == [stack.tokenizer.decode([t]) for t in ids + generated]
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        want = [expected[p - 1, ids[p]].item() for p in range(1, len(ids))] + [expected[-1, generated[0]].item()]
+        assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=2e-3)
+        for p, top in enumerate(logprobs.top_logprobs[1:], start=1):
+            favourite = int(expected[p - 1].argmax())
+            assert list(top) == [stack.tokenizer.decode([favourite])]
+        assert logprobs.text_offset[1] == len(logprobs.tokens[0])
+        assert choice.text == stack.tokenizer.decode(ids + generated)
+        parts = [c.choices[0] for c in streamed if c.choices and c.choices[0].index == choice.index]
+        assert sum((part.logprobs.tokens for part in parts if part.logprobs), []) == logprobs.tokens
+        streamed_logprobs = sum((part.logprobs.token_logprobs for part in parts if part.logprobs), [])
+        assert streamed_logprobs[0] is None
+        assert streamed_logprobs[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-4)
 
 
 def test_errors_raise_the_matching_exceptions(stack, client):

@@ -96,8 +96,12 @@ def test_neutral_values_of_unsupported_fields_pass():
     assert len(validate(CompletionRequest, data, CTX).to_requests(CTX)) == 1
 
 
-def test_echo_with_logprobs_is_refused():
-    assert "prompt logprobs" in refusal(CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 1}).message
+def test_echo_with_logprobs_asks_for_the_prompt_logprobs():
+    (scored,) = validate(CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 1}, CTX).to_requests(CTX)
+    assert scored.prompt_logprobs and scored.top_logprobs == 1
+    for data in ({"prompt": "x", "echo": True}, {"prompt": "x", "logprobs": 1}):
+        (request,) = validate(CompletionRequest, data, CTX).to_requests(CTX)
+        assert not request.prompt_logprobs
 
 
 def test_chat_request():
