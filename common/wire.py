@@ -35,6 +35,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     repetition_penalty: float = 1.0
     seed: int | None = None
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and top-k alternatives
+    # OpenAI's penalties on generated tokens: frequency per occurrence, presence once
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0  # ``suppress`` tokens may not be sampled before this many were generated
+    suppress: list[int] = []  # the request's stop tokens (EOS unless ignored, stop_token_ids)
+    output_start: int = 0  # position of the first generated token: the penalties and min_tokens count from it
 
 
 class SamplingPatch(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -254,7 +254,7 @@ class Generation:
                 wire.Submit(
                     rid=self.rid,
                     prompt_ids=prompt_ids,
-                    sampling=self.request.sampling(),
+                    sampling=self._sampling(prompt_ids, health.detail),
                     max_tokens=max_tokens,
                     stop=list(self.request.stop),
                     stop_token_ids=list(self.request.stop_token_ids),
@@ -385,6 +385,19 @@ class Generation:
             error = TillerError(INTERNAL_ERROR, f"the generation ended with {event.finish_reason!r}")
             out.append(ErrorMsg.from_error(error, self.rid, self._partial()))
         return out
+
+    def _sampling(self, prompt_ids: list[int], facts: dict) -> wire.SamplingParams:
+        """The request's sampling placed after its prompt: the penalties on generated tokens and
+        ``min_tokens`` count from the first one, and ``min_tokens`` holds back every stop token."""
+        sampling = self.request.sampling()
+        sampling.output_start = len(prompt_ids)
+        if self.request.min_tokens:
+            stops = set(self.request.stop_token_ids)
+            if not self.request.ignore_eos:
+                stops.update(facts.get("eos_token_ids") or ())
+            vocab = int(facts.get("vocab_size") or 0)
+            sampling.suppress = sorted(t for t in stops if t < vocab)  # a token past the vocabulary never comes
+        return sampling
 
     def _prompt_scoring(self, prompt_ids: list[int]) -> wire.OutputRequest | None:
         """What the scheduler reports of the prompt's positions: every token's logprob but the first's

@@ -180,11 +180,11 @@ class _OpenAIRequest(LimitChecks):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     # what OpenAI or vLLM would apply and this server cannot: refused unless neutral
-    presence_penalty: _only(None, 0, hint="use repetition_penalty") = None
-    frequency_penalty: _only(None, 0, hint="use repetition_penalty") = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None  # vLLM's
     logit_bias: _only(None, {}) = None
     min_p: _only(None, 0) = None
-    min_tokens: _only(None, 0) = None
     bad_words: _only(None, []) = None
     allowed_token_ids: _only(None) = None
     include_stop_str_in_output: _only(None, False) = None
@@ -214,6 +214,15 @@ class _OpenAIRequest(LimitChecks):
             raise ValueError(f"type {value.type!r}: JSON output is not enabled on this server")
         return value
 
+    @model_validator(mode="after")
+    def _min_tokens_fit(self) -> _OpenAIRequest:
+        limit = getattr(self, "max_completion_tokens", None) or self.max_tokens
+        if self.min_tokens and limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({limit})")
+        if self.min_tokens and self.response_format is not None and self.response_format.output_schema() is not None:
+            raise ValueError("min_tokens cannot hold back the end of a JSON response_format")
+        return self
+
     def _requests(self, context: Context, prompts: list[dict[str, Any]], **kwargs: Any) -> list[GenerationRequest]:
         """One request per choice: each prompt ``n`` times, choice ``i`` of a prompt seeded ``seed + i``
         (as vLLM seeds parallel samples), so the choices differ and a seed still fixes them all. A JSON
@@ -228,6 +237,9 @@ class _OpenAIRequest(LimitChecks):
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=self.top_k or 0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                min_tokens=self.min_tokens or 0,
                 seed=None if self.seed is None else wrap_int64(self.seed + i),
                 stop=tuple(self.stop or ()),
                 stop_token_ids=tuple(self.stop_token_ids or ()),

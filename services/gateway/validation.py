@@ -202,6 +202,9 @@ class GenerationRequest:
     top_p: float = 1.0
     top_k: int = 0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's, on generated tokens
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0  # no stop token (EOS unless ignored, stop_token_ids) before this many
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: any of these ends the generation (its text is not output)
@@ -220,6 +223,9 @@ class GenerationRequest:
             repetition_penalty=self.repetition_penalty,
             seed=self.seed,
             logprobs=self.top_logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            min_tokens=self.min_tokens,
         )
 
     def patched(self, patch: SamplingPatch) -> GenerationRequest:

@@ -31,6 +31,13 @@ def validate_params(params: SamplingParams, vocab_size: int) -> str | None:
         return f"repetition_penalty must be finite and > 0, got {params.repetition_penalty}"
     if params.logprobs is not None and not 0 <= params.logprobs <= vocab_size:
         return f"logprobs must be in [0, {vocab_size}], got {params.logprobs}"
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(params, name) <= 2:
+            return f"{name} must be in [-2, 2], got {getattr(params, name)}"
+    if params.min_tokens < 0 or params.output_start < 0:
+        return f"min_tokens and output_start must be >= 0, got {params.min_tokens} and {params.output_start}"
+    if any(not 0 <= t < vocab_size for t in params.suppress):
+        return f"suppress: token ids must be in [0, {vocab_size})"
     return None
 
 
@@ -108,7 +115,7 @@ def sample(
 ) -> list[SampledToken]:
     """One token per row of ``logits`` ``[n, vocab]`` (float32).
 
-    ``histories[i]`` are row i's tokens so far (for the repetition penalty); ``bias`` is an
+    ``histories[i]`` are row i's tokens so far (for the penalties and min_tokens); ``bias`` is an
     optional additive float32 ``[n, vocab]`` (-inf: the token may not be sampled; see mask_bias).
     On a GPU nothing here waits for the device but the final copy of the results to the host.
     """
@@ -117,8 +124,17 @@ def sample(
     params = [s.params for s in samplers]
     scores = logits if bias is None else logits + bias
     penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 and histories[i]]
+    shaped = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty)
+              and len(histories[i]) > p.output_start]
+    held = [i for i, p in enumerate(params) if p.suppress and len(histories[i]) - p.output_start < p.min_tokens]
+    if (penalised or shaped or held) and scores is logits:
+        scores = logits.clone()  # changed in place below; logprobs come from the raw logits
     if penalised:
-        scores = _penalise(scores.clone() if scores is logits else scores, penalised, params, histories)
+        _penalise(scores, penalised, params, histories)
+    if shaped:
+        _penalise_output(scores, shaped, params, histories)
+    if held:
+        _suppress(scores, held, params)
 
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     if len(greedy) == n:
@@ -137,7 +153,7 @@ def sample(
 
 def _penalise(
     scores: torch.Tensor, rows: list[int], params: list[SamplingParams], histories: list[list[int]]
-) -> torch.Tensor:
+) -> None:
     """transformers' repetition penalty on ``rows`` of ``scores`` (in place), all rows at once:
     each row's history is padded with its own first token, and a repeated token changes nothing."""
     device = scores.device
@@ -153,7 +169,34 @@ def _penalise(
     picked = penalised.gather(-1, seen)
     penalised.scatter_(-1, seen, torch.where(picked < 0, picked * penalty, picked / penalty))
     scores[index] = penalised
-    return scores
+
+
+def _penalise_output(
+    scores: torch.Tensor, rows: list[int], params: list[SamplingParams], histories: list[list[int]]
+) -> None:
+    """OpenAI's presence and frequency penalties on ``rows`` (in place), as vLLM applies them: a
+    token's logit drops by ``frequency_penalty`` for every time it was generated, and by
+    ``presence_penalty`` once if it was. Only generated tokens count (from ``output_start``)."""
+    device = scores.device
+    outputs = [histories[i][params[i].output_start :] for i in rows]
+    ids = np.zeros((len(rows), max(len(o) for o in outputs)), dtype=np.int64)
+    seen = np.zeros(ids.shape, dtype=np.float32)  # 1 where ``ids`` holds a generated token, 0 on padding
+    for j, output in enumerate(outputs):
+        ids[j, : len(output)] = output
+        seen[j, : len(output)] = 1
+    counts = torch.zeros(len(rows), scores.shape[-1], device=device, dtype=scores.dtype)
+    counts.scatter_add_(-1, to_device(ids, device), to_device(seen, device, scores.dtype))
+    frequency = to_device([params[i].frequency_penalty for i in rows], device, scores.dtype).unsqueeze(-1)
+    presence = to_device([params[i].presence_penalty for i in rows], device, scores.dtype).unsqueeze(-1)
+    index = to_device(rows, device)
+    scores[index] = scores[index] - frequency * counts - presence * (counts > 0)
+
+
+def _suppress(scores: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
+    """``min_tokens``: the ``suppress`` tokens of ``rows`` may not be sampled (in place)."""
+    pairs = [(i, t) for i in rows for t in params[i].suppress]
+    device = scores.device
+    scores[to_device([i for i, _ in pairs], device), to_device([t for _, t in pairs], device)] = float("-inf")
 
 
 def _warp(params: list[SamplingParams], scores: torch.Tensor) -> torch.Tensor:

@@ -294,7 +294,7 @@ def test_unsupported_fields_are_refused_not_ignored(stack, client):
     refusals = [
         (dict(tools=[tool]), "tools"),
         (dict(tool_choice="required"), "tool_choice"),
-        (dict(frequency_penalty=0.5), "frequency_penalty"),
+        (dict(frequency_penalty=2.5), "frequency_penalty"),
         (dict(extra_body={"min_p": 0.2}), "min_p"),
         (dict(response_format={"type": "json_schema"}), "response_format"),
     ]
@@ -342,3 +342,58 @@ def test_tokenize_counts_what_generation_feeds(stack, client):
     assert usage.prompt_tokens == chat["count"]
     for response, status, fragment in refusals:
         assert response.status_code == status and fragment in response.json()["error"]["message"], response.text
+
+
+def greedy_adjusted(hf_model, ids: list[int], n: int, adjust) -> list[int]:
+    """transformers' greedy decoding with ``adjust(logits, generated)`` applied to each step's logits
+    (the oracle for penalties and min_tokens), stopping after an EOS."""
+    generated: list[int] = []
+    eos = hf_model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = hf_model(torch.tensor([ids + generated])).logits[0, -1].float()
+            generated.append(int(adjust(logits, generated).argmax()))
+            if generated[-1] in eos:
+                break
+    return generated
+
+
+def test_presence_and_frequency_penalties_follow_openai(stack, client, hf_model):
+    """OpenAI's penalties on greedy decoding: each step's logits drop by frequency_penalty per earlier
+    occurrence of a token in the output and presence_penalty once, as the oracle applies them."""
+    ids = stack.tokenizer("one, one, one, one, one,").input_ids
+    penalties = dict(frequency_penalty=1.5, presence_penalty=0.5)
+
+    def adjust(logits, generated):
+        for token in set(generated):
+            logits[token] -= generated.count(token) * penalties["frequency_penalty"] + penalties["presence_penalty"]
+        return logits
+
+    expected = greedy_adjusted(hf_model, ids, 8, adjust)
+    plain = greedy_adjusted(hf_model, ids, 8, lambda logits, _: logits)
+    assert expected != plain  # the penalties change what greedy picks here
+    reply = client.completions.create(model=stack.settings.served_model_name, prompt=ids, max_tokens=8, temperature=0,
+                                      logprobs=0, **penalties)
+    assert reply.choices[0].text == stack.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_min_tokens_holds_back_the_end(stack, client, hf_model, hf_greedy):
+    messages = [{"role": "user", "content": "Reply with one word: is the sky blue?"}]
+    text = stack.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = stack.tokenizer(text, add_special_tokens=False).input_ids
+    natural = hf_greedy(ids, 24)
+    eos = stack.tokenizer.eos_token_id
+    assert natural[-1] == eos and len(natural) < 12  # greedy ends early here
+    floor = len(natural) + 3
+
+    def adjust(logits, generated):
+        if len(generated) < floor:
+            logits[eos] = float("-inf")
+        return logits
+
+    expected = greedy_adjusted(hf_model, ids, 24, adjust)
+    reply = client.chat.completions.create(model=stack.settings.served_model_name, messages=messages, max_tokens=24,
+                                           temperature=0, extra_body={"min_tokens": floor})
+    assert reply.usage.completion_tokens == len(expected) >= floor
+    assert reply.choices[0].message.content == stack.tokenizer.decode(expected, skip_special_tokens=True)

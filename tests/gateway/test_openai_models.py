@@ -72,7 +72,9 @@ def test_defaults_like_vllm():
         ({"prompt": "x", "n": 7}, "n", "at most 6"),
         ({"prompt": ["a", "b"], "n": 4}, None, "2 prompts x n=4 make more than 6 choices"),
         ({"prompt": "x", "best_of": 3}, "best_of", "not supported by this server; use n"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "repetition_penalty"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+        ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2"),
+        ({"prompt": "x", "min_tokens": 5, "max_tokens": 4}, None, "min_tokens (5) must be at most max_tokens (4)"),
         ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
         ({"prompt": "x", "min_p": 0.1}, "min_p", "not supported"),
         ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids[0]", "greater than or equal to 0"),
@@ -157,3 +159,14 @@ def test_stream_options_need_a_stream():
     assert "stream_options" in str(error) and "stream" in str(error)
     ok = validate(CompletionRequest, {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}, CTX)
     assert ok.stream_options.include_usage
+
+
+def test_penalties_and_min_tokens_reach_the_sampling():
+    data = {"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -0.25, "min_tokens": 3, "max_tokens": 8}
+    (request,) = validate(CompletionRequest, data, CTX).to_requests(CTX)
+    sampling = request.sampling()
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.min_tokens) == (0.5, -0.25, 3)
+    json_format = {"messages": [{"role": "user", "content": "x"}], "min_tokens": 2,
+                   "response_format": {"type": "json_object"}}
+    with pytest.raises(GatewayError, match="min_tokens cannot hold back"):
+        validate(ChatCompletionRequest, json_format, dataclasses.replace(CTX, json_controller="native:json"))

@@ -116,16 +116,18 @@ MIXED = [
     SamplingParams(temperature=1.0, top_k=20, seed=8),
     SamplingParams(temperature=0.7, top_p=0.9, seed=9, logprobs=3),
     SamplingParams(temperature=0, repetition_penalty=1.3),
+    SamplingParams(temperature=0.9, seed=10, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=3,
+                   suppress=[2, 7], output_start=1),
 ]
 
 
 def test_sampling_on_the_device_equals_the_host_and_waits_once() -> None:
-    """Every kind of row at once (greedy, seeded, top-k, top-p, penalty, alternatives): the same
+    """Every kind of row at once (greedy, seeded, top-k, top-p, penalties, min_tokens, alternatives): the same
     tokens as on the host (seeded draws come from host generators either way), and the only
     synchronizing operation is the copy of the results to the host."""
     torch.manual_seed(5)
     logits = torch.randn(len(MIXED), CONFIG["vocab_size"]) * 3
-    histories = [[1, 2, 3], [], [4, 4], [5], [int(logits[4].argmax()), 9]]
+    histories = [[1, 2, 3], [], [4, 4], [5], [int(logits[4].argmax()), 9], [3, 7, 7]]
     on_host = sample(logits, [SeqSampler(p) for p in MIXED], histories)
     on_gpu = logits.cuda()
     torch.cuda.synchronize()

@@ -75,6 +75,39 @@ def test_repetition_penalty_per_row_matches_transformers() -> None:
     assert got[0].token_id != 10 and got[1].token_id != 7
 
 
+def test_presence_and_frequency_penalties_count_generated_tokens_only() -> None:
+    """OpenAI's penalties as vLLM applies them: the logit of a token generated c times drops by
+    c * frequency + presence; prompt tokens (before output_start) do not count."""
+    torch.manual_seed(7)
+    logits = torch.randn(3, VOCAB)
+    history = [5, 6, 7, 7, 7, 8, 5]  # prompt [5, 6, 7], then 7, 7, 8, 5 generated
+    params = [dict(presence_penalty=0.5, frequency_penalty=0.25, output_start=3),
+              dict(presence_penalty=-1.0, output_start=3), dict(frequency_penalty=0.0, output_start=3)]
+    for row, kw in enumerate(params):
+        want = logits[row].clone()
+        for token, count in ((7, 2), (8, 1), (5, 1)):  # 6 is prompt-only
+            want[token] -= count * kw.get("frequency_penalty", 0) + kw.get("presence_penalty", 0)
+        favourite = int(want.argmax())
+        got = sample(logits, [_sampler(temperature=0, **p) for p in params], [history] * 3)[row]
+        assert got.token_id == favourite
+        assert got.logprob == pytest.approx(torch.log_softmax(logits[row], -1)[favourite].item(), abs=1e-5)
+    # strong enough to push the favourite aside, but only once generated
+    logits[0, 7] = 30.0
+    strong = _sampler(temperature=0, frequency_penalty=2.0, presence_penalty=2.0, output_start=3)
+    assert sample(logits[:1], [strong], [[5, 6, 7, 9]])[0].token_id == 7  # 7 only in the prompt
+    assert sample(logits[:1], [strong], [[5, 6, 7] + [7] * 15])[0].token_id != 7  # 30 - 15 * 2 - 2 < 0
+
+
+def test_min_tokens_suppresses_stop_tokens_until_enough_were_generated() -> None:
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 2] = 10.0  # "EOS" is the favourite
+    held = _sampler(temperature=0, min_tokens=2, suppress=[2, 3], output_start=4)
+    free = _sampler(temperature=0)
+    got = sample(logits.clone(), [held, free], [[1, 1, 1, 1, 9], [1]])  # one generated: still held
+    assert got[0].token_id not in (2, 3) and got[1].token_id == 2
+    assert sample(logits[:1], [held], [[1, 1, 1, 1, 9, 9]])[0].token_id == 2  # two generated: free again
+
+
 @pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.8), (50, 0.5), (1, 1.0)])
 def test_warp_matches_transformers(top_k: int, top_p: float) -> None:
     torch.manual_seed(1)
@@ -148,6 +181,10 @@ def test_validate_params() -> None:
     assert "top_k" in validate_params(SamplingParams(top_k=-1), VOCAB)
     assert "repetition_penalty" in validate_params(SamplingParams(repetition_penalty=0), VOCAB)
     assert "logprobs" in validate_params(SamplingParams(logprobs=VOCAB + 1), VOCAB)
+    assert "presence_penalty" in validate_params(SamplingParams(presence_penalty=2.5), VOCAB)
+    assert "frequency_penalty" in validate_params(SamplingParams(frequency_penalty=float("nan")), VOCAB)
+    assert "min_tokens" in validate_params(SamplingParams(min_tokens=-1), VOCAB)
+    assert "suppress" in validate_params(SamplingParams(suppress=[VOCAB]), VOCAB)
 
 
 def test_changing_seed_restarts_the_generator_and_other_changes_do_not() -> None:
