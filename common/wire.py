@@ -35,6 +35,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     repetition_penalty: float = 1.0
     seed: int | None = None
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and top-k alternatives
+    logit_bias: dict[int, float] = {}  # OpenAI's: added to those tokens' logits before anything else
     # OpenAI's penalties on generated tokens: frequency per occurrence, presence once
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -219,6 +219,7 @@ class Generation:
                 raise GatewayError(CONTENT_FILTER, "the prompt was refused by the content filter", param="prompt")
             health = await gw.engine.health(max_age=HEALTH_MAX_AGE_S)
             self._max_model_len = int(health.detail.get("max_model_len") or gw.settings.limits.max_model_len)
+            self._check_logit_bias(int(health.detail.get("vocab_size") or 0))
             max_tokens = context_budget(
                 len(prompt_ids), self.request.max_tokens, self._max_model_len, gw.settings.limits.default_max_tokens
             )
@@ -385,6 +386,12 @@ class Generation:
             error = TillerError(INTERNAL_ERROR, f"the generation ended with {event.finish_reason!r}")
             out.append(ErrorMsg.from_error(error, self.rid, self._partial()))
         return out
+
+    def _check_logit_bias(self, vocab_size: int) -> None:
+        outside = [t for t in self.request.logit_bias or {} if vocab_size and t >= vocab_size]
+        if outside:
+            raise GatewayError(INVALID_REQUEST, f"logit_bias: token id {outside[0]} is outside the vocabulary "
+                               f"(0..{vocab_size - 1})", param="logit_bias")
 
     def _sampling(self, prompt_ids: list[int], facts: dict) -> wire.SamplingParams:
         """The request's sampling placed after its prompt: the penalties on generated tokens and

@@ -183,7 +183,7 @@ class _OpenAIRequest(LimitChecks):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None  # vLLM's
-    logit_bias: _only(None, {}) = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id (as text) -> bias
     min_p: _only(None, 0) = None
     bad_words: _only(None, []) = None
     allowed_token_ids: _only(None) = None
@@ -214,6 +214,14 @@ class _OpenAIRequest(LimitChecks):
             raise ValueError(f"type {value.type!r}: JSON output is not enabled on this server")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit()) or int(key) > INT64_MAX:
+                raise ValueError(f"keys must be token ids, got {key!r}")
+        return value
+
     @model_validator(mode="after")
     def _min_tokens_fit(self) -> _OpenAIRequest:
         limit = getattr(self, "max_completion_tokens", None) or self.max_tokens
@@ -237,6 +245,7 @@ class _OpenAIRequest(LimitChecks):
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=self.top_k or 0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 min_tokens=self.min_tokens or 0,

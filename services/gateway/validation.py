@@ -202,6 +202,7 @@ class GenerationRequest:
     top_p: float = 1.0
     top_k: int = 0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias added to its logit
     presence_penalty: float = 0.0  # OpenAI's, on generated tokens
     frequency_penalty: float = 0.0
     min_tokens: int = 0  # no stop token (EOS unless ignored, stop_token_ids) before this many
@@ -223,6 +224,7 @@ class GenerationRequest:
             repetition_penalty=self.repetition_penalty,
             seed=self.seed,
             logprobs=self.top_logprobs,
+            logit_bias=dict(self.logit_bias or {}),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             min_tokens=self.min_tokens,

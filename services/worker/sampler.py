@@ -34,6 +34,8 @@ def validate_params(params: SamplingParams, vocab_size: int) -> str | None:
     for name in ("presence_penalty", "frequency_penalty"):
         if not -2 <= getattr(params, name) <= 2:
             return f"{name} must be in [-2, 2], got {getattr(params, name)}"
+    if any(not 0 <= t < vocab_size or not -100 <= b <= 100 for t, b in params.logit_bias.items()):
+        return f"logit_bias: token ids must be in [0, {vocab_size}) and biases in [-100, 100]"
     if params.min_tokens < 0 or params.output_start < 0:
         return f"min_tokens and output_start must be >= 0, got {params.min_tokens} and {params.output_start}"
     if any(not 0 <= t < vocab_size for t in params.suppress):
@@ -123,12 +125,15 @@ def sample(
     device = logits.device
     params = [s.params for s in samplers]
     scores = logits if bias is None else logits + bias
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
     penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 and histories[i]]
     shaped = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty)
               and len(histories[i]) > p.output_start]
     held = [i for i, p in enumerate(params) if p.suppress and len(histories[i]) - p.output_start < p.min_tokens]
-    if (penalised or shaped or held) and scores is logits:
+    if (biased or penalised or shaped or held) and scores is logits:
         scores = logits.clone()  # changed in place below; logprobs come from the raw logits
+    if biased:
+        _add_logit_bias(scores, biased, params)
     if penalised:
         _penalise(scores, penalised, params, histories)
     if shaped:
@@ -190,6 +195,14 @@ def _penalise_output(
     presence = to_device([params[i].presence_penalty for i in rows], device, scores.dtype).unsqueeze(-1)
     index = to_device(rows, device)
     scores[index] = scores[index] - frequency * counts - presence * (counts > 0)
+
+
+def _add_logit_bias(scores: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
+    """OpenAI's ``logit_bias`` of ``rows``: each listed token's logit moves by its bias (in place)."""
+    entries = [(i, t, b) for i in rows for t, b in params[i].logit_bias.items()]
+    device = scores.device
+    index = (to_device([e[0] for e in entries], device), to_device([e[1] for e in entries], device))
+    scores.index_put_(index, to_device([e[2] for e in entries], device, scores.dtype), accumulate=True)
 
 
 def _suppress(scores: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:

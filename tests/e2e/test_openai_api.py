@@ -397,3 +397,24 @@ def test_min_tokens_holds_back_the_end(stack, client, hf_model, hf_greedy):
                                            temperature=0, extra_body={"min_tokens": floor})
     assert reply.usage.completion_tokens == len(expected) >= floor
     assert reply.choices[0].message.content == stack.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_logit_bias_steers_greedy_as_openai_defines(stack, client, hf_model, hf_greedy):
+    ids = stack.tokenizer(PROMPT).input_ids
+    favourite = hf_greedy(ids, 1)[0]
+    bias = {favourite: -100.0, stack.tokenizer(" London").input_ids[0]: 8.0}
+
+    def adjust(logits, _generated):
+        for token, value in bias.items():
+            logits[token] += value
+        return logits
+
+    expected = greedy_adjusted(hf_model, ids, 6, adjust)
+    assert expected[0] != favourite
+    model = stack.settings.served_model_name
+    reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                      logit_bias={str(t): v for t, v in bias.items()})
+    assert reply.choices[0].text == stack.tokenizer.decode(expected, skip_special_tokens=True)
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary") as caught:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=1, logit_bias={"99999999": 1})
+    assert caught.value.body["param"] == "logit_bias"

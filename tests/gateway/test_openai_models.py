@@ -75,7 +75,8 @@ def test_defaults_like_vllm():
         ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
         ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2"),
         ({"prompt": "x", "min_tokens": 5, "max_tokens": 4}, None, "min_tokens (5) must be at most max_tokens (4)"),
-        ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+        ({"prompt": "x", "logit_bias": {"a": 5}}, "logit_bias", "keys must be token ids"),
+        ({"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias.1", "less than or equal to 100"),
         ({"prompt": "x", "min_p": 0.1}, "min_p", "not supported"),
         ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids[0]", "greater than or equal to 0"),
         ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
@@ -93,7 +94,7 @@ def test_completion_refusals(data, param, fragment):
 
 
 def test_neutral_values_of_unsupported_fields_pass():
-    data = {"prompt": "x", "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1,
+    data = {"prompt": "x", "presence_penalty": 0, "frequency_penalty": 0.0, "best_of": 1,
             "skip_special_tokens": True, "min_tokens": 0, "metadata": {"a": "b"}}
     assert len(validate(CompletionRequest, data, CTX).to_requests(CTX)) == 1
 
@@ -161,11 +162,13 @@ def test_stream_options_need_a_stream():
     assert ok.stream_options.include_usage
 
 
-def test_penalties_and_min_tokens_reach_the_sampling():
-    data = {"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -0.25, "min_tokens": 3, "max_tokens": 8}
+def test_penalties_min_tokens_and_logit_bias_reach_the_sampling():
+    data = {"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -0.25, "min_tokens": 3, "max_tokens": 8,
+            "logit_bias": {"7": -100, "42": 2.5}}
     (request,) = validate(CompletionRequest, data, CTX).to_requests(CTX)
     sampling = request.sampling()
     assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.min_tokens) == (0.5, -0.25, 3)
+    assert sampling.logit_bias == {7: -100.0, 42: 2.5}
     json_format = {"messages": [{"role": "user", "content": "x"}], "min_tokens": 2,
                    "response_format": {"type": "json_object"}}
     with pytest.raises(GatewayError, match="min_tokens cannot hold back"):

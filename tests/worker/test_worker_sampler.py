@@ -98,6 +98,20 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only() -> None:
     assert sample(logits[:1], [strong], [[5, 6, 7] + [7] * 15])[0].token_id != 7  # 30 - 15 * 2 - 2 < 0
 
 
+def test_logit_bias_moves_the_listed_logits_before_sampling() -> None:
+    torch.manual_seed(8)
+    logits = torch.randn(2, VOCAB)
+    favourite = int(logits[0].argmax())
+    biased = _sampler(temperature=0, logit_bias={favourite: -100.0, 11: 5.0, 12: 100.0})
+    got = sample(logits, [biased, _sampler(temperature=0)], [[], []])
+    assert got[0].token_id == 12 and got[1].token_id == int(logits[1].argmax())  # only its own row moves
+    assert got[0].logprob == pytest.approx(torch.log_softmax(logits[0], -1)[12].item(), abs=1e-5)  # raw logprob
+    banned = _sampler(temperature=0, logit_bias={favourite: -100.0})
+    want = logits[0].clone()
+    want[favourite] -= 100
+    assert sample(logits[:1], [banned], [[]])[0].token_id == int(want.argmax())
+
+
 def test_min_tokens_suppresses_stop_tokens_until_enough_were_generated() -> None:
     logits = torch.zeros(2, VOCAB)
     logits[:, 2] = 10.0  # "EOS" is the favourite
@@ -185,6 +199,8 @@ def test_validate_params() -> None:
     assert "frequency_penalty" in validate_params(SamplingParams(frequency_penalty=float("nan")), VOCAB)
     assert "min_tokens" in validate_params(SamplingParams(min_tokens=-1), VOCAB)
     assert "suppress" in validate_params(SamplingParams(suppress=[VOCAB]), VOCAB)
+    assert "logit_bias" in validate_params(SamplingParams(logit_bias={VOCAB: 1.0}), VOCAB)
+    assert "logit_bias" in validate_params(SamplingParams(logit_bias={1: 101.0}), VOCAB)
 
 
 def test_changing_seed_restarts_the_generator_and_other_changes_do_not() -> None:
