@@ -111,7 +111,7 @@ def test_mask_bias_on_device_forces_the_allowed_token(loaded: LoadedModel) -> No
 
 
 MIXED = [
-    SamplingParams(temperature=0),
+    SamplingParams(temperature=0, logit_bias={5: 3.0, 9: -100.0}),
     SamplingParams(temperature=0.8, seed=7),
     SamplingParams(temperature=1.0, top_k=20, seed=8),
     SamplingParams(temperature=0.7, top_p=0.9, seed=9, logprobs=3),
@@ -122,8 +122,8 @@ MIXED = [
 
 
 def test_sampling_on_the_device_equals_the_host_and_waits_once() -> None:
-    """Every kind of row at once (greedy, seeded, top-k, top-p, penalties, min_tokens, alternatives): the same
-    tokens as on the host (seeded draws come from host generators either way), and the only
+    """Every kind of row at once (greedy, logit bias, seeded, top-k, top-p, penalties, min_tokens,
+    alternatives): the same tokens as on the host (seeded draws come from host generators either way), and the only
     synchronizing operation is the copy of the results to the host."""
     torch.manual_seed(5)
     logits = torch.randn(len(MIXED), CONFIG["vocab_size"]) * 3
