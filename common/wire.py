@@ -32,6 +32,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 disables
+    min_p: float = 0.0  # tokens less likely than min_p times the most likely one are dropped (0 disables)
     repetition_penalty: float = 1.0
     seed: int | None = None
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and top-k alternatives

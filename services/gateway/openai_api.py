@@ -183,8 +183,8 @@ class _OpenAIRequest(LimitChecks):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None  # vLLM's
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None  # vLLM's
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id (as text) -> bias
-    min_p: _only(None, 0) = None
     bad_words: _only(None, []) = None
     allowed_token_ids: _only(None) = None
     include_stop_str_in_output: _only(None, False) = None
@@ -244,6 +244,7 @@ class _OpenAIRequest(LimitChecks):
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
                 presence_penalty=self.presence_penalty or 0.0,

@@ -201,6 +201,7 @@ class GenerationRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # vLLM's
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias added to its logit
     presence_penalty: float = 0.0  # OpenAI's, on generated tokens
@@ -221,6 +222,7 @@ class GenerationRequest:
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
             seed=self.seed,
             logprobs=self.top_logprobs,

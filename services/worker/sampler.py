@@ -25,6 +25,8 @@ def validate_params(params: SamplingParams, vocab_size: int) -> str | None:
         return f"temperature must be finite and >= 0, got {params.temperature}"
     if not 0 < params.top_p <= 1:
         return f"top_p must be in (0, 1], got {params.top_p}"
+    if not 0 <= params.min_p <= 1:
+        return f"min_p must be in [0, 1], got {params.min_p}"
     if params.top_k < 0:
         return f"top_k must be >= 0, got {params.top_k}"
     if not 0 < params.repetition_penalty < math.inf:
@@ -213,11 +215,15 @@ def _suppress(scores: torch.Tensor, rows: list[int], params: list[SamplingParams
 
 
 def _warp(params: list[SamplingParams], scores: torch.Tensor) -> torch.Tensor:
-    """Temperature, top-k and top-p over rows of sampled (non-greedy) sequences."""
+    """Temperature, min-p, top-k and top-p (vLLM's order) over rows of sampled (non-greedy) sequences."""
     device = scores.device
     vocab = scores.shape[-1]
     temperature = to_device([p.temperature for p in params], device, scores.dtype)
     scores = scores / temperature.unsqueeze(-1)
+    if any(p.min_p for p in params):
+        probs = scores.softmax(-1)
+        floor = to_device([p.min_p for p in params], device, scores.dtype).unsqueeze(-1) * probs.amax(-1, keepdim=True)
+        scores = scores.masked_fill(probs < floor, float("-inf"))  # a row without min_p has a floor of 0
     ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     if min(ks) < vocab:
         top = scores.topk(max(k for k in ks if k < vocab), dim=-1).values

@@ -295,7 +295,7 @@ def test_unsupported_fields_are_refused_not_ignored(stack, client):
         (dict(tools=[tool]), "tools"),
         (dict(tool_choice="required"), "tool_choice"),
         (dict(frequency_penalty=2.5), "frequency_penalty"),
-        (dict(extra_body={"min_p": 0.2}), "min_p"),
+        (dict(extra_body={"min_p": 1.2}), "min_p"),
         (dict(response_format={"type": "json_schema"}), "response_format"),
     ]
     for kwargs, param in refusals:
@@ -418,3 +418,11 @@ def test_logit_bias_steers_greedy_as_openai_defines(stack, client, hf_model, hf_
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary") as caught:
         client.completions.create(model=model, prompt=PROMPT, max_tokens=1, logit_bias={"99999999": 1})
     assert caught.value.body["param"] == "logit_bias"
+
+
+def test_min_p_of_one_keeps_only_the_favourite(stack, client, hf_greedy):
+    """vLLM's min_p: at 1.0 only the most likely token survives, so sampling at any temperature is greedy."""
+    ids = stack.tokenizer(PROMPT).input_ids
+    reply = client.completions.create(model=stack.settings.served_model_name, prompt=PROMPT, max_tokens=8,
+                                      temperature=1.5, seed=3, extra_body={"min_p": 1.0})
+    assert reply.choices[0].text == stack.tokenizer.decode(hf_greedy(ids, 8), skip_special_tokens=True)

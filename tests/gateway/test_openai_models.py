@@ -77,7 +77,7 @@ def test_defaults_like_vllm():
         ({"prompt": "x", "min_tokens": 5, "max_tokens": 4}, None, "min_tokens (5) must be at most max_tokens (4)"),
         ({"prompt": "x", "logit_bias": {"a": 5}}, "logit_bias", "keys must be token ids"),
         ({"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias.1", "less than or equal to 100"),
-        ({"prompt": "x", "min_p": 0.1}, "min_p", "not supported"),
+        ({"prompt": "x", "min_p": 1.1}, "min_p", "less than or equal to 1"),
         ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids[0]", "greater than or equal to 0"),
         ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
         ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens", "not supported"),
@@ -164,11 +164,11 @@ def test_stream_options_need_a_stream():
 
 def test_penalties_min_tokens_and_logit_bias_reach_the_sampling():
     data = {"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -0.25, "min_tokens": 3, "max_tokens": 8,
-            "logit_bias": {"7": -100, "42": 2.5}}
+            "logit_bias": {"7": -100, "42": 2.5}, "min_p": 0.1}
     (request,) = validate(CompletionRequest, data, CTX).to_requests(CTX)
     sampling = request.sampling()
     assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.min_tokens) == (0.5, -0.25, 3)
-    assert sampling.logit_bias == {7: -100.0, 42: 2.5}
+    assert sampling.logit_bias == {7: -100.0, 42: 2.5} and sampling.min_p == 0.1
     json_format = {"messages": [{"role": "user", "content": "x"}], "min_tokens": 2,
                    "response_format": {"type": "json_object"}}
     with pytest.raises(GatewayError, match="min_tokens cannot hold back"):

@@ -113,7 +113,7 @@ def test_mask_bias_on_device_forces_the_allowed_token(loaded: LoadedModel) -> No
 MIXED = [
     SamplingParams(temperature=0, logit_bias={5: 3.0, 9: -100.0}),
     SamplingParams(temperature=0.8, seed=7),
-    SamplingParams(temperature=1.0, top_k=20, seed=8),
+    SamplingParams(temperature=1.0, top_k=20, seed=8, min_p=0.05),
     SamplingParams(temperature=0.7, top_p=0.9, seed=9, logprobs=3),
     SamplingParams(temperature=0, repetition_penalty=1.3),
     SamplingParams(temperature=0.9, seed=10, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=3,

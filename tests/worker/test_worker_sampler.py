@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
+from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from common.wire import SamplingParams
 from services.worker.sampler import TOP_P_CANDIDATES, SeqSampler, _draw, _warp, mask_allows_any, mask_bias, sample, validate_params
@@ -138,6 +138,18 @@ def test_warp_matches_transformers(top_k: int, top_p: float) -> None:
     assert torch.allclose(got[1], scores[1] / 1.3)  # a row without top-k/top-p is untouched
 
 
+@pytest.mark.parametrize("min_p", [0.05, 0.3, 1.0])
+def test_min_p_matches_transformers(min_p: float) -> None:
+    torch.manual_seed(9)
+    scores = torch.randn(2, VOCAB) * 3
+    got = _warp([SamplingParams(temperature=0.8, min_p=min_p), SamplingParams(temperature=0.8)], scores.clone())
+    want = MinPLogitsWarper(min_p)(None, scores[:1] / 0.8)
+    assert torch.equal(torch.isinf(got[0]), torch.isinf(want[0]))
+    assert not torch.isinf(got[1]).any()  # a row without min_p keeps every token
+    if min_p == 1.0:
+        assert (~torch.isinf(got[0])).sum() == 1
+
+
 def test_top_p_ranks_more_tokens_only_where_needed() -> None:
     torch.manual_seed(4)
     scores = torch.randn(3, 4 * TOP_P_CANDIDATES[-1]) * 0.1  # the top candidates hold far less than 0.9
@@ -193,6 +205,7 @@ def test_validate_params() -> None:
     assert "repetition_penalty" in validate_params(SamplingParams(repetition_penalty=float("inf")), VOCAB)
     assert "top_p" in validate_params(SamplingParams(top_p=0), VOCAB)
     assert "top_k" in validate_params(SamplingParams(top_k=-1), VOCAB)
+    assert "min_p" in validate_params(SamplingParams(min_p=1.5), VOCAB)
     assert "repetition_penalty" in validate_params(SamplingParams(repetition_penalty=0), VOCAB)
     assert "logprobs" in validate_params(SamplingParams(logprobs=VOCAB + 1), VOCAB)
     assert "presence_penalty" in validate_params(SamplingParams(presence_penalty=2.5), VOCAB)
