@@ -37,6 +37,8 @@ class Limits(BaseModel):
                                 "decode step while one runs (a sequence's step feeds the worker's own last sample)")
     max_top_logprobs: int = Field(20, ge=0)
     max_stop_strings: int = Field(16, ge=0)
+    max_token_biases: int = Field(300, ge=0, description="entries of an OpenAI logit_bias, and stop_token_ids "
+                                  "(each is work in every step of the request)")
     max_choices: int = Field(64, ge=1, description="choices one OpenAI request may ask for (prompts x n)")
     max_ws_message_bytes: int = Field(1 << 20, ge=1024, description="largest WebSocket frame accepted")
     max_http_body_bytes: int = Field(4 << 20, ge=1024)

@@ -120,6 +120,14 @@ class LimitChecks(BaseModel):
             raise ValueError(f"at most {cap} stop strings are allowed (got {len(value)})")
         return value
 
+    @field_validator("logit_bias", "stop_token_ids", check_fields=False)
+    @classmethod
+    def _token_list_cap(cls, value: Any, info: ValidationInfo) -> Any:
+        cap = context_of(info).limits.max_token_biases
+        if value is not None and len(value) > cap:
+            raise ValueError(f"at most {cap} token ids are allowed (got {len(value)})")
+        return value
+
     @field_validator("n", check_fields=False)
     @classmethod
     def _choices_cap(cls, value: int, info: ValidationInfo) -> int:

@@ -363,6 +363,8 @@ async def test_bad_input_gets_specific_status_and_other_sessions_go_on(stack, ch
          "temperature"),
         (generate(stub, session_id=session, offset=3, max_tokens=1, temperature=float("inf")),
          grpc.StatusCode.INVALID_ARGUMENT, "finite"),
+        (generate(stub, session_id=session, offset=3, max_tokens=1, stop_token_ids=list(range(301))),
+         grpc.StatusCode.INVALID_ARGUMENT, "at most 300 stop_token_ids"),
         (generate(stub, session_id=session, offset=3, max_tokens=1, top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
         (generate(stub, session_id=session, append_tokens=[13] * max_len, offset=3, max_tokens=0),
          grpc.StatusCode.RESOURCE_EXHAUSTED, "context"),

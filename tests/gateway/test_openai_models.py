@@ -78,6 +78,8 @@ def test_defaults_like_vllm():
         ({"prompt": "x", "logit_bias": {"a": 5}}, "logit_bias", "keys must be token ids"),
         ({"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias.1", "less than or equal to 100"),
         ({"prompt": "x", "min_p": 1.1}, "min_p", "less than or equal to 1"),
+        ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "at most 300 token ids"),
+        ({"prompt": "x", "stop_token_ids": list(range(301))}, "stop_token_ids", "at most 300 token ids"),
         ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids[0]", "greater than or equal to 0"),
         ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
         ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens", "not supported"),

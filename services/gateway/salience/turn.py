@@ -140,6 +140,8 @@ class Turn:
             raise _invalid(f"max_tokens must be at most {limits.max_tokens_cap}, got {req.max_tokens}")
         if req.logprob_top_k > limits.max_top_logprobs:
             raise _invalid(f"logprob_top_k must be at most {limits.max_top_logprobs}, got {req.logprob_top_k}")
+        if len(req.stop_token_ids) > limits.max_token_biases:
+            raise _invalid(f"at most {limits.max_token_biases} stop_token_ids are allowed, got {len(req.stop_token_ids)}")
         if vocab_size and any(t >= vocab_size for t in req.stop_token_ids):
             raise _invalid(f"stop_token_ids must be token ids in [0, {vocab_size})")
         if not 0 <= req.priority <= 10:
