@@ -49,6 +49,7 @@ from services.gateway.protocol import CompletionMsg, ErrorMsg, InitMsg, LogprobE
 from services.gateway.side_channel import Caller
 from services.gateway.validation import (
     ChatMessage,
+    ChatRendering,
     Context,
     GenerationRequest,
     INT64_MAX,
@@ -282,7 +283,7 @@ class CompletionRequest(_OpenAIRequest):
                               prompt_logprobs=self.echo and self.logprobs is not None)
 
 
-class ChatCompletionRequest(_OpenAIRequest):
+class ChatCompletionRequest(_OpenAIRequest, ChatRendering):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
@@ -292,8 +293,6 @@ class ChatCompletionRequest(_OpenAIRequest):
     functions: _only(None, []) = None
     function_call: _only(None, "none", "auto") = None
     echo: _only(None, False) = None
-    add_generation_prompt: _only(None, True) = None
-    continue_final_message: _only(None, False) = None
     chat_template: _only(None) = None
     chat_template_kwargs: _only(None, {}) = None
     documents: _only(None, []) = None
@@ -310,7 +309,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     def to_requests(self, context: Context) -> list[GenerationRequest]:
         return self._requests(
             context,
-            [{"messages": [m.model_dump() for m in self.messages]}],
+            [{"messages": [m.model_dump() for m in self.messages], **self.rendering()}],
             max_tokens=self.max_completion_tokens or self.max_tokens,
             top_logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )

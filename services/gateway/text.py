@@ -48,7 +48,7 @@ class TextProcessor:
 
     def _prompt(self, request: GenerationRequest, add_special_tokens: bool | None) -> tuple[str, list[int]]:
         if request.messages is not None:
-            text = self._render_chat(request.messages)
+            text = self._render_chat(request)
             return text, self._tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
         if request.prompt_ids is not None:
             return self._decode(request.prompt_ids, "prompt"), list(request.prompt_ids)
@@ -72,13 +72,18 @@ class TextProcessor:
             )
         return self._tokenizer.decode(ids)
 
-    def _render_chat(self, messages: list[dict[str, str]]) -> str:
+    def _render_chat(self, request: GenerationRequest) -> str:
         if not self._tokenizer.chat_template:
             raise GatewayError(
                 INVALID_REQUEST, "messages: this model has no chat template; send a 'prompt'", param="messages"
             )
         try:
-            return self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self._tokenizer.apply_chat_template(
+                request.messages,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                tokenize=False,
+            )
         except jinja2.TemplateError as exc:
             raise GatewayError(
                 INVALID_REQUEST, f"messages: the chat template refused them: {exc}", param="messages"

@@ -17,32 +17,29 @@ from common.errors import TillerError
 from services.gateway.httputil import gateway_of, read_json_object
 from services.gateway.openai_api import error_response, max_model_len, model_not_found
 from services.gateway.protocol import ErrorMsg
-from services.gateway.validation import ChatMessage, Context, GenerationRequest, StrictModel, validate
+from services.gateway.validation import ChatMessage, ChatRendering, Context, GenerationRequest, StrictModel, validate
 
 router = APIRouter()
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(StrictModel, ChatRendering):
     """vLLM's TokenizeRequest: a ``prompt`` (completions) or ``messages`` (chat)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # None: as generation reads it (true for a prompt, false for messages)
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one_input_as_generation_reads_it(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either 'prompt' or 'messages'")
-        if not self.add_generation_prompt:
-            raise ValueError("add_generation_prompt: only true (how chat generation renders messages) is supported")
         return self
 
     def generation(self) -> GenerationRequest:
         if self.messages is not None:
-            return GenerationRequest(messages=[m.model_dump() for m in self.messages])
+            return GenerationRequest(messages=[m.model_dump() for m in self.messages], **self.rendering())
         return GenerationRequest(prompt=self.prompt)
 
 

@@ -198,12 +198,36 @@ class ChatMessage(BaseModel):
     content: Annotated[str, BeforeValidator(_message_content)]
 
 
+class ChatRendering(BaseModel):
+    """How chat messages end as a prompt (vLLM's options): with the template's generation prompt, or
+    with the last message, the assistant's, left open for the model to continue."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _one_way_to_end(self) -> ChatRendering:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt false (they end the prompt differently)")
+        messages = getattr(self, "messages", None)
+        if self.continue_final_message and messages and messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        return self
+
+    def rendering(self) -> dict[str, bool]:
+        """These options as keyword arguments of :class:`GenerationRequest`."""
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """A validated request in surface-neutral form: what the generation driver runs."""
 
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
+    add_generation_prompt: bool = True  # how ``messages`` end (see ChatRendering)
+    continue_final_message: bool = False
     prompt_ids: list[int] | None = None
     max_tokens: int | None = None  # None: limits.default_max_tokens, capped by the context
     temperature: float = 1.0

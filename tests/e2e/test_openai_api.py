@@ -325,8 +325,8 @@ def test_tokenize_counts_what_generation_feeds(stack, client):
         plain = http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
         refusals = [
             (http.post("/tokenize", json={"prompt": PROMPT, "messages": MESSAGES}), 400, "either 'prompt' or 'messages'"),
-            (http.post("/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}), 400,
-             "add_generation_prompt"),
+            (http.post("/tokenize", json={"messages": MESSAGES, "continue_final_message": True}), 400,
+             "continue_final_message"),
             (http.post("/detokenize", json={"tokens": [10**9]}), 400, "outside the vocabulary"),
             (http.post("/detokenize", json={"tokens": "abc"}), 400, "tokens"),
             (http.post("/tokenize", json={"model": "gpt-4o", "prompt": "x"}), 404, "gpt-4o"),
@@ -426,3 +426,23 @@ def test_min_p_of_one_keeps_only_the_favourite(stack, client, hf_greedy):
     reply = client.completions.create(model=stack.settings.served_model_name, prompt=PROMPT, max_tokens=8,
                                       temperature=1.5, seed=3, extra_body={"min_p": 1.0})
     assert reply.choices[0].text == stack.tokenizer.decode(hf_greedy(ids, 8), skip_special_tokens=True)
+
+
+def test_chat_continues_a_prefilled_assistant_message(stack, client, hf_greedy):
+    """vLLM's continue_final_message: the last (assistant) message is left open and the model goes
+    on from its last word, as transformers renders it; /tokenize renders it the same way."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "Red, green and"}]
+    rendering = dict(add_generation_prompt=False, continue_final_message=True)
+    text = stack.tokenizer.apply_chat_template(messages, tokenize=False, **rendering)
+    ids = stack.tokenizer(text, add_special_tokens=False).input_ids
+    expected = hf_greedy(ids, 6)
+    reply = client.chat.completions.create(model=stack.settings.served_model_name, messages=messages, max_tokens=6,
+                                           temperature=0, extra_body=rendering)
+    assert reply.choices[0].message.content == stack.tokenizer.decode(expected, skip_special_tokens=True)
+    assert reply.usage.prompt_tokens == len(ids)
+    with httpx.Client(base_url=stack.http_url, timeout=60) as http:
+        tokens = http.post("/tokenize", json={"messages": messages, **rendering}).json()["tokens"]
+        plain = http.post("/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}).json()["tokens"]
+    assert tokens == ids
+    without = stack.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=False, tokenize=False)
+    assert plain == stack.tokenizer(without, add_special_tokens=False).input_ids

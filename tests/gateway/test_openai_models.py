@@ -136,7 +136,13 @@ def test_chat_refusals():
     assert refusal(ChatCompletionRequest, {**chat, "n": 7}).param == "n"
     assert refusal(ChatCompletionRequest, {**chat, "tools": [tool]}).param == "tools"
     assert refusal(ChatCompletionRequest, {**chat, "tool_choice": "required"}).param == "tool_choice"
-    assert refusal(ChatCompletionRequest, {**chat, "continue_final_message": True}).param == "continue_final_message"
+    assert "add_generation_prompt false" in refusal(ChatCompletionRequest, {**chat, "continue_final_message": True}).message
+    open_end = {**chat, "continue_final_message": True, "add_generation_prompt": False}
+    assert "the assistant's" in refusal(ChatCompletionRequest, open_end).message
+    prefilled = {"messages": [*chat["messages"], {"role": "assistant", "content": "Sure"}],
+                 "continue_final_message": True, "add_generation_prompt": False}
+    (request,) = validate(ChatCompletionRequest, prefilled, CTX).to_requests(CTX)
+    assert (request.continue_final_message, request.add_generation_prompt) == (True, False)
     assert validate(ChatCompletionRequest, {**chat, "tools": [], "tool_choice": "none"}, CTX).to_requests(CTX)
     json_object = {**chat, "response_format": {"type": "json_object"}}
     assert "JSON output is not enabled" in refusal(ChatCompletionRequest, json_object).message  # CTX has no controller
