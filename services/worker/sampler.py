@@ -16,6 +16,7 @@ import torch
 from common.wire import SampledToken, SamplingParams, TokenLogprob
 from services.worker.transfer import to_device
 
+SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's rule: dividing by it overflows)
 TOP_P_CANDIDATES = (64, 1024)  # how many tokens top-p ranks, in turn, before sorting a whole row
 
 
@@ -143,7 +144,7 @@ def sample(
     if held:
         _suppress(scores, held, params)
 
-    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    greedy = [i for i, p in enumerate(params) if p.temperature < SAMPLING_EPS]
     if len(greedy) == n:
         tokens = scores.argmax(-1)
     else:
@@ -151,7 +152,7 @@ def sample(
         if greedy:
             index = to_device(greedy, device)
             tokens[index] = scores[index].argmax(-1)
-        drawn = [i for i, p in enumerate(params) if p.temperature != 0]
+        drawn = [i for i, p in enumerate(params) if p.temperature >= SAMPLING_EPS]
         index = to_device(drawn, device)
         probs = _warp([params[i] for i in drawn], scores[index] if len(drawn) < n else scores).softmax(-1)
         tokens[index] = _draw(probs, [samplers[i].generator for i in drawn])
@@ -287,7 +288,9 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     uniform = to_device(_uniforms(generators), probs.device, torch.float64)
     # Strictly below the total, so the token found has a non-zero probability (masks hold).
     target = torch.minimum(uniform.unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    # A row whose parameters overflowed into NaNs finds no token: it gets the last one rather than
+    # an index past the vocabulary, which would fail every sequence of the step.
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _uniforms(generators: list[torch.Generator | None]) -> np.ndarray:

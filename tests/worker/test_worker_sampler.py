@@ -237,3 +237,17 @@ def test_top_alternatives_per_row_with_different_counts() -> None:
         assert [t.logprob for t in got[row].top] == pytest.approx(top.values.tolist(), abs=1e-6)
     assert got[1].top == []
     assert got[2].logprob == pytest.approx(raw[2, got[2].token_id].item(), abs=1e-6)
+
+
+def test_degenerate_parameters_never_break_the_other_rows() -> None:
+    """A temperature too small to divide by is greedy (vLLM's rule); a penalty that overflows the
+    logits into NaNs still yields a token id inside the vocabulary, and the other rows are sampled
+    as if alone."""
+    torch.manual_seed(10)
+    logits = torch.randn(3, VOCAB)
+    samplers = [_sampler(temperature=1e-320), _sampler(temperature=1.0, repetition_penalty=1e-300),
+                _sampler(temperature=0.7, seed=4)]
+    got = sample(logits, samplers, [[], [1, 2, 3], []])
+    assert got[0].token_id == int(logits[0].argmax())
+    assert 0 <= got[1].token_id < VOCAB
+    assert got[2].token_id == sample(logits[2:], [_sampler(temperature=0.7, seed=4)], [[]])[0].token_id
