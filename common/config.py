@@ -151,6 +151,10 @@ class ApiAuth(BaseModel):
         "x-user-role", description="without tokens: a header that, when present, makes the user admin iff it is 'admin' (rLLM)"
     )
     key_header: str = Field("api-key", description="with tokens: also accepted instead of 'Authorization: Bearer' (pyaici)")
+    everywhere: bool = Field(
+        False, description="with tokens: every HTTP route and WebSocket but /health and /metrics needs one (vLLM's "
+        "--api-key); without this, only the controller API does",
+    )
     default_user: str = Field("localhost", description="the user when no token is configured and the header is absent")
     admins: list[str] = Field(default_factory=lambda: ["localhost"], description="users who may set any tag")
 

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from common.config import Settings
 from common.model_source import load_tokenizer
 from services.gateway import aici_rest, openai_api, ops, rest, tokenize_api, ws
+from services.gateway.token_gate import TokenGate
 from services.gateway.driver import Gateway
 from services.gateway.engine import EngineClient
 from services.gateway.grpc_server import start_grpc, stop_grpc
@@ -61,4 +62,6 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="Tiller gateway", lifespan=lifespan)
     for module in (ws, rest, openai_api, tokenize_api, ops, aici_rest):
         app.include_router(module.router)
+    if settings.api_auth.everywhere and settings.api_auth.tokens:
+        app.add_middleware(TokenGate, settings=settings)
     return app

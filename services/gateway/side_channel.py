@@ -52,7 +52,7 @@ def caller_of(conn: HTTPConnection, settings: Settings) -> Caller:
     """The caller of an HTTP or WebSocket request (see the module docstring); Unauthorized if none."""
     auth = settings.api_auth
     if auth.tokens:
-        user = auth.tokens.get(_token_of(conn, settings))
+        user = auth.tokens.get(presented_token(conn, settings))
         if user is None:
             raise Unauthorized(f"the controller API needs 'Authorization: Bearer <token>' (or '{auth.key_header}: "
                                "<token>') with a known token")
@@ -62,7 +62,7 @@ def caller_of(conn: HTTPConnection, settings: Settings) -> Caller:
     return Caller(user=user, is_admin=user in auth.admins if role is None else role == "admin")
 
 
-def _token_of(conn: HTTPConnection, settings: Settings) -> str:
+def presented_token(conn: HTTPConnection, settings: Settings) -> str:
     """The token a request presents: ``Authorization: Bearer <token>``, else the key header's value."""
     scheme, _, token = conn.headers.get("authorization", "").partition(" ")
     if scheme.lower() == "bearer":
