@@ -163,7 +163,8 @@ class GatewayAlive(Msg, tag="gateway_alive"):
 
 
 class SessionDrop(Msg, tag="session_drop"):
-    """A session was closed: the KV the scheduler keeps for it between turns can go."""
+    """A session was closed: the KV the scheduler keeps for it between turns can go, and a turn of it
+    still running is cancelled (its tokens would go nowhere)."""
 
     key: str
 

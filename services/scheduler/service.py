@@ -124,6 +124,8 @@ class Scheduler:
         if isinstance(msg, wire.GatewayAlive):
             return wire.Ok()
         if isinstance(msg, wire.SessionDrop):
+            for request in [r for r in self.requests.values() if r.submit.session and r.submit.session.key == msg.key]:
+                self._finish(request, "cancelled", park=False)
             self.sessions.drop(msg.key)
             return wire.Ok()
         if isinstance(msg, (wire.Cancel, wire.Pause, wire.Resume, wire.Modify)):
@@ -530,7 +532,11 @@ class Scheduler:
         reason: str,
         event: wire.TokenEvent | None = None,
         stop_reason: str | int | None = None,
+        *,
+        park: bool = True,
     ) -> None:
+        """End ``request`` with ``reason``; a session turn's KV is parked for the next turn unless
+        ``park`` is false (or the turn timed out)."""
         if request.state is State.FINISHED:
             return
         self._emit_deferred_of(request)
@@ -545,7 +551,7 @@ class Scheduler:
         event.completion_tokens = len(request.generated)
         event.cached_tokens = request.cached_tokens
         self.outbox[request.gateway].append(event)
-        self._release(request, park=reason != "timeout")
+        self._release(request, park=park and reason != "timeout")
         structlog.contextvars.bind_contextvars(request_id=request.rid)
         log.info("scheduler.finished", reason=reason, completion_tokens=len(request.generated))
         structlog.contextvars.unbind_contextvars("request_id")

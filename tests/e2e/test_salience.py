@@ -317,6 +317,30 @@ async def test_close_is_idempotent_and_lets_the_kv_go(stack, stub, model_name) -
     assert code == grpc.StatusCode.NOT_FOUND
 
 
+async def test_close_during_a_turn_cancels_it_and_keeps_no_kv(stack, stub, model_name) -> None:
+    """CloseSession while a Generate runs: the turn ends at once as CANCELLED (its tokens would go
+    nowhere) and the scheduler keeps no KV for the closed session."""
+    before = (await asyncio.to_thread(stack.scheduler_health))["parked_tokens"]
+    session = await open_session(stub, model_name)
+    prompt = encode(stack, "Count from one to one hundred: one, two, three, four,")
+    call = stub.Generate(pb.GenerateRequest(session_id=session, append_tokens=prompt, offset=0, max_tokens=400,
+                                            top_k=1), timeout=RPC_TIMEOUT_S)
+    seen = await first_decoded(call, 2)
+    await stub.CloseSession(pb.CloseSessionRequest(session_id=session))
+    done = None
+    async for event in call:
+        if event.HasField("done"):
+            done = event.done
+    assert done is not None and done.finish_reason == Done.FINISH_REASON_CANCELLED
+    assert len(seen) <= done.completion_tokens < 400
+
+    async def released() -> bool:
+        health = await asyncio.to_thread(stack.scheduler_health)
+        return health["running"] == 0 and health["parked_tokens"] == before
+
+    await wait_for(released, 30, "the closed session's turn to end without parking its KV")
+
+
 # -- bad input ------------------------------------------------------------------------------------
 
 
