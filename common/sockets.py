@@ -152,7 +152,8 @@ class Dealer:
         self._pending[msg.mid] = future
         try:
             await self.send(msg, binary)
-            return await asyncio.wait_for(future, timeout)
+            async with asyncio.timeout(timeout):
+                return await future
         finally:
             self._pending.pop(msg.mid, None)
 

@@ -219,7 +219,8 @@ class RunStream:
         try:
             while True:
                 try:
-                    batch = [await asyncio.wait_for(self.queue.get(), timeout)]
+                    async with asyncio.timeout(timeout):
+                        batch = [await self.queue.get()]
                 except TimeoutError:
                     batch = [wire.RequestFailed(rid=self.rid, code="timeout", message="no result from the scheduler")]
                 while not self.queue.empty():  # the rest of the same step

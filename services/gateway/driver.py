@@ -306,10 +306,11 @@ class Generation:
 
     async def _consume(self, queue: asyncio.Queue[StreamItem]) -> AsyncIterator[ServerMsg]:
         limits = self._gw.settings.limits
-        deadline = time.monotonic() + limits.request_timeout_s + STALL_GRACE_S
+        deadline = asyncio.get_running_loop().time() + limits.request_timeout_s + STALL_GRACE_S
         while True:
             try:
-                item = await asyncio.wait_for(queue.get(), timeout=max(deadline - time.monotonic(), 0.0))
+                async with asyncio.timeout_at(deadline):
+                    item = await queue.get()
             except TimeoutError:
                 raise TillerError(
                     TIMEOUT, f"no result from the scheduler within {limits.request_timeout_s:.0f} s"

@@ -137,7 +137,8 @@ class SideChannel:
         self._pending[rid] = future
         try:
             await self._sock.send(aici_wire.encode({"$rid": rid, "$auth": caller.auth(), "op": op, **fields}))
-            reply = await asyncio.wait_for(future, self._timeout_s)
+            async with asyncio.timeout(self._timeout_s):
+                reply = await future
         except TimeoutError:
             raise TillerError(INTERNAL_ERROR, f"the controller runtime did not answer {op}; is it running?") from None
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -114,9 +115,9 @@ async def test_body_size_limit(stack, client):
 async def test_sse_disconnect_frees_the_sequence(stack, client):
     body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     async with client.stream("POST", "/v1/generate", json=body) as reply:
-        lines = reply.aiter_lines()
-        while "token" not in await anext(lines):
-            pass
+        async for line in reply.aiter_lines():  # leave once a token came (the request is generating)
+            if line.startswith("data: {") and json.loads(line[len("data: "):])["type"] == "token":
+                break
     await wait_for(lambda: scheduler_idle(stack), 10, "the scheduler to free the abandoned SSE stream")
 
 

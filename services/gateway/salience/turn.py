@@ -224,10 +224,11 @@ class Turn:
                 )
             except TillerError as exc:
                 raise Abort(FAILURE_STATUS.get(exc.code, grpc.StatusCode.INTERNAL), exc.message) from None
-            deadline = time.monotonic() + self.gw.settings.limits.request_timeout_s + STALL_GRACE_S
+            deadline = asyncio.get_running_loop().time() + self.gw.settings.limits.request_timeout_s + STALL_GRACE_S
             while True:
                 try:
-                    item = await asyncio.wait_for(queue.get(), timeout=max(deadline - time.monotonic(), 0.0))
+                    async with asyncio.timeout_at(deadline):
+                        item = await queue.get()
                 except TimeoutError:
                     raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no result from the scheduler in time") from None
                 if isinstance(item, wire.RequestFailed):
