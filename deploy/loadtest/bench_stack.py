@@ -95,20 +95,28 @@ def in_process_baselines(tokens: int) -> tuple[float, float]:
     return generate_tok_s, engine_tok_s
 
 
-def cpu_proxy_model() -> str:
-    """A random-weights model spec whose decode step is GPU-short on a CPU (see the module docstring)."""
+def save_model_without_weights(target: Path, **config_changes: int) -> Path:
+    """The default model's config (with ``config_changes``) and tokenizer in ``target``, no weights:
+    served as ``random:<target>``, e.g. on a machine without the embedded model."""
     from common.config import Settings
     from common.model_source import resolve_model
 
     source = resolve_model(Settings(model="random:smollm2")).directory
-    target = Path(tempfile.mkdtemp(prefix="tiller-proxy-model-"))
+    target.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
         if (source / name).is_file():
             shutil.copy(source / name, target / name)
     config = json.loads((source / "config.json").read_text())
-    config.update(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128)
-    (target / "config.json").write_text(json.dumps(config))
+    config.update(config_changes)
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target
+
+
+def cpu_proxy_model() -> str:
+    """A random-weights model spec whose decode step is GPU-short on a CPU (see the module docstring)."""
+    target = save_model_without_weights(Path(tempfile.mkdtemp(prefix="tiller-proxy-model-")), hidden_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        intermediate_size=128)
     return f"random:{target}"
 
 
@@ -170,6 +178,49 @@ def describe(label: str, tok_s: float, results: list[StreamStats], baseline: flo
     )
 
 
+@dataclass
+class StackFigures:
+    generate_tok_s: float  # plain transformers.generate, one sequence
+    engine_tok_s: float  # the worker engine alone, batch 1
+    single_tok_s: float  # one stream through the whole stack
+    many_tok_s: float  # the aggregate of ``streams`` concurrent streams
+
+    @property
+    def single_vs_engine(self) -> float:
+        return self.single_tok_s / self.engine_tok_s
+
+
+def measure(tokens: int, n_streams: int, url: str | None = None) -> StackFigures:
+    """The baselines in this process, then the streams against ``url`` (default: a stack started with
+    this process's TILLER_* settings); prints the table and returns its figures."""
+    baseline, engine_alone = in_process_baselines(tokens)
+    release_accelerator_memory()  # the model measured in-process is gone: leave the GPU to the stack
+    stack = None
+    if url is None:
+        from tests.stack import start_stack
+
+        configured = {k: v for k, v in os.environ.items() if k.startswith("TILLER_")}
+        stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-bench-")), **configured)
+        url = stack.ws_url
+    try:
+        asyncio.run(one_stream(url, tokens))  # warm-up
+        single_tok_s, single = asyncio.run(streams(url, 1, tokens))
+        many_tok_s, many = asyncio.run(streams(url, n_streams, tokens))
+    finally:
+        if stack is not None:
+            stack.down()
+    figures = StackFigures(baseline, engine_alone, single_tok_s, many_tok_s)
+    settings = get_settings()
+    print(f"model {settings.model} on {settings.device}, {tokens} greedy tokens per stream")
+    print(f"{'plain transformers.generate':28s} {baseline:8.1f} tok/s")
+    print(f"{'worker engine alone, batch 1':28s} {engine_alone:8.1f} tok/s  ({engine_alone / baseline:5.2f}x plain)")
+    print(describe("tiller, 1 stream", single_tok_s, single, baseline))
+    print(describe(f"tiller, {n_streams} streams (aggregate)", many_tok_s, many, baseline))
+    print(f"per-stream median {statistics.median(r.tokens / r.total_s for r in many):.1f} tok/s")
+    print(f"one stream through the whole stack keeps {figures.single_vs_engine:.0%} of the engine's own batch-1 speed")
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=128)
@@ -181,32 +232,7 @@ def main() -> None:
         os.environ.update(OMP_NUM_THREADS="1", TILLER_DEVICE="cpu")
         os.environ["TILLER_MODEL"] = cpu_proxy_model()
         get_settings.cache_clear()
-
-    baseline, engine_alone = in_process_baselines(args.tokens)
-    release_accelerator_memory()  # the model measured in-process is gone: leave the GPU to the stack
-    stack = None
-    url = args.url
-    if url is None:
-        from tests.stack import start_stack
-
-        configured = {k: v for k, v in os.environ.items() if k.startswith("TILLER_")}
-        stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-bench-")), **configured)
-        url = stack.ws_url
-    try:
-        asyncio.run(one_stream(url, args.tokens))  # warm-up
-        single_tok_s, single = asyncio.run(streams(url, 1, args.tokens))
-        many_tok_s, many = asyncio.run(streams(url, args.streams, args.tokens))
-    finally:
-        if stack is not None:
-            stack.down()
-    settings = get_settings()
-    print(f"model {settings.model} on {settings.device}, {args.tokens} greedy tokens per stream")
-    print(f"{'plain transformers.generate':28s} {baseline:8.1f} tok/s")
-    print(f"{'worker engine alone, batch 1':28s} {engine_alone:8.1f} tok/s  ({engine_alone / baseline:5.2f}x plain)")
-    print(describe("tiller, 1 stream", single_tok_s, single, baseline))
-    print(describe(f"tiller, {args.streams} streams (aggregate)", many_tok_s, many, baseline))
-    print(f"per-stream median {statistics.median(r.tokens / r.total_s for r in many):.1f} tok/s")
-    print(f"one stream through the whole stack keeps {single_tok_s / engine_alone:.0%} of the engine's own batch-1 speed")
+    measure(args.tokens, args.streams, args.url)
 
 
 if __name__ == "__main__":

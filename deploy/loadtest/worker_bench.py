@@ -145,55 +145,76 @@ def _first_difference(a: list[int], b: list[int]) -> str:
     return "equal" if len(a) == len(b) else "differ in length"
 
 
-def bench_model(spec: str, settings: Settings, args: argparse.Namespace) -> None:
+@dataclass
+class Figures:
+    """One implementation at one batch size: the best of the repeats."""
+
+    impl: str  # generate, engine or engine+pc
+    batch: int
+    prefill_ms: float
+    step_ms: float  # median decode step
+    decode_tok_s: float  # batch / step
+    e2e_tok_s: float  # prompt to last token
+    greedy: str  # the engine's first sequence against generate's ("" for generate itself)
+
+
+def bench_model(spec: str, settings: Settings, batches: list[int], new_tokens: int, repeats: int) -> list[Figures]:
+    """Prints the model's table (see the module docstring) and returns its rows."""
     loaded, prompt = load(spec, settings)
-    batch_limit = max(args.batch)
-    blocks_per_seq = -(-(len(prompt) + args.new_tokens + BLOCK_SIZE) // BLOCK_SIZE)
+    batch_limit = max(batches)
+    blocks_per_seq = -(-(len(prompt) + new_tokens + BLOCK_SIZE) // BLOCK_SIZE)
     graphs = batch_limit if settings.limits.cuda_graphs else 0
     engine = Engine(loaded, num_blocks=batch_limit * blocks_per_seq + 1, cuda_graph_batch=graphs)
     engine.capture_graphs()  # as the worker does at start-up
-    n = args.new_tokens
+    n = new_tokens
     print(
         f"\nmodel={spec} device={loaded.device} dtype={loaded.dtype} threads={torch.get_num_threads()} "
-        f"backend={engine.backend} prompt={len(prompt)} tokens new={n} repeats={args.repeats}"
+        f"backend={engine.backend} prompt={len(prompt)} tokens new={n} repeats={repeats}"
     )
     # Warm both paths up once (allocator, kernels, lazy pages of the KV pool, CUDA graphs).
-    for batch in args.batch:
+    for batch in batches:
         bench_engine(engine, prompt, batch, n, run=0)
     bench_generate(loaded.model, prompt, 1, 2, loaded.device)
 
     print(f"{'impl':<10}{'batch':>6}{'prefill ms':>12}{'ms/step':>10}{'decode tok/s':>14}{'e2e tok/s':>11}"
           f"  greedy vs generate")
-    e2e: dict[tuple[str, int], float] = {}
-    decode: dict[tuple[str, int], float] = {}
-    for batch in args.batch:
+    rows: list[Figures] = []
+    for batch in batches:
         runs: dict[str, list[Run]] = {"generate": [], "engine": [], "engine+pc": []}
-        for r in range(args.repeats):  # interleaved, so a busy spell hits both alike
+        for r in range(repeats):  # interleaved, so a busy spell hits both alike
             runs["generate"].append(bench_generate(loaded.model, prompt, batch, n, loaded.device))
             runs["engine"].append(bench_engine(engine, prompt, batch, n, run=r + 1))
             runs["engine+pc"].append(bench_engine(engine, prompt, batch, n, run=r + 101, warm=True))
         want = runs["generate"][0].tokens
         for impl, results in runs.items():
-            prefill = min(run.prefill_s for run in results)
             step = min(statistics.median(run.step_s) for run in results)
-            e2e[(impl, batch)] = batch * n / min(run.total_s for run in results)
-            decode[(impl, batch)] = batch / step
-            check = "" if impl == "generate" else _first_difference(results[0].tokens, want)
-            print(
-                f"{impl:<10}{batch:>6}{prefill * 1000:>12.1f}{step * 1000:>10.2f}{batch / step:>14.1f}"
-                f"{e2e[(impl, batch)]:>11.1f}  {check}"
+            row = Figures(
+                impl=impl,
+                batch=batch,
+                prefill_ms=min(run.prefill_s for run in results) * 1000,
+                step_ms=step * 1000,
+                decode_tok_s=batch / step,
+                e2e_tok_s=batch * n / min(run.total_s for run in results),
+                greedy="" if impl == "generate" else _first_difference(results[0].tokens, want),
             )
-    for batch in args.batch:
-        ratio = decode[("engine", batch)] / decode[("generate", batch)]
+            rows.append(row)
+            print(
+                f"{impl:<10}{batch:>6}{row.prefill_ms:>12.1f}{row.step_ms:>10.2f}{row.decode_tok_s:>14.1f}"
+                f"{row.e2e_tok_s:>11.1f}  {row.greedy}"
+            )
+    by = {(row.impl, row.batch): row for row in rows}
+    for batch in batches:
+        ratio = by[("engine", batch)].decode_tok_s / by[("generate", batch)].decode_tok_s
         print(f"{spec} batch {batch}: engine decode {ratio:.1f}x generate's")
-    if 1 in args.batch:
-        for batch in args.batch:
+    if 1 in batches:
+        for batch in batches:
             if batch != 1:
-                ratio = e2e[("engine", batch)] / e2e[("engine", 1)]
+                ratio = by[("engine", batch)].e2e_tok_s / by[("engine", 1)].e2e_tok_s
                 print(f"{spec} engine batch {batch} vs batch 1 (e2e tok/s): {ratio:.1f}x")
     del engine, loaded
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return rows
 
 
 def main() -> None:
@@ -205,7 +226,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = get_settings()
     for spec in args.models or [settings.model]:
-        bench_model(spec, settings, args)
+        bench_model(spec, settings, args.batch, args.new_tokens, args.repeats)
 
 
 if __name__ == "__main__":
