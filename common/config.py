@@ -102,6 +102,8 @@ class Evergreen(BaseModel):
     max_session_nodes: int = Field(100_000, ge=1, description="nodes one session may hold")
     max_session_bytes: int = Field(64 << 20, ge=1024, description="inline bytes one session may hold; also the largest file a ref may name")
     max_message_bytes: int = Field(16 << 20, ge=1024, description="largest SessionMessage accepted")
+    abort_grace_s: float = Field(0.5, ge=0, description="how long an aborted session's status waits for a client "
+                                 "still sending to close its side (see services/gateway/evergreen/session.py)")
     ref_root: Path | None = Field(
         None, description="directory that file:// refs may name (default: <run_dir>/evergreen_files)"
     )

@@ -455,6 +455,18 @@ async def test_abort_rules(stack, video_parts, case):
     assert await stored_fragments(stack, result.session_id) == []  # the session's nodes are dropped
 
 
+async def test_a_client_still_sending_after_its_bad_message_learns_the_reason(stack):
+    """The status waits for a client that goes on sending to close its side (evergreen.abort_grace_s):
+    grpc's asyncio client turns a write landing after the status into INTERNAL "Internal error from
+    Core" (grpc/grpc#36066). Here every message after the bad first one would race the status."""
+    bad = [msg(text("p", "a", continued=True)), msg(text("p", "b", seq=1, meta=True))]  # metadata past seq 0
+    after = [msg(text(f"t{i}", "more")) for i in range(40)]
+    for _ in range(5):
+        result = await run_session(stack, *bad, *after)
+        assert result.code == INVALID, result.details
+        assert "metadata" in result.details, result.details
+
+
 async def test_duplicates_and_default_fields_do_not_abort(stack):
     result = await run_session(
         stack,

@@ -2,13 +2,19 @@
 start as soon as their inputs are complete, and every produced fragment goes back on the stream.
 
 The session ends with OK once the client has closed its side and no action is pending or running;
-it aborts (a gRPC status, all nodes dropped) on the first protocol violation or action failure.
+it aborts (a gRPC status, all nodes dropped) on the first protocol violation or action failure. An
+aborted session stops its work at once, but its status waits up to ``evergreen.abort_grace_s`` for a
+client still sending to close its side: grpc's asyncio client reports ``INTERNAL: Internal error
+from Core`` instead of the server's status when one of its writes lands after that status
+(grpc/grpc#36066), so a client that sends a batch with a bad message early in it would otherwise
+sometimes never learn what was wrong.
 The gateway holds the live graph; the session store mirrors it (fire-and-forget) until the end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from functools import partial
@@ -52,6 +58,7 @@ class Session:
         self._background: set[asyncio.Task[None]] = set()
         self._ttls: dict[str, asyncio.TimerHandle] = {}
         self._client_done = False
+        self._aborted = False  # the abort is queued: the client's further messages are read and dropped
         self._closed = False
 
     # -- the stream -----------------------------------------------------------------------
@@ -71,33 +78,46 @@ class Session:
                 if isinstance(item, SessionAbort):
                     outcome = item.status.name
                     log.info("evergreen.session_abort", status=item.status.name, error=item.message)
+                    self._stop()
+                    with contextlib.suppress(TimeoutError):  # see the module docstring
+                        async with asyncio.timeout(self._gw.settings.evergreen.abort_grace_s):
+                            await asyncio.shield(reader)
                     raise item
                 assert isinstance(item, eg.SessionMessage)
                 yield item
         finally:
-            self._closed = True
+            self._stop()
             reader.cancel()
-            for run in self._runs.values():
-                if run.task is not None:
-                    run.task.cancel()
-            for timer in self._ttls.values():
-                timer.cancel()
             self._gw.store.evergreen_close(self.id)
             log.info("evergreen.session_end", outcome=outcome, nodes=len(self.graph.nodes))
 
+    def _stop(self) -> None:
+        """No more work or output: running actions are cancelled, TTL timers too."""
+        self._closed = True
+        for run in self._runs.values():
+            if run.task is not None:
+                run.task.cancel()
+        for timer in self._ttls.values():
+            timer.cancel()
+
     def _abort(self, exc: SessionAbort) -> None:
-        self._out.put_nowait(exc)
+        if not self._aborted:  # the first reason is the one reported
+            self._aborted = True
+            self._out.put_nowait(exc)
 
     async def _read(self, requests: AsyncIterator[eg.SessionMessage | Malformed]) -> None:
         try:
             async for message in requests:
-                if isinstance(message, Malformed):
-                    raise SessionAbort.invalid(message.message)
-                self._apply(message)
+                if self._aborted:
+                    continue  # read on only to see the client close its side
+                try:
+                    if isinstance(message, Malformed):
+                        raise SessionAbort.invalid(message.message)
+                    self._apply(message)
+                except SessionAbort as exc:
+                    self._abort(exc)
             self._client_done = True
             self._advance()
-        except SessionAbort as exc:
-            self._abort(exc)
         except Exception as exc:  # a bug must end this session only, with a status the client can read
             log.exception("evergreen.session_failed")
             self._abort(SessionAbort(grpc.StatusCode.INTERNAL, f"the gateway failed this session: {exc}"))
@@ -174,7 +194,7 @@ class Session:
     def _advance(self) -> None:
         """Start every pending GENERATE whose input is complete; fail those that can no longer start;
         end the session when nothing is left to do."""
-        if self._closed:
+        if self._closed or self._aborted:
             return
         for run in self._runs.values():
             if run.phase is Phase.PENDING:
