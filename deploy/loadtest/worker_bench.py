@@ -153,9 +153,12 @@ class Figures:
     batch: int
     prefill_ms: float
     step_ms: float  # median decode step
-    decode_tok_s: float  # batch / step
     e2e_tok_s: float  # prompt to last token
     greedy: str  # the engine's first sequence against generate's ("" for generate itself)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.batch * 1000 / self.step_ms
 
 
 def bench_model(spec: str, settings: Settings, batches: list[int], new_tokens: int, repeats: int) -> list[Figures]:
@@ -193,7 +196,6 @@ def bench_model(spec: str, settings: Settings, batches: list[int], new_tokens: i
                 batch=batch,
                 prefill_ms=min(run.prefill_s for run in results) * 1000,
                 step_ms=step * 1000,
-                decode_tok_s=batch / step,
                 e2e_tok_s=batch * n / min(run.total_s for run in results),
                 greedy="" if impl == "generate" else _first_difference(results[0].tokens, want),
             )

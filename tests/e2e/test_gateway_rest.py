@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
@@ -116,7 +115,7 @@ async def test_sse_disconnect_frees_the_sequence(stack, client):
     body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     async with client.stream("POST", "/v1/generate", json=body) as reply:
         async for line in reply.aiter_lines():  # leave once a token came (the request is generating)
-            if line.startswith("data: {") and json.loads(line[len("data: "):])["type"] == "token":
+            if line.startswith("data: {") and parse_sse(line)[0]["type"] == "token":
                 break
     await wait_for(lambda: scheduler_idle(stack), 10, "the scheduler to free the abandoned SSE stream")
 
