@@ -1,10 +1,15 @@
-"""The workers connected to the scheduler: their announced state, liveness, and step round-trips."""
+"""The scheduler's table of workers: what each announced, the KV promised on it, its liveness marks.
+
+Pure data: the service shell sets the liveness marks (``last_seen``, ``suspect_since``) and owns the
+sockets and step round-trips; the core reads and updates the KV figures. ``least_loaded`` is the
+default placement of a new sequence.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from common import wire
 
@@ -13,9 +18,8 @@ from common import wire
 class WorkerInfo:
     identity: bytes
     hello: wire.WorkerHello
-    last_seen: float = field(default_factory=time.monotonic)
-    reserved_tokens: int = 0  # KV reserved by admitted requests
-    in_flight: dict[int, asyncio.Future[wire.StepResult]] = field(default_factory=dict)  # step_id -> its result
+    last_seen: float = 0.0
+    reserved_tokens: int = 0  # KV reserved by admitted requests and parked sessions
     suspect_since: float | None = None  # set when a peer disconnected: answer soon or be dropped
     kv_free_tokens: int | None = None  # as its last step result reported (None: no step yet)
     fresh: bool = True  # no step sent yet: the first one drops whatever the worker holds (Step.free_all)
@@ -28,12 +32,28 @@ class WorkerInfo:
     def capacity(self) -> int:
         return self.hello.kv_capacity_tokens
 
+    @property
+    def unreserved(self) -> int:
+        return self.capacity - self.reserved_tokens
+
+
+# Where a new sequence needing ``tokens`` of KV runs: the identity of one of ``workers`` (the ready
+# ones), or None when none can hold it now.
+Place = Callable[[int, Sequence[WorkerInfo]], "bytes | None"]
+
+
+def least_loaded(tokens: int, workers: Sequence[WorkerInfo]) -> bytes | None:
+    """The worker with the most unreserved KV, if it can hold ``tokens``."""
+    best = max(workers, key=lambda w: w.unreserved, default=None)
+    return best.identity if best is not None and best.unreserved >= tokens else None
+
 
 class WorkerPool:
-    """Tracks workers by ZeroMQ identity. The newest hello wins for an identity."""
+    """Workers by ZeroMQ identity. The newest hello wins for an identity."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.workers: dict[bytes, WorkerInfo] = {}
+        self.clock = clock
 
     def on_hello(self, identity: bytes, hello: wire.WorkerHello) -> WorkerInfo:
         info = self.workers.get(identity)
@@ -48,20 +68,11 @@ class WorkerPool:
     def touch(self, identity: bytes) -> None:
         info = self.workers.get(identity)
         if info is not None:
-            info.last_seen = time.monotonic()
+            info.last_seen = self.clock()
             info.suspect_since = None
 
     def ready(self) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.ready]
-
-    def pick_for(self, tokens: int) -> WorkerInfo | None:
-        """The ready worker with the most free reserved capacity that can hold ``tokens``."""
-        best: WorkerInfo | None = None
-        for worker in self.ready():
-            free = worker.capacity - worker.reserved_tokens
-            if free >= tokens and (best is None or free > best.capacity - best.reserved_tokens):
-                best = worker
-        return best
 
     def summary(self) -> dict[str, object]:
         """Worker state for health replies: the best stage among workers."""
