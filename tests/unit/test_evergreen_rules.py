@@ -18,7 +18,7 @@ from services.gateway.evergreen.config import GenerateParams, TtlParams, action_
 from services.gateway.evergreen.errors import SessionAbort
 from services.gateway.evergreen.graph import NodeGraph
 from services.gateway.evergreen.refs import read_ref, resolve_ref
-from services.gateway.evergreen.service import client_address
+from services.gateway.grpc_requests import client_address
 from services.gateway.evergreen.turns import END_OF_TURN, check_media, to_turns
 
 TEXT = eg.ChunkMetadata(mimetype="text/plain")
