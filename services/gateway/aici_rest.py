@@ -111,7 +111,7 @@ async def set_tags(request: Request) -> Response:
     gw = gateway_of(request)
     try:
         caller = caller_of(request, gw.settings)
-        body = validate(SetTags, await read_json_object(request, gw.settings.limits.max_http_body_bytes),
+        body = validate(SetTags, await read_json_object(request),
                         Context.of(gw.settings))
         return JSONResponse(await _side(gw).set_tags(caller, body.module_id, body.tags))
     except TillerError as exc:
@@ -325,7 +325,7 @@ async def run(request: Request) -> Response:
     gw = gateway_of(request)
     try:
         caller = caller_of(request, gw.settings)
-        body = await read_json_object(request, gw.settings.limits.max_http_body_bytes)
+        body = await read_json_object(request)
         run_request = validate(RunRequest, body, Context.of(gw.settings))
     except TillerError as exc:
         return _error(exc)
