@@ -42,6 +42,8 @@ class Limits(BaseModel):
     max_choices: int = Field(64, ge=1, description="choices one OpenAI request may ask for (prompts x n)")
     max_ws_message_bytes: int = Field(1 << 20, ge=1024, description="largest WebSocket frame accepted")
     max_http_body_bytes: int = Field(4 << 20, ge=1024)
+    max_json_depth: int = Field(64, ge=2, le=512, description="deepest nesting of arrays and objects in a JSON "
+                                "request body or WebSocket message; deeper ones are refused with invalid_request")
     request_timeout_s: float = Field(600.0, gt=0, description="a generation running longer ends with timeout")
     rate_limit_per_minute: int = Field(0, ge=0, description="requests per client address; 0 disables")
     worker_step_timeout_s: float = Field(60.0, gt=0)

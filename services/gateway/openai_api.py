@@ -542,7 +542,7 @@ async def _serve(
     gw = gateway_of(request)
     context = Context.of(gw.settings)
     try:
-        body = await read_json_object(request, gw.settings.limits.max_http_body_bytes)
+        body = await read_json_object(request)
         parsed = validate(model, body, context)
     except TillerError as exc:
         return error_response(ErrorMsg.from_error(exc))
