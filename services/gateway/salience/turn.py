@@ -19,7 +19,14 @@ import numpy as np
 import structlog
 
 from common import wire
-from common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, MEMORY_PRESSURE, TIMEOUT, TillerError
+from common.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    INVALID_REQUEST,
+    MEMORY_PRESSURE,
+    SERVICE_UNAVAILABLE,
+    TIMEOUT,
+    TillerError,
+)
 from common.protos.salience.v1 import salience_pb2 as pb
 from services.gateway.driver import STALL_GRACE_S, Gateway, new_request_id
 from services.gateway.engine import HEALTH_MAX_AGE_S, worker_stage
@@ -36,6 +43,7 @@ FAILURE_STATUS = {
     MEMORY_PRESSURE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
     TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    SERVICE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -88,8 +96,9 @@ class Turn:
             if length == 0:  # nothing to prefill: a no-op call (it refreshed the TTL)
                 yield pb.GenerateEvent(done=Done(finish_reason=Done.FINISH_REASON_LENGTH))
                 return
-            async for event in self._stream(session, outputs, sampling, length):
-                yield event
+            with self.gw.store.holdings.lease(session.session_id):  # renewed while the turn runs
+                async for event in self._stream(session, outputs, sampling, length):
+                    yield event
         finally:
             await self._end(session)
             log.info("salience.generate_end", prompt_tokens=length, completion_tokens=len(self.sent),
