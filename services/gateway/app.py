@@ -48,6 +48,7 @@ def create_app(settings: Settings) -> FastAPI:
             side=SideChannel(settings, ctx),
         )
         gw.scheduler.start()
+        gw.store.start()
         gw.side.start()
         app.state.gateway = gw
         grpc_server = await start_grpc(gw)

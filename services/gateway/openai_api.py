@@ -33,7 +33,15 @@ from pydantic import (
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from common.errors import INTERNAL_ERROR, MEMORY_PRESSURE, MODEL_LOADING_ERROR, RATE_LIMITED, TIMEOUT, TillerError
+from common.errors import (
+    INTERNAL_ERROR,
+    MEMORY_PRESSURE,
+    MODEL_LOADING_ERROR,
+    RATE_LIMITED,
+    SERVICE_UNAVAILABLE,
+    TIMEOUT,
+    TillerError,
+)
 from services.gateway.deps import new_request_id
 from services.gateway.driver import Generation
 from services.gateway.scheduler_client import HEALTH_MAX_AGE_S
@@ -75,6 +83,7 @@ _ERROR_TYPES = {
     MEMORY_PRESSURE: "server_error",
     TIMEOUT: "server_error",
     MODEL_LOADING_ERROR: "server_error",
+    SERVICE_UNAVAILABLE: "server_error",
 }
 _FINISH_REASONS = {"cancelled": "abort"}  # the rest (stop, length, content_filter) are OpenAI's own
 

@@ -26,6 +26,7 @@ from common.errors import (
     INVALID_REQUEST,
     MEMORY_PRESSURE,
     RATE_LIMITED,
+    SERVICE_UNAVAILABLE,
     TIMEOUT,
     TillerError,
 )
@@ -49,6 +50,7 @@ FAILURE_STATUS = {
     TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     CONTENT_FILTER: grpc.StatusCode.PERMISSION_DENIED,
+    SERVICE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -133,8 +135,9 @@ class Turn:
                 self.outcome = "length"
                 yield pb.GenerateEvent(done=Done(finish_reason=Done.FINISH_REASON_LENGTH))
                 return
-            async for event in self._stream(session, outputs, sampling, length):
-                yield event
+            with self.gw.store.holdings.lease(session.session_id):  # renewed while the turn runs
+                async for event in self._stream(session, outputs, sampling, length):
+                    yield event
         finally:
             await self._end(session)
             log.info("salience.generate_end", prompt_tokens=length, completion_tokens=len(self.sent),
