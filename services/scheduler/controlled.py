@@ -40,7 +40,7 @@ import structlog
 
 from common import aici_wire, wire
 from common.config import Controllers
-from common.errors import INTERNAL_ERROR
+from common.errors import INTERNAL_ERROR, SERVICE_UNAVAILABLE
 from common.textstream import TextStream
 from services.scheduler.requests import LiveRequest, State, length_reached, stop_token
 
@@ -209,7 +209,7 @@ class ControlledSteps:
         """The runtime failed a main-channel call: every controlled request fails with the reason."""
         log.warning("scheduler.controller_runtime_failed", error=error)
         for controlled in list(self.requests.values()):
-            self.host.fail(controlled.request, INTERNAL_ERROR, error)
+            self.host.fail(controlled.request, SERVICE_UNAVAILABLE, error)
 
     # -- the step ------------------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ from common.errors import (
     INVALID_REQUEST,
     MEMORY_PRESSURE,
     MODEL_LOADING_ERROR,
+    SERVICE_UNAVAILABLE,
 )
 from common.textstream import TextStream
 from services.scheduler.controlled import Branch, ControlledSteps, MainReply, Plan
@@ -235,8 +236,12 @@ class SchedulerCore:
     # workers
 
     def worker_hello(self, identity: bytes, hello: wire.WorkerHello) -> bool:
-        """A worker announced itself or its loading progress; whether its stage or progress changed."""
+        """A worker announced itself or its loading progress; whether its stage or progress changed.
+        A new incarnation under a known identity is a restarted worker: the old one's requests are lost."""
         known = self.pool.workers.get(identity)
+        if known is not None and known.hello.incarnation != hello.incarnation:
+            self.worker_lost(identity, "the worker restarted")
+            known = None
         changed = known is None or (known.hello.stage, known.hello.progress) != (hello.stage, hello.progress)
         self.pool.on_hello(identity, hello)
         return changed
@@ -249,7 +254,7 @@ class SchedulerCore:
         self.sessions.drop_worker(identity)
         for request in list(self.running.values()):
             if request.worker == identity:
-                self.fail(request, INTERNAL_ERROR, f"{reason}; the request was lost, retry it")
+                self.fail(request, SERVICE_UNAVAILABLE, f"{reason}; the request was lost, retry it")
 
     # ------------------------------------------------------------------------------------------
     # Host: what controlled requests use

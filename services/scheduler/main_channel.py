@@ -14,9 +14,15 @@ from common.sockets import ensure_ipc_dir
 from services.scheduler.controlled import MainReply
 
 
+# How often a call waiting for its reply checks the connection.
+DROP_CHECK_MS = 100
+
+
 class MainChannel:
     """A DEALER with strictly one request outstanding. A reply that does not come in time means the
-    socket is replaced, so a late reply can never be taken for the answer to the next request."""
+    socket is replaced, so a late reply can never be taken for the answer to the next request. A
+    connection that drops while a reply is awaited (the runtime died: its instances with it) fails the
+    call at once, not after the timeout."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
@@ -28,19 +34,40 @@ class MainChannel:
         ensure_ipc_dir(self.endpoint)
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
         return sock
+
+    def _replace(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(0)
+        self.sock.close(0)
+        self.sock = self._connect()
+
+    async def _dropped(self) -> bool:
+        """Whether the connection dropped since the last look."""
+        dropped = False
+        while await self.monitor.poll(0):
+            await self.monitor.recv_multipart()
+            dropped = True
+        return dropped
 
     async def call(self, request: aici_wire.MainRequest, timeout_s: float) -> MainReply:
         """Send one request; its ok reply's data and frames, or why there is none."""
         op = type(request).__struct_config__.tag
         started = time.perf_counter()
         async with self.lock:
+            await self._dropped()  # a drop before this call says nothing about it
             await self.sock.send(aici_wire.encode(request))
-            if not await self.sock.poll(int(timeout_s * 1000)):
-                self.sock.close(0)
-                self.sock = self._connect()
-                return MainReply(error=f"the controller runtime did not answer {op} within {timeout_s:g} s")
+            deadline = time.monotonic() + timeout_s
+            while not await self.sock.poll(DROP_CHECK_MS):
+                if await self._dropped():
+                    self._replace()
+                    return MainReply(error=f"the controller runtime's connection dropped during {op} "
+                                           "(it died or restarted, its controllers with it)")
+                if time.monotonic() > deadline:
+                    self._replace()
+                    return MainReply(error=f"the controller runtime did not answer {op} within {timeout_s:g} s")
             parts = await self.sock.recv_multipart()
         try:
             reply = aici_wire.decode_reply(parts[0])
@@ -55,7 +82,7 @@ class MainChannel:
     async def ping(self) -> str:
         """"ok", or what is wrong with the runtime (for health replies)."""
         reply = await self.call(aici_wire.Ping(), timeout_s=1.0)
-        if "did not answer" in reply.error:
+        if "did not answer" in reply.error or "dropped" in reply.error:
             return "unreachable"
         if reply.error.startswith("bad reply"):
             return f"bad reply: {reply.error}"

@@ -26,6 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 from common import aici_wire, wire
 from common.config import Settings
 from common.errors import INTERNAL_ERROR, INVALID_REQUEST
+from common.incarnation import process_incarnation
 from common.model_source import load_tokenizer
 from common.sockets import Router, reply_mid
 from common.textstream import TextStream
@@ -35,8 +36,8 @@ from services.scheduler.main_channel import MainChannel
 
 log = structlog.get_logger()
 
-# How long a worker may stay silent after its connection dropped before it is declared dead.
-SUSPECT_GRACE_S = 2.0
+# How often a step waiting for its worker's result checks that the worker is still there.
+STEP_CHECK_S = 0.1
 # How often idle workers are pinged, and after how long without an answer they are dropped.
 LIVENESS_PING_S = 2.0
 LIVENESS_DEAD_S = 10.0
@@ -54,6 +55,7 @@ class InFlight:
 class Scheduler:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.incarnation = process_incarnation()
         self.limits = settings.limits
         tokenizer = load_tokenizer(settings)
         self.core = SchedulerCore(settings.limits, settings.sessions, settings.controllers,
@@ -96,7 +98,7 @@ class Scheduler:
         if isinstance(msg, wire.Health):
             return await self._health()
         if isinstance(msg, wire.GatewayAlive):
-            return wire.Ok()
+            return wire.Alive(service="scheduler", incarnation=self.incarnation)
         if isinstance(msg, wire.SessionDrop):
             self.core.drop_session(msg.key)
             return wire.Ok()
@@ -116,7 +118,7 @@ class Scheduler:
                                  "us_per_seq_step": round(main_s / seq_steps * 1e6, 1) if seq_steps else 0.0},
         }
         ready = self.core.model_facts() is not None and controller == "ok"
-        return wire.HealthReply(service="scheduler", ready=ready, detail=detail)
+        return wire.HealthReply(service="scheduler", ready=ready, detail=detail, incarnation=self.incarnation)
 
     # ------------------------------------------------------------------------------------------
     # workers
@@ -154,7 +156,7 @@ class Scheduler:
 
     def _suspect_expired(self, identity: bytes, now: float) -> bool:
         worker = self.core.pool.workers.get(identity)
-        return worker is not None and worker.suspect_since is not None and now - worker.suspect_since > SUSPECT_GRACE_S
+        return worker is not None and worker.suspect_since is not None and now - worker.suspect_since > self.limits.peer_suspect_grace_s
 
     async def check_liveness(self) -> None:
         while True:
@@ -249,7 +251,7 @@ class Scheduler:
                 await self.worker_router.send(identity, *self.core.controlled.step_masks(step))
             while True:
                 try:
-                    return await asyncio.wait_for(asyncio.shield(done), timeout=0.25)
+                    return await asyncio.wait_for(asyncio.shield(done), timeout=STEP_CHECK_S)
                 except asyncio.TimeoutError:
                     now = time.monotonic()
                     if now > deadline or self._suspect_expired(identity, now) or identity not in self.core.pool.workers:

@@ -213,7 +213,7 @@ def test_a_failing_runtime_fails_every_controlled_request_and_nothing_else():
     rt.fail_next = "the controller runtime did not answer post_pre_process within 5 s"
     step(h, rt)
     (failed,) = h.failures("c")
-    assert failed.code == "internal_error" and "did not answer" in failed.message
+    assert failed.code == "service_unavailable" and failed.recoverable and "did not answer" in failed.message
     assert "plain" in h.core.requests and not h.failures("plain")
 
 

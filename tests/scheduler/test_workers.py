@@ -1,7 +1,7 @@
 """Workers joining, loading and being lost: what fails, what waits, what is forgotten."""
 
 from common import wire
-from common.errors import INTERNAL_ERROR
+from common.errors import SERVICE_UNAVAILABLE
 from services.scheduler.requests import State
 from tests.scheduler.harness import HE, LLO, Harness, prompt
 
@@ -14,7 +14,7 @@ def test_a_lost_worker_fails_its_running_requests_as_retryable():
     steps = h.build()
     h.core.worker_lost(b"w1", "the worker stopped answering")
     (failed,) = h.failures("run")
-    assert failed.code == INTERNAL_ERROR and failed.recoverable and "retry" in failed.message
+    assert failed.code == SERVICE_UNAVAILABLE and failed.recoverable and "retry" in failed.message
     assert h.core.requests["wait"].state is State.QUEUED  # it waits for another worker
     assert h.build() == [] and steps  # nothing is sent to a worker that is gone
 
@@ -67,6 +67,17 @@ def test_a_returning_worker_starts_clean_and_takes_waiting_requests():
     h.worker()
     (step,) = h.build()
     assert step.step.free_all and h.core.requests["b"].worker == b"w1"
+
+
+def test_a_worker_that_restarted_under_the_same_identity_lost_its_requests():
+    h = Harness()
+    h.worker()
+    h.submit("r", prompt(3), 10)
+    h.cycle()
+    h.core.worker_hello(b"w1", wire.WorkerHello(worker_id="w1", stage="loading", incarnation="second-life"))
+    (failed,) = h.failures("r")
+    assert failed.code == SERVICE_UNAVAILABLE and "restarted" in failed.message
+    assert h.core.pool.workers[b"w1"].fresh  # its first step will drop whatever it holds
 
 
 def test_a_worker_result_reports_its_free_kv():
