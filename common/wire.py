@@ -332,6 +332,14 @@ class StepMasks(Msg, tag="step_masks"):
     failures: list[SeqFailure] = []
 
 
+class StepAbandon(Msg, tag="step_abandon"):
+    """Between the ranks of a tensor-parallel worker only: rank 0 gave up waiting for the
+    StepMasks of a ``masks_follow`` step, whose sampling sequences fail with ``reason``."""
+
+    step_id: int
+    reason: str
+
+
 class StepResult(Msg, tag="step_result"):
     step_id: int
     samples: dict[int, SampledToken]  # seq_id -> sampled token (only for seqs with sample=True)
@@ -505,6 +513,7 @@ Message = Union[
     RequestFailed,
     Step,
     StepMasks,
+    StepAbandon,
     StepResult,
     WorkerHello,
     RecordRequest,
