@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -27,6 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 from common import wire
 from common.config import Settings
 from common.errors import WireError
+from common.sockets import heartbeat
 from services.worker.engine import Engine
 from services.worker.model_loader import load_model
 from services.worker.tensor_parallel import Ranks, start_followers
@@ -82,11 +84,12 @@ class WorkerService:
     def __init__(self, settings: Settings, log: Any | None = None) -> None:
         self.settings = settings
         self.log = log or structlog.get_logger()
-        self.worker_id = f"worker-{os.getpid()}"
+        self.worker_id = f"worker-{socket.gethostname()}-{os.getpid()}"  # unique across the hosts that join
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        heartbeat(self.sock, settings.distributed.heartbeat_s, settings.distributed.heartbeat_timeout_s)
         self.endpoint = settings.endpoint("worker")
         self.loader = _Loader(settings)
         self.engine: Engine | None = None
