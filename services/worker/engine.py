@@ -383,6 +383,8 @@ class Engine:
             for q, t in zip(seqs, tokens):
                 q.last_sample = t.token_id
         step = forwarded.step
+        allocator = self.tables.allocator
+        blocks_new, blocks_gone = allocator.take_events(everything=step.free_all)
         return StepResult(
             mid=step.mid,
             step_id=step.step_id,
@@ -393,6 +395,9 @@ class Engine:
             scores=forwarded.scores,
             readouts=forwarded.readouts,
             kv_free_tokens=self.tables.free_tokens,
+            kv_cached_tokens=allocator.num_cached * self.tables.block_size,
+            blocks_new=blocks_new,
+            blocks_gone=blocks_gone,
         )
 
     def _position_outputs(
