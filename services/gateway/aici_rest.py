@@ -33,8 +33,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common import aici_wire, wire
 from common.errors import ERROR_TRAITS, INTERNAL_ERROR, INVALID_REQUEST, MODEL_LOADING_ERROR, TillerError
-from services.gateway.driver import Gateway, context_budget, new_request_id
-from services.gateway.engine import HEALTH_MAX_AGE_S, StreamItem, worker_stage
+from services.gateway.deps import Gateway, new_request_id
+from services.gateway.driver import context_budget
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, worker_stage
 from services.gateway.httputil import SSE_HEADERS, gateway_of, read_json_object, sse
 from services.gateway.protocol import GatewayError
 from services.gateway.side_channel import Caller, ControllerInitFailed, SideChannel, Unauthorized, caller_of
@@ -231,9 +232,9 @@ class RunStream:
                     yield sse("[DONE]")
                     return
         finally:
-            self.gw.engine.close_stream(self.rid)
+            self.gw.scheduler.close_stream(self.rid)
             if not done:  # the client left: free the request's sequences
-                self.gw.engine.cancel_soon(self.rid)
+                self.gw.scheduler.cancel_soon(self.rid)
 
 
 def usage(sampled: int, ff: int) -> dict[str, int]:
@@ -267,7 +268,7 @@ async def _start_run(gw: Gateway, run: RunRequest, caller: Caller) -> AsyncItera
         tokenizer = gw.text.tokenizer
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         prompt_ids = [start]
-    health = await gw.engine.health(max_age=HEALTH_MAX_AGE_S)
+    health = await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)
     stage = worker_stage(health).get("stage")
     if stage != "ready":
         raise TillerError(MODEL_LOADING_ERROR, f"the model is not ready (worker: {stage}); retry shortly")
@@ -279,9 +280,9 @@ async def _start_run(gw: Gateway, run: RunRequest, caller: Caller) -> AsyncItera
             await _side(gw).instantiate(caller, rid, prompt_ids, run.controller, aici_wire.module_arg_text(run.controller_arg))
         except ControllerInitFailed as exc:
             return failed_start(rid, model, exc.result)
-    queue = gw.engine.open_stream(rid)
+    queue = gw.scheduler.open_stream(rid)
     try:
-        await gw.engine.submit(
+        await gw.scheduler.submit(
             wire.Submit(
                 rid=rid,
                 prompt_ids=prompt_ids,
@@ -292,7 +293,7 @@ async def _start_run(gw: Gateway, run: RunRequest, caller: Caller) -> AsyncItera
             )
         )
     except BaseException:
-        gw.engine.close_stream(rid)
+        gw.scheduler.close_stream(rid)
         raise
     return RunStream(gw, rid, queue, PLAIN_FINISH if run.plain else ABORTED).events(model)
 

@@ -11,15 +11,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from common import wire
-from common.config import Settings
 from common.errors import (
     CONTENT_FILTER,
     CONTEXT_LENGTH_EXCEEDED,
@@ -29,8 +26,8 @@ from common.errors import (
     TIMEOUT,
     TillerError,
 )
-from services.gateway.engine import HEALTH_MAX_AGE_S, EngineClient, StreamItem, worker_stage
-from services.gateway.metrics import Metrics
+from services.gateway.deps import Gateway
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, worker_stage
 from services.gateway.protocol import (
     CompletionMsg,
     ErrorMsg,
@@ -43,10 +40,7 @@ from services.gateway.protocol import (
     TokenMsg,
     Usage,
 )
-from services.gateway.ratelimit import RateLimiter
-from services.gateway.side_channel import Caller, SideChannel
-from services.gateway.store import StoreClient
-from services.gateway.text import TextProcessor
+from services.gateway.side_channel import Caller
 from services.gateway.validation import GenerationRequest, ParametersPatch
 
 log = structlog.get_logger()
@@ -57,24 +51,6 @@ LOADING_POLL_S = 1.0
 STALL_GRACE_S = 10.0
 # Finish reasons that end a generation normally, with a completion message.
 COMPLETED = ("length", "stop", "cancelled")
-
-
-@dataclass
-class Gateway:
-    """What every request needs, built once per app."""
-
-    settings: Settings
-    engine: EngineClient
-    store: StoreClient
-    text: TextProcessor
-    limiter: RateLimiter
-    metrics: Metrics
-    created: int  # unix time the gateway started (OpenAI's model ``created``)
-    side: SideChannel | None = None  # the controller runtime's side channel (controllers, tags, instantiate)
-
-
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex}"
 
 
 def context_budget(prompt_tokens: int, max_tokens: int | None, max_model_len: int, default_max_tokens: int) -> int:
@@ -181,9 +157,9 @@ class Generation:
                     yield ErrorMsg.from_error(error, self.rid if self._initialized else None, self._partial())
         finally:
             if self._phase is Phase.RUNNING:
-                gw.engine.cancel_soon(self.rid)
+                gw.scheduler.cancel_soon(self.rid)
             self._phase = Phase.DONE
-            gw.engine.close_stream(self.rid)
+            gw.scheduler.close_stream(self.rid)
             elapsed = time.monotonic() - self._started
             gw.metrics.active_streams.labels(*labels).dec()
             gw.metrics.requests.labels(self.surface, outcome).inc()
@@ -217,7 +193,7 @@ class Generation:
             # what the client wrote is screened, not the chat template's own text around it
             if gw.text.refused("\n".join(m["content"] for m in messages) if messages else prompt_text):
                 raise GatewayError(CONTENT_FILTER, "the prompt was refused by the content filter", param="prompt")
-            health = await gw.engine.health(max_age=HEALTH_MAX_AGE_S)
+            health = await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)
             self._max_model_len = int(health.detail.get("max_model_len") or gw.settings.limits.max_model_len)
             self._check_logit_bias(int(health.detail.get("vocab_size") or 0))
             max_tokens = context_budget(
@@ -249,9 +225,9 @@ class Generation:
             if self._stop_requested:
                 yield self._completion("cancelled")
                 return
-            queue = gw.engine.open_stream(self.rid)
+            queue = gw.scheduler.open_stream(self.rid)
             self._phase = Phase.RUNNING
-            await gw.engine.submit(
+            await gw.scheduler.submit(
                 wire.Submit(
                     rid=self.rid,
                     prompt_ids=prompt_ids,
@@ -302,7 +278,7 @@ class Generation:
             default = "waiting for a model worker" if stage == "absent" else "loading the model"
             yield StatusMsg("model_loading", progress, worker.get("message") or default, eta)
             await asyncio.sleep(LOADING_POLL_S)
-            health = await self._gw.engine.health()
+            health = await self._gw.scheduler.health()
 
     async def _consume(self, queue: asyncio.Queue[StreamItem]) -> AsyncIterator[ServerMsg]:
         limits = self._gw.settings.limits
@@ -343,7 +319,7 @@ class Generation:
         if not self._filtered and event.text and self._gw.text.refused(self._text + event.text):
             self._filtered = True
             if event.finish_reason is None:
-                self._gw.engine.cancel_soon(self.rid)  # then drain up to its final "cancelled" event
+                self._gw.scheduler.cancel_soon(self.rid)  # then drain up to its final "cancelled" event
         if self._filtered:
             return [self._completion(CONTENT_FILTER)] if event.finish_reason is not None else []
 
@@ -462,22 +438,22 @@ class Generation:
             raise GatewayError(INVALID_REQUEST, "cannot stop: no generation is running", param="action")
         self._stop_requested = True
         if self._phase is Phase.RUNNING:
-            await self._control(self._gw.engine.cancel(self.rid))
+            await self._control(self._gw.scheduler.cancel(self.rid))
 
     async def pause(self) -> None:
         self._require_running("pause")
-        await self._control(self._gw.engine.pause(self.rid))
+        await self._control(self._gw.scheduler.pause(self.rid))
 
     async def resume(self) -> None:
         self._require_running("resume")
-        await self._control(self._gw.engine.resume(self.rid))
+        await self._control(self._gw.scheduler.resume(self.rid))
 
     async def modify(self, patch: ParametersPatch) -> None:
         self._require_running("modify")
         if patch.max_tokens is not None:
             context_budget(self._prompt_len, patch.max_tokens, self._max_model_len, patch.max_tokens)
         sampling_patch = patch.to_patch()
-        await self._control(self._gw.engine.modify(self.rid, sampling_patch))
+        await self._control(self._gw.scheduler.modify(self.rid, sampling_patch))
         self.request = self.request.patched(sampling_patch)
 
 

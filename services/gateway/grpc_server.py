@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import structlog
 
-from services.gateway.driver import Gateway
+from services.gateway.deps import Gateway
 from services.gateway.evergreen import service as evergreen
 from services.gateway.salience import service as salience
 

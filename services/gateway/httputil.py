@@ -13,7 +13,7 @@ import msgspec
 from starlette.requests import HTTPConnection, Request
 
 from common.errors import INVALID_REQUEST
-from services.gateway.driver import Gateway
+from services.gateway.deps import Gateway
 from services.gateway.protocol import GatewayError
 
 T = TypeVar("T")

@@ -34,8 +34,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import INTERNAL_ERROR, MEMORY_PRESSURE, MODEL_LOADING_ERROR, RATE_LIMITED, TIMEOUT, TillerError
-from services.gateway.driver import Generation, new_request_id
-from services.gateway.engine import HEALTH_MAX_AGE_S
+from services.gateway.deps import new_request_id
+from services.gateway.driver import Generation
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S
 from services.gateway.httputil import (
     SSE_HEADERS,
     client_of,
@@ -583,7 +584,7 @@ async def max_model_len(request: Request) -> int:
     """The model's own context once a worker has reported it, else the configured one."""
     gw = gateway_of(request)
     try:
-        detail = (await gw.engine.health(max_age=HEALTH_MAX_AGE_S)).detail
+        detail = (await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)).detail
     except TillerError:
         detail = {}
     return detail.get("max_model_len") or gw.settings.limits.max_model_len

@@ -19,7 +19,7 @@ async def health(request: Request) -> JSONResponse:
     """200 when the scheduler answers and its worker is ready, else 503; the body has the detail."""
     gw = gateway_of(request)
     try:
-        reply = await gw.engine.health()
+        reply = await gw.scheduler.health()
     except TillerError as exc:
         return JSONResponse({"status": "unavailable", "message": exc.message, "scheduler": None}, status_code=503)
     body = {
@@ -33,7 +33,7 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     gw = gateway_of(request)
-    health = gw.engine.recent_health(max_age=1.0)  # never waits: without a scheduler the gauges stay as they were
+    health = gw.scheduler.recent_health(max_age=1.0)  # never waits: without a scheduler the gauges stay as they were
     if health is not None:
         gw.metrics.observe_engine(health.detail)
     return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)

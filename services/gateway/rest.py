@@ -17,7 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import ERROR_TRAITS, INTERNAL_ERROR, TillerError
-from services.gateway.driver import Generation, new_request_id, protocol_messages
+from services.gateway.deps import new_request_id
+from services.gateway.driver import Generation, protocol_messages
 from services.gateway.httputil import (
     SSE_HEADERS,
     client_of,

@@ -8,7 +8,7 @@ import grpc
 
 from common.protos.evergreen.v2 import evergreen_pb2 as eg
 from common.protos.evergreen.v2 import evergreen_pb2_grpc as eg_grpc
-from services.gateway.driver import Gateway
+from services.gateway.deps import Gateway
 from services.gateway.evergreen.errors import SessionAbort
 from services.gateway.evergreen.session import Session
 from services.gateway.grpc_requests import Malformed, add_servicer

@@ -20,8 +20,8 @@ import zmq.asyncio
 from common.protos.salience.v1 import salience_pb2 as pb
 from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
 from common.errors import TillerError
-from services.gateway.driver import Gateway
-from services.gateway.engine import HEALTH_MAX_AGE_S
+from services.gateway.deps import Gateway
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S
 from services.gateway.grpc_requests import Malformed, add_servicer
 from services.gateway.salience.images import ImageSupport
 from services.gateway.salience.store import SessionStoreClient, SessionStoreError
@@ -82,7 +82,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
 
     async def _facts(self) -> dict[str, Any]:
         try:
-            return (await self.gw.engine.health(max_age=HEALTH_MAX_AGE_S)).detail
+            return (await self.gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)).detail
         except TillerError as exc:
             raise Abort(grpc.StatusCode.UNAVAILABLE, exc.message) from None
 

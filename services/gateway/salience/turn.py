@@ -21,8 +21,9 @@ import structlog
 from common import wire
 from common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, MEMORY_PRESSURE, TIMEOUT, TillerError
 from common.protos.salience.v1 import salience_pb2 as pb
-from services.gateway.driver import STALL_GRACE_S, Gateway, new_request_id
-from services.gateway.engine import HEALTH_MAX_AGE_S, worker_stage
+from services.gateway.deps import Gateway, new_request_id
+from services.gateway.driver import STALL_GRACE_S
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, worker_stage
 from services.gateway.salience.images import ImageError, ImageSupport, check_unattached, prepare_images
 from services.gateway.salience.store import SessionStoreClient
 
@@ -97,7 +98,7 @@ class Turn:
 
     async def _ready(self) -> wire.HealthReply:
         try:
-            health = await self.gw.engine.health(max_age=HEALTH_MAX_AGE_S)
+            health = await self.gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)
         except TillerError as exc:
             raise Abort(grpc.StatusCode.UNAVAILABLE, exc.message) from None
         stage = worker_stage(health)
@@ -203,12 +204,12 @@ class Turn:
     async def _stream(
         self, session: wire.SalienceSession, outputs: wire.OutputRequest, sampling: wire.SamplingParams, length: int
     ) -> AsyncIterator[pb.GenerateEvent]:
-        req, engine = self.request, self.gw.engine
-        queue = engine.open_stream(self.rid)
+        req, scheduler = self.request, self.gw.scheduler
+        queue = scheduler.open_stream(self.rid)
         finished = False
         try:
             try:
-                await engine.submit(
+                await scheduler.submit(
                     wire.Submit(
                         rid=self.rid,
                         prompt_ids=session.tokens,
@@ -252,8 +253,8 @@ class Turn:
                     return
         finally:
             if not finished:
-                engine.cancel_soon(self.rid)
-            engine.close_stream(self.rid)
+                scheduler.cancel_soon(self.rid)
+            scheduler.close_stream(self.rid)
 
     @staticmethod
     def _prompt_token(out: wire.PositionOutput) -> pb.Token:
