@@ -317,7 +317,7 @@ class SchedulerCore:
         if isinstance(reused, Placement):
             return reused
         while True:
-            identity = self.place(needed, self.pool.ready())
+            identity = self.place(request, self.pool.ready())
             if identity is not None:
                 return Placement(worker=self.pool.workers[identity])
             if not self.sessions.evict_lru():

@@ -28,7 +28,7 @@ from common.config import Settings
 from common.errors import INTERNAL_ERROR, INVALID_REQUEST
 from common.incarnation import process_incarnation
 from common.model_source import load_tokenizer
-from common.sockets import Router, reply_mid
+from common.sockets import Router, heartbeat, reply_mid
 from common.textstream import TextStream
 from services.scheduler.controlled import MainReply
 from services.scheduler.core import Dispatch, SchedulerCore
@@ -63,6 +63,7 @@ class Scheduler:
         ctx = zmq.asyncio.Context.instance()
         self.frontend = Router(ctx, settings.endpoint("scheduler"))
         self.worker_router = Router(ctx, settings.endpoint("worker"))
+        heartbeat(self.worker_router.sock, settings.distributed.heartbeat_s, settings.distributed.heartbeat_timeout_s)
         self.channel = MainChannel(settings.endpoint("controller_main"))
         self.gateways_seen: dict[bytes, float] = {}  # gateways that send heartbeats -> when last heard from
         self.pending: dict[bytes, dict[int, asyncio.Future[wire.StepResult]]] = {}  # worker -> step_id -> result

@@ -10,8 +10,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common import wire
+
+if TYPE_CHECKING:
+    from services.scheduler.requests import LiveRequest
 
 
 @dataclass
@@ -37,15 +41,15 @@ class WorkerInfo:
         return self.capacity - self.reserved_tokens
 
 
-# Where a new sequence needing ``tokens`` of KV runs: the identity of one of ``workers`` (the ready
-# ones), or None when none can hold it now.
-Place = Callable[[int, Sequence[WorkerInfo]], "bytes | None"]
+# Where a new sequence for a request runs (it needs ``request.needed_tokens`` of KV): the identity of
+# one of ``workers`` (the ready ones), or None when none can hold it now.
+Place = Callable[["LiveRequest", Sequence[WorkerInfo]], "bytes | None"]
 
 
-def least_loaded(tokens: int, workers: Sequence[WorkerInfo]) -> bytes | None:
-    """The worker with the most unreserved KV, if it can hold ``tokens``."""
+def least_loaded(request: LiveRequest, workers: Sequence[WorkerInfo]) -> bytes | None:
+    """The worker with the most unreserved KV, if it can hold the request."""
     best = max(workers, key=lambda w: w.unreserved, default=None)
-    return best.identity if best is not None and best.unreserved >= tokens else None
+    return best.identity if best is not None and best.unreserved >= request.needed_tokens else None
 
 
 class WorkerPool:

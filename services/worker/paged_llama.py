@@ -227,10 +227,17 @@ class PagedLlama:
             h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
             gate_up = _linear(h, layer.gate_up, layer.gate_up_bias)
             h = self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-            x = _add_linear(x, h, layer.down, layer.down_bias)
+            x = self._residual_linear(x, h, layer.down, layer.down_bias)
         if taps is not None and len(self.layers) - 1 in self.tap_layers:
             taps[len(self.layers) - 1] = x[taps[-1]]
         return x
+
+    def _residual_linear(
+        self, x: torch.Tensor, h: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x + h @ weight_t (+ bias)``: the attention output and MLP down projections (a
+        tensor-parallel runner sums its ranks' partial products here)."""
+        return _add_linear(x, h, weight_t, bias)
 
     def final_norm_of(self, h: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
@@ -316,5 +323,5 @@ class PagedLlama:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True)
             outs.append(out[0].transpose(0, 1).reshape(p.n, heads * dim))
         attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return _add_linear(x, attn, layer.o, layer.o_bias)
+        return self._residual_linear(x, attn, layer.o, layer.o_bias)
 

@@ -127,8 +127,8 @@ def test_a_paused_queued_request_is_skipped_until_resumed():
 def test_the_placement_policy_picks_the_worker_of_a_new_sequence():
     calls = []
 
-    def last_worker(tokens, workers):
-        calls.append((tokens, sorted(w.identity for w in workers)))
+    def last_worker(request, workers):
+        calls.append((request.rid, request.needed_tokens, sorted(w.identity for w in workers)))
         return workers[-1].identity
 
     h = Harness(place=last_worker)
@@ -136,7 +136,7 @@ def test_the_placement_policy_picks_the_worker_of_a_new_sequence():
     h.worker(b"w2")
     h.submit("r", prompt(4), 6)
     steps = h.build()
-    assert calls == [(10, [b"w1", b"w2"])]
+    assert calls == [("r", 10, [b"w1", b"w2"])]
     assert [d.worker for d in steps] == [b"w2"] and h.core.requests["r"].worker == b"w2"
 
 
