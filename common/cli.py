@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from common import wire
 from common.config import Distributed, Settings, get_settings
 from common.sockets import probe_health
 
@@ -128,10 +129,10 @@ async def _wait_ready(settings: Settings) -> tuple[bool, str]:
         store = await probe_health(settings.endpoint("session_store"), timeout=1.0)
         scheduler = await probe_health(settings.endpoint("scheduler"), timeout=2.0)
         if scheduler is not None:
-            worker = scheduler.detail.get("worker", {})
-            if worker.get("stage") == "failed":
-                return False, f"the worker failed to load the model: {worker.get('message')}"
-            note = f"worker: {worker.get('stage')} {worker.get('progress', 0)}% {worker.get('message', '')}".strip()
+            worker = (scheduler.facts or wire.ModelFacts()).worker
+            if worker.stage == "failed":
+                return False, f"the worker failed to load the model: {worker.message}"
+            note = f"worker: {worker.stage} {worker.progress}% {worker.message}".strip()
             if note != last_note:
                 print(f"  {note}", flush=True)
                 last_note = note

@@ -99,10 +99,56 @@ class Health(Msg, tag="health"):
     pass
 
 
+class WorkerStage(msgspec.Struct, kw_only=True):
+    """The best stage among a scheduler's workers; generation needs ``ready``."""
+
+    stage: str = "absent"  # "absent" | "loading" | "ready" | "failed"
+    progress: int = 0
+    message: str = "no worker has connected yet"
+    workers: int = 0
+    device: str = ""
+
+
+class ControllerStepStats(msgspec.Struct, kw_only=True):
+    """Main-channel cost so far: wall time of post_pre_process/mid_process calls, sequence-steps run."""
+
+    main_s: float = 0.0
+    seq_steps: int = 0
+    us_per_seq_step: float = 0.0
+
+
+class ModelFacts(msgspec.Struct, kw_only=True):
+    """The scheduler's health: the served model's facts (from its first ready worker; the configured
+    context before one is) and its load. Gateways admit requests against these, and ``/health``
+    shows them as they are."""
+
+    worker: WorkerStage = msgspec.field(default_factory=WorkerStage)
+    model: str = ""
+    vocab_size: int = 0  # 0: no ready worker yet
+    max_model_len: int = 0
+    eos_token_ids: list[int] = []
+    kv_capacity_tokens: int = 0
+    kv_free_tokens: int = 0  # as the workers' last steps left it
+    kv_reserved_tokens: int = 0  # promised to admitted requests and parked sessions
+    queued: int = 0
+    running: int = 0
+    paused: int = 0
+    controller_runtime: str = ""  # "ok", or what is wrong with it
+    controller_steps: ControllerStepStats = msgspec.field(default_factory=ControllerStepStats)
+    hidden_size: int = 0
+    readout_concepts: list[str] = []
+    readout_layers: list[int] = []
+    parked_sessions: int = 0
+    parked_tokens: int = 0
+
+
 class HealthReply(Msg, tag="health_reply"):
+    """``facts``: the scheduler's (other services leave it out); ``detail``: a worker's engine figures."""
+
     service: str
     ready: bool
     detail: dict[str, Any] = {}
+    facts: ModelFacts | None = None
     incarnation: str = ""  # the answering process's life (common.incarnation)
 
 
@@ -200,6 +246,21 @@ class Modify(Msg, tag="modify"):
 
 
 # scheduler -> gateway
+
+
+class Queued(Msg, tag="queued"):
+    """The scheduler took a Submit: ``waiting`` requests (this one included) wait for admission."""
+
+    rid: str
+    waiting: int
+
+
+class RequestState(Msg, tag="request_state"):
+    """The answer to Cancel, Pause, Resume and Modify: where the request stands after it."""
+
+    rid: str
+    state: str  # "queued" | "running" | "finished"
+    paused: bool
 
 
 class PositionOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -533,6 +594,8 @@ Message = Union[
     Pause,
     Resume,
     Modify,
+    Queued,
+    RequestState,
     Events,
     RequestFailed,
     Step,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from common import wire
+
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -54,12 +56,10 @@ class Metrics:
             )
         }
 
-    def observe_engine(self, scheduler_detail: dict) -> None:
-        """Set the engine gauges from the scheduler's health detail (missing keys are left as they are)."""
+    def observe_engine(self, facts: wire.ModelFacts) -> None:
+        """Set the engine gauges from the scheduler's model facts."""
         for key, gauge in self.engine_state.items():
-            value = scheduler_detail.get(key)
-            if isinstance(value, (int, float)):
-                gauge.set(value)
+            gauge.set(getattr(facts, key))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import structlog
 
 from common import aici_wire, wire
+from common.admission import ContextLengthExceeded, context_budget
 from common.config import Controllers, Limits, Sessions
 from common.errors import (
-    CONTEXT_LENGTH_EXCEEDED,
     ERROR_TRAITS,
     INTERNAL_ERROR,
     INVALID_REQUEST,
@@ -141,7 +141,7 @@ class SchedulerCore:
     # gateways
 
     def submit(self, gateway: bytes, submit: wire.Submit) -> wire.Msg:
-        """Queue a request (Ok) or refuse it (Error)."""
+        """Queue a request (Queued) or refuse it (Error)."""
 
         def refuse(code: str, message: str) -> wire.Error:
             return wire.Error(code=code, message=message, rid=submit.rid)
@@ -151,28 +151,22 @@ class SchedulerCore:
         if not submit.prompt_ids:
             return refuse(INVALID_REQUEST, "the prompt has no tokens")
         facts = self.model_facts()
-        if facts is None and self.pool.summary()["stage"] == "failed":
-            return refuse(MODEL_LOADING_ERROR, f"the model failed to load: {self.pool.summary()['message']}")
+        stage = self.pool.summary()
+        if facts is None and stage.stage == "failed":
+            return refuse(MODEL_LOADING_ERROR, f"the model failed to load: {stage.message}")
         if facts is not None and not all(0 <= t < facts.vocab_size for t in submit.prompt_ids):
             return refuse(INVALID_REQUEST, f"prompt token ids must lie in [0, {facts.vocab_size})")
-        max_len = self.max_model_len()
-        prefill_only = submit.max_tokens == 0  # scoring: feed the prompt, generate nothing
-        if len(submit.prompt_ids) + (0 if prefill_only else 1) > max_len:
-            return refuse(
-                CONTEXT_LENGTH_EXCEEDED,
-                f"the prompt has {len(submit.prompt_ids)} tokens; the context holds {max_len} "
-                "including at least one generated token",
-            )
         if submit.max_tokens < 0:
             return refuse(INVALID_REQUEST, "max_tokens must be >= 0 (0: prefill only)")
+        try:  # the max_tokens policy: what does not fit is refused, never cut
+            context_budget(len(submit.prompt_ids), submit.max_tokens, self.max_model_len(), submit.max_tokens)
+            if facts is not None and facts.kv_capacity_tokens:  # a worker's whole KV pool could never hold more
+                context_budget(len(submit.prompt_ids), submit.max_tokens, facts.kv_capacity_tokens, submit.max_tokens,
+                               what="the KV cache")
+        except ContextLengthExceeded as exc:
+            return refuse(exc.code, exc.message)
         if len(self.queue) >= self.limits.max_queued:
             return refuse(MEMORY_PRESSURE, f"{len(self.queue)} requests are already waiting; try again shortly")
-        submit.max_tokens = min(submit.max_tokens, max_len - len(submit.prompt_ids))
-        if facts is not None and facts.kv_capacity_tokens:
-            # a request larger than a worker's whole KV pool could never be admitted
-            submit.max_tokens = min(submit.max_tokens, facts.kv_capacity_tokens - len(submit.prompt_ids))
-            if submit.max_tokens < (0 if prefill_only else 1):
-                return refuse(CONTEXT_LENGTH_EXCEEDED, f"the prompt does not fit the KV cache ({facts.kv_capacity_tokens} tokens)")
         timeout = submit.timeout_s if submit.timeout_s > 0 else self.limits.request_timeout_s
         request = LiveRequest(
             submit=submit,
@@ -186,7 +180,7 @@ class SchedulerCore:
         structlog.contextvars.bind_contextvars(request_id=submit.rid)
         log.info("scheduler.submitted", prompt_tokens=len(submit.prompt_ids), max_tokens=submit.max_tokens)
         structlog.contextvars.unbind_contextvars("request_id")
-        return wire.Ok(data={"queued": len(self.queue)})
+        return wire.Queued(rid=submit.rid, waiting=len(self.queue))
 
     def control(self, gateway: bytes, msg: wire.Cancel | wire.Pause | wire.Resume | wire.Modify) -> wire.Msg:
         """Cancel, pause, resume or modify one of ``gateway``'s live requests."""
@@ -200,12 +194,15 @@ class SchedulerCore:
         elif isinstance(msg, wire.Resume):
             request.paused = False
         elif isinstance(msg, wire.Modify):
+            if msg.patch.max_tokens is not None:
+                try:
+                    context_budget(len(request.prompt), msg.patch.max_tokens, self.max_model_len(), msg.patch.max_tokens)
+                except ContextLengthExceeded as exc:
+                    return wire.Error(code=exc.code, message=exc.message, rid=msg.rid)
             request.apply_patch(msg.patch)
-            if request.state is not State.QUEUED:
-                request.submit.max_tokens = min(request.submit.max_tokens, self.max_model_len() - len(request.prompt))
-                if len(request.generated) >= request.submit.max_tokens:
-                    self.finish(request, "length")
-        return wire.Ok(data={"state": request.state.value, "paused": request.paused})
+            if request.state is not State.QUEUED and len(request.generated) >= request.submit.max_tokens:
+                self.finish(request, "length")
+        return wire.RequestState(rid=request.rid, state=request.state.value, paused=request.paused)
 
     def drop_session(self, key: str) -> None:
         """A closed session: its live turns are cancelled and its parked KV let go."""
@@ -581,26 +578,26 @@ class SchedulerCore:
     # ------------------------------------------------------------------------------------------
     # figures
 
-    def figures(self) -> dict[str, object]:
-        """The core's part of the scheduler's health detail."""
+    def facts(self) -> wire.ModelFacts:
+        """The core's part of the scheduler's health reply (the shell adds the model's name and the
+        controller runtime's state)."""
         ready = self.pool.ready()
-        facts = self.model_facts()
-        return {
-            "worker": self.pool.summary(),
-            "vocab_size": facts.vocab_size if facts else 0,
-            "max_model_len": self.max_model_len(),
-            "eos_token_ids": facts.eos_token_ids if facts else [],
-            "kv_capacity_tokens": sum(w.capacity for w in ready),
-            # free KV as the workers' last steps left it (a worker with no step yet: all of it)
-            "kv_free_tokens": sum(w.capacity if w.kv_free_tokens is None else w.kv_free_tokens for w in ready),
-            # KV promised to admitted requests and parked sessions: what admission control counts
-            "kv_reserved_tokens": sum(w.reserved_tokens for w in ready),
-            "queued": len(self.queue),
-            "running": len(self.running),
-            "paused": sum(1 for r in self.requests.values() if r.paused),
-            "hidden_size": facts.hidden_size if facts else 0,
-            "readout_concepts": facts.readout_concepts if facts else [],
-            "readout_layers": facts.readout_layers if facts else [],
-            **self.sessions.summary(),
-        }
-
+        hello = self.model_facts() or wire.WorkerHello(worker_id="", stage="absent")
+        return wire.ModelFacts(
+            worker=self.pool.summary(),
+            vocab_size=hello.vocab_size,
+            max_model_len=self.max_model_len(),
+            eos_token_ids=hello.eos_token_ids,
+            kv_capacity_tokens=sum(w.capacity for w in ready),
+            # a worker with no step yet: all of it free
+            kv_free_tokens=sum(w.capacity if w.kv_free_tokens is None else w.kv_free_tokens for w in ready),
+            kv_reserved_tokens=sum(w.reserved_tokens for w in ready),
+            queued=len(self.queue),
+            running=len(self.running),
+            paused=sum(1 for r in self.requests.values() if r.paused),
+            hidden_size=hello.hidden_size,
+            readout_concepts=hello.readout_concepts,
+            readout_layers=hello.readout_layers,
+            parked_sessions=len(self.sessions.parked),
+            parked_tokens=self.sessions.parked_tokens(),
+        )

@@ -111,15 +111,14 @@ class Scheduler:
         controller = await self.channel.ping()
         seq_steps = self.core.controlled.seq_steps
         main_s = self.channel.busy_s
-        detail = {
-            "model": self.settings.served_model_name,
-            **self.core.figures(),
-            "controller_runtime": controller,
-            "controller_steps": {"main_s": round(main_s, 6), "seq_steps": seq_steps,
-                                 "us_per_seq_step": round(main_s / seq_steps * 1e6, 1) if seq_steps else 0.0},
-        }
+        facts = self.core.facts()
+        facts.model = self.settings.served_model_name
+        facts.controller_runtime = controller
+        facts.controller_steps = wire.ControllerStepStats(
+            main_s=round(main_s, 6), seq_steps=seq_steps,
+            us_per_seq_step=round(main_s / seq_steps * 1e6, 1) if seq_steps else 0.0)
         ready = self.core.model_facts() is not None and controller == "ok"
-        return wire.HealthReply(service="scheduler", ready=ready, detail=detail, incarnation=self.incarnation)
+        return wire.HealthReply(service="scheduler", ready=ready, facts=facts, incarnation=self.incarnation)
 
     # ------------------------------------------------------------------------------------------
     # workers

@@ -90,8 +90,8 @@ class SessionKV:
     def held_tokens(self, worker: bytes) -> int:
         return sum(len(p.tokens) for p in self.parked.values() if p.worker == worker)
 
-    def summary(self) -> dict[str, int]:
-        return {"parked_sessions": len(self.parked), "parked_tokens": sum(len(p.tokens) for p in self.parked.values())}
+    def parked_tokens(self) -> int:
+        return sum(len(p.tokens) for p in self.parked.values())
 
     # -- admission -----------------------------------------------------------------------------
 

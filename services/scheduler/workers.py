@@ -78,19 +78,14 @@ class WorkerPool:
     def ready(self) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.ready]
 
-    def summary(self) -> dict[str, object]:
-        """Worker state for health replies: the best stage among workers."""
+    def summary(self) -> wire.WorkerStage:
+        """The best stage among workers, for health replies."""
         if not self.workers:
-            return {"stage": "absent", "progress": 0, "message": "no worker has connected yet"}
+            return wire.WorkerStage()
         rank = {"ready": 3, "loading": 2, "failed": 1}
         best = max(self.workers.values(), key=lambda w: (rank.get(w.hello.stage, 0), w.hello.progress))
-        return {
-            "stage": best.hello.stage,
-            "progress": 100 if best.ready else best.hello.progress,
-            "message": best.hello.message,
-            "workers": len(self.workers),
-            "device": best.hello.device,
-        }
+        return wire.WorkerStage(stage=best.hello.stage, progress=100 if best.ready else best.hello.progress,
+                                message=best.hello.message, workers=len(self.workers), device=best.hello.device)
 
     def drop(self, identity: bytes) -> WorkerInfo | None:
         return self.workers.pop(identity, None)

@@ -10,7 +10,7 @@ def test_a_request_is_queued_then_admitted_onto_the_worker():
     h = Harness()
     h.worker()
     reply = h.submit("r1", prompt(5))
-    assert isinstance(reply, wire.Ok) and reply.data == {"queued": 1}
+    assert reply == wire.Queued(rid="r1", waiting=1)
     assert h.core.requests["r1"].state is State.QUEUED
     steps = h.build()
     assert [d.worker for d in steps] == [b"w1"]
@@ -26,7 +26,7 @@ def test_refusals_name_the_problem_and_change_nothing():
         "dup": (prompt(3), 4, INVALID_REQUEST, "already live"),
         "empty": ([], 4, INVALID_REQUEST, "no tokens"),
         "vocab": ([9999], 4, INVALID_REQUEST, "must lie in"),
-        "long": (prompt(64), 4, CONTEXT_LENGTH_EXCEEDED, "the context holds 64"),
+        "long": (prompt(64), 4, CONTEXT_LENGTH_EXCEEDED, "the model's context of 64 tokens leaves no room"),
         "negative": (prompt(3), -1, INVALID_REQUEST, "max_tokens must be >= 0"),
     }
     for rid, (ids, max_tokens, code, words) in cases.items():
@@ -39,13 +39,13 @@ def test_refusals_name_the_problem_and_change_nothing():
 def test_a_prefill_only_request_may_fill_the_whole_context():
     h = Harness()
     h.worker(max_model_len=64)
-    assert isinstance(h.submit("score", prompt(64), 0), wire.Ok)
+    assert isinstance(h.submit("score", prompt(64), 0), wire.Queued)
 
 
 def test_a_full_queue_answers_memory_pressure():
     h = Harness(max_queued=2)
     for rid in ("a", "b"):
-        assert isinstance(h.submit(rid, prompt(3)), wire.Ok)
+        assert isinstance(h.submit(rid, prompt(3)), wire.Queued)
     reply = h.submit("c", prompt(3))
     assert isinstance(reply, wire.Error) and reply.code == MEMORY_PRESSURE
 
@@ -81,13 +81,25 @@ def test_the_kv_budget_admits_what_fits_and_queues_the_rest():
     assert h.core.requests["c"].state is State.RUNNING
 
 
-def test_max_tokens_beyond_the_kv_pool_is_cut_to_what_the_pool_holds():
+def test_max_tokens_beyond_the_context_is_refused_not_cut():
+    h = Harness()
+    h.worker(max_model_len=64)
+    reply = h.submit("r", prompt(10), 55)
+    assert isinstance(reply, wire.Error) and reply.code == CONTEXT_LENGTH_EXCEEDED
+    assert reply.message == ("the prompt (10 tokens) plus max_tokens (55) exceeds the model's context of 64 tokens; "
+                             "ask for at most 54")
+    assert isinstance(h.submit("fits", prompt(10), 54), wire.Queued)
+    assert h.core.requests["fits"].submit.max_tokens == 54
+
+
+def test_max_tokens_beyond_the_kv_pool_is_refused_not_cut():
     h = Harness()
     h.worker(capacity=50)
-    h.submit("r", prompt(10), 100)
-    assert h.core.requests["r"].submit.max_tokens == 40
+    reply = h.submit("r", prompt(10), 100)
+    assert isinstance(reply, wire.Error) and reply.code == CONTEXT_LENGTH_EXCEEDED
+    assert "exceeds the KV cache of 50 tokens; ask for at most 40" in reply.message
     reply = h.submit("huge", prompt(50), 4)
-    assert isinstance(reply, wire.Error) and reply.code == CONTEXT_LENGTH_EXCEEDED and "KV cache" in reply.message
+    assert isinstance(reply, wire.Error) and "the KV cache of 50 tokens leaves no room" in reply.message
 
 
 def test_the_batch_size_limit_holds_requests_back():

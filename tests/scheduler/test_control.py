@@ -17,7 +17,7 @@ def test_cancel_a_queued_request():
     h = Harness()
     h.submit("r", prompt(3))
     reply = h.core.control(b"gw", wire.Cancel(rid="r"))
-    assert isinstance(reply, wire.Ok) and reply.data == {"state": "finished", "paused": False}
+    assert reply == wire.RequestState(rid="r", state="finished", paused=False)
     assert h.final("r").finish_reason == "cancelled" and not h.core.queue
 
 
@@ -53,7 +53,7 @@ def test_cancel_with_two_steps_in_flight():
 def test_a_paused_request_is_not_stepped_and_resumes_where_it_was():
     h = running(Harness())
     reply = h.core.control(b"gw", wire.Pause(rid="r"))
-    assert reply.data == {"state": "running", "paused": True}
+    assert reply == wire.RequestState(rid="r", state="running", paused=True)
     assert h.build() == []
     h.core.control(b"gw", wire.Resume(rid="r"))
     (seq,) = seqs_of(h.build(), "r")
@@ -90,6 +90,16 @@ def test_modify_max_tokens_below_what_was_generated_ends_the_request():
     h.cycle({"r": LLO})
     h.core.control(b"gw", wire.Modify(rid="r", patch=wire.SamplingPatch(max_tokens=2)))
     assert h.final("r").finish_reason == "length" and h.final("r").completion_tokens == 2
+
+
+def test_modify_max_tokens_beyond_the_context_is_refused_and_changes_nothing():
+    h = Harness()
+    h.worker(max_model_len=20)
+    h.submit("r", prompt(3), 10)
+    h.cycle({"r": HE})
+    reply = h.core.control(b"gw", wire.Modify(rid="r", patch=wire.SamplingPatch(max_tokens=18, temperature=0.9)))
+    assert isinstance(reply, wire.Error) and reply.code == "context_length_exceeded" and "at most 17" in reply.message
+    assert h.core.requests["r"].submit.max_tokens == 10 and h.core.requests["r"].submit.sampling.temperature == 0.0
 
 
 def test_modify_max_tokens_of_a_queued_request():

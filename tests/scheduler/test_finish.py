@@ -58,11 +58,10 @@ def test_max_tokens_ends_with_length():
     assert h.final("r").finish_reason == "length" and h.text("r") == " hello"
 
 
-def test_the_context_ends_generation_with_length():
+def test_a_request_may_fill_the_context_to_its_last_token():
     h = Harness()
     h.worker(max_model_len=20)
-    h.submit("r", prompt(17), 100)
-    assert h.core.requests["r"].submit.max_tokens == 3
+    h.submit("r", prompt(17), 3)
     h.run({"r": [HE, LLO, WOR, LD]})
     assert h.final("r").finish_reason == "length" and h.generated("r") == [HE, LLO, WOR]
 

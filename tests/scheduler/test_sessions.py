@@ -17,7 +17,8 @@ def test_a_finished_turn_parks_its_sequence_instead_of_freeing_it():
     h = Harness()
     h.worker()
     turn(h, "t1", prompt(5))
-    assert h.core.sessions.summary() == {"parked_sessions": 1, "parked_tokens": 6}  # the last token was never fed
+    facts = h.core.facts()
+    assert (facts.parked_sessions, facts.parked_tokens) == (1, 6)  # the last token was never fed
     assert all(not d.step.free for d in h.build())
     assert h.core.pool.workers[b"w1"].reserved_tokens == 6
 

@@ -85,7 +85,7 @@ def test_a_worker_result_reports_its_free_kv():
     h.worker()
     h.submit("r", prompt(3), 10)
     h.cycle(kv_free_tokens=1234)
-    assert h.core.figures()["kv_free_tokens"] == 1234
+    assert h.core.facts().kv_free_tokens == 1234
 
 
 def test_hello_progress_changes_are_reported_once():
@@ -103,7 +103,13 @@ def test_health_figures_count_queued_running_paused_and_reserved_kv():
     h.submit("b", prompt(3), 7)
     h.cycle({"a": LLO})
     h.core.control(b"gw", wire.Pause(rid="a"))
-    figures = h.core.figures()
-    assert (figures["queued"], figures["running"], figures["paused"]) == (1, 1, 1)
-    assert (figures["kv_capacity_tokens"], figures["kv_reserved_tokens"]) == (100, 10)
-    assert figures["worker"]["stage"] == "ready" and figures["max_model_len"] == 2048
+    facts = h.core.facts()
+    assert (facts.queued, facts.running, facts.paused) == (1, 1, 1)
+    assert (facts.kv_capacity_tokens, facts.kv_reserved_tokens) == (100, 10)
+    assert facts.worker.stage == "ready" and facts.max_model_len == 2048 and facts.eos_token_ids == [2]
+
+
+def test_facts_before_any_worker_carry_the_configured_context():
+    h = Harness(max_model_len=512)
+    facts = h.core.facts()
+    assert facts.worker == wire.WorkerStage() and facts.max_model_len == 512 and facts.vocab_size == 0
