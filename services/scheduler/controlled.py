@@ -92,7 +92,6 @@ class Branch:
     report_backtrack: int = 0  # what the controller has not been told yet (post_ops)
     report_tokens: list[int] = field(default_factory=list)
     suspended: bool = False
-    sampled: int = 0  # tokens sampled on this branch
     finished: str | None = None  # the branch's AICI finish reason once it ended
     mid_splice: tuple[int, list[int]] | None = None  # this step's Splice (backtrack, ff_tokens), applied after it
     event: wire.TokenEvent | None = None  # what this step has to say about the branch
@@ -155,7 +154,6 @@ class Controlled:
     request: LiveRequest
     branches: list[Branch]
     indices: itertools.count = field(default_factory=lambda: itertools.count(1))
-    ff_total: int = 0
     suspended_steps: int = 0  # consecutive steps in which every live branch was suspended
 
     def live(self) -> list[Branch]:
@@ -400,7 +398,7 @@ class ControlledSteps:
         ff = [int(t) for t in pre.get("ff_tokens") or []]
         if ff:
             branch.splice(0, ff)
-            self._count_ff(controlled, branch, len(ff))
+            self._count_ff(branch, len(ff))
             self._check_limits(branch, self.host.max_model_len())
             if branch.finished:
                 return []
@@ -461,11 +459,11 @@ class ControlledSteps:
         """Apply a mid_process Splice; its tokens are fed on the branch's next step."""
         branch.splice(backtrack, ff)
         branch.report(backtrack, ff)
-        self._count_ff(self.requests[branch.request.rid], branch, len(ff))
+        self._count_ff(branch, len(ff))
         self._check_limits(branch, self.host.max_model_len())
 
-    def _count_ff(self, controlled: Controlled, branch: Branch, n: int) -> None:
-        controlled.ff_total += n
+    @staticmethod
+    def _count_ff(branch: Branch, n: int) -> None:
         branch.pending_event().ff_tokens += n
 
     # -- results ------------------------------------------------------------------------------------
@@ -501,7 +499,6 @@ class ControlledSteps:
         token = sampled.token_id
         branch.tokens.append(token)
         branch.report(0, [token])
-        branch.sampled += 1
         if branch.index == 0:
             request.generated.append(token)
         event = branch.pending_event()

@@ -199,7 +199,7 @@ class Scheduler:
                 if not any(f.controlled for f in in_flight):
                     plan, request = core.plan_controlled()
                     if request is not None:
-                        reply = await self.channel.call(request, self.settings.controllers.main_timeout_s)
+                        reply = await self._main_call(request)
                     plan = core.controlled_planned(plan, reply)
                 steps = core.build_steps(plan)
                 if steps:
@@ -231,13 +231,15 @@ class Scheduler:
             core.end_step()
             self._flush()
 
-    async def _mid_process(self, request: aici_wire.MidProcess) -> None:
+    async def _main_call(self, request: aici_wire.MainRequest) -> MainReply:
         try:
-            reply = await self.channel.call(request, self.settings.controllers.main_timeout_s)
+            return await self.channel.call(request, self.settings.controllers.main_timeout_s)
         except Exception as exc:  # a bug must fail the controlled requests, not the step loop
-            log.exception("scheduler.mid_process_failed")
-            reply = MainReply(error=f"controller step failed: {exc}")
-        self.core.controlled.mid_done(reply)
+            log.exception("scheduler.main_call_failed")
+            return MainReply(error=f"controller step failed: {exc}")
+
+    async def _mid_process(self, request: aici_wire.MidProcess) -> None:
+        self.core.controlled.mid_done(await self._main_call(request))
 
     async def _run_step(self, dispatch: Dispatch, mid_done: asyncio.Future[None] | None) -> wire.StepResult | None:
         identity, step = dispatch.worker, dispatch.step
