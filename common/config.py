@@ -42,6 +42,8 @@ class Limits(BaseModel):
     max_choices: int = Field(64, ge=1, description="choices one OpenAI request may ask for (prompts x n)")
     max_ws_message_bytes: int = Field(1 << 20, ge=1024, description="largest WebSocket frame accepted")
     max_http_body_bytes: int = Field(4 << 20, ge=1024)
+    max_json_depth: int = Field(64, ge=2, le=512, description="deepest nesting of arrays and objects in a JSON "
+                                "request body or WebSocket message; deeper ones are refused with invalid_request")
     request_timeout_s: float = Field(600.0, gt=0, description="a generation running longer ends with timeout")
     rate_limit_per_minute: int = Field(0, ge=0, description="requests per client address; 0 disables")
     worker_step_timeout_s: float = Field(60.0, gt=0)
@@ -171,6 +173,20 @@ class ApiAuth(BaseModel):
     admins: list[str] = Field(default_factory=lambda: ["localhost"], description="users who may set any tag")
 
 
+class Distributed(BaseModel):
+    """A worker spread over several ranks (tensor parallel on torch.distributed)."""
+
+    tensor_parallel: int = Field(1, ge=1, description="ranks of one worker, each holding a shard of every layer "
+                                 "and of the KV cache (one per GPU; gloo on the CPU); rank 0 talks to the scheduler")
+    port: int = Field(0, ge=0, le=65535, description="the ranks' rendezvous port on 127.0.0.1 (0: any free port)")
+    local_workers: int = Field(1, ge=0, description="workers `tiller up` starts on this host (0: only workers "
+                               "that join from elsewhere; on the CPU the cores are split between them)")
+    heartbeat_s: float = Field(1.0, gt=0, description="the scheduler and its workers ping each other's connection "
+                               "this often (ZeroMQ heartbeats, answered even while a worker computes a step)")
+    heartbeat_timeout_s: float = Field(5.0, gt=0, description="a worker connection silent this long is dropped: a "
+                                       "host that vanished without closing its TCP connections is noticed")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="TILLER_",
@@ -209,6 +225,7 @@ class Settings(BaseSettings):
     sessions: Sessions = Field(default_factory=Sessions)
     controllers: Controllers = Field(default_factory=Controllers)
     api_auth: ApiAuth = Field(default_factory=ApiAuth)
+    distributed: Distributed = Field(default_factory=Distributed)
     log_level: str = "info"
     ready_timeout_s: float = Field(600.0, description="how long `tiller up` waits for every service")
 

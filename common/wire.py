@@ -349,6 +349,14 @@ class StepMasks(Msg, tag="step_masks"):
     failures: list[SeqFailure] = []
 
 
+class StepAbandon(Msg, tag="step_abandon"):
+    """Between the ranks of a tensor-parallel worker only: rank 0 gave up waiting for the
+    StepMasks of a ``masks_follow`` step, whose sampling sequences fail with ``reason``."""
+
+    step_id: int
+    reason: str
+
+
 class StepResult(Msg, tag="step_result"):
     step_id: int
     samples: dict[int, SampledToken]  # seq_id -> sampled token (only for seqs with sample=True)
@@ -358,6 +366,11 @@ class StepResult(Msg, tag="step_result"):
     scores: dict[int, list[ScoreResult]] = {}  # seq_id -> answers to its SeqStep.scores
     readouts: dict[int, list[ReadoutResult]] = {}  # seq_id -> answers to its SeqStep.readouts
     kv_free_tokens: int = -1  # what the worker's KV pool can still take after the step (-1: not reported)
+    kv_cached_tokens: int = -1  # of those, tokens in unreferenced blocks that keep a reusable prefix
+    # block events: keys (common.blocks.block_key) of the prefix blocks the worker's cache registered
+    # and forgot since its last step (after a Step with free_all: every block it holds, none gone)
+    blocks_new: list[int] = []
+    blocks_gone: list[int] = []
 
 
 class WorkerHello(Msg, tag="worker_hello"):
@@ -524,6 +537,7 @@ Message = Union[
     RequestFailed,
     Step,
     StepMasks,
+    StepAbandon,
     StepResult,
     WorkerHello,
     RecordRequest,

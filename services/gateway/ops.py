@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 
 from common import wire
 from common.errors import ERROR_TRAITS, TillerError
-from services.gateway.engine import HEALTH_MAX_AGE_S, worker_stage
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, worker_stage
 from services.gateway.httputil import gateway_of
 from services.gateway.store import NOT_FOUND, StoreError
 
@@ -38,7 +38,7 @@ async def health(request: Request) -> JSONResponse:
     ``unavailable`` (no scheduler)."""
     gw = gateway_of(request)
     try:
-        reply = await gw.engine.health()
+        reply = await gw.scheduler.health()
     except TillerError as exc:
         return JSONResponse({"status": "unavailable", "message": exc.message, "scheduler": None,
                              "degraded": [f"scheduler: {exc.message}"]}, status_code=503)
@@ -58,7 +58,7 @@ async def ready(request: Request) -> JSONResponse:
     """For load balancers: 200 while plain generation works, else 503; cheap (a health reply up to a
     second old is reused)."""
     try:
-        reply = await gateway_of(request).engine.health(max_age=HEALTH_MAX_AGE_S)
+        reply = await gateway_of(request).scheduler.health(max_age=HEALTH_MAX_AGE_S)
     except TillerError as exc:
         return JSONResponse({"ready": False, "reason": exc.message}, status_code=503)
     stage = worker_stage(reply)
@@ -70,7 +70,7 @@ async def ready(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     gw = gateway_of(request)
-    health = gw.engine.recent_health(max_age=1.0)  # never waits: without a scheduler the gauges stay as they were
+    health = gw.scheduler.recent_health(max_age=1.0)  # never waits: without a scheduler the gauges stay as they were
     if health is not None:
         gw.metrics.observe_engine(health.detail)
     return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -27,6 +27,7 @@ from common import aici_wire
 from common.config import Settings
 from common.errors import INTERNAL_ERROR, INVALID_REQUEST, SERVICE_UNAVAILABLE, TillerError, WireError
 from common.sockets import ensure_ipc_dir
+from services.gateway.auth import presented_token
 
 log = structlog.get_logger()
 
@@ -53,7 +54,7 @@ def caller_of(conn: HTTPConnection, settings: Settings) -> Caller:
     """The caller of an HTTP or WebSocket request (see the module docstring); Unauthorized if none."""
     auth = settings.api_auth
     if auth.tokens:
-        user = auth.tokens.get(presented_token(conn, settings))
+        user = auth.tokens.get(presented_token(conn.headers, auth.key_header))
         if user is None:
             raise Unauthorized(f"the controller API needs 'Authorization: Bearer <token>' (or '{auth.key_header}: "
                                "<token>') with a known token")
@@ -61,14 +62,6 @@ def caller_of(conn: HTTPConnection, settings: Settings) -> Caller:
     user = conn.headers.get(auth.user_header) or auth.default_user
     role = conn.headers.get(auth.role_header)
     return Caller(user=user, is_admin=user in auth.admins if role is None else role == "admin")
-
-
-def presented_token(conn: HTTPConnection, settings: Settings) -> str:
-    """The token a request presents: ``Authorization: Bearer <token>``, else the key header's value."""
-    scheme, _, token = conn.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer":
-        return token.strip()
-    return conn.headers.get(settings.api_auth.key_header, "").strip()
 
 
 class ControllerError(TillerError):

@@ -24,7 +24,7 @@ import structlog
 
 from common import wire
 from common.protos.evergreen.v2 import evergreen_pb2 as eg
-from services.gateway.driver import Gateway
+from services.gateway.deps import Gateway
 from services.gateway.evergreen.actions import Bound, GenerateRun, Phase, bind, target_check
 from services.gateway.evergreen.config import GenerateParams, TtlParams, action_config
 from services.gateway.evergreen.errors import SessionAbort

@@ -48,7 +48,9 @@ def _as_error(reply: wire.Message, what: str) -> TillerError:
     return TillerError(INTERNAL_ERROR, f"unexpected reply from the scheduler to {what}: {type(reply).__name__}")
 
 
-class EngineClient:
+class SchedulerClient:
+    """The gateway's client of the scheduler: commands, health, and the token events routed per request."""
+
     def __init__(self, settings: Settings, ctx: zmq.asyncio.Context) -> None:
         self._dealer = Dealer(ctx, settings.endpoint("scheduler"), on_message=self._on_message)
         limits = settings.limits
@@ -82,7 +84,7 @@ class EngineClient:
         try:
             reply = await self._call(wire.GatewayAlive(incarnation=process_incarnation()), timeout=self._heartbeat_s)
         except TillerError as exc:
-            log.debug("engine.heartbeat_unanswered", reason=exc.message)
+            log.debug("scheduler.heartbeat_unanswered", reason=exc.message)
             return
         if isinstance(reply, wire.Alive):
             self._lost(self._watch.heard(reply.incarnation, time.monotonic()))
@@ -109,7 +111,7 @@ class EngineClient:
             return
         self._watch.forget(time.monotonic())
         message = f"the scheduler was lost ({reason}); this request was not resubmitted: retry it"
-        log.warning("engine.scheduler_lost", reason=reason, requests=len(self._streams))
+        log.warning("scheduler.lost", reason=reason, requests=len(self._streams))
         self._dealer.abandon(message)
         traits = ERROR_TRAITS[SERVICE_UNAVAILABLE]
         for rid, queue in self._streams.items():
@@ -128,12 +130,12 @@ class EngineClient:
         elif isinstance(msg, wire.RequestFailed):
             self._route(msg.rid, msg)
         else:
-            log.warning("engine.unexpected_message", type=type(msg).__name__)
+            log.warning("scheduler.unexpected_message", type=type(msg).__name__)
 
     def _route(self, rid: str, item: StreamItem) -> None:
         queue = self._streams.get(rid)
         if queue is None:  # the request was abandoned here (client gone, regenerate) before its end
-            log.debug("engine.event_for_closed_stream", rid=rid)
+            log.debug("scheduler.event_for_closed_stream", rid=rid)
         else:
             queue.put_nowait(item)
 
@@ -187,7 +189,7 @@ class EngineClient:
         try:
             await self.cancel(rid)
         except TillerError as exc:  # typically: it had just finished
-            log.debug("engine.cancel_refused", rid=rid, reason=exc.message)
+            log.debug("scheduler.cancel_refused", rid=rid, reason=exc.message)
 
     def recent_health(self, max_age: float) -> wire.HealthReply | None:
         """The last health reply seen, never waiting: one older than ``max_age`` seconds is refreshed
@@ -203,7 +205,7 @@ class EngineClient:
         try:
             await self.health()
         except TillerError as exc:
-            log.debug("engine.health_unavailable", reason=exc.message)
+            log.debug("scheduler.health_unavailable", reason=exc.message)
         finally:
             self._health_refreshing = False
 
