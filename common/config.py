@@ -53,6 +53,10 @@ class Limits(BaseModel):
         None, gt=0, le=1, description="share of the memory free after loading the model that the KV pool takes "
         "(default 0.85 on a GPU, 0.5 of available RAM on the CPU)"
     )
+    kv_cpu_max_bytes: int = Field(
+        1 << 30, ge=1 << 20, description="the most the KV pool takes on the CPU (1 GiB: 23,296 tokens of the "
+        "default model in fp32, beside other programs on a laptop); the GPU pool is sized by kv_memory_fraction alone"
+    )
     cuda_graphs: bool = Field(True, description="replay decode steps from CUDA graphs on a GPU")
     content_filter_patterns: list[str] = Field(
         default_factory=list, description="regexes; a prompt matching one is refused with content_filter"

@@ -340,7 +340,10 @@ class StepResult(Msg, tag="step_result"):
     cached_tokens: dict[int, int] = {}  # seq_id -> fed tokens whose KV came from the prefix cache
     scores: dict[int, list[ScoreResult]] = {}  # seq_id -> answers to its SeqStep.scores
     readouts: dict[int, list[ReadoutResult]] = {}  # seq_id -> answers to its SeqStep.readouts
-    kv_free_tokens: int = -1  # what the worker's KV pool can still take after the step (-1: not reported)
+    # the worker's KV pool after the step (-1: not reported): tokens of empty blocks, and of blocks that
+    # only hold reusable prefixes (allocations take them when empty ones run out); the rest is in use
+    kv_free_tokens: int = -1
+    kv_cached_tokens: int = -1
 
 
 class WorkerHello(Msg, tag="worker_hello"):

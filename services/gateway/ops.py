@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -16,15 +18,18 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 when the scheduler answers and its worker is ready, else 503; the body has the detail."""
+    """200 when the scheduler answers and its worker is ready, else 503; the body has the detail and
+    the gateway's pid (`tiller up` checks that the gateway it started is the one answering)."""
     gw = gateway_of(request)
     try:
         reply = await gw.engine.health()
     except TillerError as exc:
-        return JSONResponse({"status": "unavailable", "message": exc.message, "scheduler": None}, status_code=503)
+        return JSONResponse({"status": "unavailable", "message": exc.message, "scheduler": None, "pid": os.getpid()},
+                            status_code=503)
     body = {
         "status": "ready" if reply.ready else "not_ready",
         "model": gw.settings.served_model_name,
+        "pid": os.getpid(),
         "scheduler": reply.detail,
     }
     return JSONResponse(body, status_code=200 if reply.ready else 503)

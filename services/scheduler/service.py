@@ -208,9 +208,13 @@ class Scheduler:
             "max_model_len": self._max_model_len(),
             "eos_token_ids": facts.eos_token_ids if facts else [],
             "kv_capacity_tokens": sum(w.capacity for w in self.pool.ready()),
-            # free KV as the workers' last steps left it (a worker with no step yet: all of it)
+            # the KV pools as the workers' last steps left them (a worker with no step yet: all free):
+            # free (empty) + cached (reusable prefixes, evicted on demand) + used = capacity
             "kv_free_tokens": sum(w.capacity if w.kv_free_tokens is None else w.kv_free_tokens
                                   for w in self.pool.ready()),
+            "kv_cached_tokens": sum(w.kv_cached_tokens for w in self.pool.ready()),
+            "kv_used_tokens": sum(w.capacity - w.kv_free_tokens - w.kv_cached_tokens
+                                  for w in self.pool.ready() if w.kv_free_tokens is not None),
             # KV promised to admitted requests and parked sessions: what admission control counts
             "kv_reserved_tokens": sum(w.reserved_tokens for w in self.pool.ready()),
             "queued": len(self.queue),
@@ -245,6 +249,7 @@ class Scheduler:
                 worker = self.pool.workers.get(identity)
                 if worker and msg.kv_free_tokens >= 0:
                     worker.kv_free_tokens = msg.kv_free_tokens
+                    worker.kv_cached_tokens = max(msg.kv_cached_tokens, 0)
                 waiting = worker.in_flight.get(msg.step_id) if worker else None
                 if waiting is not None and not waiting.done():
                     waiting.set_result(msg)

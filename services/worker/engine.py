@@ -196,6 +196,7 @@ class Engine:
             token_bytes=token_bytes,
             device=loaded.device,
             memory_fraction=settings.limits.kv_memory_fraction,
+            cpu_max_bytes=settings.limits.kv_cpu_max_bytes,
         )
         graphs = settings.limits.max_batch_size if settings.limits.cuda_graphs else 0
         readouts = Readouts.build(  # dropped by a runner that cannot capture hidden states
@@ -223,15 +224,16 @@ class Engine:
     def stats(self) -> dict[str, int | float | str]:
         """Pool and prefix-cache figures. Blocks: ``total`` usable, ``free`` (unreferenced, empty),
         ``cached`` (unreferenced, holding a reusable prefix; evicted least recently used first when
-        the free ones run out), the rest referenced by live sequences. ``kv_free_tokens`` counts
-        what allocations can still take (free and cached blocks). The hit rate is the share of fed
-        tokens whose KV came from the cache."""
+        the free ones run out), the rest referenced by live sequences; ``kv_*_tokens`` count the
+        same three in tokens. The hit rate is the share of fed tokens whose KV came from the cache."""
         tables, allocator = self.tables, self.tables.allocator
         return {
             "backend": self.backend,
             "active_seqs": len(self.seqs),
             "kv_capacity_tokens": tables.capacity_tokens,
-            "kv_free_tokens": tables.free_tokens,
+            "kv_free_tokens": tables.empty_tokens,
+            "kv_cached_tokens": tables.cached_tokens,
+            "kv_used_tokens": tables.capacity_tokens - tables.free_tokens,
             "kv_block_size": tables.block_size,
             "kv_blocks_total": allocator.num_blocks - 1,
             "kv_blocks_free": allocator.num_empty,
@@ -378,7 +380,8 @@ class Engine:
             cached_tokens=forwarded.cached,
             scores=forwarded.scores,
             readouts=forwarded.readouts,
-            kv_free_tokens=self.tables.free_tokens,
+            kv_free_tokens=self.tables.empty_tokens,
+            kv_cached_tokens=self.tables.cached_tokens,
         )
 
     def _position_outputs(
