@@ -74,7 +74,7 @@ class Images(BaseModel):
 
 
 class Sessions(BaseModel):
-    """Salience stateful sessions (seed 002): lifetime, auth, KV kept between turns, readouts."""
+    """Salience stateful sessions (salience.proto): lifetime, auth, KV kept between turns, readouts."""
 
     ttl_s: float = Field(1800.0, gt=0, description="a session idle this long is evicted (any call refreshes it)")
     auth_token: str = Field("", description="bearer token every Salience RPC must carry ('': no auth)")
@@ -100,7 +100,7 @@ class Sessions(BaseModel):
 
 
 class Evergreen(BaseModel):
-    """Limits and external-ref policy of the Evergreen gRPC service (seed 000)."""
+    """Limits and external-ref policy of the Evergreen gRPC service."""
 
     max_nesting_depth: int = Field(64, ge=1, description="longest parent-to-leaf path in a session's node graph")
     max_session_nodes: int = Field(100_000, ge=1, description="nodes one session may hold")

@@ -5,7 +5,7 @@ A message on a socket is a multipart frame: one msgpack header (a tagged struct 
 describes. Receivers decode with :func:`decode`, which validates the header against these schemas
 and raises :class:`common.errors.WireError` on anything malformed.
 
-The controller runtime's main and side channels keep the JSON shapes of seed 001 instead (``op``
+The controller runtime's main and side channels keep the JSON shapes of the AICI runtime protocol instead (``op``
 requests, ``type: ok|error`` replies); their schemas live in :mod:`common.aici_wire`.
 """
 
@@ -213,7 +213,7 @@ class TokenEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    # Controlled requests (seed 001): one event per branch per step. ``index`` is the branch's fork
+    # Controlled requests (the AICI runtime protocol): one event per branch per step. ``index`` is the branch's fork
     # index (0: the original sequence); ``fork_finish`` ends that branch only (AICI's reasons: eos,
     # length, stop, aici-stop, fail, abort) while ``finish_reason`` still ends the whole request, on
     # its last event. ``text`` shows a backtrack as " ↩ " followed by the new text (AICI's stream).
@@ -397,7 +397,7 @@ class GetRequest(Msg, tag="get_request"):
     rid: str
 
 
-# gateway -> session store: Evergreen node graphs (seed 000), keyed by an Evergreen session id
+# gateway -> session store: Evergreen node graphs, keyed by an Evergreen session id
 
 
 class EvergreenFragment(msgspec.Struct, kw_only=True, array_like=True):
@@ -432,7 +432,7 @@ class EvergreenGetNodes(Msg, tag="evergreen_get_nodes"):
     session_id: str
 
 
-# gateway -> session store: Salience sessions (seed 002). Errors use codes not_found,
+# gateway -> session store: Salience sessions (salience.proto). Errors use codes not_found,
 # failed_precondition, resource_exhausted and aborted (the gRPC status the gateway answers with).
 
 

@@ -1,4 +1,4 @@
-"""``POST /v1/generate``: the WebSocket protocol's REST twin (seed 003, "Compatibility with REST APIs").
+"""``POST /v1/generate``: the WebSocket protocol's REST twin (the protocol's "Compatibility with REST APIs").
 
 The body is a config (``prompt`` or ``messages``, ``model``) with the parameters and options flat
 at the top level or nested as on the WebSocket. Without ``stream`` (or with ``stream: false``) the

@@ -1,6 +1,6 @@
 """The controller-aware part of the step loop: requests that carry a controller (``Submit.controller``).
 
-Each loop iteration, for the controlled sequences only (DESIGN.md "One decoding step", seed 001):
+Each loop iteration, for the controlled sequences only (the AICI runtime protocol's step):
 
 1. ``post_pre_process`` on the main channel: post_ops report what happened to each sequence since the
    controller last saw it (the sampled token; a Splice's backtrack and ff_tokens), pre_ops assign an
@@ -476,7 +476,7 @@ class ControllerSteps:
 
     def _on_mid(self, branch: Branch, mid: Any) -> None:
         """Stop ends the branch; a Splice waits for the step's result (see :meth:`apply`); anything
-        else samples under the branch's mask row (seed 001: a null result as SampleWithBias does)."""
+        else samples under the branch's mask row (the AICI runtime protocol: a null result as SampleWithBias does)."""
         if mid == "Stop":
             self._end(branch, "aici-stop")
         elif isinstance(mid, dict) and "Splice" in mid:
