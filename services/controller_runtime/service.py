@@ -1,5 +1,5 @@
 """Controller runtime: the main channel (step-synchronous, from the scheduler) and the side channel
-(asynchronous, from the gateway), both ROUTER sockets speaking seed 001's shapes as msgpack.
+(asynchronous, from the gateway), both ROUTER sockets speaking the AICI runtime protocol's shapes as msgpack.
 
 Main-channel replies are ``[identity, header]``, plus for mid_process one binary frame with the
 packed mask rows (controllers/ABI.md). Main calls run on the event loop (µs each, bounded by the

@@ -1,4 +1,4 @@
-"""AICI's REST API (reference §2, rLLM's shapes): controllers, tags and ``/v1/run``.
+"""AICI's REST API (rLLM's shapes): controllers, tags and ``/v1/run``.
 
 - ``POST /v1/controllers``: the raw Wasm module as the body -> ``{module_id, wasm_size, compiled_size,
   time}``; the module id is the sha256 of the bytes.

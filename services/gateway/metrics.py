@@ -47,7 +47,9 @@ class Metrics:
             key: Gauge(f"tiller:{key}", doc, registry=self.registry)
             for key, doc in (
                 ("kv_capacity_tokens", "Tokens the workers' KV pools hold"),
-                ("kv_free_tokens", "Tokens the workers' KV pools can still take"),
+                ("kv_free_tokens", "Tokens of the workers' empty KV blocks"),
+                ("kv_cached_tokens", "Tokens of KV blocks that only hold reusable prefixes (taken when free ones run out)"),
+                ("kv_used_tokens", "Tokens of KV blocks held by live sequences and parked sessions"),
                 ("kv_reserved_tokens", "KV tokens promised to admitted requests and parked sessions"),
                 ("queued", "Requests waiting for admission"),
                 ("running", "Sequences admitted to a worker"),

@@ -1,4 +1,4 @@
-"""The Salience servicer (seed 002, ``salience.v1``), grpc.aio in the gateway's event loop.
+"""The Salience servicer (salience.proto, ``salience.v1``), grpc.aio in the gateway's event loop.
 
 Sessions live in the session store; Generate turns run through the scheduler like every other
 surface (see :mod:`services.gateway.salience.turn`). Auth (``sessions.auth_token``, or the ``api_auth``
