@@ -306,5 +306,6 @@ async def run(request: Request) -> Response:
         run_request = validate(RunRequest, body, Context.of(gw.settings))
         events = await _start_run(gw, run_request, caller)
     except TillerError as exc:
+        gw.metrics.refused("aici", exc.code)
         return _error(exc)
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from common.protos.salience.v1 import salience_pb2 as pb
 from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
-from common.errors import TillerError
+from common.errors import INVALID_REQUEST, TillerError
 from services.gateway.driver import Gateway
 from services.gateway.engine import HEALTH_MAX_AGE_S
 from services.gateway.grpc_requests import Malformed, add_servicer
@@ -50,12 +50,20 @@ def _check_auth(token: str, context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
-async def _admit(token: str, request: Any, context: grpc.aio.ServicerContext) -> None:
+async def _abort(gw: Gateway, context: grpc.aio.ServicerContext, exc: SessionStoreError | Abort) -> None:
+    """End the call with the error's status (raises); a refused request is counted as such."""
+    if exc.status == grpc.StatusCode.INVALID_ARGUMENT:
+        gw.metrics.refused("salience", INVALID_REQUEST)
+    await context.abort(exc.status, exc.message)
+
+
+async def _admit(gw: Gateway, request: Any, context: grpc.aio.ServicerContext) -> None:
     """Auth first, then the request must have parsed; else the call ends here."""
-    problem = _check_auth(token, context)
+    problem = _check_auth(gw.settings.sessions.auth_token, context)
     if problem is not None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
     if isinstance(request, Malformed):
+        gw.metrics.refused("salience", INVALID_REQUEST)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
 
@@ -64,11 +72,11 @@ def unary(method: Callable[..., Awaitable[Reply]]) -> Callable[..., Awaitable[Re
 
     @wraps(method)
     async def handler(self: SalienceServicer, request: Any, context: grpc.aio.ServicerContext) -> Reply:
-        await _admit(self.gw.settings.sessions.auth_token, request, context)
+        await _admit(self.gw, request, context)
         try:
             return await method(self, request, context)
         except (SessionStoreError, Abort) as exc:
-            await context.abort(exc.status, exc.message)  # raises
+            await _abort(self.gw, context, exc)  # raises
             raise
 
     return handler
@@ -124,7 +132,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         )
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:  # noqa: N802
-        await _admit(self.gw.settings.sessions.auth_token, request, context)
+        await _admit(self.gw, request, context)
         turn = Turn(self.gw, self.store, self.images, request)
         try:
             async for event in turn.run():
@@ -134,7 +142,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
                     )
                 yield event
         except (SessionStoreError, Abort) as exc:
-            await context.abort(exc.status, exc.message)
+            await _abort(self.gw, context, exc)
         finally:
             structlog.contextvars.unbind_contextvars("request_id", "session_id")
 
