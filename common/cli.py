@@ -12,7 +12,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from common.config import Settings, get_settings
+from pydantic import ValidationError
+
+from common.config import Distributed, Settings, get_settings
 from common.sockets import probe_health
 
 HOME = Path(__file__).resolve().parents[1]
@@ -32,7 +34,56 @@ def _supervisor_env(settings: Settings, foreground: bool, base: dict[str, str] |
         TILLER_FOREGROUND="true" if foreground else "false",
         PYTHONUNBUFFERED="1",
     )
+    env.update(_local_workers_env(settings.distributed.local_workers, env))
     return env
+
+
+def _local_workers_env(count: int, env: dict[str, str]) -> dict[str, str]:
+    """What deploy/supervisord.conf needs to start ``count`` local workers (worker, then
+    worker_1 .. worker_<count-1>); several CPU workers split the cores instead of each taking all."""
+    more = max(count - 1, 0)
+    extra = {
+        "TILLER_WORKER_AUTOSTART": str(count >= 1).lower(),
+        "TILLER_MORE_WORKERS": str(max(more, 1)),  # supervisord needs numprocs >= 1: one stays stopped
+        "TILLER_MORE_WORKERS_AUTOSTART": str(more >= 1).lower(),
+    }
+    if count > 1 and "OMP_NUM_THREADS" not in env:
+        extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // count))
+    return extra
+
+
+def worker(settings: Settings, scheduler: str) -> int:
+    """``tiller worker``: one worker in the foreground, joining the scheduler at ``scheduler``
+    (its worker endpoint, e.g. tcp://host-a:5557)."""
+    env = dict(os.environ, TILLER_WORKER_ENDPOINT=scheduler or settings.endpoint("worker"), PYTHONUNBUFFERED="1")
+    print(f"Worker joining the scheduler at {env['TILLER_WORKER_ENDPOINT']} (model {settings.model}) ...", flush=True)
+    os.execve(sys.executable, [sys.executable, "-m", "services.worker"], env)
+    return 1  # not reached
+
+
+def _add_worker_commands(sub: argparse._SubParsersAction, up_parser: argparse.ArgumentParser) -> None:
+    up_parser.add_argument("--workers", type=int, default=None, metavar="N",
+                           help="local workers to start (default distributed.local_workers, 1; 0: only remote ones)")
+    worker_parser = sub.add_parser("worker", help="run one worker here that joins a scheduler, in the foreground")
+    worker_parser.add_argument("--scheduler", default="", metavar="tcp://HOST:PORT",
+                               help="the scheduler's worker endpoint (default: TILLER_WORKER_ENDPOINT)")
+    for parser in (up_parser, worker_parser):
+        parser.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                            help="ranks per worker, one per GPU (gloo on the CPU)")
+
+
+def _with_worker_arguments(settings: Settings, args: argparse.Namespace) -> Settings:
+    """``settings`` with ``--workers`` and ``--tensor-parallel`` applied, and exported to the
+    services that ``tiller up`` starts."""
+    given = {"local_workers": getattr(args, "workers", None), "tensor_parallel": args.tensor_parallel}
+    given = {name: value for name, value in given.items() if value is not None}
+    try:
+        distributed = Distributed.model_validate({**settings.distributed.model_dump(), **given})
+    except ValidationError as exc:
+        raise SystemExit(f"tiller: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
+    for name, value in given.items():
+        os.environ[f"TILLER_DISTRIBUTED__{name.upper()}"] = str(value)
+    return settings.model_copy(update={"distributed": distributed})
 
 
 def supervisorctl(
@@ -155,10 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     up_parser.add_argument("--foreground", action="store_true", help="run supervisord in the foreground (containers)")
     sub.add_parser("down", help="stop every service")
     sub.add_parser("status", help="show each service's state")
+    _add_worker_commands(sub, up_parser)
     args = parser.parse_args(argv)
     settings = get_settings()
+    if args.command == "worker":
+        return worker(_with_worker_arguments(settings, args), args.scheduler)
     if args.command == "up":
-        return up(settings, args.foreground)
+        return up(_with_worker_arguments(settings, args), args.foreground)
     if args.command == "down":
         return down(settings)
     return status(settings)

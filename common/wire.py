@@ -103,6 +103,15 @@ class HealthReply(Msg, tag="health_reply"):
     service: str
     ready: bool
     detail: dict[str, Any] = {}
+    incarnation: str = ""  # the answering process's life (common.incarnation)
+
+
+class Alive(Msg, tag="alive"):
+    """The answer to a heartbeat: which life of ``service`` answered (see :mod:`common.incarnation`).
+    A peer hearing a new ``incarnation`` knows what it had in flight there is gone."""
+
+    service: str
+    incarnation: str
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,9 +166,17 @@ class Cancel(Msg, tag="cancel"):
 
 
 class GatewayAlive(Msg, tag="gateway_alive"):
-    """A gateway's heartbeat while it streams requests (``limits.gateway_heartbeat_s``); answered with Ok.
-    Once a gateway sent one, the scheduler cancels its requests when it stays silent for
-    ``limits.gateway_silence_s`` (a gateway that died cannot cancel them itself)."""
+    """A gateway's heartbeat (``limits.gateway_heartbeat_s``), answered with ``Alive``.
+
+    To the scheduler: once a gateway sent one, the scheduler cancels its requests when it stays silent
+    for ``limits.gateway_silence_s`` (a gateway that died cannot cancel them itself). To the session
+    store: ``leases`` (Salience sessions with a Generate running) have their busy lease renewed and
+    ``evergreen`` (live Evergreen sessions) keep their node rows; a gateway that died renews nothing,
+    so its leases lapse and its Evergreen rows go within seconds."""
+
+    incarnation: str = ""
+    leases: list[str] = []
+    evergreen: list[str] = []
 
 
 class SessionDrop(Msg, tag="session_drop"):
@@ -332,6 +349,14 @@ class StepMasks(Msg, tag="step_masks"):
     failures: list[SeqFailure] = []
 
 
+class StepAbandon(Msg, tag="step_abandon"):
+    """Between the ranks of a tensor-parallel worker only: rank 0 gave up waiting for the
+    StepMasks of a ``masks_follow`` step, whose sampling sequences fail with ``reason``."""
+
+    step_id: int
+    reason: str
+
+
 class StepResult(Msg, tag="step_result"):
     step_id: int
     samples: dict[int, SampledToken]  # seq_id -> sampled token (only for seqs with sample=True)
@@ -341,6 +366,11 @@ class StepResult(Msg, tag="step_result"):
     scores: dict[int, list[ScoreResult]] = {}  # seq_id -> answers to its SeqStep.scores
     readouts: dict[int, list[ReadoutResult]] = {}  # seq_id -> answers to its SeqStep.readouts
     kv_free_tokens: int = -1  # what the worker's KV pool can still take after the step (-1: not reported)
+    kv_cached_tokens: int = -1  # of those, tokens in unreferenced blocks that keep a reusable prefix
+    # block events: keys (common.blocks.block_key) of the prefix blocks the worker's cache registered
+    # and forgot since its last step (after a Step with free_all: every block it holds, none gone)
+    blocks_new: list[int] = []
+    blocks_gone: list[int] = []
 
 
 class WorkerHello(Msg, tag="worker_hello"):
@@ -359,6 +389,7 @@ class WorkerHello(Msg, tag="worker_hello"):
     hidden_size: int = 0
     readout_concepts: list[str] = []
     readout_layers: list[int] = []
+    incarnation: str = ""  # the worker process's life: a new one holds none of the old one's sequences
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,6 +525,7 @@ Message = Union[
     Error,
     Health,
     HealthReply,
+    Alive,
     Submit,
     Cancel,
     GatewayAlive,
@@ -505,6 +537,7 @@ Message = Union[
     RequestFailed,
     Step,
     StepMasks,
+    StepAbandon,
     StepResult,
     WorkerHello,
     RecordRequest,

@@ -11,15 +11,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from common import wire
-from common.config import Settings
 from common.errors import (
     CONTENT_FILTER,
     CONTEXT_LENGTH_EXCEEDED,
@@ -29,8 +26,9 @@ from common.errors import (
     TIMEOUT,
     TillerError,
 )
-from services.gateway.engine import HEALTH_MAX_AGE_S, EngineClient, StreamItem, worker_stage
-from services.gateway.metrics import Metrics
+from services.gateway.admission import COMPLETED, Admission
+from services.gateway.deps import Gateway
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, worker_stage
 from services.gateway.protocol import (
     CompletionMsg,
     ErrorMsg,
@@ -43,10 +41,7 @@ from services.gateway.protocol import (
     TokenMsg,
     Usage,
 )
-from services.gateway.ratelimit import RateLimiter
-from services.gateway.side_channel import Caller, SideChannel
-from services.gateway.store import StoreClient
-from services.gateway.text import TextProcessor
+from services.gateway.side_channel import Caller
 from services.gateway.validation import GenerationRequest, ParametersPatch
 
 log = structlog.get_logger()
@@ -55,26 +50,6 @@ LOADING_POLL_S = 1.0
 # How long past limits.request_timeout_s the gateway waits on a silent scheduler (which should have
 # ended the request with "timeout" itself) before giving up on it.
 STALL_GRACE_S = 10.0
-# Finish reasons that end a generation normally, with a completion message.
-COMPLETED = ("length", "stop", "cancelled")
-
-
-@dataclass
-class Gateway:
-    """What every request needs, built once per app."""
-
-    settings: Settings
-    engine: EngineClient
-    store: StoreClient
-    text: TextProcessor
-    limiter: RateLimiter
-    metrics: Metrics
-    created: int  # unix time the gateway started (OpenAI's model ``created``)
-    side: SideChannel | None = None  # the controller runtime's side channel (controllers, tags, instantiate)
-
-
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex}"
 
 
 def context_budget(prompt_tokens: int, max_tokens: int | None, max_model_len: int, default_max_tokens: int) -> int:
@@ -161,10 +136,10 @@ class Generation:
     # -- the stream ---------------------------------------------------------------------------
 
     async def stream(self) -> AsyncIterator[ServerMsg]:
-        gw, labels = self._gw, (self.surface,)
+        gw = self._gw
         structlog.contextvars.bind_contextvars(request_id=self.rid)
         self._started = time.monotonic()
-        gw.metrics.active_streams.labels(*labels).inc()
+        self._admission = Admission(gw, rid=self.rid, surface=self.surface, client=self._client)
         outcome = "cancelled"  # unless a final message says otherwise: the consumer left
         try:
             try:
@@ -181,24 +156,12 @@ class Generation:
                     yield ErrorMsg.from_error(error, self.rid if self._initialized else None, self._partial())
         finally:
             if self._phase is Phase.RUNNING:
-                gw.engine.cancel_soon(self.rid)
+                gw.scheduler.cancel_soon(self.rid)
             self._phase = Phase.DONE
-            gw.engine.close_stream(self.rid)
-            elapsed = time.monotonic() - self._started
-            gw.metrics.active_streams.labels(*labels).dec()
-            gw.metrics.requests.labels(self.surface, outcome).inc()
-            gw.metrics.request_latency.labels(*labels).observe(elapsed)
+            gw.scheduler.close_stream(self.rid)
             usage = self.usage
-            if self._initialized:
-                gw.metrics.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
-                gw.store.record_completion(
-                    self.rid,
-                    generated_text=self._text,
-                    finish_reason=outcome,
-                    prompt_tokens=usage.prompt_tokens,
-                    completion_tokens=usage.completion_tokens,
-                    error="" if outcome in (*COMPLETED, CONTENT_FILTER) else outcome,
-                )
+            elapsed = self._admission.end(outcome, text=self._text, prompt_tokens=usage.prompt_tokens,
+                                          completion_tokens=usage.completion_tokens)
             log.info(
                 "request.end",
                 surface=self.surface,
@@ -211,13 +174,10 @@ class Generation:
     async def _run(self) -> AsyncIterator[ServerMsg]:
         gw = self._gw
         try:
-            gw.limiter.check(self._client)
             prompt_text, prompt_ids = await gw.text.prompt(self.request)
             messages = self.request.messages
-            # what the client wrote is screened, not the chat template's own text around it
-            if gw.text.refused("\n".join(m["content"] for m in messages) if messages else prompt_text):
-                raise GatewayError(CONTENT_FILTER, "the prompt was refused by the content filter", param="prompt")
-            health = await gw.engine.health(max_age=HEALTH_MAX_AGE_S)
+            self._admission.admit("\n".join(m["content"] for m in messages) if messages else prompt_text)
+            health = await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)
             self._max_model_len = int(health.detail.get("max_model_len") or gw.settings.limits.max_model_len)
             self._check_logit_bias(int(health.detail.get("vocab_size") or 0))
             max_tokens = context_budget(
@@ -234,13 +194,7 @@ class Generation:
         self._initialized = True
         model_info = {"max_tokens": self._max_model_len, "vocab_size": health.detail.get("vocab_size")}
         yield InitMsg(self.rid, gw.settings.served_model_name, model_info, prompt_text)
-        gw.store.record_request(
-            self.rid,
-            surface=self.surface,
-            model=gw.settings.served_model_name,
-            prompt=prompt_text,
-            params=self.request.record(),
-        )
+        self._admission.record(prompt=prompt_text, params=self.request.record())
         log.info("request.start", surface=self.surface, prompt_tokens=self._prompt_len, max_tokens=max_tokens)
 
         try:
@@ -249,9 +203,9 @@ class Generation:
             if self._stop_requested:
                 yield self._completion("cancelled")
                 return
-            queue = gw.engine.open_stream(self.rid)
+            queue = gw.scheduler.open_stream(self.rid)
             self._phase = Phase.RUNNING
-            await gw.engine.submit(
+            await gw.scheduler.submit(
                 wire.Submit(
                     rid=self.rid,
                     prompt_ids=prompt_ids,
@@ -302,7 +256,7 @@ class Generation:
             default = "waiting for a model worker" if stage == "absent" else "loading the model"
             yield StatusMsg("model_loading", progress, worker.get("message") or default, eta)
             await asyncio.sleep(LOADING_POLL_S)
-            health = await self._gw.engine.health()
+            health = await self._gw.scheduler.health()
 
     async def _consume(self, queue: asyncio.Queue[StreamItem]) -> AsyncIterator[ServerMsg]:
         limits = self._gw.settings.limits
@@ -340,10 +294,10 @@ class Generation:
         self._tokens += len(event.tokens)
         if event.finish_reason is not None:
             self._final = event
-        if not self._filtered and event.text and self._gw.text.refused(self._text + event.text):
+        if not self._filtered and event.text and self._admission.screens_out(self._text + event.text):
             self._filtered = True
             if event.finish_reason is None:
-                self._gw.engine.cancel_soon(self.rid)  # then drain up to its final "cancelled" event
+                self._gw.scheduler.cancel_soon(self.rid)  # then drain up to its final "cancelled" event
         if self._filtered:
             return [self._completion(CONTENT_FILTER)] if event.finish_reason is not None else []
 
@@ -352,8 +306,7 @@ class Generation:
         last_at = self._last_token_at or self._started
         if event.tokens and self._first_token_at is None:
             self._first_token_at = now
-            self._gw.metrics.time_to_first_token.labels(self.surface).observe(now - self._started)
-        self._gw.metrics.generation_tokens.labels(self.surface).inc(len(event.tokens))
+        self._admission.tokens(len(event.tokens))
         for i, token in enumerate(event.tokens):
             last = i == len(event.tokens) - 1
             if last:
@@ -462,22 +415,22 @@ class Generation:
             raise GatewayError(INVALID_REQUEST, "cannot stop: no generation is running", param="action")
         self._stop_requested = True
         if self._phase is Phase.RUNNING:
-            await self._control(self._gw.engine.cancel(self.rid))
+            await self._control(self._gw.scheduler.cancel(self.rid))
 
     async def pause(self) -> None:
         self._require_running("pause")
-        await self._control(self._gw.engine.pause(self.rid))
+        await self._control(self._gw.scheduler.pause(self.rid))
 
     async def resume(self) -> None:
         self._require_running("resume")
-        await self._control(self._gw.engine.resume(self.rid))
+        await self._control(self._gw.scheduler.resume(self.rid))
 
     async def modify(self, patch: ParametersPatch) -> None:
         self._require_running("modify")
         if patch.max_tokens is not None:
             context_budget(self._prompt_len, patch.max_tokens, self._max_model_len, patch.max_tokens)
         sampling_patch = patch.to_patch()
-        await self._control(self._gw.engine.modify(self.rid, sampling_patch))
+        await self._control(self._gw.scheduler.modify(self.rid, sampling_patch))
         self.request = self.request.patched(sampling_patch)
 
 

@@ -33,9 +33,18 @@ from pydantic import (
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from common.errors import INTERNAL_ERROR, MEMORY_PRESSURE, MODEL_LOADING_ERROR, RATE_LIMITED, TIMEOUT, TillerError
-from services.gateway.driver import Generation, new_request_id
-from services.gateway.engine import HEALTH_MAX_AGE_S
+from common.errors import (
+    INTERNAL_ERROR,
+    MEMORY_PRESSURE,
+    MODEL_LOADING_ERROR,
+    RATE_LIMITED,
+    SERVICE_UNAVAILABLE,
+    TIMEOUT,
+    TillerError,
+)
+from services.gateway.deps import new_request_id
+from services.gateway.driver import Generation
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S
 from services.gateway.httputil import (
     SSE_HEADERS,
     client_of,
@@ -75,6 +84,7 @@ _ERROR_TYPES = {
     MEMORY_PRESSURE: "server_error",
     TIMEOUT: "server_error",
     MODEL_LOADING_ERROR: "server_error",
+    SERVICE_UNAVAILABLE: "server_error",
 }
 _FINISH_REASONS = {"cancelled": "abort"}  # the rest (stop, length, content_filter) are OpenAI's own
 
@@ -620,7 +630,7 @@ async def _serve(
     gw = gateway_of(request)
     context = Context.of(gw.settings)
     try:
-        body = await read_json_object(request, gw.settings.limits.max_http_body_bytes)
+        body = await read_json_object(request)
         parsed = validate(model, body, context)
     except TillerError as exc:
         gw.metrics.refused("openai", exc.code)
@@ -664,7 +674,7 @@ async def max_model_len(request: Request) -> int:
     """The model's own context once a worker has reported it, else the configured one."""
     gw = gateway_of(request)
     try:
-        detail = (await gw.engine.health(max_age=HEALTH_MAX_AGE_S)).detail
+        detail = (await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)).detail
     except TillerError:
         detail = {}
     return detail.get("max_model_len") or gw.settings.limits.max_model_len

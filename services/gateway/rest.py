@@ -17,7 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import ERROR_TRAITS, INTERNAL_ERROR, TillerError
-from services.gateway.driver import Generation, new_request_id, protocol_messages
+from services.gateway.deps import new_request_id
+from services.gateway.driver import Generation, protocol_messages
 from services.gateway.httputil import (
     SSE_HEADERS,
     client_of,
@@ -59,7 +60,7 @@ async def _events(messages: AsyncIterator[dict[str, Any]]) -> AsyncIterator[byte
 async def generate(request: Request) -> Response:
     gw = gateway_of(request)
     try:
-        body = await read_json_object(request, gw.settings.limits.max_http_body_bytes)
+        body = await read_json_object(request)
         config = validate(GenerateConfig, flat_body_to_config(body), Context.of(gw.settings))
         caller = caller_of(request, gw.settings) if config.controller else None
     except TillerError as exc:

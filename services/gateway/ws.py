@@ -17,7 +17,8 @@ from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketState
 
 from common.errors import INTERNAL_ERROR, INVALID_REQUEST, TillerError
-from services.gateway.driver import Gateway, Generation, new_request_id, protocol_messages
+from services.gateway.deps import Gateway, new_request_id
+from services.gateway.driver import Generation, protocol_messages
 from services.gateway.httputil import client_of, gateway_of, json_text
 from services.gateway.protocol import ErrorMsg, GatewayError, StatusMsg
 from services.gateway.side_channel import caller_of
@@ -76,7 +77,7 @@ class Connection:
     async def _on_frame(self, raw: str | bytes) -> None:
         kind = None
         try:
-            message = parse_client_message(raw)
+            message = parse_client_message(raw, self._gw.settings.limits.max_json_depth)
             kind = message.pop("type")
             if kind == "config":
                 await self._on_config(message)

@@ -197,8 +197,8 @@ def modules(stack) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def test_module(stack, tmp_path_factory) -> str:
-    """The test controller above, compiled with the SDK and uploaded."""
+def test_module(stack, have_clang, tmp_path_factory) -> str:
+    """The test controller above, compiled with the SDK and uploaded (skips without clang + wasm-ld)."""
     tmp = tmp_path_factory.mktemp("ctrl")
     source = tmp / "tiller_test_ctrl.c"
     source.write_text(TEST_CONTROLLER)

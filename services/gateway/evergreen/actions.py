@@ -31,7 +31,8 @@ import grpc
 import structlog
 
 from common.protos.evergreen.v2 import evergreen_pb2 as eg
-from services.gateway.driver import Gateway, Generation, new_request_id
+from services.gateway.deps import Gateway, new_request_id
+from services.gateway.driver import Generation
 from services.gateway.evergreen.config import GenerateParams
 from services.gateway.evergreen.errors import SessionAbort
 from services.gateway.evergreen.graph import Leaf
