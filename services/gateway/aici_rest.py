@@ -328,6 +328,7 @@ async def run(request: Request) -> Response:
         body = await read_json_object(request)
         run_request = validate(RunRequest, body, Context.of(gw.settings))
     except TillerError as exc:
+        gw.metrics.refused("aici", exc.code)
         return _error(exc)
     admission = Admission(gw, rid=new_request_id("run-"), surface="aici", client=client_of(request))
     try:

@@ -56,6 +56,10 @@ class Metrics:
             )
         }
 
+    def refused(self, surface: str, code: str) -> None:
+        """A request refused before a generation started (a generation counts its own outcome)."""
+        self.requests.labels(surface, code).inc()
+
     def observe_engine(self, scheduler_detail: dict) -> None:
         """Set the engine gauges from the scheduler's health detail (missing keys are left as they are)."""
         for key, gauge in self.engine_state.items():

@@ -73,6 +73,7 @@ async def generate(request: Request) -> Response:
         config = validate(GenerateConfig, rest_defaults(flat_body_to_config(body)), Context.of(gw.settings))
         caller = caller_of(request, gw.settings) if config.controller else None
     except TillerError as exc:
+        gw.metrics.refused("rest", exc.code)
         return error_response(ErrorMsg.from_error(exc).to_json())
     gen = Generation(
         gw, config.to_request(), rid=new_request_id("gen_"), surface="rest", client=client_of(request), caller=caller

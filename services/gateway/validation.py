@@ -108,9 +108,10 @@ class LimitChecks(BaseModel):
     @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
     @classmethod
     def _max_tokens_cap(cls, value: int | None, info: ValidationInfo) -> int | None:
-        cap = context_of(info).limits.max_tokens_cap
-        if value is not None and value > cap:
-            raise ValueError(f"must be at most {cap} (got {value})")
+        limits = context_of(info).limits
+        if value is not None and value > limits.max_tokens_cap:
+            raise ValueError(f"must be at most {limits.max_tokens_cap} (got {value}), and fit beside the prompt in the "
+                             f"model's context of {limits.max_model_len} tokens")
         return value
 
     @field_validator("stop", check_fields=False)
