@@ -21,7 +21,7 @@ import zmq.asyncio
 from common import aici_wire
 from common.config import Settings
 from common.errors import WireError
-from common.model_source import load_tokenizer
+from common.model_source import resolve_model
 from common.sockets import bind
 from controllers.native import load_native_controllers
 from services.controller_runtime.registry import ModuleRegistry, RegistryError
@@ -38,7 +38,7 @@ class ControllerRuntime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         cfg = settings.controllers
-        self.tokenizer = TokenizerInfo.from_hf(load_tokenizer(settings))
+        self.tokenizer = TokenizerInfo.from_directory(resolve_model(settings).directory)
         self.vocab_size = self.tokenizer.vocab_size
         self.engine = WasmEngine(cfg, self.tokenizer)
         self.registry = ModuleRegistry(settings.controller_module_dir, self.engine)

@@ -18,7 +18,7 @@ import numpy as np
 
 from common import aici_wire as w
 from common.config import Settings
-from common.model_source import load_tokenizer
+from common.model_source import load_tokenizer, resolve_model
 from controllers.native import load_native_controllers
 from services.controller_runtime.host import RequestState, SeqHost
 from services.controller_runtime.instances import WasmInstance
@@ -42,7 +42,7 @@ class Host:
         # one user's controllers back to back in this process: fairness between users is not tested here
         self.settings = Settings(controllers={"user_cpu_share": 0, "max_controlled_per_user": 1 << 30})
         self.hf = load_tokenizer(self.settings)
-        self.tok = TokenizerInfo.from_hf(self.hf)
+        self.tok = TokenizerInfo.from_directory(resolve_model(self.settings).directory)
         self.engine = WasmEngine(self.settings.controllers, self.tok)
         self._tmp = tempfile.TemporaryDirectory()
         self.registry = ModuleRegistry(Path(self._tmp.name), self.engine)
