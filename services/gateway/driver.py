@@ -199,7 +199,7 @@ class Generation:
             yield ErrorMsg.from_error(exc, self.rid, self._partial())
 
     async def _instantiate(self, prompt_ids: list[int]) -> None:
-        """Start the request's controller in the runtime under this request's id (seed 001 ``instantiate``)."""
+        """Start the request's controller in the runtime under this request's id (the AICI runtime protocol's ``instantiate``)."""
         side = self._gw.side
         if side is None or self.caller is None:
             raise GatewayError(INVALID_REQUEST, "controllers are not available on this surface", param="controller")

@@ -49,12 +49,18 @@ class Metrics:
             key: Gauge(f"tiller:{key}", doc, registry=self.registry)
             for key, doc in (
                 ("kv_capacity_tokens", "Tokens the workers' KV pools hold"),
-                ("kv_free_tokens", "Tokens the workers' KV pools can still take"),
+                ("kv_free_tokens", "Tokens of the workers' empty KV blocks"),
+                ("kv_cached_tokens", "Tokens of KV blocks that only hold reusable prefixes (taken when free ones run out)"),
+                ("kv_used_tokens", "Tokens of KV blocks held by live sequences and parked sessions"),
                 ("kv_reserved_tokens", "KV tokens promised to admitted requests and parked sessions"),
                 ("queued", "Requests waiting for admission"),
                 ("running", "Sequences admitted to a worker"),
             )
         }
+
+    def refused(self, surface: str, code: str) -> None:
+        """A request refused before a generation started (a generation counts its own outcome)."""
+        self.requests.labels(surface, code).inc()
 
     def observe_engine(self, facts: wire.ModelFacts) -> None:
         """Set the engine gauges from the scheduler's model facts."""

@@ -393,6 +393,7 @@ class SchedulerCore:
         info = self.pool.workers.get(worker)
         if info is not None and result.kv_free_tokens >= 0:
             info.kv_free_tokens = result.kv_free_tokens
+            info.kv_cached_tokens = max(result.kv_cached_tokens, 0)
 
     def apply(self, dispatch: Dispatch, result: wire.StepResult) -> None:
         """Apply one worker's step result to the sequences it ran."""
@@ -590,7 +591,12 @@ class SchedulerCore:
             eos_token_ids=hello.eos_token_ids,
             kv_capacity_tokens=sum(w.capacity for w in ready),
             # a worker with no step yet: all of it free
+            # the KV pools as the workers' last steps left them (a worker with no step yet: all free):
+            # free (empty) + cached (reusable prefixes, evicted on demand) + used = capacity
             kv_free_tokens=sum(w.capacity if w.kv_free_tokens is None else w.kv_free_tokens for w in ready),
+            kv_cached_tokens=sum(w.kv_cached_tokens for w in ready),
+            kv_used_tokens=sum(w.capacity - w.kv_free_tokens - w.kv_cached_tokens
+                               for w in ready if w.kv_free_tokens is not None),
             kv_reserved_tokens=sum(w.reserved_tokens for w in ready),
             queued=len(self.queue),
             running=len(self.running),
@@ -601,3 +607,4 @@ class SchedulerCore:
             parked_sessions=len(self.sessions.parked),
             parked_tokens=self.sessions.parked_tokens(),
         )
+
