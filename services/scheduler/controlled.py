@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
 import structlog
 
 from common import aici_wire, wire
@@ -105,12 +106,12 @@ class Branch:
             self.event = wire.TokenEvent(rid=self.request.rid, index=self.index)
         return self.event
 
-    def note(self, result: dict[str, Any]) -> None:
+    def note(self, outcome: aici_wire.SeqOutcome) -> None:
         """Add a runtime result's logs, storage and time to this step's event."""
         event = self.pending_event()
-        event.logs += result.get("logs") or ""
-        event.storage = [*event.storage, *(result.get("storage") or [])]
-        event.micros += int(result.get("micros") or 0)
+        event.logs += outcome.logs
+        event.storage = [*event.storage, *outcome.storage]
+        event.micros += outcome.micros
 
     def report(self, backtrack: int, tokens: list[int]) -> None:
         """Record a change the controller must hear about in the next post_ops."""
@@ -269,7 +270,7 @@ class ControlledSteps:
             return plan
         self.runtime_fresh = False
         try:
-            runnable = self._post_pre_process(post_ops, reply.data)
+            runnable = self._post_pre_process(post_ops, msgspec.convert(reply.data, aici_wire.PostPreProcessReply))
             for row, (branch, _) in enumerate(runnable):
                 self._plan_sample(plan, branch, row)
         except Exception as exc:  # a bug or a nonsensical runtime reply fails the controlled requests, not the loop
@@ -346,26 +347,25 @@ class ControlledSteps:
         plan.per_worker[request.worker].append((branch, seq))
         plan.tokens += len(tokens)
 
-    def _post_pre_process(self, post_ops: list[aici_wire.PostOp], data: dict[str, Any]) -> list[tuple[Branch, int | None]]:
+    def _post_pre_process(self, post_ops: list[aici_wire.PostOp], reply: aici_wire.PostPreProcessReply
+                          ) -> list[tuple[Branch, int | None]]:
         """Apply a post_pre_process reply; returns the branches to run this step, each with its clone parent."""
-        post_seqs = data.get("post_seqs") or {}
         for op in post_ops:
             branch = self.by_seq.get(op.id)
-            result = post_seqs.get(str(op.id), post_seqs.get(op.id))
-            if branch is None or branch.finished or result is None:
+            post = reply.post_seqs.get(str(op.id))
+            if branch is None or branch.finished or post is None:
                 continue
-            branch.note(result)
-            if result.get("error"):
-                self._end(branch, "fail", error=result["error"])
-            elif (result.get("result") or {}).get("stop"):
+            branch.note(post)
+            if post.error:
+                self._end(branch, "fail", error=post.error)
+            elif post.result is not None and post.result.stop:
                 self._end(branch, "aici-stop")
         runnable: list[tuple[Branch, int | None]] = []
-        pre_seqs = data.get("pre_seqs") or {}
         for controlled in list(self.requests.values()):
             for branch in list(controlled.live()):
                 if not branch.assigned:
                     continue
-                result = pre_seqs.get(str(branch.seq_id), pre_seqs.get(branch.seq_id))
+                result = reply.pre_seqs.get(str(branch.seq_id))
                 if result is None:
                     self._end(branch, "fail", error="the controller runtime returned no pre_process result")
                     continue
@@ -385,24 +385,25 @@ class ControlledSteps:
             for branch in live:
                 self._end(branch, "deadlock")
 
-    def _on_pre(self, controlled: Controlled, branch: Branch, result: dict[str, Any]) -> list[tuple[Branch, int | None]]:
-        branch.note(result)
-        if result.get("error"):
-            self._end(branch, "fail", error=result["error"])
+    def _on_pre(self, controlled: Controlled, branch: Branch, outcome: aici_wire.PreOutcome
+                ) -> list[tuple[Branch, int | None]]:
+        branch.note(outcome)
+        if outcome.error:
+            self._end(branch, "fail", error=outcome.error)
             return []
-        pre = result.get("result") or {}
-        num_forks = int(pre.get("num_forks", 1))
+        pre = outcome.result or aici_wire.PreProcessResult()
+        num_forks = pre.num_forks
         if num_forks == 0:
             self._end(branch, "aici-stop")
             return []
-        ff = [int(t) for t in pre.get("ff_tokens") or []]
+        ff = pre.ff_tokens
         if ff:
             branch.splice(0, ff)
             self._count_ff(branch, len(ff))
             self._check_limits(branch, self.host.max_model_len())
             if branch.finished:
                 return []
-        branch.suspended = bool(pre.get("suspend"))
+        branch.suspended = pre.suspend
         request = branch.request
         if branch.suspended or request.paused:
             return []
@@ -431,29 +432,28 @@ class ControlledSteps:
         return child
 
     def _mid_process(self, mid: PendingMid, reply: MainReply) -> None:
-        seqs = reply.data.get("seqs") or {}
+        seqs = msgspec.convert(reply.data, aici_wire.MidProcessReply).seqs
         mid.frame = reply.frames[0] if reply.frames else None
         for branch, _ in mid.runnable:
             if branch.finished:
                 continue
-            result = seqs.get(str(branch.seq_id), seqs.get(branch.seq_id))
-            if result is None:
+            outcome = seqs.get(str(branch.seq_id))
+            if outcome is None:
                 self._end(branch, "fail", error="the controller runtime returned no mid_process result")
                 continue
-            branch.note(result)
-            if result.get("error"):
-                self._end(branch, "fail", error=result["error"])
+            branch.note(outcome)
+            if outcome.error:
+                self._end(branch, "fail", error=outcome.error)
                 continue
-            self._on_mid(branch, result.get("result"))
+            self._on_mid(branch, outcome.result)
 
-    def _on_mid(self, branch: Branch, mid: Any) -> None:
+    def _on_mid(self, branch: Branch, mid: aici_wire.MidProcessResult | None) -> None:
         """Stop ends the branch; a Splice waits for the step's result (see :meth:`apply`); anything
         else samples under the branch's mask row (the AICI runtime protocol: a null result as SampleWithBias does)."""
         if mid == "Stop":
             self._end(branch, "aici-stop")
-        elif isinstance(mid, dict) and "Splice" in mid:
-            splice = mid["Splice"] or {}
-            branch.mid_splice = (int(splice.get("backtrack", 0)), [int(t) for t in splice.get("ff_tokens") or []])
+        elif isinstance(mid, aici_wire.MidBranch) and mid.Splice is not None:
+            branch.mid_splice = (mid.Splice.backtrack, list(mid.Splice.ff_tokens))
 
     def _splice(self, branch: Branch, backtrack: int, ff: list[int]) -> None:
         """Apply a mid_process Splice; its tokens are fed on the branch's next step."""

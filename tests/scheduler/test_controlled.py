@@ -237,3 +237,14 @@ def test_branches_suspended_too_long_end_in_deadlock():
         assert not seqs_of(steps, "c") or not seqs_of(steps, "c")[0].sample
     final = h.final("c")
     assert (final.finish_reason, final.fork_finish) == ("stop", "deadlock")
+
+
+def test_a_reply_that_does_not_match_the_protocol_fails_the_controlled_requests():
+    h, rt = controlled()
+    step(h, rt, {"c": HE})
+    seq_id = h.core.requests["c"].seq_id
+    plan, request = h.core.plan_controlled()
+    assert request is not None
+    h.core.controlled_planned(plan, reply({"pre_seqs": {str(seq_id): {"result": {"num_forks": "two"}}}}))
+    (failed,) = h.failures("c")
+    assert failed.code == "internal_error" and "controller step failed" in failed.message
