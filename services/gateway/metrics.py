@@ -54,12 +54,32 @@ class Metrics:
             )
         }
 
+        # per worker, labelled by its id (a worker that left loses its series)
+        self.worker_state = {
+            key: Gauge(f"tiller:worker_{key}", doc, ["worker"], registry=self.registry)
+            for key, doc in (
+                ("running", "Sequences admitted to the worker"),
+                ("kv_capacity_tokens", "Tokens the worker's KV pool holds"),
+                ("kv_used_tokens", "KV tokens held by live and parked sequences"),
+                ("kv_cached_tokens", "KV tokens in unreferenced blocks that keep a reusable prefix"),
+                ("kv_free_tokens", "KV tokens allocations can still take (cached blocks included)"),
+                ("prefix_hit_rate", "Share of the prompt tokens sent to the worker whose KV its prefix cache gave"),
+            )
+        }
+
     def observe_engine(self, scheduler_detail: dict) -> None:
         """Set the engine gauges from the scheduler's health detail (missing keys are left as they are)."""
         for key, gauge in self.engine_state.items():
             value = scheduler_detail.get(key)
             if isinstance(value, (int, float)):
                 gauge.set(value)
+        workers = scheduler_detail.get("workers")
+        if isinstance(workers, list):
+            for key, gauge in self.worker_state.items():
+                gauge.clear()
+                for worker in workers:
+                    if isinstance(worker.get(key), (int, float)):
+                        gauge.labels(str(worker.get("worker"))).set(worker[key])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

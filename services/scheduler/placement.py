@@ -8,7 +8,7 @@ Pure decision logic (no sockets, no clocks). In order of preference:
    blocks, as the :class:`PrefixIndex` knows it from the workers' block events (the idea of
    SGLang's cache-aware router and llm-d's KV-aware scheduling), unless that worker already runs
    more than ``balance`` sequences beyond the least loaded one;
-3. **load**: the worker with the most free KV (then the fewest running sequences).
+3. **load**: the worker running the fewest sequences (then the one with the most free KV).
 
 A worker qualifies only when its free KV can hold the sequence. Forks and backtracks of a live or
 parked sequence never come here: they stay on their parent's worker.
@@ -94,7 +94,7 @@ def choose(
         return None
     if session_worker is not None and any(c.identity == session_worker for c in fits):
         return Decision(session_worker, "session")
-    least = max(fits, key=lambda c: (c.free_tokens, -c.running))
+    least = min(fits, key=lambda c: (c.running, -c.free_tokens))
     fewest_running = min(c.running for c in fits)
     matched = index.matches(prompt_keys, [c.identity for c in fits if c.running <= fewest_running + balance])
     best = max(fits, key=lambda c: (matched.get(c.identity, 0), c.free_tokens, -c.running))

@@ -73,7 +73,7 @@ class Scheduler:
         self.frontend = Router(ctx, settings.endpoint("scheduler"))
         self.worker_router = Router(ctx, settings.endpoint("worker"))
         heartbeat(self.worker_router.sock, settings.distributed.heartbeat_s, settings.distributed.heartbeat_timeout_s)
-        self.pool = WorkerPool()
+        self.pool = WorkerPool(balance=settings.distributed.placement_balance)
         self.requests: dict[str, LiveRequest] = {}
         self.queue: list[LiveRequest] = []
         self.running: dict[int, LiveRequest] = {}  # seq_id -> request (running or paused)
@@ -204,6 +204,7 @@ class Scheduler:
         controller = await self.controllers.ping()
         detail = {
             "worker": self.pool.summary(),
+            "workers": self.pool.stats(),
             "model": self.settings.served_model_name,
             "vocab_size": facts.vocab_size if facts else 0,
             "max_model_len": self._max_model_len(),
@@ -244,8 +245,6 @@ class Scheduler:
                     self.wake.set()
             elif isinstance(msg, wire.StepResult):
                 worker = self.pool.workers.get(identity)
-                if worker and msg.kv_free_tokens >= 0:
-                    worker.kv_free_tokens = msg.kv_free_tokens
                 waiting = worker.in_flight.get(msg.step_id) if worker else None
                 if waiting is not None and not waiting.done():
                     waiting.set_result(msg)
@@ -369,6 +368,7 @@ class Scheduler:
             request.worker = worker.identity
             request.reserved = request.needed_tokens
             worker.reserved_tokens += request.reserved
+            worker.running += 1
             self.running[request.seq_id] = request
             admitted.append(request)
         if admitted:
@@ -457,6 +457,9 @@ class Scheduler:
         failures = {f.seq_id: f.message for f in result.failures}
         eos = set(worker.hello.eos_token_ids)
         max_len = self._max_model_len()
+        prompt_fed = sum(len(seq.tokens) for request, seq in batch
+                         if isinstance(request, LiveRequest) and request.applied < len(request.prompt))
+        self.pool.on_result(worker, result, prompt_fed)
         for request, seq in batch:
             if isinstance(request, Branch):
                 self.controllers.apply(request, seq, result, max_len)
@@ -582,6 +585,7 @@ class Scheduler:
             worker = self.pool.workers.get(request.worker)
             if worker is not None:
                 worker.reserved_tokens -= request.reserved
+                worker.running -= 1
                 if not (park and self.sessions.park(request, worker)):
                     self.to_free[request.worker].append(request.seq_id)
         request.state = State.FINISHED

@@ -103,9 +103,9 @@ class SessionKV:
                 return placement
             if own is not None:  # it cannot be used: let it go rather than hold it twice
                 self._evict(own)
-        worker = self.pool.pick_for(needed)
+        worker = self.pool.pick_for(needed, request.prompt)
         while worker is None and self._evict_lru(exclude=self.pinned):
-            worker = self.pool.pick_for(needed)
+            worker = self.pool.pick_for(needed, request.prompt)
         return Placement(worker=worker) if worker is not None else None
 
     def _place_on(self, base: Parked, own: bool, request: LiveRequest, needed: int) -> Placement | None:
@@ -121,6 +121,7 @@ class SessionKV:
         while worker.capacity - worker.reserved_tokens + released < needed:
             if not self._evict_lru(exclude=self.pinned | {base.seq_id}, worker=base.worker):
                 return None
+        worker.placed["session"] += 1
         if own:
             del self.parked[base.key]
             worker.reserved_tokens -= len(base.tokens)
