@@ -42,11 +42,17 @@ class Limits(BaseModel):
     max_choices: int = Field(64, ge=1, description="choices one OpenAI request may ask for (prompts x n)")
     max_ws_message_bytes: int = Field(1 << 20, ge=1024, description="largest WebSocket frame accepted")
     max_http_body_bytes: int = Field(4 << 20, ge=1024)
+    max_json_depth: int = Field(64, ge=2, le=512, description="deepest nesting of arrays and objects in a JSON "
+                                "request body or WebSocket message; deeper ones are refused with invalid_request")
     request_timeout_s: float = Field(600.0, gt=0, description="a generation running longer ends with timeout")
     rate_limit_per_minute: int = Field(0, ge=0, description="requests per client address; 0 disables")
     worker_step_timeout_s: float = Field(60.0, gt=0)
-    gateway_heartbeat_s: float = Field(1.0, gt=0, description="a gateway with live requests tells the scheduler "
-                                       "it is alive this often")
+    gateway_heartbeat_s: float = Field(1.0, gt=0, description="a gateway tells the scheduler (and the session store "
+                                       "while it holds Salience leases or Evergreen sessions) it is alive this often")
+    peer_suspect_grace_s: float = Field(1.0, gt=0, description="after the connection to a peer holding our work "
+                                        "drops, how long it has to answer again before that work is failed")
+    peer_silence_s: float = Field(5.0, gt=0, description="a peer holding our work that does not answer heartbeats "
+                                  "this long is taken for dead and that work is failed")
     gateway_silence_s: float = Field(10.0, gt=0, description="the scheduler cancels the requests of a gateway "
                                      "that sent heartbeats and then stayed silent this long (it died)")
     kv_memory_fraction: float | None = Field(
@@ -81,7 +87,8 @@ class Sessions(BaseModel):
         0.5, ge=0, le=1, description="share of a worker's KV pool idle sessions may hold; live requests evict them first"
     )
     busy_lease_s: float = Field(
-        900.0, gt=0, description="a Generate whose gateway vanished releases its session after this long"
+        5.0, gt=0, description="a Generate's hold on its session, renewed by its gateway's heartbeats: a session "
+        "whose gateway died is free again after this long"
     )
     readout_concepts: list[str] = Field(
         default_factory=lambda: ["yes", "no", "good", "bad", "happy", "sad", "true", "false"],

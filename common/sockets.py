@@ -26,6 +26,10 @@ Frames = Sequence[bytes | memoryview]
 _ZERO_COPY_MIN = 64 * 1024
 
 
+class PeerLost(Exception):
+    """A request's peer died or restarted before it replied (:meth:`Dealer.abandon`)."""
+
+
 def ensure_ipc_dir(endpoint: str) -> None:
     if endpoint.startswith("ipc://"):
         Path(endpoint[len("ipc://") :]).parent.mkdir(parents=True, exist_ok=True)
@@ -159,11 +163,17 @@ class Dealer:
         future: asyncio.Future[tuple[wire.Message, list[bytes]]] = asyncio.get_running_loop().create_future()
         self._pending[msg.mid] = future
         try:
-            await self.send(msg, binary)
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout):  # the send too: it waits while the peer's queue is full
+                await self.send(msg, binary)
                 return await future
         finally:
             self._pending.pop(msg.mid, None)
+
+    def abandon(self, reason: str) -> None:
+        """Fail every request still waiting for its reply with :class:`PeerLost`: the peer that had them died."""
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(PeerLost(reason))
 
     def close(self) -> None:
         if self._reader is not None:

@@ -103,6 +103,15 @@ class HealthReply(Msg, tag="health_reply"):
     service: str
     ready: bool
     detail: dict[str, Any] = {}
+    incarnation: str = ""  # the answering process's life (common.incarnation)
+
+
+class Alive(Msg, tag="alive"):
+    """The answer to a heartbeat: which life of ``service`` answered (see :mod:`common.incarnation`).
+    A peer hearing a new ``incarnation`` knows what it had in flight there is gone."""
+
+    service: str
+    incarnation: str
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,9 +166,17 @@ class Cancel(Msg, tag="cancel"):
 
 
 class GatewayAlive(Msg, tag="gateway_alive"):
-    """A gateway's heartbeat while it streams requests (``limits.gateway_heartbeat_s``); answered with Ok.
-    Once a gateway sent one, the scheduler cancels its requests when it stays silent for
-    ``limits.gateway_silence_s`` (a gateway that died cannot cancel them itself)."""
+    """A gateway's heartbeat (``limits.gateway_heartbeat_s``), answered with ``Alive``.
+
+    To the scheduler: once a gateway sent one, the scheduler cancels its requests when it stays silent
+    for ``limits.gateway_silence_s`` (a gateway that died cannot cancel them itself). To the session
+    store: ``leases`` (Salience sessions with a Generate running) have their busy lease renewed and
+    ``evergreen`` (live Evergreen sessions) keep their node rows; a gateway that died renews nothing,
+    so its leases lapse and its Evergreen rows go within seconds."""
+
+    incarnation: str = ""
+    leases: list[str] = []
+    evergreen: list[str] = []
 
 
 class SessionDrop(Msg, tag="session_drop"):
@@ -372,6 +389,7 @@ class WorkerHello(Msg, tag="worker_hello"):
     hidden_size: int = 0
     readout_concepts: list[str] = []
     readout_layers: list[int] = []
+    incarnation: str = ""  # the worker process's life: a new one holds none of the old one's sequences
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,6 +525,7 @@ Message = Union[
     Error,
     Health,
     HealthReply,
+    Alive,
     Submit,
     Cancel,
     GatewayAlive,

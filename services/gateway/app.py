@@ -26,6 +26,9 @@ from services.gateway.text import TextProcessor
 
 log = structlog.get_logger()
 
+# the modules whose ``router`` serves the HTTP routes and the WebSocket
+ROUTER_MODULES = (ws, rest, openai_api, tokenize_api, ops, aici_rest)
+
 
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
@@ -45,6 +48,7 @@ def create_app(settings: Settings) -> FastAPI:
             side=SideChannel(settings, ctx),
         )
         gw.scheduler.start()
+        gw.store.start()
         gw.side.start()
         app.state.gateway = gw
         grpc_server = await start_grpc(gw)
@@ -60,7 +64,7 @@ def create_app(settings: Settings) -> FastAPI:
             ctx.term()
 
     app = FastAPI(title="Tiller gateway", lifespan=lifespan)
-    for module in (ws, rest, openai_api, tokenize_api, ops, aici_rest):
+    for module in ROUTER_MODULES:
         app.include_router(module.router)
     if settings.api_auth.everywhere and settings.api_auth.tokens:
         app.add_middleware(TokenGate, settings=settings)

@@ -26,6 +26,7 @@ from common.errors import (
     TIMEOUT,
     TillerError,
 )
+from services.gateway.admission import COMPLETED, Admission
 from services.gateway.deps import Gateway
 from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, worker_stage
 from services.gateway.protocol import (
@@ -49,8 +50,6 @@ LOADING_POLL_S = 1.0
 # How long past limits.request_timeout_s the gateway waits on a silent scheduler (which should have
 # ended the request with "timeout" itself) before giving up on it.
 STALL_GRACE_S = 10.0
-# Finish reasons that end a generation normally, with a completion message.
-COMPLETED = ("length", "stop", "cancelled")
 
 
 def context_budget(prompt_tokens: int, max_tokens: int | None, max_model_len: int, default_max_tokens: int) -> int:
@@ -137,10 +136,10 @@ class Generation:
     # -- the stream ---------------------------------------------------------------------------
 
     async def stream(self) -> AsyncIterator[ServerMsg]:
-        gw, labels = self._gw, (self.surface,)
+        gw = self._gw
         structlog.contextvars.bind_contextvars(request_id=self.rid)
         self._started = time.monotonic()
-        gw.metrics.active_streams.labels(*labels).inc()
+        self._admission = Admission(gw, rid=self.rid, surface=self.surface, client=self._client)
         outcome = "cancelled"  # unless a final message says otherwise: the consumer left
         try:
             try:
@@ -160,21 +159,9 @@ class Generation:
                 gw.scheduler.cancel_soon(self.rid)
             self._phase = Phase.DONE
             gw.scheduler.close_stream(self.rid)
-            elapsed = time.monotonic() - self._started
-            gw.metrics.active_streams.labels(*labels).dec()
-            gw.metrics.requests.labels(self.surface, outcome).inc()
-            gw.metrics.request_latency.labels(*labels).observe(elapsed)
             usage = self.usage
-            if self._initialized:
-                gw.metrics.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
-                gw.store.record_completion(
-                    self.rid,
-                    generated_text=self._text,
-                    finish_reason=outcome,
-                    prompt_tokens=usage.prompt_tokens,
-                    completion_tokens=usage.completion_tokens,
-                    error="" if outcome in (*COMPLETED, CONTENT_FILTER) else outcome,
-                )
+            elapsed = self._admission.end(outcome, text=self._text, prompt_tokens=usage.prompt_tokens,
+                                          completion_tokens=usage.completion_tokens)
             log.info(
                 "request.end",
                 surface=self.surface,
@@ -187,12 +174,9 @@ class Generation:
     async def _run(self) -> AsyncIterator[ServerMsg]:
         gw = self._gw
         try:
-            gw.limiter.check(self._client)
             prompt_text, prompt_ids = await gw.text.prompt(self.request)
             messages = self.request.messages
-            # what the client wrote is screened, not the chat template's own text around it
-            if gw.text.refused("\n".join(m["content"] for m in messages) if messages else prompt_text):
-                raise GatewayError(CONTENT_FILTER, "the prompt was refused by the content filter", param="prompt")
+            self._admission.admit("\n".join(m["content"] for m in messages) if messages else prompt_text)
             health = await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)
             self._max_model_len = int(health.detail.get("max_model_len") or gw.settings.limits.max_model_len)
             self._check_logit_bias(int(health.detail.get("vocab_size") or 0))
@@ -210,13 +194,7 @@ class Generation:
         self._initialized = True
         model_info = {"max_tokens": self._max_model_len, "vocab_size": health.detail.get("vocab_size")}
         yield InitMsg(self.rid, gw.settings.served_model_name, model_info, prompt_text)
-        gw.store.record_request(
-            self.rid,
-            surface=self.surface,
-            model=gw.settings.served_model_name,
-            prompt=prompt_text,
-            params=self.request.record(),
-        )
+        self._admission.record(prompt=prompt_text, params=self.request.record())
         log.info("request.start", surface=self.surface, prompt_tokens=self._prompt_len, max_tokens=max_tokens)
 
         try:
@@ -316,7 +294,7 @@ class Generation:
         self._tokens += len(event.tokens)
         if event.finish_reason is not None:
             self._final = event
-        if not self._filtered and event.text and self._gw.text.refused(self._text + event.text):
+        if not self._filtered and event.text and self._admission.screens_out(self._text + event.text):
             self._filtered = True
             if event.finish_reason is None:
                 self._gw.scheduler.cancel_soon(self.rid)  # then drain up to its final "cancelled" event
@@ -328,8 +306,7 @@ class Generation:
         last_at = self._last_token_at or self._started
         if event.tokens and self._first_token_at is None:
             self._first_token_at = now
-            self._gw.metrics.time_to_first_token.labels(self.surface).observe(now - self._started)
-        self._gw.metrics.generation_tokens.labels(self.surface).inc(len(event.tokens))
+        self._admission.tokens(len(event.tokens))
         for i, token in enumerate(event.tokens):
             last = i == len(event.tokens) - 1
             if last:

@@ -8,8 +8,8 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 
 
 class Metrics:
-    """Labelled by ``surface`` (websocket | rest | openai) and, for requests, ``outcome`` (a finish
-    reason or an error code); never by request id."""
+    """Labelled by ``surface`` (websocket | rest | openai | aici | salience | evergreen) and, for requests,
+    ``outcome`` (a finish reason or an error code); never by request id."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()

@@ -1,4 +1,4 @@
-"""Operational endpoints: ``GET /health``, ``GET /metrics``, ``GET /v1/requests/{id}``."""
+"""Operational endpoints: ``GET /health``, ``GET /ready``, ``GET /metrics``, ``GET /v1/requests/{id}``."""
 
 from __future__ import annotations
 
@@ -7,27 +7,64 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from common import wire
 from common.errors import ERROR_TRAITS, TillerError
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, worker_stage
 from services.gateway.httputil import gateway_of
 from services.gateway.store import NOT_FOUND, StoreError
 
 router = APIRouter()
 
 
+def assess(reply: wire.HealthReply, store_answers: bool, side_connected: bool) -> tuple[bool, list[str]]:
+    """Whether plain generation works (the scheduler has a ready worker), and what is degraded: the
+    parts that are down while it works, or why it does not."""
+    stage = worker_stage(reply)
+    serving = stage.get("stage") == "ready"
+    degraded = [] if serving else [f"worker: {stage.get('stage')} ({stage.get('message') or 'no detail'})"]
+    runtime = reply.detail.get("controller_runtime", "ok")
+    if runtime != "ok" or not side_connected:
+        degraded.append(f"controller_runtime: {runtime if runtime != 'ok' else 'not connected'} "
+                        "(controlled requests and module uploads fail; plain generation works)")
+    if not store_answers:
+        degraded.append("session_store: not answering (Salience sessions and request records fail)")
+    return serving, degraded
+
+
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 when the scheduler answers and its worker is ready, else 503; the body has the detail."""
+    """200 while plain generation works (the scheduler answers and has a ready worker), else 503; the
+    body's ``degraded`` names what is down: ``status`` is ``ready``, ``degraded``, ``not_ready`` or
+    ``unavailable`` (no scheduler)."""
     gw = gateway_of(request)
     try:
         reply = await gw.scheduler.health()
     except TillerError as exc:
-        return JSONResponse({"status": "unavailable", "message": exc.message, "scheduler": None}, status_code=503)
+        return JSONResponse({"status": "unavailable", "message": exc.message, "scheduler": None,
+                             "degraded": [f"scheduler: {exc.message}"]}, status_code=503)
+    store_answers = await gw.store.answers()
+    serving, degraded = assess(reply, store_answers, gw.side is None or gw.side.connected)
     body = {
-        "status": "ready" if reply.ready else "not_ready",
+        "status": ("degraded" if degraded else "ready") if serving else "not_ready",
+        "degraded": degraded,
         "model": gw.settings.served_model_name,
         "scheduler": reply.detail,
     }
-    return JSONResponse(body, status_code=200 if reply.ready else 503)
+    return JSONResponse(body, status_code=200 if serving else 503)
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """For load balancers: 200 while plain generation works, else 503; cheap (a health reply up to a
+    second old is reused)."""
+    try:
+        reply = await gateway_of(request).scheduler.health(max_age=HEALTH_MAX_AGE_S)
+    except TillerError as exc:
+        return JSONResponse({"ready": False, "reason": exc.message}, status_code=503)
+    stage = worker_stage(reply)
+    if stage.get("stage") != "ready":
+        return JSONResponse({"ready": False, "reason": f"worker: {stage.get('stage')}"}, status_code=503)
+    return JSONResponse({"ready": True})
 
 
 @router.get("/metrics")

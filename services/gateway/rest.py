@@ -60,7 +60,7 @@ async def _events(messages: AsyncIterator[dict[str, Any]]) -> AsyncIterator[byte
 async def generate(request: Request) -> Response:
     gw = gateway_of(request)
     try:
-        body = await read_json_object(request, gw.settings.limits.max_http_body_bytes)
+        body = await read_json_object(request)
         config = validate(GenerateConfig, flat_body_to_config(body), Context.of(gw.settings))
         caller = caller_of(request, gw.settings) if config.controller else None
     except TillerError as exc:

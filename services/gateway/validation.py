@@ -27,6 +27,7 @@ from common import aici_wire
 from common.config import Limits, Settings
 from common.errors import INVALID_REQUEST
 from common.wire import SamplingParams, SamplingPatch
+from services.gateway.json_body import parse_json
 from services.gateway.protocol import GatewayError
 
 CLIENT_MESSAGE_TYPES = ("config", "control", "feedback")
@@ -380,12 +381,9 @@ def validate(model: type[M], data: Any, context: Context, *, prefix: str = "") -
         raise GatewayError(INVALID_REQUEST, "; ".join(m for _, m in described), param=described[0][0] or None) from None
 
 
-def parse_client_message(raw: str | bytes) -> dict[str, Any]:
+def parse_client_message(raw: str | bytes, max_depth: int) -> dict[str, Any]:
     """A WebSocket frame as a message object with a known ``type``, or ``invalid_request``."""
-    try:
-        message = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise GatewayError(INVALID_REQUEST, f"message is not valid JSON: {exc}") from None
+    message = parse_json(raw, max_depth, "message")
     if not isinstance(message, dict):
         raise GatewayError(INVALID_REQUEST, f"message must be a JSON object, not {type(message).__name__}")
     kind = message.get("type")

@@ -76,7 +76,7 @@ class Connection:
 
     async def _on_frame(self, raw: str | bytes) -> None:
         try:
-            message = parse_client_message(raw)
+            message = parse_client_message(raw, self._gw.settings.limits.max_json_depth)
             kind = message.pop("type")
             if kind == "config":
                 await self._on_config(message)

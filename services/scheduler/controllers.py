@@ -40,7 +40,7 @@ import zmq
 import zmq.asyncio
 
 from common import aici_wire, wire
-from common.errors import INTERNAL_ERROR, WireError
+from common.errors import INTERNAL_ERROR, SERVICE_UNAVAILABLE, WireError
 from common.sockets import ensure_ipc_dir
 from common.textstream import TextStream
 from services.scheduler.requests import LiveRequest, State
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger()
 
 BACKTRACK_MARK = " \u21a9 "  # AICI's marker for a backtrack in streamed text
+DROP_CHECK_MS = 100  # how often a main-channel call waiting for its reply checks the connection
 
 
 class RuntimeUnavailable(Exception):
@@ -61,7 +62,8 @@ class MainChannel:
     """The scheduler's DEALER on the runtime's main channel: strictly one request outstanding.
 
     A reply that does not come in time means the socket is replaced, so a late reply can never be
-    taken for the answer to the next request."""
+    taken for the answer to the next request. A connection that drops while a reply is awaited (the
+    runtime died: its instances with it) fails the call at once, not after the timeout."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
@@ -72,17 +74,39 @@ class MainChannel:
         ensure_ipc_dir(self.endpoint)
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
         return sock
+
+    def _replace(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(0)
+        self.sock.close(0)
+        self.sock = self._connect()
+
+    async def _dropped(self) -> bool:
+        """Whether the connection dropped since the last look."""
+        dropped = False
+        while await self.monitor.poll(0):
+            await self.monitor.recv_multipart()
+            dropped = True
+        return dropped
 
     async def call(self, request: dict[str, Any], timeout_s: float) -> tuple[dict[str, Any], list[bytes]]:
         """Send one request; its reply (``type`` ok|error) and any binary frames after it."""
         async with self.lock:
+            await self._dropped()  # a drop before this call says nothing about it
             await self.sock.send(aici_wire.encode(request))
-            if not await self.sock.poll(int(timeout_s * 1000)):
-                self.sock.close(0)
-                self.sock = self._connect()
-                raise RuntimeUnavailable(f"the controller runtime did not answer {request['op']} within {timeout_s:g} s")
+            deadline = time.monotonic() + timeout_s
+            while not await self.sock.poll(DROP_CHECK_MS):
+                if await self._dropped():
+                    self._replace()
+                    raise RuntimeUnavailable(f"the controller runtime's connection dropped during {request['op']} "
+                                             "(it died or restarted, its controllers with it)")
+                if time.monotonic() > deadline:
+                    self._replace()
+                    raise RuntimeUnavailable(
+                        f"the controller runtime did not answer {request['op']} within {timeout_s:g} s")
             parts = await self.sock.recv_multipart()
         try:
             return aici_wire.decode_reply(parts[0]), parts[1:]
@@ -230,7 +254,8 @@ class ControllerSteps:
         try:
             reply, _ = await self.channel.call({"op": "ping"}, timeout_s=1.0)
         except RuntimeUnavailable as exc:
-            return "unreachable" if "did not answer" in str(exc) else f"bad reply: {exc}"
+            unreachable = "did not answer" in str(exc) or "dropped" in str(exc)
+            return "unreachable" if unreachable else f"bad reply: {exc}"
         return "ok" if reply["type"] == "ok" and reply["data"].get("pong") == 1 else "bad reply"
 
     async def _call(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]] | None:
@@ -244,7 +269,7 @@ class ControllerSteps:
         except RuntimeUnavailable as exc:
             log.warning("scheduler.controller_runtime_failed", error=str(exc))
             for controlled in list(self.requests.values()):
-                self.sched._fail(controlled.request, INTERNAL_ERROR, str(exc))
+                self.sched._fail(controlled.request, SERVICE_UNAVAILABLE, str(exc))
             return None
         return reply, frames
 

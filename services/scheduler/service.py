@@ -33,7 +33,9 @@ from common.errors import (
     INVALID_REQUEST,
     MEMORY_PRESSURE,
     MODEL_LOADING_ERROR,
+    SERVICE_UNAVAILABLE,
 )
+from common.incarnation import process_incarnation
 from common.model_source import load_tokenizer
 from common.sockets import Router, heartbeat, reply_mid
 from common.textstream import TextStream
@@ -44,8 +46,8 @@ from services.scheduler.workers import WorkerInfo, WorkerPool
 
 log = structlog.get_logger()
 
-# How long a worker may stay silent after its connection dropped before it is declared dead.
-SUSPECT_GRACE_S = 2.0
+# How often a step waiting for its worker's result checks that the worker is still there.
+STEP_CHECK_S = 0.1
 # How often idle workers are pinged, and after how long without an answer they are dropped.
 LIVENESS_PING_S = 2.0
 LIVENESS_DEAD_S = 10.0
@@ -67,6 +69,7 @@ class InFlight:
 class Scheduler:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.incarnation = process_incarnation()
         self.limits = settings.limits
         self.tokenizer = load_tokenizer(settings)
         ctx = zmq.asyncio.Context.instance()
@@ -123,7 +126,7 @@ class Scheduler:
         if isinstance(msg, wire.Health):
             return await self._health()
         if isinstance(msg, wire.GatewayAlive):
-            return wire.Ok()
+            return wire.Alive(service="scheduler", incarnation=self.incarnation)
         if isinstance(msg, wire.SessionDrop):
             for request in [r for r in self.requests.values() if r.submit.session and r.submit.session.key == msg.key]:
                 self._finish(request, "cancelled", park=False)
@@ -225,7 +228,8 @@ class Scheduler:
             "readout_layers": facts.readout_layers if facts else [],
             **self.sessions.summary(),
         }
-        return wire.HealthReply(service="scheduler", ready=facts is not None and controller == "ok", detail=detail)
+        return wire.HealthReply(service="scheduler", ready=facts is not None and controller == "ok", detail=detail,
+                                incarnation=self.incarnation)
 
     # ------------------------------------------------------------------------------------------
     # workers
@@ -236,6 +240,9 @@ class Scheduler:
             self.pool.touch(identity)
             if isinstance(msg, wire.WorkerHello):
                 known = self.pool.workers.get(identity)
+                if known is not None and known.hello.incarnation != msg.incarnation:
+                    self._lose_worker(known, "the worker restarted")
+                    known = None
                 changed = known is None or (known.hello.stage, known.hello.progress) != (msg.stage, msg.progress)
                 info = self.pool.on_hello(identity, msg)
                 if changed:
@@ -272,7 +279,7 @@ class Scheduler:
                 if worker.in_flight:
                     continue
                 silent = now - worker.last_seen
-                suspect = worker.suspect_since is not None and now - worker.suspect_since > SUSPECT_GRACE_S
+                suspect = worker.suspect_since is not None and now - worker.suspect_since > self.limits.peer_suspect_grace_s
                 if suspect or silent > LIVENESS_DEAD_S:
                     self._lose_worker(worker, "the worker stopped answering")
                 elif silent > LIVENESS_PING_S:
@@ -303,7 +310,7 @@ class Scheduler:
         self.sessions.drop_worker(worker.identity)
         for request in list(self.running.values()):
             if request.worker == worker.identity:
-                self._fail(request, INTERNAL_ERROR, f"{reason}; the request was lost, retry it")
+                self._fail(request, SERVICE_UNAVAILABLE, f"{reason}; the request was lost, retry it")
 
     # ------------------------------------------------------------------------------------------
     # the step loop
@@ -441,10 +448,10 @@ class Scheduler:
                 await self.worker_router.send(worker.identity, *await self.controllers.step_masks(step))
             while True:
                 try:
-                    return await asyncio.wait_for(asyncio.shield(done), timeout=0.25)
+                    return await asyncio.wait_for(asyncio.shield(done), timeout=STEP_CHECK_S)
                 except asyncio.TimeoutError:
                     now = time.monotonic()
-                    suspect = worker.suspect_since is not None and now - worker.suspect_since > SUSPECT_GRACE_S
+                    suspect = worker.suspect_since is not None and now - worker.suspect_since > self.limits.peer_suspect_grace_s
                     if now > deadline or suspect or worker.identity not in self.pool.workers:
                         raise WorkerLost("the worker died or did not finish its step in time")
         except WorkerLost as exc:

@@ -126,6 +126,9 @@ class Store:
     def evergreen_close(self, session_id: str) -> None:
         self.conn.execute("DELETE FROM evergreen_fragments WHERE session_id=?", (session_id,))
 
+    def evergreen_session_ids(self) -> list[str]:
+        return [r[0] for r in self.conn.execute("SELECT DISTINCT session_id FROM evergreen_fragments")]
+
     def evergreen_fragments(self, session_id: str) -> list[list[Any]]:
         rows = self.conn.execute(
             "SELECT node_id, seq, fragment FROM evergreen_fragments WHERE session_id=? ORDER BY node_id, seq",

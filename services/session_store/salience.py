@@ -212,6 +212,15 @@ class SalienceSessions:
                 (_pack(tokens), msg.session_id),
             )
 
+    def renew(self, session_ids: list[str], lease_s: float) -> None:
+        """Extend the busy leases of these sessions' running turns (their gateway's heartbeat)."""
+        until = self.clock() + lease_s
+        with transaction(self.conn, "BEGIN IMMEDIATE"):
+            self.conn.executemany(
+                "UPDATE salience_sessions SET lease_until=? WHERE session_id=? AND lease != ''",
+                [(until, session_id) for session_id in session_ids],
+            )
+
     def expire(self) -> int:
         """Delete every session idle past the TTL (and not under a live lease); returns how many."""
         now = self.clock()

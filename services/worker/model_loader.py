@@ -131,5 +131,5 @@ def load_model(settings: Settings, progress: Progress) -> LoadedModel:
         dtype=dtype,
         eos_token_ids=eos,
         max_model_len=max_len,
-        vision=VisionSpec.load(source.directory, config, settings.images.max_image_pixels),
+        vision=VisionSpec.load(source.directory, settings.images.max_image_pixels),
     )

@@ -28,6 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 from common import wire
 from common.config import Settings
 from common.errors import WireError
+from common.incarnation import process_incarnation
 from common.sockets import heartbeat
 from services.worker.engine import Engine
 from services.worker.model_loader import load_model
@@ -85,6 +86,7 @@ class WorkerService:
         self.settings = settings
         self.log = log or structlog.get_logger()
         self.worker_id = f"worker-{socket.gethostname()}-{os.getpid()}"  # unique across the hosts that join
+        self.incarnation = process_incarnation()
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -171,6 +173,7 @@ class WorkerService:
                 progress=min(self.loader.progress, 99),
                 message=self.loader.message,
             )
+        hello.incarnation = self.incarnation
         self._send(hello)
 
     def _send(self, msg: wire.Msg) -> None:

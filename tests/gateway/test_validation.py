@@ -145,11 +145,14 @@ def test_control_and_feedback_messages():
         ('{"prompt": "x"}', "no 'type' field"),
         ('{"type": "generate"}', "unknown message type 'generate'"),
         ('{"type": 7}', "unknown message type 7"),
+        ('{"type": "config", "x": ' + "[" * 65 + "]" * 65 + "}", "deeper than 64 levels (limits.max_json_depth)"),
+        ("[" * 5000 + "]" * 5000, "deeper than 64 levels"),  # past what Python's parser recurses into
+        ('{"type": "stop", "s": "' + "[" * 100 + '"}', "unknown message type 'stop'"),  # brackets in a string
     ],
 )
 def test_bad_frames(raw, fragment):
     with pytest.raises(GatewayError) as caught:
-        parse_client_message(raw)
+        parse_client_message(raw, Limits().max_json_depth)
     assert caught.value.code == INVALID_REQUEST and fragment in caught.value.message
 
 

@@ -12,6 +12,7 @@ from common.errors import (
     MEMORY_PRESSURE,
     MODEL_LOADING_ERROR,
     RATE_LIMITED,
+    SERVICE_UNAVAILABLE,
     TIMEOUT,
 )
 
@@ -25,6 +26,7 @@ STATUS_OF_CODE: dict[str, grpc.StatusCode] = {
     INTERNAL_ERROR: grpc.StatusCode.INTERNAL,
     MODEL_LOADING_ERROR: grpc.StatusCode.UNAVAILABLE,
     RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    SERVICE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
 
 

@@ -67,6 +67,7 @@ class Session:
         """The server's side of the stream; raises :class:`SessionAbort` when the session aborts."""
         structlog.contextvars.bind_contextvars(session_id=self.id)
         log.info("evergreen.session_start", client=self._client)
+        self._gw.store.holdings.evergreen.add(self.id)
         reader = asyncio.create_task(self._read(requests))
         outcome = "cancelled"
         try:
@@ -89,6 +90,7 @@ class Session:
             self._stop()
             reader.cancel()
             self._gw.store.evergreen_close(self.id)
+            self._gw.store.holdings.evergreen.discard(self.id)
             log.info("evergreen.session_end", outcome=outcome, nodes=len(self.graph.nodes))
 
     def _stop(self) -> None:

@@ -19,13 +19,24 @@ import numpy as np
 import structlog
 
 from common import wire
-from common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, MEMORY_PRESSURE, TIMEOUT, TillerError
+from common.errors import (
+    CONTENT_FILTER,
+    CONTEXT_LENGTH_EXCEEDED,
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    MEMORY_PRESSURE,
+    RATE_LIMITED,
+    SERVICE_UNAVAILABLE,
+    TIMEOUT,
+    TillerError,
+)
 from common.protos.salience.v1 import salience_pb2 as pb
+from services.gateway.admission import Admission
 from services.gateway.deps import Gateway, new_request_id
 from services.gateway.driver import STALL_GRACE_S
 from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, worker_stage
 from services.gateway.salience.images import ImageError, ImageSupport, check_unattached, prepare_images
-from services.gateway.salience.store import SessionStoreClient
+from services.gateway.salience.store import SessionStoreClient, SessionStoreError
 
 log = structlog.get_logger()
 
@@ -37,16 +48,24 @@ FAILURE_STATUS = {
     MEMORY_PRESSURE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
     TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    CONTENT_FILTER: grpc.StatusCode.PERMISSION_DENIED,
+    SERVICE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
 
 
 class Abort(Exception):
     """End the call with a gRPC status."""
 
-    def __init__(self, status: grpc.StatusCode, message: str) -> None:
+    def __init__(self, status: grpc.StatusCode, message: str, outcome: str = "") -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.outcome = outcome or status.name.lower()  # the requests_total label: an error code when one applies
+
+    @classmethod
+    def from_error(cls, exc: TillerError) -> Abort:
+        return cls(FAILURE_STATUS.get(exc.code, grpc.StatusCode.INTERNAL), exc.message, exc.code)
 
 
 def _invalid(message: str) -> Abort:
@@ -63,19 +82,44 @@ class Turn:
     store: SessionStoreClient
     images: ImageSupport
     request: pb.GenerateRequest
+    client: str  # the caller's address (the rate limit's key)
     rid: str = field(default_factory=lambda: new_request_id("sal-"))
     sent: list[int] = field(default_factory=list)  # decoded tokens the client was sent
+    generated: str = ""  # their text, as the content filter reads it
     cached_tokens: int = 0
+    length: int = 0  # the session's length once the call's tokens are appended
+    outcome: str = "cancelled"  # how the call ended (the requests_total label); unless set: the client left
+    _admission: Admission = field(init=False)
 
     async def run(self) -> AsyncIterator[pb.GenerateEvent]:
-        """The call's events; raises :class:`Abort` for a refused or failed call."""
+        """The call's events, through the admission pipeline; raises :class:`Abort` (or the store's
+        error) for a refused or failed call."""
+        structlog.contextvars.bind_contextvars(request_id=self.rid, session_id=self.request.session_id)
+        self._admission = Admission(self.gw, rid=self.rid, surface="salience", client=self.client)
+        try:
+            async for event in self._run():
+                yield event
+        except (Abort, SessionStoreError) as exc:
+            self.outcome = exc.outcome if isinstance(exc, Abort) else exc.status.name.lower()
+            raise
+        except Exception:
+            self.outcome = INTERNAL_ERROR
+            raise
+        finally:
+            self._admission.end(self.outcome, text=self.generated, prompt_tokens=self.length,
+                                completion_tokens=len(self.sent))
+
+    async def _run(self) -> AsyncIterator[pb.GenerateEvent]:
         req = self.request
-        structlog.contextvars.bind_contextvars(request_id=self.rid, session_id=req.session_id)
         health = await self._ready()
         facts = health.detail
         max_len = int(facts.get("max_model_len") or self.gw.settings.limits.max_model_len)
         self._validate(int(facts.get("vocab_size") or 0), max_len)
-        length = req.offset + len(req.append_tokens)  # the session's length once the call is applied
+        try:
+            self._admission.admit(self._admission.written_tokens(req.append_tokens), "append_tokens")
+        except TillerError as exc:
+            raise Abort.from_error(exc) from None
+        length = self.length = req.offset + len(req.append_tokens)
         try:
             outputs = self._positions(length)
         except Abort:  # judged by the client's offset: a drifted offset is the call's real problem
@@ -85,12 +129,15 @@ class Turn:
         new_images = await self._images(length)
         started = time.monotonic()
         session = await self.store.begin(self._begin(max_len, new_images))
+        self._admission.record(prompt=self._admission.written_tokens(session.tokens), params=self._params())
         try:
             if length == 0:  # nothing to prefill: a no-op call (it refreshed the TTL)
+                self.outcome = "length"
                 yield pb.GenerateEvent(done=Done(finish_reason=Done.FINISH_REASON_LENGTH))
                 return
-            async for event in self._stream(session, outputs, sampling, length):
-                yield event
+            with self.gw.store.holdings.lease(session.session_id):  # renewed while the turn runs
+                async for event in self._stream(session, outputs, sampling, length):
+                    yield event
         finally:
             await self._end(session)
             log.info("salience.generate_end", prompt_tokens=length, completion_tokens=len(self.sent),
@@ -106,6 +153,12 @@ class Turn:
             raise Abort(grpc.StatusCode.UNAVAILABLE, f"the model is not ready ({stage.get('stage')}): "
                                                      f"{stage.get('message') or 'retry shortly'}")
         return health
+
+    def _params(self) -> dict[str, object]:
+        """The call's parameters as its request record keeps them."""
+        req = self.request
+        return {"session_id": req.session_id, "offset": req.offset, "max_tokens": req.max_tokens,
+                "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "priority": req.priority}
 
     def _begin(self, max_len: int, images: list[wire.ImageInput] | None = None, *,
                check_only: bool = False) -> wire.SalienceBegin:
@@ -224,7 +277,7 @@ class Turn:
                     )
                 )
             except TillerError as exc:
-                raise Abort(FAILURE_STATUS.get(exc.code, grpc.StatusCode.INTERNAL), exc.message) from None
+                raise Abort.from_error(exc) from None
             deadline = asyncio.get_running_loop().time() + self.gw.settings.limits.request_timeout_s + STALL_GRACE_S
             while True:
                 try:
@@ -234,10 +287,16 @@ class Turn:
                     raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no result from the scheduler in time") from None
                 if isinstance(item, wire.RequestFailed):
                     finished = True
-                    raise Abort(FAILURE_STATUS.get(item.code, grpc.StatusCode.INTERNAL), item.message)
+                    raise Abort(FAILURE_STATUS.get(item.code, grpc.StatusCode.INTERNAL), item.message, item.code)
                 for out in item.prompt_outputs:
                     yield pb.GenerateEvent(token=self._prompt_token(out))
                 for sampled in item.tokens:
+                    generated = self.generated + self.gw.text.token_text(sampled.token_id)
+                    if self._admission.screens_out(generated):  # withheld; what was sent stays committed
+                        raise Abort(grpc.StatusCode.PERMISSION_DENIED, "the generated text was refused by the "
+                                    "content filter", CONTENT_FILTER)
+                    self.generated = generated
+                    self._admission.tokens(1)
                     position = length + len(self.sent)
                     token = self._decoded_token(sampled, position, outputs)
                     # counted before the yield: a cancel arriving while the message is on its way
@@ -247,8 +306,10 @@ class Turn:
                 if item.finish_reason is not None:
                     finished = True
                     if item.finish_reason == "timeout":
-                        raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the generation exceeded its time limit")
+                        raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the generation exceeded its time limit",
+                                    TIMEOUT)
                     self.cached_tokens = item.cached_tokens
+                    self.outcome = item.finish_reason
                     yield pb.GenerateEvent(done=self._done(item, length))
                     return
         finally:
