@@ -60,7 +60,8 @@ class PrefixIndex:
 
     def forget(self, worker: bytes) -> None:
         """A worker left, or its cache will be reported afresh."""
-        self.apply(worker, (), self._keys.pop(worker, set()))
+        self.apply(worker, (), self._keys.get(worker, set()).copy())
+        del self._keys[worker]
 
     def blocks(self, worker: bytes) -> int:
         return len(self._keys.get(worker, ()))

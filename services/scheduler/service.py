@@ -37,7 +37,7 @@ from common.errors import (
 )
 from common.incarnation import process_incarnation
 from common.model_source import load_tokenizer
-from common.sockets import Router, heartbeat, reply_mid
+from common.sockets import Router, reply_mid
 from common.textstream import TextStream
 from services.scheduler.controllers import Branch, ControllerSteps, Plan
 from services.scheduler.requests import LiveRequest, State
@@ -74,8 +74,8 @@ class Scheduler:
         self.tokenizer = load_tokenizer(settings)
         ctx = zmq.asyncio.Context.instance()
         self.frontend = Router(ctx, settings.endpoint("scheduler"))
-        self.worker_router = Router(ctx, settings.endpoint("worker"))
-        heartbeat(self.worker_router.sock, settings.distributed.heartbeat_s, settings.distributed.heartbeat_timeout_s)
+        self.worker_router = Router(ctx, settings.endpoint("worker"), heartbeat_s=(
+            settings.distributed.heartbeat_s, settings.distributed.heartbeat_timeout_s))
         self.pool = WorkerPool(balance=settings.distributed.placement_balance)
         self.requests: dict[str, LiveRequest] = {}
         self.queue: list[LiveRequest] = []
