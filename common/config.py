@@ -134,6 +134,11 @@ class Controllers(BaseModel):
     max_log_bytes: int = Field(64 << 10, ge=1024, description="captured stdout/stderr kept per call")
     max_module_bytes: int = Field(64 << 20, ge=1024, description="largest Wasm module mk_module accepts")
     pending_ttl_s: float = Field(600.0, gt=0, description="an instantiated controller never bound to a sequence is dropped after this")
+    user_cpu_share: float = Field(0.5, ge=0, description="controller CPU seconds per second one user's controllers may "
+                                  "take on average (every call is charged to its user, deadline overruns included; "
+                                  "0: no limit)")
+    user_cpu_burst_s: float = Field(5.0, gt=0, description="controller CPU seconds one user may take in a burst")
+    max_controlled_per_user: int = Field(64, ge=1, description="controlled requests one user may have live at once")
     module_dir: Path | None = Field(None, description="modules, compiled cache and tags (default: <run_dir>/controllers)")
     native: dict[str, str] = Field(
         default_factory=lambda: {"constrained": "controllers.native.constrained:ConstrainedController"},

@@ -68,6 +68,7 @@ class RequestState:
     module_arg: bytes
     storage: VariableStore = field(default_factory=VariableStore)
     live_seqs: int = 0
+    user: str = "local"  # who instantiated it: its controller time is charged to them
 
 
 class SeqHost:

@@ -104,7 +104,7 @@ class ControllerRuntime:
                 elif op == "instantiate":
                     ok, data = await asyncio.to_thread(
                         self.runtime.instantiate, request.get("req_id"), request.get("prompt"),
-                        request.get("module_id"), request.get("module_arg"))
+                        request.get("module_id"), request.get("module_arg"), user)
                     if not ok:
                         log.info("controller_runtime.instantiate_failed", error=data["error"])
                         return aici_wire.error(data["error"], is_user_error=True, **rid) | {"data": data}

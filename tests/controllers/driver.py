@@ -39,7 +39,8 @@ class Host:
     plus `instantiate`/`mid` for driving one WasmInstance directly (SDK unit tests, forks by hand)."""
 
     def __init__(self) -> None:
-        self.settings = Settings()
+        # one user's controllers back to back in this process: fairness between users is not tested here
+        self.settings = Settings(controllers={"user_cpu_share": 0, "max_controlled_per_user": 1 << 30})
         self.hf = load_tokenizer(self.settings)
         self.tok = TokenizerInfo.from_hf(self.hf)
         self.engine = WasmEngine(self.settings.controllers, self.tok)

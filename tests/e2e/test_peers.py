@@ -203,7 +203,7 @@ async def test_killed_worker_fails_its_requests_cleanly_and_a_new_worker_serves(
         stack.kill("worker")
         await asyncio.wait_for(collector.done.setdefault(doomed.rid, asyncio.Event()).wait(), 30)
         failure = collector.failures[doomed.rid]
-        assert failure.code == "internal_error" and failure.recoverable and failure.recovery_action == "retry"
+        assert failure.code == "service_unavailable" and failure.recoverable and failure.recovery_action == "retry"
 
         deadline = time.monotonic() + 120
         while not (await asyncio.to_thread(stack.scheduler_health))["ready"]:
