@@ -1,4 +1,4 @@
-"""The controller runtime's channels, in the JSON shapes of seed 001, carried as msgpack.
+"""The controller runtime's channels, in the JSON shapes of the AICI runtime protocol, carried as msgpack.
 
 Requests carry ``op``; replies are ``{"type": "ok" | "error", "data": ...}``. The main channel is
 step-synchronous (one request outstanding); the side channel is asynchronous and every request and

@@ -5,7 +5,7 @@ A message on a socket is a multipart frame: one msgpack header (a tagged struct 
 describes. Receivers decode with :func:`decode`, which validates the header against these schemas
 and raises :class:`common.errors.WireError` on anything malformed.
 
-The controller runtime's main and side channels keep the JSON shapes of seed 001 instead (``op``
+The controller runtime's main and side channels keep the JSON shapes of the AICI runtime protocol instead (``op``
 requests, ``type: ok|error`` replies); their schemas live in :mod:`common.aici_wire`.
 """
 
@@ -230,7 +230,7 @@ class TokenEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    # Controlled requests (seed 001): one event per branch per step. ``index`` is the branch's fork
+    # Controlled requests (the AICI runtime protocol): one event per branch per step. ``index`` is the branch's fork
     # index (0: the original sequence); ``fork_finish`` ends that branch only (AICI's reasons: eos,
     # length, stop, aici-stop, fail, abort) while ``finish_reason`` still ends the whole request, on
     # its last event. ``text`` shows a backtrack as " ↩ " followed by the new text (AICI's stream).
@@ -365,8 +365,10 @@ class StepResult(Msg, tag="step_result"):
     cached_tokens: dict[int, int] = {}  # seq_id -> fed tokens whose KV came from the prefix cache
     scores: dict[int, list[ScoreResult]] = {}  # seq_id -> answers to its SeqStep.scores
     readouts: dict[int, list[ReadoutResult]] = {}  # seq_id -> answers to its SeqStep.readouts
-    kv_free_tokens: int = -1  # what the worker's KV pool can still take after the step (-1: not reported)
-    kv_cached_tokens: int = -1  # of those, tokens in unreferenced blocks that keep a reusable prefix
+    # the worker's KV pool after the step (-1: not reported): tokens of empty blocks, and of blocks that
+    # only hold reusable prefixes (allocations take them when empty ones run out); the rest is in use
+    kv_free_tokens: int = -1
+    kv_cached_tokens: int = -1
     # block events: keys (common.blocks.block_key) of the prefix blocks the worker's cache registered
     # and forgot since its last step (after a Step with free_all: every block it holds, none gone)
     blocks_new: list[int] = []
@@ -425,7 +427,7 @@ class GetRequest(Msg, tag="get_request"):
     rid: str
 
 
-# gateway -> session store: Evergreen node graphs (seed 000), keyed by an Evergreen session id
+# gateway -> session store: Evergreen node graphs, keyed by an Evergreen session id
 
 
 class EvergreenFragment(msgspec.Struct, kw_only=True, array_like=True):
@@ -460,7 +462,7 @@ class EvergreenGetNodes(Msg, tag="evergreen_get_nodes"):
     session_id: str
 
 
-# gateway -> session store: Salience sessions (seed 002). Errors use codes not_found,
+# gateway -> session store: Salience sessions (salience.proto). Errors use codes not_found,
 # failed_precondition, resource_exhausted and aborted (the gRPC status the gateway answers with).
 
 

@@ -1,4 +1,4 @@
-"""AICI's REST API (reference §2, rLLM's shapes): controllers, tags and ``/v1/run``.
+"""AICI's REST API (rLLM's shapes): controllers, tags and ``/v1/run``.
 
 - ``POST /v1/controllers``: the raw Wasm module as the body -> ``{module_id, wasm_size, compiled_size,
   time}``; the module id is the sha256 of the bytes.
@@ -328,6 +328,7 @@ async def run(request: Request) -> Response:
         body = await read_json_object(request)
         run_request = validate(RunRequest, body, Context.of(gw.settings))
     except TillerError as exc:
+        gw.metrics.refused("aici", exc.code)
         return _error(exc)
     admission = Admission(gw, rid=new_request_id("run-"), surface="aici", client=client_of(request))
     try:

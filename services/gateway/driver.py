@@ -55,12 +55,12 @@ STALL_GRACE_S = 10.0
 def context_budget(prompt_tokens: int, max_tokens: int | None, max_model_len: int, default_max_tokens: int) -> int:
     """The number of tokens to allow the generation, as vLLM decides it.
 
-    A prompt needs room for at least one generated token. An explicit ``max_tokens`` must fit beside
-    the prompt (otherwise ``context_length_exceeded``, not a silent cut); without one the default is
-    capped by the room left.
+    A prompt needs room for at least one generated token, unless ``max_tokens`` is 0 (scoring the
+    prompt only). An explicit ``max_tokens`` must fit beside the prompt (otherwise
+    ``context_length_exceeded``, not a silent cut); without one the default is capped by the room left.
     """
     room = max_model_len - prompt_tokens
-    if room < 1:
+    if room < (0 if max_tokens == 0 else 1):
         raise GatewayError(
             CONTEXT_LENGTH_EXCEEDED,
             f"the prompt has {prompt_tokens} tokens; the model's context of {max_model_len} tokens "
@@ -225,7 +225,7 @@ class Generation:
             yield ErrorMsg.from_error(exc, self.rid, self._partial())
 
     async def _instantiate(self, prompt_ids: list[int]) -> None:
-        """Start the request's controller in the runtime under this request's id (seed 001 ``instantiate``)."""
+        """Start the request's controller in the runtime under this request's id (the AICI runtime protocol's ``instantiate``)."""
         side = self._gw.side
         if side is None or self.caller is None:
             raise GatewayError(INVALID_REQUEST, "controllers are not available on this surface", param="controller")

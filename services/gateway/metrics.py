@@ -47,25 +47,30 @@ class Metrics:
             key: Gauge(f"tiller:{key}", doc, registry=self.registry)
             for key, doc in (
                 ("kv_capacity_tokens", "Tokens the workers' KV pools hold"),
-                ("kv_free_tokens", "Tokens the workers' KV pools can still take"),
+                ("kv_free_tokens", "Tokens of the workers' empty KV blocks"),
+                ("kv_cached_tokens", "Tokens of KV blocks that only hold reusable prefixes (taken when free ones run out)"),
+                ("kv_used_tokens", "Tokens of KV blocks held by live sequences and parked sessions"),
                 ("kv_reserved_tokens", "KV tokens promised to admitted requests and parked sessions"),
                 ("queued", "Requests waiting for admission"),
                 ("running", "Sequences admitted to a worker"),
             )
         }
-
         # per worker, labelled by its id (a worker that left loses its series)
         self.worker_state = {
             key: Gauge(f"tiller:worker_{key}", doc, ["worker"], registry=self.registry)
             for key, doc in (
                 ("running", "Sequences admitted to the worker"),
                 ("kv_capacity_tokens", "Tokens the worker's KV pool holds"),
-                ("kv_used_tokens", "KV tokens held by live and parked sequences"),
-                ("kv_cached_tokens", "KV tokens in unreferenced blocks that keep a reusable prefix"),
-                ("kv_free_tokens", "KV tokens allocations can still take (cached blocks included)"),
+                ("kv_used_tokens", "Tokens of the worker's KV blocks held by live sequences and parked sessions"),
+                ("kv_cached_tokens", "Tokens of the worker's KV blocks that only hold reusable prefixes"),
+                ("kv_free_tokens", "Tokens of the worker's empty KV blocks"),
                 ("prefix_hit_rate", "Share of the prompt tokens sent to the worker whose KV its prefix cache gave"),
             )
         }
+
+    def refused(self, surface: str, code: str) -> None:
+        """A request refused before a generation started (a generation counts its own outcome)."""
+        self.requests.labels(surface, code).inc()
 
     def observe_engine(self, scheduler_detail: dict) -> None:
         """Set the engine gauges from the scheduler's health detail (missing keys are left as they are)."""

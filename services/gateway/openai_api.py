@@ -290,6 +290,7 @@ class _OpenAIRequest(LimitChecks):
 
 class CompletionRequest(_OpenAIRequest):
     prompt: Annotated[list[str | list[int]], PlainValidator(_prompts)]
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 with echo: score the prompt only (as vLLM)
     logprobs: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
     best_of: _only(None, 1, hint="use n") = None
@@ -300,6 +301,8 @@ class CompletionRequest(_OpenAIRequest):
         cap = context_of(info).limits.max_choices
         if len(self.prompt) * self.n > cap:
             raise ValueError(f"{len(self.prompt)} prompts x n={self.n} make more than {cap} choices")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo: true (it returns the prompt, scored with logprobs)")
         return self
 
     def to_requests(self, context: Context) -> list[GenerationRequest]:
@@ -630,8 +633,10 @@ async def _serve(
         body = await read_json_object(request)
         parsed = validate(model, body, context)
     except TillerError as exc:
+        gw.metrics.refused("openai", exc.code)
         return error_response(ErrorMsg.from_error(exc))
     if parsed.model is not None and parsed.model != gw.settings.served_model_name:
+        gw.metrics.refused("openai", "model_not_found")
         return model_not_found(parsed.model, gw.settings.served_model_name)
     rid = new_request_id(fmt_type.id_prefix)
     choices = await _start(request, parsed.to_requests(context), fmt_type, rid, parsed.tool_plan)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -35,19 +37,21 @@ def assess(reply: wire.HealthReply, store_answers: bool, side_connected: bool) -
 async def health(request: Request) -> JSONResponse:
     """200 while plain generation works (the scheduler answers and has a ready worker), else 503; the
     body's ``degraded`` names what is down: ``status`` is ``ready``, ``degraded``, ``not_ready`` or
-    ``unavailable`` (no scheduler)."""
+    ``unavailable`` (no scheduler). ``pid`` is the gateway's (`tiller up` checks that the gateway it
+    started is the one answering)."""
     gw = gateway_of(request)
     try:
         reply = await gw.scheduler.health()
     except TillerError as exc:
         return JSONResponse({"status": "unavailable", "message": exc.message, "scheduler": None,
-                             "degraded": [f"scheduler: {exc.message}"]}, status_code=503)
+                             "degraded": [f"scheduler: {exc.message}"], "pid": os.getpid()}, status_code=503)
     store_answers = await gw.store.answers()
     serving, degraded = assess(reply, store_answers, gw.side is None or gw.side.connected)
     body = {
         "status": ("degraded" if degraded else "ready") if serving else "not_ready",
         "degraded": degraded,
         "model": gw.settings.served_model_name,
+        "pid": os.getpid(),
         "scheduler": reply.detail,
     }
     return JSONResponse(body, status_code=200 if serving else 503)

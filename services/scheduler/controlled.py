@@ -450,7 +450,7 @@ class ControlledSteps:
 
     def _on_mid(self, branch: Branch, mid: Any) -> None:
         """Stop ends the branch; a Splice waits for the step's result (see :meth:`apply`); anything
-        else samples under the branch's mask row (seed 001: a null result as SampleWithBias does)."""
+        else samples under the branch's mask row (the AICI runtime protocol: a null result as SampleWithBias does)."""
         if mid == "Stop":
             self._end(branch, "aici-stop")
         elif isinstance(mid, dict) and "Splice" in mid:

@@ -401,6 +401,7 @@ class SchedulerCore:
         info = self.pool.workers.get(worker)
         if info is not None and result.kv_free_tokens >= 0:
             info.kv_free_tokens = result.kv_free_tokens
+            info.kv_cached_tokens = max(result.kv_cached_tokens, 0)
 
     def apply(self, dispatch: Dispatch, result: wire.StepResult) -> None:
         """Apply one worker's step result to the sequences it ran."""
@@ -597,8 +598,12 @@ class SchedulerCore:
             "max_model_len": self.max_model_len(),
             "eos_token_ids": facts.eos_token_ids if facts else [],
             "kv_capacity_tokens": sum(w.capacity for w in ready),
-            # free KV as the workers' last steps left it (a worker with no step yet: all of it)
+            # the KV pools as the workers' last steps left them (a worker with no step yet: all free):
+            # free (empty) + cached (reusable prefixes, evicted on demand) + used = capacity
             "kv_free_tokens": sum(w.capacity if w.kv_free_tokens is None else w.kv_free_tokens for w in ready),
+            "kv_cached_tokens": sum(w.kv_cached_tokens for w in ready),
+            "kv_used_tokens": sum(w.capacity - w.kv_free_tokens - w.kv_cached_tokens
+                                  for w in ready if w.kv_free_tokens is not None),
             # KV promised to admitted requests and parked sessions: what admission control counts
             "kv_reserved_tokens": sum(w.reserved_tokens for w in ready),
             "queued": len(self.queue),

@@ -122,7 +122,6 @@ class WorkerFigures:
     placed: Counter[str] = field(default_factory=Counter)
     prompt_tokens: int = 0  # tokens of prompt chunks sent to it
     hit_tokens: int = 0  # of those, tokens whose KV its prefix cache gave
-    kv_cached_tokens: int = 0  # unreferenced blocks keeping a prefix, as its last step result said
 
 
 class KVAwarePlacement:
@@ -152,21 +151,20 @@ class KVAwarePlacement:
         figures = self.figures.setdefault(worker, WorkerFigures())
         figures.prompt_tokens += sum(len(s.tokens) for s in step.seqs if len(s.tokens) > 1)
         figures.hit_tokens += sum(result.cached_tokens.values())
-        if result.kv_cached_tokens >= 0:
-            figures.kv_cached_tokens = result.kv_cached_tokens
 
     def worker_figures(self, worker: WorkerInfo) -> dict[str, object]:
         """One worker's line of the scheduler's health detail (and the gateway's /metrics)."""
         figures = self.figures.get(worker.identity, WorkerFigures())
         free = worker.capacity if worker.kv_free_tokens is None else worker.kv_free_tokens
+        cached = worker.kv_cached_tokens if worker.kv_free_tokens is not None else 0
         return {
             "worker": worker.identity.decode(errors="replace"),
             "stage": worker.hello.stage,
             "device": worker.hello.device,
             "running": worker.running,
             "kv_capacity_tokens": worker.capacity,
-            "kv_used_tokens": worker.capacity - free,
-            "kv_cached_tokens": figures.kv_cached_tokens,
+            "kv_used_tokens": worker.capacity - free - cached,
+            "kv_cached_tokens": cached,
             "kv_free_tokens": free,
             "kv_reserved_tokens": worker.reserved_tokens,
             "prefix_blocks_indexed": self.index.blocks(worker.identity),

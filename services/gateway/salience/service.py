@@ -1,4 +1,4 @@
-"""The Salience servicer (seed 002, ``salience.v1``), grpc.aio in the gateway's event loop.
+"""The Salience servicer (salience.proto, ``salience.v1``), grpc.aio in the gateway's event loop.
 
 Sessions live in the session store; Generate turns run through the scheduler like every other
 surface (see :mod:`services.gateway.salience.turn`). Auth (``sessions.auth_token``, or the ``api_auth``
@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from common.protos.salience.v1 import salience_pb2 as pb
 from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
-from common.errors import TillerError
+from common.errors import INVALID_REQUEST, TillerError
 from services.gateway.deps import Gateway
 from services.gateway.scheduler_client import HEALTH_MAX_AGE_S
 from services.gateway.grpc_requests import Malformed, add_servicer, client_address
@@ -35,9 +35,10 @@ REQUEST_ID_TRAILER = "tiller-request-id"
 Reply = TypeVar("Reply")
 
 
-async def _parsed(request: Any, context: grpc.aio.ServicerContext) -> None:
-    """The request must have parsed; else the call ends here."""
+async def _parsed(gw: Gateway, request: Any, context: grpc.aio.ServicerContext) -> None:
+    """The request must have parsed; else the call ends here (a refused request, counted)."""
     if isinstance(request, Malformed):
+        gw.metrics.refused("salience", INVALID_REQUEST)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
 
@@ -46,10 +47,12 @@ def unary(method: Callable[..., Awaitable[Reply]]) -> Callable[..., Awaitable[Re
 
     @wraps(method)
     async def handler(self: SalienceServicer, request: Any, context: grpc.aio.ServicerContext) -> Reply:
-        await _parsed(request, context)
+        await _parsed(self.gw, request, context)
         try:
             return await method(self, request, context)
         except (SessionStoreError, Abort) as exc:
+            if exc.status == grpc.StatusCode.INVALID_ARGUMENT:  # no generation: the refusal is counted here
+                self.gw.metrics.refused("salience", INVALID_REQUEST)
             await context.abort(exc.status, exc.message)  # raises
             raise
 
@@ -106,7 +109,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         )
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:  # noqa: N802
-        await _parsed(request, context)
+        await _parsed(self.gw, request, context)
         turn = Turn(self.gw, self.store, self.images, request, client_address(context.peer()))
         try:
             async for event in turn.run():
