@@ -117,6 +117,23 @@ class ControllerStepStats(msgspec.Struct, kw_only=True):
     us_per_seq_step: float = 0.0
 
 
+class WorkerLoad(msgspec.Struct, kw_only=True):
+    """One worker as the scheduler sees it: its load, its KV pool and how placement used it."""
+
+    worker: str  # its id (the ZeroMQ identity it announced)
+    stage: str
+    device: str
+    running: int
+    kv_capacity_tokens: int
+    kv_used_tokens: int
+    kv_cached_tokens: int
+    kv_free_tokens: int
+    kv_reserved_tokens: int
+    prefix_blocks_indexed: int  # its prefix blocks in the scheduler's placement index
+    prefix_hit_rate: float  # share of the prompt tokens placed there whose KV its cache held
+    placed: dict[str, int] = {}  # why sequences went there: reason -> count
+
+
 class ModelFacts(msgspec.Struct, kw_only=True):
     """The scheduler's health: the served model's facts (from its first ready worker; the configured
     context before one is) and its load. Gateways admit requests against these, and ``/health``
@@ -142,6 +159,7 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     readout_layers: list[int] = []
     parked_sessions: int = 0
     parked_tokens: int = 0
+    workers: list[WorkerLoad] = []
 
 
 class HealthReply(Msg, tag="health_reply"):

@@ -57,6 +57,18 @@ class Metrics:
                 ("running", "Sequences admitted to a worker"),
             )
         }
+        # per worker, labelled by its id (a worker that left loses its series)
+        self.worker_state = {
+            key: Gauge(f"tiller:worker_{key}", doc, ["worker"], registry=self.registry)
+            for key, doc in (
+                ("running", "Sequences admitted to the worker"),
+                ("kv_capacity_tokens", "Tokens the worker's KV pool holds"),
+                ("kv_used_tokens", "Tokens of the worker's KV blocks held by live sequences and parked sessions"),
+                ("kv_cached_tokens", "Tokens of the worker's KV blocks that only hold reusable prefixes"),
+                ("kv_free_tokens", "Tokens of the worker's empty KV blocks"),
+                ("prefix_hit_rate", "Share of the prompt tokens sent to the worker whose KV its prefix cache gave"),
+            )
+        }
 
     def refused(self, surface: str, code: str) -> None:
         """A request refused before a generation started (a generation counts its own outcome)."""
@@ -66,6 +78,10 @@ class Metrics:
         """Set the engine gauges from the scheduler's model facts."""
         for key, gauge in self.engine_state.items():
             gauge.set(getattr(facts, key))
+        for key, gauge in self.worker_state.items():
+            gauge.clear()
+            for worker in facts.workers:
+                gauge.labels(worker.worker).set(getattr(worker, key))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -283,8 +283,6 @@ class SchedulerCore:
         self.queue.sort(key=lambda r: r.sort_key)
         admitted = False
         for request in self.queue:
-            if len(self.running) >= self.limits.max_batch_size:
-                break
             if request.paused:
                 continue
             placement = self._placement(request)
@@ -299,6 +297,7 @@ class SchedulerCore:
             request.worker = worker.identity
             request.reserved = request.needed_tokens
             worker.reserved_tokens += request.reserved
+            worker.running += 1
             self.running[request.seq_id] = request
             admitted = True
         if admitted:
@@ -313,8 +312,11 @@ class SchedulerCore:
             return None
         if isinstance(reused, Placement):
             return reused
-        while True:
-            identity = self.place(request, self.pool.ready())
+        while True:  # limits.max_batch_size is per worker: a full worker takes no new sequence
+            roomy = [w for w in self.pool.ready() if w.running < self.limits.max_batch_size]
+            if not roomy:
+                return None
+            identity = self.place(request, roomy)
             if identity is not None:
                 return Placement(worker=self.pool.workers[identity])
             if not self.sessions.evict_lru():
@@ -331,10 +333,13 @@ class SchedulerCore:
     def build_steps(self, controlled: Plan | None = None) -> list[Dispatch]:
         """The next step for each worker that has sequences to run or to free."""
         controlled = controlled or Plan()
-        budget = self.limits.step_token_budget - controlled.tokens
         per_worker: dict[bytes, list[Item]] = defaultdict(list)
         for identity, items in controlled.per_worker.items():
             per_worker[identity] += [(b, s) for b, s in items if b.finished is None and b.request.state is State.RUNNING]
+        # limits.step_token_budget is per worker (each runs its own forward pass)
+        budget = defaultdict(lambda: self.limits.step_token_budget)
+        for identity, items in per_worker.items():
+            budget[identity] -= sum(max(len(s.tokens), 1) for _, s in items)
         # decoding sequences first (one token each), then prompt chunks within the token budget
         max_len = self.max_model_len()
         ordered = sorted(
@@ -342,15 +347,15 @@ class SchedulerCore:
             key=lambda r: (r.fed < len(r.prompt), r.sort_key),
         )
         for request in ordered:
-            if budget <= 0:
-                break
+            if budget[request.worker] <= 0:
+                continue
             if request.in_flight and request.last_sample:  # decoding in the step before: feed its sample
                 seq = wire.SeqStep(seq_id=request.seq_id, tokens=[], follow=True)
-                budget -= 1
+                budget[request.worker] -= 1
             else:
                 prefill = request.fed < len(request.prompt)
-                tokens, sample = request.next_feed(min(self.limits.prefill_chunk_tokens, budget))
-                budget -= len(tokens)
+                tokens, sample = request.next_feed(min(self.limits.prefill_chunk_tokens, budget[request.worker]))
+                budget[request.worker] -= len(tokens)
                 seq = wire.SeqStep(seq_id=request.seq_id, tokens=tokens, sample=sample, images=request.images_in(tokens))
                 self._session_feed(request, seq)
                 if prefill:
@@ -528,6 +533,7 @@ class SchedulerCore:
             worker = self.pool.workers.get(request.worker)
             if worker is not None:
                 worker.reserved_tokens -= request.reserved
+                worker.running -= 1
                 if not (park and self.sessions.park(request, worker)):
                     self.to_free[request.worker].append(request.seq_id)
         request.state = State.FINISHED

@@ -28,11 +28,12 @@ from common.config import Settings
 from common.errors import INTERNAL_ERROR, INVALID_REQUEST
 from common.incarnation import process_incarnation
 from common.model_source import load_tokenizer
-from common.sockets import Router, heartbeat, reply_mid
+from common.sockets import Router, reply_mid
 from common.textstream import TextStream
 from services.scheduler.controlled import MainReply
 from services.scheduler.core import Dispatch, SchedulerCore
 from services.scheduler.main_channel import MainChannel
+from services.scheduler.placement import KVAwarePlacement
 
 log = structlog.get_logger()
 
@@ -58,12 +59,13 @@ class Scheduler:
         self.incarnation = process_incarnation()
         self.limits = settings.limits
         tokenizer = load_tokenizer(settings)
+        self.placement = KVAwarePlacement(settings.distributed.placement_balance)
         self.core = SchedulerCore(settings.limits, settings.sessions, settings.controllers,
-                                  lambda stop: TextStream(tokenizer, stop=stop))
+                                  lambda stop: TextStream(tokenizer, stop=stop), place=self.placement)
         ctx = zmq.asyncio.Context.instance()
         self.frontend = Router(ctx, settings.endpoint("scheduler"))
-        self.worker_router = Router(ctx, settings.endpoint("worker"))
-        heartbeat(self.worker_router.sock, settings.distributed.heartbeat_s, settings.distributed.heartbeat_timeout_s)
+        self.worker_router = Router(ctx, settings.endpoint("worker"), heartbeat_s=(
+            settings.distributed.heartbeat_s, settings.distributed.heartbeat_timeout_s))
         self.channel = MainChannel(settings.endpoint("controller_main"))
         self.gateways_seen: dict[bytes, float] = {}  # gateways that send heartbeats -> when last heard from
         self.pending: dict[bytes, dict[int, asyncio.Future[wire.StepResult]]] = {}  # worker -> step_id -> result
@@ -117,6 +119,7 @@ class Scheduler:
         facts.controller_steps = wire.ControllerStepStats(
             main_s=round(main_s, 6), seq_steps=seq_steps,
             us_per_seq_step=round(main_s / seq_steps * 1e6, 1) if seq_steps else 0.0)
+        facts.workers = [self.placement.worker_figures(w) for w in self.core.pool.workers.values()]
         ready = self.core.model_facts() is not None and controller == "ok"
         return wire.HealthReply(service="scheduler", ready=ready, facts=facts, incarnation=self.incarnation)
 
@@ -253,7 +256,9 @@ class Scheduler:
                 await self.worker_router.send(identity, *self.core.controlled.step_masks(step))
             while True:
                 try:
-                    return await asyncio.wait_for(asyncio.shield(done), timeout=STEP_CHECK_S)
+                    result = await asyncio.wait_for(asyncio.shield(done), timeout=STEP_CHECK_S)
+                    self.placement.observe(identity, step, result)
+                    return result
                 except asyncio.TimeoutError:
                     now = time.monotonic()
                     if now > deadline or self._suspect_expired(identity, now) or identity not in self.core.pool.workers:

@@ -28,6 +28,7 @@ class WorkerInfo:
     kv_free_tokens: int | None = None  # as its last step result reported (None: no step yet)
     kv_cached_tokens: int = 0  # likewise: blocks that only hold reusable prefixes
     fresh: bool = True  # no step sent yet: the first one drops whatever the worker holds (Step.free_all)
+    running: int = 0  # sequences admitted to it
 
     @property
     def ready(self) -> bool:
