@@ -195,7 +195,9 @@ class OutputRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Per-position outputs of a request (Salience). ``logprob_ranges``: positions p whose token's
     logprob (given the tokens before p) is reported, prompt positions as ``TokenEvent.prompt_outputs``
     and generated ones on their ``SampledToken``; ``top_logprobs`` alternatives each. ``readout_ranges``:
-    prompt positions whose concept readout is reported."""
+    positions whose concept readout is reported; a generated token's comes once a step feeds it (the step
+    after its sampling), as a ``TokenEvent.prompt_outputs`` entry past the prompt; the last generated
+    token is never fed, so its readout is not reported."""
 
     logprob_ranges: list[PositionSpan] = []
     top_logprobs: int = 0
@@ -322,7 +324,7 @@ class TokenEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
     storage: list[Any] = []  # storage write commands the controller executed this step
     micros: int = 0  # time spent in the controller this step
     ff_tokens: int = 0  # tokens the controller fast-forwarded this step
-    prompt_outputs: list[PositionOutput] = []  # Submit.outputs at prompt positions, in position order
+    prompt_outputs: list[PositionOutput] = []  # Submit.outputs at prompt positions (and generated ones' readouts), in position order
     cached_tokens: int = 0  # on the last event: prompt tokens whose KV was reused, not computed
 
 

@@ -428,6 +428,7 @@ class SchedulerCore:
                     self.finish(request, "length")
             else:
                 request.pending = None
+                self._decoded_readouts(request, seq, result)
             if not seq.sample:
                 continue
             sampled = result.samples.get(seq.seq_id)
@@ -553,7 +554,11 @@ class SchedulerCore:
         del request.kv_tokens[len(request.kv_tokens) - seq.backtrack :]
         request.kv_tokens += seq.tokens
         request.on_worker = True
-        if request.fed >= len(request.prompt) or not (request.logprob_positions or request.readout_positions):
+        if request.fed >= len(request.prompt):  # decoding: the token fed is the last one sampled
+            position = len(request.prompt) + len(request.generated) - 1
+            seq.readouts = [position] if position in request.readout_positions else []
+            return
+        if not (request.logprob_positions or request.readout_positions):
             return
         prompt, start = request.prompt, request.fed
         fed = range(start, start + len(seq.tokens))
@@ -579,6 +584,14 @@ class SchedulerCore:
             if score is not None:
                 out.logprob, out.top = score.logprob, score.top
             outputs.append(out)
+        if outputs:
+            self.outbox.event(request.gateway, wire.TokenEvent(rid=request.rid, prompt_outputs=outputs))
+
+    def _decoded_readouts(self, request: LiveRequest, seq: wire.SeqStep, result: wire.StepResult) -> None:
+        """The readout of a decoded token, computed by the step that fed it (the one after its sampling),
+        as an event of its own (a ``PositionOutput`` past the prompt)."""
+        outputs = [wire.PositionOutput(position=r.position, token_id=seq.tokens[0], readout=r.values)
+                   for r in result.readouts.get(seq.seq_id, [])]
         if outputs:
             self.outbox.event(request.gateway, wire.TokenEvent(rid=request.rid, prompt_outputs=outputs))
 

@@ -69,15 +69,15 @@ class LiveRequest:
         n = len(self.prompt)
         for span in outputs.logprob_ranges:
             self.logprob_positions.update(range(max(span.start, 0), min(span.end, n)))
-        for span in outputs.readout_ranges:
-            self.readout_positions.update(range(max(span.start, 0), min(span.end, n)))
+        for span in outputs.readout_ranges:  # decoded positions too: read by the step that feeds them
+            self.readout_positions.update(range(max(span.start, 0), min(span.end, n + self.submit.max_tokens)))
 
     @property
     def first_output_position(self) -> int:
-        """The first position whose hidden states this request needs computed (len(prompt): none)."""
-        return min(
-            [p - 1 for p in self.logprob_positions if p > 0] + list(self.readout_positions), default=len(self.prompt)
-        )
+        """The first prompt position whose hidden states this request needs computed (len(prompt): none)."""
+        n = len(self.prompt)
+        return min([p - 1 for p in self.logprob_positions if p > 0] + [p for p in self.readout_positions if p < n],
+                   default=n)
 
     @property
     def rid(self) -> str:
