@@ -195,7 +195,7 @@ async def test_killed_worker_fails_its_requests_cleanly_and_a_new_worker_serves(
     try:
         doomed = submit(stack, "Count from one to one hundred:", max_tokens=400, ignore_eos=True)
         reply, _ = await collector.dealer.request(doomed)
-        assert isinstance(reply, wire.Ok)
+        assert isinstance(reply, wire.Queued)
         for _ in range(200):  # wait until tokens flow, then kill the worker mid-stream
             if collector.events.get(doomed.rid):
                 break
@@ -235,7 +235,7 @@ async def test_a_restarted_scheduler_starts_from_a_clean_worker(stack, hf_greedy
     try:
         doomed = submit(stack, "Count from one to one hundred:", max_tokens=400, ignore_eos=True)
         reply, _ = await collector.dealer.request(doomed)
-        assert isinstance(reply, wire.Ok)
+        assert isinstance(reply, wire.Queued)
         for _ in range(200):  # tokens flow: the worker holds sequence 1
             if len(collector.events.get(doomed.rid, [])) >= 3:
                 break
