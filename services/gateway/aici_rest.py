@@ -41,8 +41,10 @@ from services.gateway.httputil import SSE_HEADERS, client_of, gateway_of, read_j
 from services.gateway.protocol import GatewayError
 from services.gateway.side_channel import Caller, ControllerInitFailed, SideChannel, Unauthorized, caller_of
 from services.gateway.validation import (
+    INT64_MAX,
     Context,
     GenerationRequest,
+    Int64,
     LimitChecks,
     StrictModel,
     TopP,
@@ -129,9 +131,9 @@ class RunRequest(StrictModel, LimitChecks):
     prompt: str = ""
     temperature: Annotated[float, Field(ge=0)] = 0.0
     top_p: TopP = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = -1  # -1 (or 0): disabled
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] = -1  # -1 (or 0): disabled
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     model: str | None = None  # accepted as the vLLM variant does; must name the served model
 
     @field_validator("temperature", "top_p", "top_k", mode="before")
