@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from common import aici_wire, wire
 from common.errors import INTERNAL_ERROR, SERVICE_UNAVAILABLE, WireError
@@ -58,12 +59,16 @@ class RuntimeUnavailable(Exception):
     """The controller runtime did not answer (in time, or sensibly) on the main channel."""
 
 
+class RuntimeUnreachable(RuntimeUnavailable):
+    """The controller runtime did not answer at all: silent past the timeout, or its connection dropped."""
+
+
 class MainChannel:
     """The scheduler's DEALER on the runtime's main channel: strictly one request outstanding.
 
     A reply that does not come in time means the socket is replaced, so a late reply can never be
-    taken for the answer to the next request. A connection that drops while a reply is awaited (the
-    runtime died: its instances with it) fails the call at once, not after the timeout."""
+    taken for the answer to the next request. While the connection is down (the runtime died, its
+    instances with it), a call fails at once, and so does one waiting for its reply when it drops."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
@@ -74,7 +79,8 @@ class MainChannel:
         ensure_ipc_dir(self.endpoint)
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.down = False  # the connection dropped and has not come back
         sock.connect(self.endpoint)
         return sock
 
@@ -85,27 +91,29 @@ class MainChannel:
         self.sock = self._connect()
 
     async def _dropped(self) -> bool:
-        """Whether the connection dropped since the last look."""
-        dropped = False
+        """Whether the connection is down, or dropped since the last look."""
+        dropped = self.down
         while await self.monitor.poll(0):
-            await self.monitor.recv_multipart()
-            dropped = True
+            self.down = (await recv_monitor_message(self.monitor))["event"] == zmq.EVENT_DISCONNECTED
+            dropped = dropped or self.down
         return dropped
 
     async def call(self, request: dict[str, Any], timeout_s: float) -> tuple[dict[str, Any], list[bytes]]:
         """Send one request; its reply (``type`` ok|error) and any binary frames after it."""
         async with self.lock:
-            await self._dropped()  # a drop before this call says nothing about it
+            if await self._dropped() and self.down:
+                raise RuntimeUnreachable(f"the controller runtime is not connected (it died or is restarting, its "
+                                         f"controllers with it); {request['op']} not sent")
             await self.sock.send(aici_wire.encode(request))
             deadline = time.monotonic() + timeout_s
             while not await self.sock.poll(DROP_CHECK_MS):
                 if await self._dropped():
                     self._replace()
-                    raise RuntimeUnavailable(f"the controller runtime's connection dropped during {request['op']} "
+                    raise RuntimeUnreachable(f"the controller runtime's connection dropped during {request['op']} "
                                              "(it died or restarted, its controllers with it)")
                 if time.monotonic() > deadline:
                     self._replace()
-                    raise RuntimeUnavailable(
+                    raise RuntimeUnreachable(
                         f"the controller runtime did not answer {request['op']} within {timeout_s:g} s")
             parts = await self.sock.recv_multipart()
         try:
@@ -253,9 +261,10 @@ class ControllerSteps:
     async def ping(self) -> str:
         try:
             reply, _ = await self.channel.call({"op": "ping"}, timeout_s=1.0)
+        except RuntimeUnreachable:
+            return "unreachable"
         except RuntimeUnavailable as exc:
-            unreachable = "did not answer" in str(exc) or "dropped" in str(exc)
-            return "unreachable" if unreachable else f"bad reply: {exc}"
+            return f"bad reply: {exc}"
         return "ok" if reply["type"] == "ok" and reply["data"].get("pong") == 1 else "bad reply"
 
     async def _call(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]] | None:
