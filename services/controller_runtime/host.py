@@ -18,7 +18,7 @@ class HostError(Exception):
 
 @dataclass
 class VariableStore:
-    """Versioned variables of one request (reference §1.1): first write is version 1, each write +1."""
+    """Versioned variables of one request (ABI.md §4): first write is version 1, each write +1."""
 
     vars: dict[str, tuple[int, bytes]] = field(default_factory=dict)
 

@@ -1,5 +1,5 @@
 """The controller runtime's state machine: instantiated controllers waiting for a sequence, live
-sequences, and the seed-001 calls (instantiate, post_pre_process, mid_process) over them.
+sequences, and the AICI runtime protocol's calls (instantiate, post_pre_process, mid_process) over them.
 
 Every per-sequence failure (trap, timeout, memory limit, bad host call, invalid result) becomes that
 sequence's ``error``; the other sequences of the call proceed. A failed sequence keeps answering with
@@ -271,7 +271,7 @@ class Runtime:
 
 
 def _builtin(result: aici_wire.MidProcessResult) -> Any:
-    """The reply's ``result``: null when the sequence samples under its mask (seed 001), else "Stop" or
+    """The reply's ``result``: null when the sequence samples under its mask (the AICI runtime protocol), else "Stop" or
     the Splice."""
     if isinstance(result, str):
         return result

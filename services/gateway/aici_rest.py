@@ -1,4 +1,4 @@
-"""AICI's REST API (reference §2, rLLM's shapes): controllers, tags and ``/v1/run``.
+"""AICI's REST API (rLLM's shapes): controllers, tags and ``/v1/run``.
 
 - ``POST /v1/controllers``: the raw Wasm module as the body -> ``{module_id, wasm_size, compiled_size,
   time}``; the module id is the sha256 of the bytes.
@@ -32,11 +32,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common import aici_wire, wire
+from common.admission import context_budget
 from common.errors import CONTENT_FILTER, ERROR_TRAITS, INTERNAL_ERROR, INVALID_REQUEST, MODEL_LOADING_ERROR, TillerError
 from services.gateway.admission import Admission
 from services.gateway.deps import Gateway, new_request_id
-from services.gateway.driver import context_budget
-from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, worker_stage
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, facts_of, worker_stage
 from services.gateway.httputil import SSE_HEADERS, client_of, gateway_of, read_json_object, sse
 from services.gateway.protocol import GatewayError
 from services.gateway.side_channel import Caller, ControllerInitFailed, SideChannel, Unauthorized, caller_of
@@ -289,10 +289,10 @@ async def _start_run(gw: Gateway, run: RunRequest, caller: Caller, admission: Ad
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         prompt_ids = [start]
     health = await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)
-    stage = worker_stage(health).get("stage")
+    stage = worker_stage(health).stage
     if stage != "ready":
         raise TillerError(MODEL_LOADING_ERROR, f"the model is not ready (worker: {stage}); retry shortly")
-    max_model_len = int(health.detail.get("max_model_len") or gw.settings.limits.max_model_len)
+    max_model_len = facts_of(health).max_model_len or gw.settings.limits.max_model_len
     max_tokens = context_budget(len(prompt_ids), run.max_tokens, max_model_len, max_model_len)
     rid = admission.rid
     if not run.plain:
@@ -328,6 +328,7 @@ async def run(request: Request) -> Response:
         body = await read_json_object(request)
         run_request = validate(RunRequest, body, Context.of(gw.settings))
     except TillerError as exc:
+        gw.metrics.refused("aici", exc.code)
         return _error(exc)
     admission = Admission(gw, rid=new_request_id("run-"), surface="aici", client=client_of(request))
     try:

@@ -44,7 +44,7 @@ from common.errors import (
 )
 from services.gateway.deps import new_request_id
 from services.gateway.driver import Generation
-from services.gateway.scheduler_client import HEALTH_MAX_AGE_S
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, facts_of
 from services.gateway.httputil import (
     SSE_HEADERS,
     client_of,
@@ -290,6 +290,7 @@ class _OpenAIRequest(LimitChecks):
 
 class CompletionRequest(_OpenAIRequest):
     prompt: Annotated[list[str | list[int]], PlainValidator(_prompts)]
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 with echo: score the prompt only (as vLLM)
     logprobs: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
     best_of: _only(None, 1, hint="use n") = None
@@ -300,6 +301,8 @@ class CompletionRequest(_OpenAIRequest):
         cap = context_of(info).limits.max_choices
         if len(self.prompt) * self.n > cap:
             raise ValueError(f"{len(self.prompt)} prompts x n={self.n} make more than {cap} choices")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo: true (it returns the prompt, scored with logprobs)")
         return self
 
     def to_requests(self, context: Context) -> list[GenerationRequest]:
@@ -630,8 +633,10 @@ async def _serve(
         body = await read_json_object(request)
         parsed = validate(model, body, context)
     except TillerError as exc:
+        gw.metrics.refused("openai", exc.code)
         return error_response(ErrorMsg.from_error(exc))
     if parsed.model is not None and parsed.model != gw.settings.served_model_name:
+        gw.metrics.refused("openai", "model_not_found")
         return model_not_found(parsed.model, gw.settings.served_model_name)
     rid = new_request_id(fmt_type.id_prefix)
     choices = await _start(request, parsed.to_requests(context), fmt_type, rid, parsed.tool_plan)
@@ -669,10 +674,10 @@ async def max_model_len(request: Request) -> int:
     """The model's own context once a worker has reported it, else the configured one."""
     gw = gateway_of(request)
     try:
-        detail = (await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)).detail
+        known = facts_of(await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)).max_model_len
     except TillerError:
-        detail = {}
-    return detail.get("max_model_len") or gw.settings.limits.max_model_len
+        known = 0
+    return known or gw.settings.limits.max_model_len
 
 
 async def _model_card(request: Request) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``ws://HOST:PORT/generate``: the WebSocket protocol of seed 003.
+"""``ws://HOST:PORT/generate``: the WebSocket protocol.
 
 One connection runs at most one generation at a time (a pump task sending its messages) while the
 reader handles control and feedback messages. After a completion or an error the connection takes a
@@ -75,6 +75,7 @@ class Connection:
                 await self._ws.send_text(json_text(message))
 
     async def _on_frame(self, raw: str | bytes) -> None:
+        kind = None
         try:
             message = parse_client_message(raw, self._gw.settings.limits.max_json_depth)
             kind = message.pop("type")
@@ -89,6 +90,8 @@ class Connection:
             else:
                 await self._on_feedback(validate(FeedbackMessage, message, self._context))
         except TillerError as exc:
+            if kind in (None, "config"):  # a request refused (a control or feedback message is no request)
+                self._gw.metrics.refused("websocket", exc.code)
             await self._send(ErrorMsg.from_error(exc).to_json())
         except Exception as exc:  # a bug or a broken peer socket must not end the connection
             log.exception("ws.message_failed")

@@ -63,7 +63,7 @@ class EventCollector:
 
     async def run(self, request: wire.Submit, timeout: float = 120.0) -> list[wire.TokenEvent]:
         reply, _ = await self.dealer.request(request)
-        assert isinstance(reply, wire.Ok), reply
+        assert isinstance(reply, wire.Queued) and reply.rid == request.rid, reply
         await asyncio.wait_for(self.done.setdefault(request.rid, asyncio.Event()).wait(), timeout)
         return self.events.get(request.rid, [])
 

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common.errors import INVALID_REQUEST
 from common.protos.evergreen.v2 import evergreen_pb2 as eg
 from common.protos.evergreen.v2 import evergreen_pb2_grpc as eg_grpc
 from services.gateway.deps import Gateway
@@ -30,6 +31,8 @@ class EvergreenServicer(eg_grpc.EvergreenServiceServicer):
             async for message in session.run(request_iterator):
                 yield message
         except SessionAbort as exc:
+            if exc.refused:
+                self._gw.metrics.refused("evergreen", INVALID_REQUEST)
             await context.abort(exc.status, exc.message)
 
 
