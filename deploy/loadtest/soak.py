@@ -24,7 +24,6 @@ from pathlib import Path
 
 import grpc
 import httpx
-import websockets
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -33,6 +32,7 @@ from common.protos.evergreen.v2 import evergreen_pb2_grpc as eg_grpc  # noqa: E4
 from common.protos.salience.v1 import salience_pb2 as pb  # noqa: E402
 from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc  # noqa: E402
 from tests.e2e.test_evergreen import config, generate, msg, text  # noqa: E402
+from tests.gateway.support import ws_generate  # noqa: E402
 from tests.stack import Stack, start_stack  # noqa: E402
 
 SERVICES = ("gateway", "scheduler", "worker", "session_store", "controller_runtime")
@@ -67,16 +67,11 @@ class Tally:
 
 
 async def ws_request(stack: Stack, tokens: int, _: dict) -> int:
-    async with websockets.connect(stack.ws_url) as ws:
-        await ws.send(json.dumps({"type": "config", "prompt": PROMPT,
-                                  "parameters": {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}}))
-        async for raw in ws:
-            m = json.loads(raw)
-            if m["type"] == "error":
-                raise RuntimeError(f"ws {m['error']}: {m['message']}")
-            if m["type"] == "completion":
-                return int(m.get("usage", {}).get("completion_tokens") or tokens)
-    raise RuntimeError("ws closed without a completion")
+    last = (await ws_generate(stack.ws_url, {"prompt": PROMPT, "parameters": {
+        "max_tokens": tokens, "temperature": 0, "ignore_eos": True}}))[-1]
+    if last["type"] == "error":
+        raise RuntimeError(f"ws {last['error']}: {last['message']}")
+    return int(last["usage"]["completion_tokens"])
 
 
 async def sse_request(stack: Stack, tokens: int, state: dict, *, chat: bool) -> int:
