@@ -17,7 +17,7 @@ request needs the room.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -84,11 +84,12 @@ class SessionKV:
         self.clock = clock
         self.parked: OrderedDict[str, Parked] = OrderedDict()  # least recently parked first
         self.pinned: set[int] = set()  # parked sequences a placed fork has not copied yet
+        self._held: Counter[bytes] = Counter()  # worker -> tokens parked on it (kept, not summed: many sessions)
 
     # -- figures -------------------------------------------------------------------------------
 
     def held_tokens(self, worker: bytes) -> int:
-        return sum(len(p.tokens) for p in self.parked.values() if p.worker == worker)
+        return self._held[worker]
 
     def parked_tokens(self) -> int:
         return sum(len(p.tokens) for p in self.parked.values())
@@ -126,7 +127,7 @@ class SessionKV:
             if not self._evict_lru(exclude=self.pinned | {base.seq_id}, worker=base.worker):
                 return None
         if own:
-            del self.parked[base.key]
+            self._unpark(base)
             worker.reserved_tokens -= len(base.tokens)
             return Placement(worker, seq_id=base.seq_id, backtrack=len(base.tokens) - common, start=common,
                              held=base.tokens)
@@ -151,6 +152,7 @@ class SessionKV:
             self._evict(previous)
         images = [image for image in request.submit.images if image.end <= len(tokens)]
         self.parked[ref.key] = Parked(ref.key, request.seq_id, worker.identity, list(tokens), self.clock(), images)
+        self._held[worker.identity] += len(tokens)
         worker.reserved_tokens += len(tokens)
         limit = int(worker.capacity * self.config.kv_parked_fraction)
         while self.held_tokens(worker.identity) > limit:
@@ -164,7 +166,7 @@ class SessionKV:
         """A sequence parked while its last step ran failed that step: the worker released it."""
         for parked in self.parked.values():
             if parked.seq_id == seq_id:
-                del self.parked[parked.key]
+                self._unpark(parked)
                 worker = self.pool.workers.get(parked.worker)
                 if worker is not None:
                     worker.reserved_tokens -= len(parked.tokens)
@@ -188,11 +190,16 @@ class SessionKV:
         """A lost worker took its parked sequences with it."""
         for key in [k for k, p in self.parked.items() if p.worker == identity]:
             del self.parked[key]
+        self._held.pop(identity, None)
 
     # -- eviction ------------------------------------------------------------------------------
 
-    def _evict(self, parked: Parked) -> None:
+    def _unpark(self, parked: Parked) -> None:
         del self.parked[parked.key]
+        self._held[parked.worker] -= len(parked.tokens)
+
+    def _evict(self, parked: Parked) -> None:
+        self._unpark(parked)
         worker = self.pool.workers.get(parked.worker)
         if worker is not None:
             worker.reserved_tokens -= len(parked.tokens)
