@@ -118,6 +118,7 @@ def up(settings: Settings, foreground: bool = False) -> int:
     ready, reason = asyncio.run(_wait_ready(settings))
     if not ready:
         print(f"Tiller did not come up: {reason}", file=sys.stderr)
+        down(settings)  # nothing half-started stays behind (a crash-looping gateway, say); the logs stay
         return 1
     host = settings.http_host
     print(
