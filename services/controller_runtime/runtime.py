@@ -28,6 +28,9 @@ log = structlog.get_logger()
 
 NATIVE_PREFIX = "native:"
 CAPABILITIES = {"fork": True, "backtrack": True, "ff_tokens": True}
+# the reply for a pre_process the guest lets the runtime skip (shared: only ever encoded)
+PRE_DEFAULT_REPLY = {"error": "", "result": {"suspend": False, "num_forks": 1, "ff_tokens": []}, "storage": [],
+                     "logs": "", "micros": 0}
 
 
 class UserError(ValueError):
@@ -166,9 +169,7 @@ class Runtime:
         instance = self.seqs[seq_id]
         host = instance.host
         if instance.pre_default:
-            host.begin_call(None)
-            return {"error": "", "result": {"suspend": False, "num_forks": 1, "ff_tokens": []}, "storage": [],
-                    "logs": "", "micros": 0}
+            return PRE_DEFAULT_REPLY
         start = time.perf_counter()
         logs, storage, ff = [], [], []
         try:
