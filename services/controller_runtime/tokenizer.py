@@ -1,5 +1,5 @@
 """The tokenizer as controllers see it: byte-level tokenize, per-token bytes, and AICI's serialized
-token trie (reference §6, toktrie ``toktree.rs``), built once per process."""
+token trie (ABI.md §5, toktrie's ``toktree.rs``), built once per process."""
 
 from __future__ import annotations
 

@@ -17,15 +17,16 @@ one slot.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from services.worker.kv_cache import NULL_BLOCK
+from services.worker.kv_cache import NULL_BLOCK, PagedKVCache
 from services.worker.runner import SeqInput
+from services.worker.step_plan import StepPlan
 
-if TYPE_CHECKING:
-    from services.worker.paged_llama import PagedLlama
+# The forward captured: token ids, positions and the step plan -> float32 logits, one row per token.
+DecodeForward = Callable[[torch.Tensor, torch.Tensor, StepPlan], torch.Tensor]
 
 
 def _bucket(n: int) -> int:
@@ -34,15 +35,16 @@ def _bucket(n: int) -> int:
 
 
 class DecodeGraphs:
-    """Captures and replays decode steps of ``runner`` for up to ``max_batch`` sequences whose block
-    tables hold up to ``max_blocks`` blocks."""
+    """Captures and replays decode steps of ``forward`` over ``cache`` for up to ``max_batch``
+    sequences whose block tables hold up to ``max_blocks`` blocks."""
 
-    def __init__(self, runner: PagedLlama, *, max_batch: int, max_blocks: int) -> None:
-        self.runner = runner
-        self.block_size = runner.cache.tables.block_size
+    def __init__(self, forward: DecodeForward, cache: PagedKVCache, *, max_batch: int, max_blocks: int) -> None:
+        self.forward = forward
+        self.cache = cache
+        self.block_size = cache.tables.block_size
         self.max_batch = _bucket(max_batch)
         self.max_width = _bucket(max_blocks)
-        device = runner.device
+        self.device = device = cache.kv.device
         # sections of the staging buffers: ids | positions | slots | lengths | block tables (row-major)
         n = self.max_batch
         self._sections = (0, n, 2 * n, 3 * n, 4 * n)
@@ -71,7 +73,7 @@ class DecodeGraphs:
         output: it is overwritten by the next replay, so use it before the next step."""
         n = len(inputs)
         batch = _bucket(n)
-        tables = self.runner.cache.tables
+        tables = self.cache.tables
         bs = self.block_size
         width = _bucket(-(-max(item.start + 1 for item in inputs) // bs))
         key = (batch, width)
@@ -113,21 +115,18 @@ class DecodeGraphs:
 
     def _forward(self, batch: int, width: int) -> torch.Tensor:
         """The decode forward over the static buffers, as captured."""
-        from services.worker.paged_llama import _StepPlan
-
         ids_at, pos_at, slot_at, len_at, blocks_at = self._sections
         buf = self._device
         lengths = buf[len_at : len_at + batch]
         keys = width * self.block_size
         mask = (self._key_index[:keys] < lengths.unsqueeze(-1)).view(batch, 1, 1, keys)
-        step = _StepPlan(
+        step = StepPlan(
             slots=buf[slot_at : slot_at + batch],
             decode=(buf[blocks_at : blocks_at + batch * width], mask),
             num_decode=batch,
             prefills=[],
         )
-        x = self.runner._layers(buf[ids_at : ids_at + batch], buf[pos_at : pos_at + batch], step)
-        return self.runner._logits(x)
+        return self.forward(buf[ids_at : ids_at + batch], buf[pos_at : pos_at + batch], step)
 
     def _capture(self, batch: int, width: int) -> None:
         """Capture the (batch, width) bucket. The staging buffer is first set to padding only, so
@@ -136,12 +135,12 @@ class DecodeGraphs:
         self._device.zero_()
         self._device[slot_at : slot_at + self.max_batch].fill_(NULL_BLOCK * self.block_size)
         self._device[len_at : len_at + self.max_batch].fill_(1)
-        stream = torch.cuda.Stream(self.runner.device)
-        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self._forward(batch, width)
-        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = self._forward(batch, width)

@@ -14,20 +14,18 @@ layers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.kv_cache import NULL_BLOCK, PagedKVCache
 from services.worker.runner import Captured, SeqInput
+from services.worker.step_plan import Prefill, StepPlan
 from services.worker.transfer import to_device
-
-if TYPE_CHECKING:
-    from services.worker.cuda_graphs import DecodeGraphs
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -93,29 +91,6 @@ class _Layer:
     down_bias: torch.Tensor | None
 
 
-@dataclass
-class _Prefill:
-    """A multi-token input's attention plan: its rows, and for a continued sequence (``start > 0``)
-    the blocks holding its keys and values and its causal mask; a fresh one attends to itself."""
-
-    row: int
-    n: int
-    blocks: torch.Tensor | None
-    mask: torch.Tensor | None
-
-
-@dataclass
-class _StepPlan:
-    """Everything about one step that all layers share."""
-
-    slots: torch.Tensor  # where each row's keys and values go
-    decode: tuple[torch.Tensor, torch.Tensor] | None  # (blocks [n * width], mask [n, 1, 1, width * block_size])
-    num_decode: int
-    prefills: list[_Prefill]
-    cos: torch.Tensor = field(init=False)
-    sin: torch.Tensor = field(init=False)
-
-
 class PagedLlama:
     """The native runner (see module docstring). Implements :class:`services.worker.runner.Runner`."""
 
@@ -175,9 +150,12 @@ class PagedLlama:
 
     def enable_cuda_graphs(self, max_batch: int, max_blocks: int) -> None:
         """Replay pure-decode steps of up to ``max_batch`` sequences from CUDA graphs."""
-        from services.worker.cuda_graphs import DecodeGraphs
-
-        self.graphs = DecodeGraphs(self, max_batch=max_batch, max_blocks=max_blocks)
+        self.graphs = DecodeGraphs(
+            lambda ids, positions, step: self._logits(self._layers(ids, positions, step)),
+            self.cache,
+            max_batch=max_batch,
+            max_blocks=max_blocks,
+        )
 
     def forward(self, inputs: list[SeqInput]) -> torch.Tensor:
         tables = self.cache.tables
@@ -198,7 +176,7 @@ class PagedLlama:
         slots: list[int] = []
         last_row = [0] * len(inputs)
         first_row = [0] * len(inputs)
-        prefills: list[_Prefill] = []
+        prefills: list[Prefill] = []
         fresh: list[int] = []
         bs = tables.block_size
         for i in order:
@@ -214,7 +192,7 @@ class PagedLlama:
                 prefills.append(self._plan_prefill(item, row))
         if fresh:
             self.cache.zero_blocks(fresh)
-        step = _StepPlan(
+        step = StepPlan(
             slots=to_device(slots, device),
             decode=self._plan_decode(decode) if decode else None,
             num_decode=len(decode),
@@ -234,7 +212,7 @@ class PagedLlama:
         return self._logits(x[to_device(wanted, device)])
 
     def _layers(
-        self, ids: torch.Tensor, positions: torch.Tensor, step: _StepPlan, taps: dict[int, torch.Tensor] | None = None
+        self, ids: torch.Tensor, positions: torch.Tensor, step: StepPlan, taps: dict[int, torch.Tensor] | None = None
     ) -> torch.Tensor:
         """The hidden states after the last decoder layer, one row per fed token. ``taps``, when
         given, holds the captured rows under key -1 and receives them after each tapped layer."""
@@ -249,10 +227,17 @@ class PagedLlama:
             h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
             gate_up = _linear(h, layer.gate_up, layer.gate_up_bias)
             h = self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-            x = _add_linear(x, h, layer.down, layer.down_bias)
+            x = self._residual_linear(x, h, layer.down, layer.down_bias)
         if taps is not None and len(self.layers) - 1 in self.tap_layers:
             taps[len(self.layers) - 1] = x[taps[-1]]
         return x
+
+    def _residual_linear(
+        self, x: torch.Tensor, h: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x + h @ weight_t (+ bias)``: the attention output and MLP down projections (a
+        tensor-parallel runner sums its ranks' partial products here)."""
+        return _add_linear(x, h, weight_t, bias)
 
     def final_norm_of(self, h: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
@@ -296,19 +281,19 @@ class PagedLlama:
         valid = torch.arange(width * bs, device=self.device) < lengths.unsqueeze(-1)
         return blocks.view(-1), valid.view(len(decode), 1, 1, width * bs)
 
-    def _plan_prefill(self, item: SeqInput, row: int) -> _Prefill:
+    def _plan_prefill(self, item: SeqInput, row: int) -> Prefill:
         n = len(item.tokens)
         if item.start == 0:
-            return _Prefill(row=row, n=n, blocks=None, mask=None)
+            return Prefill(row=row, n=n, blocks=None, mask=None)
         total = item.start + n
         bs = self.cache.tables.block_size
         blocks = self.cache.tables.seqs[item.seq_id][: -(-total // bs)]
         query_pos = torch.arange(item.start, total, device=self.device).unsqueeze(-1)
         mask = torch.arange(len(blocks) * bs, device=self.device) <= query_pos
-        return _Prefill(row=row, n=n, blocks=to_device(blocks, self.device), mask=mask)
+        return Prefill(row=row, n=n, blocks=to_device(blocks, self.device), mask=mask)
 
     def _attention(
-        self, layer: _Layer, x: torch.Tensor, kv_slots: torch.Tensor, kv_blocks: torch.Tensor, step: _StepPlan
+        self, layer: _Layer, x: torch.Tensor, kv_slots: torch.Tensor, kv_blocks: torch.Tensor, step: StepPlan
     ) -> torch.Tensor:
         """``x`` plus the self-attention of one layer over all its rows; writes this step's keys and
         values into the layer's pool (``kv_slots`` and ``kv_blocks`` are two views of it)."""
@@ -338,5 +323,5 @@ class PagedLlama:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True)
             outs.append(out[0].transpose(0, 1).reshape(p.n, heads * dim))
         attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return _add_linear(x, attn, layer.o, layer.o_bias)
+        return self._residual_linear(x, attn, layer.o, layer.o_bias)
 
