@@ -29,6 +29,9 @@ log = structlog.get_logger()
 
 NATIVE_PREFIX = "native:"
 CAPABILITIES = {"fork": True, "backtrack": True, "ff_tokens": True}
+# the reply for a pre_process the guest lets the runtime skip (shared: only ever encoded)
+PRE_DEFAULT_REPLY = {"error": "", "result": {"suspend": False, "num_forks": 1, "ff_tokens": []}, "storage": [],
+                     "logs": "", "micros": 0}
 
 
 class UserError(ValueError):
@@ -189,9 +192,7 @@ class Runtime:
         instance = self.seqs[seq_id]
         host = instance.host
         if instance.pre_default:
-            host.begin_call(None)
-            return {"error": "", "result": {"suspend": False, "num_forks": 1, "ff_tokens": []}, "storage": [],
-                    "logs": "", "micros": 0}
+            return PRE_DEFAULT_REPLY
         if (refused := self._over_budget(host)) is not None:
             return refused
         start = time.perf_counter()
