@@ -34,6 +34,7 @@ from services.scheduler.controlled import MainReply
 from services.scheduler.core import Dispatch, SchedulerCore
 from services.scheduler.main_channel import MainChannel
 from services.scheduler.placement import KVAwarePlacement
+from services.scheduler.workers import WorkerInfo
 
 log = structlog.get_logger()
 
@@ -157,9 +158,9 @@ class Scheduler:
                 if not self.pending.get(worker.identity):
                     await self.worker_router.send(worker.identity, wire.Health())
 
-    def _suspect_expired(self, identity: bytes, now: float) -> bool:
-        worker = self.core.pool.workers.get(identity)
-        return worker is not None and worker.suspect_since is not None and now - worker.suspect_since > self.limits.peer_suspect_grace_s
+    def _suspect_expired(self, worker: WorkerInfo, now: float) -> bool:
+        """Whether a worker whose peer connection dropped stayed silent past the grace."""
+        return worker.suspect_since is not None and now - worker.suspect_since > self.limits.peer_suspect_grace_s
 
     async def check_liveness(self) -> None:
         while True:
@@ -169,7 +170,7 @@ class Scheduler:
                 if self.pending.get(worker.identity):
                     continue
                 silent = now - worker.last_seen
-                if self._suspect_expired(worker.identity, now) or silent > LIVENESS_DEAD_S:
+                if self._suspect_expired(worker, now) or silent > LIVENESS_DEAD_S:
                     self.core.worker_lost(worker.identity, "the worker stopped answering")
                 elif silent > LIVENESS_PING_S:
                     await self.worker_router.send(worker.identity, wire.Health())
@@ -246,6 +247,7 @@ class Scheduler:
 
     async def _run_step(self, dispatch: Dispatch, mid_done: asyncio.Future[None] | None) -> wire.StepResult | None:
         identity, step = dispatch.worker, dispatch.step
+        worker = self.core.pool.workers.get(identity)  # this life of it: a restart under the same identity is another
         done = self.pending.setdefault(identity, {})[step.step_id] = asyncio.get_running_loop().create_future()
         deadline = time.monotonic() + self.limits.worker_step_timeout_s
         try:
@@ -260,8 +262,10 @@ class Scheduler:
                     self.placement.observe(identity, step, result)
                     return result
                 except asyncio.TimeoutError:
+                    if worker is None or self.core.pool.workers.get(identity) is not worker:
+                        return None  # it was lost (or restarted) meanwhile: its requests have failed already
                     now = time.monotonic()
-                    if now > deadline or self._suspect_expired(identity, now) or identity not in self.core.pool.workers:
+                    if now > deadline or self._suspect_expired(worker, now):
                         self.core.worker_lost(identity, "the worker died or did not finish its step in time")
                         self._flush()
                         return None
