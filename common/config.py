@@ -49,7 +49,7 @@ class Limits(BaseModel):
     worker_step_timeout_s: float = Field(60.0, gt=0)
     gateway_heartbeat_s: float = Field(1.0, gt=0, description="a gateway tells the scheduler (and the session store "
                                        "while it holds Salience leases or Evergreen sessions) it is alive this often")
-    peer_suspect_grace_s: float = Field(1.0, gt=0, description="after the connection to a peer holding our work "
+    peer_suspect_grace_s: float = Field(0.5, gt=0, description="after the connection to a peer holding our work "
                                         "drops, how long it has to answer again before that work is failed")
     peer_silence_s: float = Field(5.0, gt=0, description="a peer holding our work that does not answer heartbeats "
                                   "this long is taken for dead and that work is failed")

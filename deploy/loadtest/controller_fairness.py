@@ -69,7 +69,7 @@ async def bench(url: str, tokens: int) -> None:
     settings = get_settings()
     model = settings.served_model_name
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(900.0)) as http:
-        r = await http.post("/v1/controllers", content=controller(mid="(loop $l (br $l))"),
+        r = await http.post("/v1/controllers", content=bytes(controller(mid="(loop $l (br $l))")),
                             headers={**ABUSER, "content-type": "application/wasm"})
         r.raise_for_status()
         module_id = r.json()["module_id"]
@@ -87,7 +87,7 @@ async def bench(url: str, tokens: int) -> None:
           f"max_controlled_per_user {c.max_controlled_per_user}, mid deadline {c.mid_deadline_ms:g} ms)")
     print(f"plain streams alone:                 {alone:8.1f} tok/s")
     print(f"plain streams beside the loopers:    {beside:8.1f} tok/s")
-    print(f"ratio (beside / alone):              {beside / alone:8.2f}  ({(1 - beside / alone) * 100:+.0f}% slower)")
+    print(f"ratio (beside / alone):              {beside / alone:8.2f}  ({(beside / alone - 1) * 100:+.0f}% tokens/s)")
     print("looping requests: " + ", ".join(f"{n} {what}" for what, n in outcomes.most_common()))
 
 

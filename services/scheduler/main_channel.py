@@ -7,6 +7,7 @@ import time
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from common import aici_wire
 from common.errors import WireError
@@ -20,9 +21,9 @@ DROP_CHECK_MS = 100
 
 class MainChannel:
     """A DEALER with strictly one request outstanding. A reply that does not come in time means the
-    socket is replaced, so a late reply can never be taken for the answer to the next request. A
-    connection that drops while a reply is awaited (the runtime died: its instances with it) fails the
-    call at once, not after the timeout."""
+    socket is replaced, so a late reply can never be taken for the answer to the next request. While the
+    connection is down (the runtime died, its instances with it) a call fails at once, and so does one
+    waiting for its reply when the connection drops: not after the timeout."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
@@ -34,7 +35,8 @@ class MainChannel:
         ensure_ipc_dir(self.endpoint)
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.down = False  # the connection dropped and has not come back
         sock.connect(self.endpoint)
         return sock
 
@@ -45,11 +47,11 @@ class MainChannel:
         self.sock = self._connect()
 
     async def _dropped(self) -> bool:
-        """Whether the connection dropped since the last look."""
-        dropped = False
+        """Whether the connection is down, or dropped since the last look."""
+        dropped = self.down
         while await self.monitor.poll(0):
-            await self.monitor.recv_multipart()
-            dropped = True
+            self.down = (await recv_monitor_message(self.monitor))["event"] == zmq.EVENT_DISCONNECTED
+            dropped = dropped or self.down
         return dropped
 
     async def call(self, request: aici_wire.MainRequest, timeout_s: float) -> MainReply:
@@ -57,7 +59,9 @@ class MainChannel:
         op = type(request).__struct_config__.tag
         started = time.perf_counter()
         async with self.lock:
-            await self._dropped()  # a drop before this call says nothing about it
+            if await self._dropped() and self.down:  # the runtime died between two calls
+                return MainReply(error=f"the controller runtime's connection dropped (it died or is restarting, its "
+                                       f"controllers with it); {op} was not sent")
             await self.sock.send(aici_wire.encode(request))
             deadline = time.monotonic() + timeout_s
             while not await self.sock.poll(DROP_CHECK_MS):
