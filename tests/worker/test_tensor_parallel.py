@@ -51,7 +51,7 @@ def test_two_ranks_generate_what_one_does(tmp_path: Path, scheduler: Scheduler, 
 
     process = _start_worker(tmp_path, TILLER_DISTRIBUTED__TENSOR_PARALLEL="2")
     try:
-        hello = scheduler.wait_for_stage("ready")
+        hello = scheduler.wait_for_stage("ready", timeout_s=600)  # two ranks load the model side by side
         assert hello.kv_capacity_tokens >= 4 * 2048
         # Both prompts in one step, then batched decode steps.
         seqs = [wire.SeqStep(seq_id=i, tokens=p, sampling=GREEDY) for i, p in enumerate(prompts)]

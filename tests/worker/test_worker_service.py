@@ -47,15 +47,15 @@ class Scheduler:
             pass
         return reply
 
-    def wait_for_stage(self, stage: str) -> wire.WorkerHello:
-        deadline = time.monotonic() + READY_TIMEOUT_S
+    def wait_for_stage(self, stage: str, timeout_s: float = READY_TIMEOUT_S) -> wire.WorkerHello:
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             msg = self.recv(timeout_s=deadline - time.monotonic())
             assert isinstance(msg, wire.WorkerHello), msg
             assert msg.stage in ("loading", stage), msg
             if msg.stage == stage:
                 return msg
-        raise AssertionError(f"no {stage} hello within {READY_TIMEOUT_S} s")
+        raise AssertionError(f"no {stage} hello within {timeout_s} s")
 
 
 def _start_worker(run_dir: Path, **env: str) -> subprocess.Popen[bytes]:
