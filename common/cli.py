@@ -1,4 +1,5 @@
-"""``tiller up | down | status``: run the five services under supervisord and wait until they serve."""
+"""``tiller up | down | status``: run the five services under supervisord and wait until they serve
+(the operations on a running stack and the model cache are in :mod:`common.cli_ops`)."""
 
 from __future__ import annotations
 
@@ -8,48 +9,23 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 from pydantic import ValidationError
 
+from common import cli_ops, wire
 from common.config import Distributed, Settings, get_settings
 from common.sockets import probe_health
+from common.startup_checks import busy_ports, gateway_answer, judge_gateway
+from common.supervisor import (
+    SERVICES,
+    program_states,
+    program_status,
+    supervisor_env,
+    supervisorctl,
+    write_conf,
+)
 
-HOME = Path(__file__).resolve().parents[1]
-SUPERVISOR_CONF = HOME / "deploy" / "supervisord.conf"
-SERVICES = ("session_store", "controller_runtime", "scheduler", "worker", "gateway")
-
-
-def _supervisor_env(settings: Settings, foreground: bool, base: dict[str, str] | None = None) -> dict[str, str]:
-    """``base`` (default: this process's environment) plus what deploy/supervisord.conf expands."""
-    run_dir = settings.run_dir.resolve()
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ if base is None else base)
-    env.update(
-        TILLER_RUN_DIR=str(run_dir),
-        TILLER_HOME=str(HOME),
-        TILLER_PYTHON=sys.executable,
-        TILLER_FOREGROUND="true" if foreground else "false",
-        PYTHONUNBUFFERED="1",
-    )
-    env.update(_local_workers_env(settings.distributed.local_workers, env))
-    return env
-
-
-def _local_workers_env(count: int, env: dict[str, str]) -> dict[str, str]:
-    """What deploy/supervisord.conf needs to start ``count`` local workers (worker, then
-    worker_1 .. worker_<count-1>); several CPU workers split the cores instead of each taking all."""
-    more = max(count - 1, 0)
-    extra = {
-        "TILLER_WORKER_AUTOSTART": str(count >= 1).lower(),
-        "TILLER_MORE_WORKERS": str(max(more, 1)),  # supervisord needs numprocs >= 1: one stays stopped
-        "TILLER_MORE_WORKERS_AUTOSTART": str(more >= 1).lower(),
-    }
-    if count > 1 and "OMP_NUM_THREADS" not in env:
-        extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // count))
-    return extra
+__all__ = ["main", "supervisorctl"]
 
 
 def worker(settings: Settings, scheduler: str) -> int:
@@ -86,71 +62,54 @@ def _with_worker_arguments(settings: Settings, args: argparse.Namespace) -> Sett
     return settings.model_copy(update={"distributed": distributed})
 
 
-def supervisorctl(
-    settings: Settings, *args: str, base_env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "supervisor.supervisorctl", "-c", str(SUPERVISOR_CONF), *args],
-        env=_supervisor_env(settings, False, base_env),
-        capture_output=True,
-        text=True,
-    )
-
-
-def _program_states(settings: Settings) -> dict[str, str]:
-    out = supervisorctl(settings, "status").stdout
-    states = {}
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) >= 2 and parts[0].startswith("tiller:"):
-            states[parts[0].split(":", 1)[1]] = parts[1]
-    return states
-
-
-def _gateway_ready(settings: Settings) -> bool:
-    url = f"http://{settings.http_host}:{settings.http_port}/health"
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 async def _wait_ready(settings: Settings) -> tuple[bool, str]:
-    """Wait for every service: the zmq ones answer Health, the gateway answers /health with 200."""
+    """Wait for every service: the zmq ones answer Health, the gateway this start launched (its pid)
+    answers /health with 200."""
     deadline = time.monotonic() + settings.ready_timeout_s
     last_note = ""
     while time.monotonic() < deadline:
-        states = _program_states(settings)
+        programs = program_status(settings)
+        states = {name: state for name, (state, _, _) in programs.items()}
         broken = [name for name, state in states.items() if state in ("FATAL", "BACKOFF", "EXITED")]
         if broken:
             return False, f"service(s) failed to start: {', '.join(broken)} (see {settings.run_dir}/logs/)"
         store = await probe_health(settings.endpoint("session_store"), timeout=1.0)
         scheduler = await probe_health(settings.endpoint("scheduler"), timeout=2.0)
         if scheduler is not None:
-            worker = scheduler.detail.get("worker", {})
-            if worker.get("stage") == "failed":
-                return False, f"the worker failed to load the model: {worker.get('message')}"
-            note = f"worker: {worker.get('stage')} {worker.get('progress', 0)}% {worker.get('message', '')}".strip()
+            worker = (scheduler.facts or wire.ModelFacts()).worker
+            if worker.stage == "failed":
+                return False, f"the worker failed to load the model: {worker.message}"
+            note = f"worker: {worker.stage} {worker.progress}% {worker.message}".strip()
             if note != last_note:
                 print(f"  {note}", flush=True)
                 last_note = note
-        if store and store.ready and scheduler and scheduler.ready and _gateway_ready(settings):
+        gateway_pid = programs.get("gateway", ("", None, ""))[1]
+        gateway_ready, fatal = judge_gateway(gateway_answer(settings), gateway_pid, settings)
+        if fatal:
+            return False, fatal
+        if store and store.ready and scheduler and scheduler.ready and gateway_ready:
             return True, ""
         await asyncio.sleep(0.5)
     return False, f"not ready after {settings.ready_timeout_s:.0f} s (see {settings.run_dir}/logs/)"
 
 
 def up(settings: Settings, foreground: bool = False) -> int:
-    if foreground:
-        os.execve(sys.executable, [sys.executable, "-m", "supervisor.supervisord", "-c", str(SUPERVISOR_CONF)],
-                  _supervisor_env(settings, True))
-    if _program_states(settings):
+    if program_states(settings):
         print("Tiller is already running here; `tiller down` first.", file=sys.stderr)
         return 1
+    busy = busy_ports(settings)
+    if busy:
+        print("Tiller cannot start: " + "; ".join(f"{p.describe()} is in use" for p in busy)
+              + " (stop what holds it or move Tiller with that variable)", file=sys.stderr)
+        return 1
+    conf = write_conf(settings, foreground)
+    if foreground:
+        os.execve(sys.executable, [sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)],
+                  supervisor_env(settings, True))
     started = subprocess.run(
-        [sys.executable, "-m", "supervisor.supervisord", "-c", str(SUPERVISOR_CONF)],
-        env=_supervisor_env(settings, False),
+        [sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)], env=supervisor_env(settings, False)
     )
     if started.returncode != 0:
         print("supervisord did not start", file=sys.stderr)
@@ -159,6 +118,7 @@ def up(settings: Settings, foreground: bool = False) -> int:
     ready, reason = asyncio.run(_wait_ready(settings))
     if not ready:
         print(f"Tiller did not come up: {reason}", file=sys.stderr)
+        down(settings)  # nothing half-started stays behind (a crash-looping gateway, say); the logs stay
         return 1
     host = settings.http_host
     print(
@@ -168,7 +128,8 @@ def up(settings: Settings, foreground: bool = False) -> int:
         f"  OpenAI API  http://{host}:{settings.http_port}/v1\n"
         f"  health      http://{host}:{settings.http_port}/health\n"
         f"  gRPC        {host}:{settings.grpc_port}\n"
-        f"  logs        {settings.run_dir.resolve()}/logs/\n"
+        f"  logs        {settings.run_dir.resolve()}/logs/ (`tiller logs [SERVICE]`)\n"
+        f"  supervisor  supervisorctl -c {conf} status\n"
         "Stop it with `make down` (or `tiller down`).",
         flush=True,
     )
@@ -176,7 +137,7 @@ def up(settings: Settings, foreground: bool = False) -> int:
 
 
 def down(settings: Settings) -> int:
-    if not _program_states(settings):
+    if not program_states(settings):
         print("Tiller is not running here.")
         return 0
     supervisorctl(settings, "shutdown")
@@ -190,7 +151,7 @@ def down(settings: Settings) -> int:
 
 
 def status(settings: Settings) -> int:
-    states = _program_states(settings)
+    states = program_states(settings)
     if not states:
         print("Tiller is not running here.")
         return 1
@@ -207,10 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("down", help="stop every service")
     sub.add_parser("status", help="show each service's state")
     _add_worker_commands(sub, up_parser)
+    cli_ops.add_commands(sub)
     args = parser.parse_args(argv)
     settings = get_settings()
     if args.command == "worker":
         return worker(_with_worker_arguments(settings, args), args.scheduler)
+    if args.command in cli_ops.COMMANDS:
+        return cli_ops.run(args, settings)
     if args.command == "up":
         return up(_with_worker_arguments(settings, args), args.foreground)
     if args.command == "down":

@@ -59,6 +59,10 @@ class Limits(BaseModel):
         None, gt=0, le=1, description="share of the memory free after loading the model that the KV pool takes "
         "(default 0.85 on a GPU, 0.5 of available RAM on the CPU)"
     )
+    kv_cpu_max_bytes: int = Field(
+        1 << 30, ge=1 << 20, description="the most the KV pool takes on the CPU (1 GiB: 23,296 tokens of the "
+        "default model in fp32, beside other programs on a laptop); the GPU pool is sized by kv_memory_fraction alone"
+    )
     cuda_graphs: bool = Field(True, description="replay decode steps from CUDA graphs on a GPU")
     content_filter_patterns: list[str] = Field(
         default_factory=list, description="regexes; a prompt matching one is refused with content_filter"
@@ -76,7 +80,7 @@ class Images(BaseModel):
 
 
 class Sessions(BaseModel):
-    """Salience stateful sessions (seed 002): lifetime, auth, KV kept between turns, readouts."""
+    """Salience stateful sessions (salience.proto): lifetime, auth, KV kept between turns, readouts."""
 
     ttl_s: float = Field(1800.0, gt=0, description="a session idle this long is evicted (any call refreshes it)")
     auth_token: str = Field("", description="bearer token every Salience RPC must carry ('': no auth)")
@@ -103,7 +107,7 @@ class Sessions(BaseModel):
 
 
 class Evergreen(BaseModel):
-    """Limits and external-ref policy of the Evergreen gRPC service (seed 000)."""
+    """Limits and external-ref policy of the Evergreen gRPC service."""
 
     max_nesting_depth: int = Field(64, ge=1, description="longest parent-to-leaf path in a session's node graph")
     max_session_nodes: int = Field(100_000, ge=1, description="nodes one session may hold")
@@ -134,6 +138,11 @@ class Controllers(BaseModel):
     max_log_bytes: int = Field(64 << 10, ge=1024, description="captured stdout/stderr kept per call")
     max_module_bytes: int = Field(64 << 20, ge=1024, description="largest Wasm module mk_module accepts")
     pending_ttl_s: float = Field(600.0, gt=0, description="an instantiated controller never bound to a sequence is dropped after this")
+    user_cpu_share: float = Field(0.5, ge=0, description="controller CPU seconds per second one user's controllers may "
+                                  "take on average (every call is charged to its user, deadline overruns included; "
+                                  "0: no limit)")
+    user_cpu_burst_s: float = Field(5.0, gt=0, description="controller CPU seconds one user may take in a burst")
+    max_controlled_per_user: int = Field(64, ge=1, description="controlled requests one user may have live at once")
     module_dir: Path | None = Field(None, description="modules, compiled cache and tags (default: <run_dir>/controllers)")
     native: dict[str, str] = Field(
         default_factory=lambda: {"constrained": "controllers.native.constrained:ConstrainedController"},
@@ -176,6 +185,8 @@ class Distributed(BaseModel):
     port: int = Field(0, ge=0, le=65535, description="the ranks' rendezvous port on 127.0.0.1 (0: any free port)")
     local_workers: int = Field(1, ge=0, description="workers `tiller up` starts on this host (0: only workers "
                                "that join from elsewhere; on the CPU the cores are split between them)")
+    placement_balance: int = Field(8, ge=0, description="a worker whose prefix cache holds a new prompt's leading "
+                                   "blocks gets it unless it runs more than this many sequences beyond the least loaded")
     heartbeat_s: float = Field(1.0, gt=0, description="the scheduler and its workers ping each other's connection "
                                "this often (ZeroMQ heartbeats, answered even while a worker computes a step)")
     heartbeat_timeout_s: float = Field(5.0, gt=0, description="a worker connection silent this long is dropped: a "

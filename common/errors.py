@@ -1,6 +1,6 @@
 """Error types shared by the services and their mapping to the client-facing error vocabulary.
 
-The codes are the WebSocket protocol's error types (seed 003); every surface maps them onto its own
+The codes are the WebSocket protocol's error types; every surface maps them onto its own
 form (HTTP status, OpenAI error object, gRPC status).
 """
 

@@ -54,8 +54,9 @@ def bind(sock: zmq.Socket, endpoint: str) -> None:
 
 
 def heartbeat(sock: zmq.Socket, interval_s: float, timeout_s: float) -> None:
-    """ZeroMQ heartbeats on ``sock``'s connections made from now on: a peer whose host vanished
-    (no FIN, no RST) is disconnected after ``timeout_s`` instead of never."""
+    """ZeroMQ heartbeats on ``sock``'s connections: a peer whose host vanished (no FIN, no RST)
+    is disconnected after ``timeout_s`` instead of never. Set before bind or connect (a bound
+    socket's listener copies the options it had when it was bound)."""
     sock.setsockopt(zmq.HEARTBEAT_IVL, int(interval_s * 1000))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout_s * 1000))
     sock.setsockopt(zmq.HEARTBEAT_TTL, int(timeout_s * 1000))
@@ -68,12 +69,22 @@ def _copy_flag(frames: Frames) -> bool:
 class Router:
     """A bound ROUTER socket: receive validated messages from many peers, reply to any of them."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, max_msg_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        *,
+        max_msg_bytes: int = 256 << 20,
+        heartbeat_s: tuple[float, float] | None = None,
+    ) -> None:
+        """``heartbeat_s``: (interval, timeout) of ZeroMQ heartbeats on every peer's connection."""
         self.endpoint = endpoint
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if heartbeat_s is not None:
+            heartbeat(self.sock, *heartbeat_s)
         bind(self.sock, endpoint)
 
     async def recv(self) -> tuple[bytes, wire.Message, list[bytes]]:

@@ -63,7 +63,10 @@ class WasmInstance:
         return self._invoke("aici_pre_process", b"{}", self.d.pre_deadline_ms, _pre_decoder)
 
     def mid_process(self, fork_group: list[int], mask_address: int) -> aici_wire.MidProcessResult:
-        arg = b'{"fork_group":[%s]}' % b",".join(b"%d" % i for i in fork_group)
+        if len(fork_group) == 1:  # no fork this step: the common case
+            arg = b'{"fork_group":[%d]}' % fork_group[0]
+        else:
+            arg = b'{"fork_group":[%s]}' % b",".join(b"%d" % i for i in fork_group)
         result = self._invoke("aici_mid_process", arg, self.d.mid_deadline_ms, _mid_decoder, mask_address)
         try:
             return _check_mid(result, self.host)

@@ -1,4 +1,4 @@
-"""AICI's REST API (reference §2, rLLM's shapes): controllers, tags and ``/v1/run``.
+"""AICI's REST API (rLLM's shapes): controllers, tags and ``/v1/run``.
 
 - ``POST /v1/controllers``: the raw Wasm module as the body -> ``{module_id, wasm_size, compiled_size,
   time}``; the module id is the sha256 of the bytes.
@@ -32,17 +32,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common import aici_wire, wire
+from common.admission import context_budget
 from common.errors import CONTENT_FILTER, ERROR_TRAITS, INTERNAL_ERROR, INVALID_REQUEST, MODEL_LOADING_ERROR, TillerError
 from services.gateway.admission import Admission
 from services.gateway.deps import Gateway, new_request_id
-from services.gateway.driver import context_budget
-from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, worker_stage
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, facts_of, worker_stage
 from services.gateway.httputil import SSE_HEADERS, client_of, gateway_of, read_json_object, sse
 from services.gateway.protocol import GatewayError
 from services.gateway.side_channel import Caller, ControllerInitFailed, SideChannel, Unauthorized, caller_of
 from services.gateway.validation import (
+    INT64_MAX,
     Context,
     GenerationRequest,
+    Int64,
     LimitChecks,
     StrictModel,
     TopP,
@@ -129,9 +131,9 @@ class RunRequest(StrictModel, LimitChecks):
     prompt: str = ""
     temperature: Annotated[float, Field(ge=0)] = 0.0
     top_p: TopP = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = -1  # -1 (or 0): disabled
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] = -1  # -1 (or 0): disabled
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     model: str | None = None  # accepted as the vLLM variant does; must name the served model
 
     @field_validator("temperature", "top_p", "top_k", mode="before")
@@ -289,10 +291,10 @@ async def _start_run(gw: Gateway, run: RunRequest, caller: Caller, admission: Ad
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         prompt_ids = [start]
     health = await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)
-    stage = worker_stage(health).get("stage")
+    stage = worker_stage(health).stage
     if stage != "ready":
         raise TillerError(MODEL_LOADING_ERROR, f"the model is not ready (worker: {stage}); retry shortly")
-    max_model_len = int(health.detail.get("max_model_len") or gw.settings.limits.max_model_len)
+    max_model_len = facts_of(health).max_model_len or gw.settings.limits.max_model_len
     max_tokens = context_budget(len(prompt_ids), run.max_tokens, max_model_len, max_model_len)
     rid = admission.rid
     if not run.plain:

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from common.config import Settings
 from common.model_source import load_tokenizer
+from common.service import release_freed_memory
 from services.gateway import aici_rest, openai_api, ops, rest, tokenize_api, ws
 from services.gateway.token_gate import TokenGate
 from services.gateway.deps import Gateway
@@ -36,6 +37,7 @@ def create_app(settings: Settings) -> FastAPI:
         tokenizer = await asyncio.to_thread(load_tokenizer, settings)
         text = TextProcessor(tokenizer, settings.limits.content_filter_patterns)
         await text.load_token_texts()
+        release_freed_memory()
         ctx = zmq.asyncio.Context()
         gw = Gateway(
             settings=settings,

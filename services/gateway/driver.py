@@ -17,9 +17,9 @@ from typing import Any
 import structlog
 
 from common import wire
+from common.admission import context_budget
 from common.errors import (
     CONTENT_FILTER,
-    CONTEXT_LENGTH_EXCEEDED,
     INTERNAL_ERROR,
     INVALID_REQUEST,
     MODEL_LOADING_ERROR,
@@ -28,7 +28,7 @@ from common.errors import (
 )
 from services.gateway.admission import COMPLETED, Admission
 from services.gateway.deps import Gateway
-from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, worker_stage
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, facts_of, worker_stage
 from services.gateway.protocol import (
     CompletionMsg,
     ErrorMsg,
@@ -50,33 +50,6 @@ LOADING_POLL_S = 1.0
 # How long past limits.request_timeout_s the gateway waits on a silent scheduler (which should have
 # ended the request with "timeout" itself) before giving up on it.
 STALL_GRACE_S = 10.0
-
-
-def context_budget(prompt_tokens: int, max_tokens: int | None, max_model_len: int, default_max_tokens: int) -> int:
-    """The number of tokens to allow the generation, as vLLM decides it.
-
-    A prompt needs room for at least one generated token, unless ``max_tokens`` is 0 (scoring the
-    prompt only). An explicit ``max_tokens`` must fit beside the prompt (otherwise
-    ``context_length_exceeded``, not a silent cut); without one the default is capped by the room left.
-    """
-    room = max_model_len - prompt_tokens
-    if room < (0 if max_tokens == 0 else 1):
-        raise GatewayError(
-            CONTEXT_LENGTH_EXCEEDED,
-            f"the prompt has {prompt_tokens} tokens; the model's context of {max_model_len} tokens "
-            "leaves no room to generate",
-            param="prompt",
-        )
-    if max_tokens is None:
-        return min(default_max_tokens, room)
-    if max_tokens > room:
-        raise GatewayError(
-            CONTEXT_LENGTH_EXCEEDED,
-            f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the model's context of "
-            f"{max_model_len} tokens; ask for at most {room}",
-            param="max_tokens",
-        )
-    return max_tokens
 
 
 class Phase(enum.Enum):
@@ -178,8 +151,9 @@ class Generation:
             messages = self.request.messages
             self._admission.admit("\n".join(m["content"] for m in messages) if messages else prompt_text)
             health = await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)
-            self._max_model_len = int(health.detail.get("max_model_len") or gw.settings.limits.max_model_len)
-            self._check_logit_bias(int(health.detail.get("vocab_size") or 0))
+            facts = facts_of(health)
+            self._max_model_len = facts.max_model_len or gw.settings.limits.max_model_len
+            self._check_logit_bias(facts.vocab_size)
             max_tokens = context_budget(
                 len(prompt_ids), self.request.max_tokens, self._max_model_len, gw.settings.limits.default_max_tokens
             )
@@ -192,7 +166,7 @@ class Generation:
         self._prompt_len = len(prompt_ids)
         self._echo = prompt_text if self.request.echo else ""
         self._initialized = True
-        model_info = {"max_tokens": self._max_model_len, "vocab_size": health.detail.get("vocab_size")}
+        model_info = {"max_tokens": self._max_model_len, "vocab_size": facts.vocab_size or None}
         yield InitMsg(self.rid, gw.settings.served_model_name, model_info, prompt_text)
         self._admission.record(prompt=prompt_text, params=self.request.record())
         log.info("request.start", surface=self.surface, prompt_tokens=self._prompt_len, max_tokens=max_tokens)
@@ -209,7 +183,7 @@ class Generation:
                 wire.Submit(
                     rid=self.rid,
                     prompt_ids=prompt_ids,
-                    sampling=self._sampling(prompt_ids, health.detail),
+                    sampling=self._sampling(prompt_ids, facts),
                     max_tokens=max_tokens,
                     stop=list(self.request.stop),
                     stop_token_ids=list(self.request.stop_token_ids),
@@ -225,7 +199,7 @@ class Generation:
             yield ErrorMsg.from_error(exc, self.rid, self._partial())
 
     async def _instantiate(self, prompt_ids: list[int]) -> None:
-        """Start the request's controller in the runtime under this request's id (seed 001 ``instantiate``)."""
+        """Start the request's controller in the runtime under this request's id (the AICI runtime protocol's ``instantiate``)."""
         side = self._gw.side
         if side is None or self.caller is None:
             raise GatewayError(INVALID_REQUEST, "controllers are not available on this surface", param="controller")
@@ -238,23 +212,23 @@ class Generation:
         first: tuple[float, int] | None = None  # (time, progress) of the first poll, for the ETA
         while not self._stop_requested:
             worker = worker_stage(health)
-            stage = worker.get("stage")
+            stage = worker.stage
             if stage == "ready":
                 return
             if stage == "failed":
                 raise TillerError(
-                    MODEL_LOADING_ERROR, f"the model failed to load: {worker.get('message') or 'no detail given'}"
+                    MODEL_LOADING_ERROR, f"the model failed to load: {worker.message or 'no detail given'}"
                 )
             now = time.monotonic()
             if now - self._started > timeout:
                 raise TillerError(TIMEOUT, f"the model was still loading after {timeout:.0f} s")
-            progress = int(worker.get("progress") or 0)
+            progress = worker.progress
             first = first or (now, progress)
             eta = None
             if progress > first[1]:
                 eta = (now - first[0]) / (progress - first[1]) * (100 - progress)
             default = "waiting for a model worker" if stage == "absent" else "loading the model"
-            yield StatusMsg("model_loading", progress, worker.get("message") or default, eta)
+            yield StatusMsg("model_loading", progress, worker.message or default, eta)
             await asyncio.sleep(LOADING_POLL_S)
             health = await self._gw.scheduler.health()
 
@@ -347,7 +321,7 @@ class Generation:
             raise GatewayError(INVALID_REQUEST, f"logit_bias: token id {outside[0]} is outside the vocabulary "
                                f"(0..{vocab_size - 1})", param="logit_bias")
 
-    def _sampling(self, prompt_ids: list[int], facts: dict) -> wire.SamplingParams:
+    def _sampling(self, prompt_ids: list[int], facts: wire.ModelFacts) -> wire.SamplingParams:
         """The request's sampling placed after its prompt: the penalties on generated tokens and
         ``min_tokens`` count from the first one, and ``min_tokens`` holds back every stop token."""
         sampling = self.request.sampling()
@@ -355,8 +329,8 @@ class Generation:
         if self.request.min_tokens:
             stops = set(self.request.stop_token_ids)
             if not self.request.ignore_eos:
-                stops.update(facts.get("eos_token_ids") or ())
-            vocab = int(facts.get("vocab_size") or 0)
+                stops.update(facts.eos_token_ids)
+            vocab = facts.vocab_size
             sampling.suppress = sorted(t for t in stops if t < vocab)  # a token past the vocabulary never comes
         return sampling
 

@@ -44,7 +44,7 @@ from common.errors import (
 )
 from services.gateway.deps import new_request_id
 from services.gateway.driver import Generation
-from services.gateway.scheduler_client import HEALTH_MAX_AGE_S
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, facts_of
 from services.gateway.httputil import (
     SSE_HEADERS,
     client_of,
@@ -674,10 +674,10 @@ async def max_model_len(request: Request) -> int:
     """The model's own context once a worker has reported it, else the configured one."""
     gw = gateway_of(request)
     try:
-        detail = (await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)).detail
+        known = facts_of(await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)).max_model_len
     except TillerError:
-        detail = {}
-    return detail.get("max_model_len") or gw.settings.limits.max_model_len
+        known = 0
+    return known or gw.settings.limits.max_model_len
 
 
 async def _model_card(request: Request) -> dict[str, Any]:

@@ -35,10 +35,15 @@ WATCH_TICK_S = 0.2  # how often the scheduler's liveness is judged
 StreamItem = wire.TokenEvent | wire.RequestFailed
 
 
-def worker_stage(health: wire.HealthReply) -> dict[str, Any]:
+def facts_of(health: wire.HealthReply) -> wire.ModelFacts:
+    """The model facts of the scheduler's health reply (an empty set, no worker, if it sent none)."""
+    return health.facts or wire.ModelFacts()
+
+
+def worker_stage(health: wire.HealthReply) -> wire.WorkerStage:
     """The scheduler's view of its best worker: ``stage`` (absent | loading | ready | failed),
     ``progress``, ``message``. Generation needs a ready worker, not the rest of ``ready``."""
-    return health.detail.get("worker") or {"stage": "absent"}
+    return facts_of(health).worker
 
 
 def _as_error(reply: wire.Message, what: str) -> TillerError:
@@ -158,13 +163,13 @@ class SchedulerClient:
             raise TillerError(SERVICE_UNAVAILABLE, str(exc)) from None
         return reply
 
-    async def _command(self, msg: wire.Msg) -> None:
+    async def _command(self, msg: wire.Msg, answer: type[wire.Msg] = wire.RequestState) -> None:
         reply = await self._call(msg)
-        if not isinstance(reply, wire.Ok):
+        if not isinstance(reply, answer):
             raise _as_error(reply, type(msg).__name__)
 
     async def submit(self, submit: wire.Submit) -> None:
-        await self._command(submit)
+        await self._command(submit, wire.Queued)
 
     async def cancel(self, rid: str) -> None:
         await self._command(wire.Cancel(rid=rid))
@@ -213,7 +218,7 @@ class SchedulerClient:
         """The scheduler's health; a ready reply younger than ``max_age`` seconds is reused."""
         now = time.monotonic()
         cached = self._health
-        if cached is not None and worker_stage(cached).get("stage") == "ready" and now - self._health_at <= max_age:
+        if cached is not None and worker_stage(cached).stage == "ready" and now - self._health_at <= max_age:
             return cached
         reply = await self._call(wire.Health(), timeout=HEALTH_TIMEOUT_S)
         if not isinstance(reply, wire.HealthReply):

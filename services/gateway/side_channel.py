@@ -1,4 +1,4 @@
-"""The gateway's side channel to the controller runtime (seed 001): asynchronous requests matched by
+"""The gateway's side channel to the controller runtime (the AICI runtime protocol): asynchronous requests matched by
 ``$rid``, each carrying the caller as ``$auth``; and how a caller is identified.
 
 Identification (``settings.api_auth``): when tokens are configured, a request must carry

@@ -248,7 +248,7 @@ class GenerationRequest:
     prompt_logprobs: bool = False  # the prompt tokens' logprobs too, with top_logprobs alternatives each
     echo: bool = False
     ignore_eos: bool = False
-    controller: str | None = None  # module id, tag or native:<name> steering the generation (seed 001)
+    controller: str | None = None  # module id, tag or native:<name> steering the generation (the AICI runtime protocol)
     controller_arg: str = ""
 
     def sampling(self) -> SamplingParams:
@@ -400,7 +400,7 @@ def parse_client_message(raw: str | bytes, max_depth: int) -> dict[str, Any]:
 
 
 def flat_body_to_config(body: dict[str, Any]) -> dict[str, Any]:
-    """``/v1/generate`` takes the parameters and options at the top level (the seed's REST example)
+    """``/v1/generate`` takes the parameters and options at the top level (the WebSocket protocol's REST example)
     or nested as in the WebSocket config; fold the flat form into the nested one."""
     config = dict(body)
     for group, model in (("parameters", Parameters), ("options", Options)):

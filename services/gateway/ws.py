@@ -1,4 +1,4 @@
-"""``ws://HOST:PORT/generate``: the WebSocket protocol of seed 003.
+"""``ws://HOST:PORT/generate``: the WebSocket protocol.
 
 One connection runs at most one generation at a time (a pump task sending its messages) while the
 reader handles control and feedback messages. After a completion or an error the connection takes a

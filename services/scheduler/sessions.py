@@ -17,7 +17,7 @@ request needs the room.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,43 +70,48 @@ def same_images_prefix(held: list[wire.ImageInput], wanted: list[wire.ImageInput
     return min([limit] + [start for start, _, _ in differ])
 
 
+# ``SessionKV.reuse``'s answer when the request's own parked sequence is busy (a fork of it has not
+# been copied yet): wait a step rather than change it.
+WAIT = object()
+
+
 class SessionKV:
-    def __init__(self, config: Sessions, pool: WorkerPool, free: Callable[[bytes, int], None]) -> None:
+    def __init__(self, config: Sessions, pool: WorkerPool, free: Callable[[bytes, int], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.pool = pool
         self._free = free  # (worker identity, seq_id): free a sequence with the worker's next step
+        self.clock = clock
         self.parked: OrderedDict[str, Parked] = OrderedDict()  # least recently parked first
         self.pinned: set[int] = set()  # parked sequences a placed fork has not copied yet
+        self._held: Counter[bytes] = Counter()  # worker -> tokens parked on it (kept, not summed: many sessions)
 
     # -- figures -------------------------------------------------------------------------------
 
     def held_tokens(self, worker: bytes) -> int:
-        return sum(len(p.tokens) for p in self.parked.values() if p.worker == worker)
+        return self._held[worker]
 
-    def summary(self) -> dict[str, int]:
-        return {"parked_sessions": len(self.parked), "parked_tokens": sum(len(p.tokens) for p in self.parked.values())}
+    def parked_tokens(self) -> int:
+        return sum(len(p.tokens) for p in self.parked.values())
 
     # -- admission -----------------------------------------------------------------------------
 
-    def place(self, request: LiveRequest, needed: int) -> Placement | None:
-        """A worker (and a parked sequence to start from, when one helps) for ``request``, evicting
-        idle sessions' KV when a live request needs the room; None when nothing fits now."""
+    def reuse(self, request: LiveRequest, needed: int) -> Placement | None | object:
+        """Where a session turn continues from a parked sequence (its session's own, or for a first
+        turn its parent's), evicting other idle sessions' KV on that worker for the room; None when
+        no parked sequence helps (place it anew), :data:`WAIT` when its own is busy."""
         ref = request.submit.session
         own = self.parked.get(ref.key) if ref else None
         parent = self.parked.get(ref.parent) if ref and ref.parent and own is None else None
         base = own or parent
         if own is not None and own.seq_id in self.pinned:
-            return None  # a fork of it has not been copied yet: wait a step rather than change it
-        if base is not None:
-            placement = self._place_on(base, own is not None, request, needed)
-            if placement is not None:
-                return placement
-            if own is not None:  # it cannot be used: let it go rather than hold it twice
-                self._evict(own)
-        worker = self.pool.pick_for(needed)
-        while worker is None and self._evict_lru(exclude=self.pinned):
-            worker = self.pool.pick_for(needed)
-        return Placement(worker=worker) if worker is not None else None
+            return WAIT
+        if base is None:
+            return None
+        placement = self._place_on(base, own is not None, request, needed)
+        if placement is None and own is not None:  # it cannot be used: let it go rather than hold it twice
+            self._evict(own)
+        return placement
 
     def _place_on(self, base: Parked, own: bool, request: LiveRequest, needed: int) -> Placement | None:
         worker = self.pool.workers.get(base.worker)
@@ -122,7 +127,7 @@ class SessionKV:
             if not self._evict_lru(exclude=self.pinned | {base.seq_id}, worker=base.worker):
                 return None
         if own:
-            del self.parked[base.key]
+            self._unpark(base)
             worker.reserved_tokens -= len(base.tokens)
             return Placement(worker, seq_id=base.seq_id, backtrack=len(base.tokens) - common, start=common,
                              held=base.tokens)
@@ -146,7 +151,8 @@ class SessionKV:
         if previous is not None:
             self._evict(previous)
         images = [image for image in request.submit.images if image.end <= len(tokens)]
-        self.parked[ref.key] = Parked(ref.key, request.seq_id, worker.identity, list(tokens), time.monotonic(), images)
+        self.parked[ref.key] = Parked(ref.key, request.seq_id, worker.identity, list(tokens), self.clock(), images)
+        self._held[worker.identity] += len(tokens)
         worker.reserved_tokens += len(tokens)
         limit = int(worker.capacity * self.config.kv_parked_fraction)
         while self.held_tokens(worker.identity) > limit:
@@ -160,7 +166,7 @@ class SessionKV:
         """A sequence parked while its last step ran failed that step: the worker released it."""
         for parked in self.parked.values():
             if parked.seq_id == seq_id:
-                del self.parked[parked.key]
+                self._unpark(parked)
                 worker = self.pool.workers.get(parked.worker)
                 if worker is not None:
                     worker.reserved_tokens -= len(parked.tokens)
@@ -169,7 +175,7 @@ class SessionKV:
     def expire(self) -> None:
         """Let go of sequences parked longer than the session TTL (their session is closed or idle
         past it; a later turn of a live one recomputes)."""
-        cutoff = time.monotonic() - self.config.ttl_s
+        cutoff = self.clock() - self.config.ttl_s
         for parked in [p for p in self.parked.values() if p.parked_at < cutoff and p.seq_id not in self.pinned]:
             self._evict(parked)
 
@@ -184,16 +190,25 @@ class SessionKV:
         """A lost worker took its parked sequences with it."""
         for key in [k for k, p in self.parked.items() if p.worker == identity]:
             del self.parked[key]
+        self._held.pop(identity, None)
 
     # -- eviction ------------------------------------------------------------------------------
 
-    def _evict(self, parked: Parked) -> None:
+    def _unpark(self, parked: Parked) -> None:
         del self.parked[parked.key]
+        self._held[parked.worker] -= len(parked.tokens)
+
+    def _evict(self, parked: Parked) -> None:
+        self._unpark(parked)
         worker = self.pool.workers.get(parked.worker)
         if worker is not None:
             worker.reserved_tokens -= len(parked.tokens)
             self._free(parked.worker, parked.seq_id)
         log.debug("sessions.evicted", session=parked.key, tokens=len(parked.tokens))
+
+    def evict_lru(self) -> bool:
+        """Free the least recently parked sequence that no placed fork waits for; False: none to free."""
+        return self._evict_lru(exclude=self.pinned)
 
     def _evict_lru(self, exclude: set[int], worker: bytes | None = None) -> bool:
         """Free the least recently parked sequence (on ``worker`` when given); False: none to free."""

@@ -109,7 +109,7 @@ class Store:
     # -- Evergreen node graphs -------------------------------------------------------------
 
     def evergreen_put(self, session_id: str, fragments: list[tuple[str, int, bytes]]) -> None:
-        """Store fragments; the first one stored for a (node, seq) is kept, as the seed requires."""
+        """Store fragments; the first one stored for a (node, seq) is kept, as the Evergreen spec requires."""
         with transaction(self.conn):
             self.conn.executemany(
                 "INSERT OR IGNORE INTO evergreen_fragments (session_id, node_id, seq, fragment) VALUES (?,?,?,?)",

@@ -1,4 +1,4 @@
-"""Salience sessions (seed 002) in SQLite: token lists, images, idle TTL and the one-turn-at-a-time lease.
+"""Salience sessions (salience.proto) in SQLite: token lists, images, idle TTL and the one-turn-at-a-time lease.
 
 A session row holds its tokens (a uint32 array blob), the session it was forked from, when it was
 last used, and the lease of the Generate running on it (if any). Images live in their own table,

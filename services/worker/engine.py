@@ -208,6 +208,7 @@ class Engine:
             token_bytes=token_bytes,
             device=loaded.device,
             memory_fraction=settings.limits.kv_memory_fraction,
+            cpu_max_bytes=settings.limits.kv_cpu_max_bytes,
         )
         if ranks is not None:
             num_blocks = ranks.agree(num_blocks)
@@ -237,15 +238,16 @@ class Engine:
     def stats(self) -> dict[str, int | float | str]:
         """Pool and prefix-cache figures. Blocks: ``total`` usable, ``free`` (unreferenced, empty),
         ``cached`` (unreferenced, holding a reusable prefix; evicted least recently used first when
-        the free ones run out), the rest referenced by live sequences. ``kv_free_tokens`` counts
-        what allocations can still take (free and cached blocks). The hit rate is the share of fed
-        tokens whose KV came from the cache."""
+        the free ones run out), the rest referenced by live sequences; ``kv_*_tokens`` count the
+        same three in tokens. The hit rate is the share of fed tokens whose KV came from the cache."""
         tables, allocator = self.tables, self.tables.allocator
         return {
             "backend": self.backend,
             "active_seqs": len(self.seqs),
             "kv_capacity_tokens": tables.capacity_tokens,
-            "kv_free_tokens": tables.free_tokens,
+            "kv_free_tokens": tables.empty_tokens,
+            "kv_cached_tokens": tables.cached_tokens,
+            "kv_used_tokens": tables.capacity_tokens - tables.free_tokens,
             "kv_block_size": tables.block_size,
             "kv_blocks_total": allocator.num_blocks - 1,
             "kv_blocks_free": allocator.num_empty,
@@ -394,8 +396,8 @@ class Engine:
             cached_tokens=forwarded.cached,
             scores=forwarded.scores,
             readouts=forwarded.readouts,
-            kv_free_tokens=self.tables.free_tokens,
-            kv_cached_tokens=allocator.num_cached * self.tables.block_size,
+            kv_free_tokens=self.tables.empty_tokens,
+            kv_cached_tokens=self.tables.cached_tokens,
             blocks_new=blocks_new,
             blocks_gone=blocks_gone,
         )

@@ -184,6 +184,16 @@ class BlockTables:
         """Tokens allocations can still take (cached blocks count: they are evicted on demand)."""
         return self.allocator.num_free * self.block_size
 
+    @property
+    def empty_tokens(self) -> int:
+        """Tokens of the unreferenced blocks that hold nothing reusable."""
+        return self.allocator.num_empty * self.block_size
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens of the unreferenced blocks that still hold a reusable prefix (taken when empty ones run out)."""
+        return self.allocator.num_cached * self.block_size
+
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []
         return copies
@@ -357,10 +367,13 @@ def plan_num_blocks(
     token_bytes: int,
     device: torch.device,
     memory_fraction: float | None = None,
+    cpu_max_bytes: int | None = None,
     block_size: int = BLOCK_SIZE,
 ) -> int:
     """Blocks for ``max_batch_size`` sequences of ``max_model_len`` tokens, capped by
-    ``memory_fraction`` of the free memory (default: 0.85 of a GPU's, 0.5 of the CPU's available).
+    ``memory_fraction`` of the free memory (default: 0.85 of a GPU's, 0.5 of the CPU's available)
+    and, on the CPU, by ``cpu_max_bytes``: the pool's pages become resident as blocks are first used
+    and stay so, so a pool sized by free RAM alone grows the worker with traffic up to that size.
 
     Raises RuntimeError when memory cannot hold even one sequence of ``max_model_len`` tokens.
     """
@@ -369,6 +382,8 @@ def plan_num_blocks(
         free = torch.cuda.mem_get_info(device)[0] * (memory_fraction or KV_MEMORY_FRACTION_CUDA)
     else:
         free = psutil.virtual_memory().available * (memory_fraction or KV_MEMORY_FRACTION_CPU)
+        if cpu_max_bytes is not None:
+            free = min(free, cpu_max_bytes)
     affordable = int(free // (token_bytes * block_size))
     minimum = -(-max_model_len // block_size)
     if affordable < minimum:

@@ -23,7 +23,7 @@ from common.protos.evergreen.v2 import evergreen_pb2_grpc as eg_grpc
 from common.protos.salience.v1 import salience_pb2 as pb
 from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
 from services.gateway.app import ROUTER_MODULES
-from tests.gateway.support import gateway_process, generate, parse_sse
+from tests.gateway.support import call_status, gateway_process, generate, parse_sse
 from tests.stack import free_port
 
 TOKEN = "every-surface-token"
@@ -270,7 +270,7 @@ def _rpcs():
             yield method
 
 
-async def _call(channel: grpc.aio.Channel, method, metadata: tuple) -> grpc.StatusCode:
+async def _call(channel: grpc.aio.Channel, method, metadata: tuple) -> tuple[grpc.StatusCode, str]:
     """Call an RPC with an empty request (one empty message on a client stream); its status."""
     path = f"/{method.containing_service.full_name}/{method.name}"
     request = GetMessageClass(method.input_type)()
@@ -283,16 +283,8 @@ async def _call(channel: grpc.aio.Channel, method, metadata: tuple) -> grpc.Stat
     async def one() -> AsyncIterator:
         yield request
 
-    call = stub(one() if method.client_streaming else request, metadata=metadata, timeout=GRPC_TIMEOUT_S)
-    try:
-        if method.server_streaming:
-            async for _ in call:
-                pass
-        else:
-            await call
-    except grpc.aio.AioRpcError as exc:
-        return exc.code(), exc.details()
-    return grpc.StatusCode.OK, ""
+    return await call_status(stub(one() if method.client_streaming else request, metadata=metadata,
+                                  timeout=GRPC_TIMEOUT_S))
 
 
 async def test_every_rpc_of_both_grpc_services_needs_the_token(guarded):

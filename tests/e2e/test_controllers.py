@@ -1,4 +1,4 @@
-"""Controllers end to end (seed 001/004, AICI's REST API): the real five services, the shipped Wasm
+"""Controllers end to end (the AICI runtime protocol and ABI, AICI's REST API): the real five services, the shipped Wasm
 controllers from controllers/wasm/, and one test controller built here from C with the SDK.
 
 Each test talks HTTP (``/v1/controllers``, tags, ``/v1/run`` SSE) or WebSocket to the gateway; what the

@@ -1,4 +1,4 @@
-"""Salience (seed 002) end to end: a grpcio client generated from salience.proto on the real stack.
+"""Salience end to end: a grpcio client generated from salience.proto on the real stack.
 
 Greedy decoding is asked for the proto's way (top_k=1; temperature 0 means the default 1.0) and
 compared with transformers greedy; prompt logprobs and logit-lens readouts are compared with

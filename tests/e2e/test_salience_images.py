@@ -1,4 +1,4 @@
-"""Images over Salience (seed 002) end to end: a real stack serving the tiny random Qwen2-VL, a
+"""Images over Salience end to end: a real stack serving the tiny random Qwen2-VL, a
 grpcio client generated from salience.proto, and transformers' own Qwen2VLForConditionalGeneration
 on the same random weights as the oracle. Also: the default text-only model refuses any image.
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import websockets
 
@@ -66,6 +67,19 @@ def kinds(messages: list[dict[str, Any]]) -> list[str]:
 
 def token_ids(messages: list[dict[str, Any]]) -> list[int]:
     return [m["token_id"] for m in messages if m["type"] == "token"]
+
+
+async def call_status(call: Any) -> tuple[grpc.StatusCode, str]:
+    """A gRPC call's status code and details once it ended (a streaming one read to its end)."""
+    try:
+        if hasattr(call, "__aiter__"):
+            async for _ in call:
+                pass
+        else:
+            await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
 
 
 def parse_sse(body: str) -> list[Any]:

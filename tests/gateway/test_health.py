@@ -5,8 +5,8 @@ from services.gateway.ops import assess
 
 
 def reply(stage: str = "ready", runtime: str = "ok") -> wire.HealthReply:
-    return wire.HealthReply(service="scheduler", ready=stage == "ready" and runtime == "ok",
-                            detail={"worker": {"stage": stage, "message": "loading weights"}, "controller_runtime": runtime})
+    facts = wire.ModelFacts(worker=wire.WorkerStage(stage=stage, message="loading weights"), controller_runtime=runtime)
+    return wire.HealthReply(service="scheduler", ready=stage == "ready" and runtime == "ok", facts=facts)
 
 
 def test_everything_up():

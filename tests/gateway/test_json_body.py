@@ -33,3 +33,14 @@ def test_too_deep_is_a_client_error_naming_the_limit(raw):
 def test_at_the_limit_and_brackets_in_strings_pass():
     assert parse_json("[" * 7 + "]" * 7, 7, "x") == eval("[" * 6 + "[]" + "]" * 6)
     assert parse_json('{"s": "' + "{" * 50 + '"}', 7, "x") == {"s": "{" * 50}
+
+
+@pytest.mark.parametrize("raw", ['{"a": "\\ud800"}', '{"\\udc00": 1}', b'{"a": "\xed\xa0\x80"}', '["x\\uDBFF"]'])
+def test_lone_surrogates_are_not_unicode(raw):
+    with pytest.raises(GatewayError) as caught:
+        parse_json(raw, 7, "the body")
+    assert caught.value.code == INVALID_REQUEST and caught.value.message.startswith("the body is not valid JSON")
+
+
+def test_escaped_surrogate_pairs_and_backslashes_pass():
+    assert parse_json('{"e": "\\ud83d\\ude00", "b": "\\\\ud800"}', 7, "x") == {"e": "😀", "b": "\\ud800"}

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from common.config import Limits, Settings
-from common.model_source import load_tokenizer
+from common.model_source import load_tokenizer, resolve_model
 from services.controller_runtime.constraints import FINISHED, OK, REJECTED, Constraint, ConstraintKind
 from services.controller_runtime.tokenizer import TokenizerInfo
 from services.gateway.openai_api import ChatCompletionRequest
@@ -43,8 +43,8 @@ def chat(**fields) -> ChatCompletionRequest:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    hf = load_tokenizer(Settings())
-    return hf, TokenizerInfo.from_hf(hf)
+    settings = Settings()
+    return load_tokenizer(settings), TokenizerInfo.from_directory(resolve_model(settings).directory)
 
 
 def run_grammar(tokenizer, grammar: str, text: str, eos: bool = True) -> int:

@@ -242,6 +242,7 @@ def test_eviction_under_a_tiny_pool_keeps_greedy_output_and_goes_lru(loaded, lon
     assert drv.generate(2, b, n) == want["b"]
     stats = engine.stats()
     assert (stats["kv_blocks_cached"], stats["kv_blocks_free"]) == (6, 2)
+    assert (stats["kv_cached_tokens"], stats["kv_free_tokens"], stats["kv_used_tokens"]) == (6 * 16, 2 * 16, 0)
     # c needs 5 blocks: the 2 free, then 3 cached ones, a's (released before b's).
     assert drv.generate(3, c, n) == want["c"]
     assert engine.tables.allocator.lookup(block_hash(ROOT_HASH, a[:16])) is None

@@ -15,7 +15,7 @@ CANCEL      ``output`` (a GENERATE's output)   none                             
 TRY_GENERATE is GENERATE with per-action failure reporting, asked for by its ``error`` output: a
 failure of that action ends its output node and writes ``{"status", "message"}``
 (``application/json``) into the ``error`` node instead of aborting the session. Plain GENERATE
-keeps the seed's rule: any failure aborts, and an ``error`` output is an unknown output name.
+keeps the spec's rule: any failure aborts, and an ``error`` output is an unknown output name.
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ class GenerateRun:
 
 
 def target_check(action: eg.Action, served: str) -> None:
-    """An unknown target is NOT_FOUND (the seed's TargetSpec rule)."""
+    """An unknown target is NOT_FOUND (the spec's TargetSpec rule)."""
     target = action.target_spec.id
     if target and target != served:
         raise SessionAbort(grpc.StatusCode.NOT_FOUND, f"{action.name}: target {target!r} not found; this server serves {served!r}")

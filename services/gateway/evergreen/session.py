@@ -247,7 +247,7 @@ class Session:
         else:
             self._advance()
 
-    # -- session management actions (extensions beyond the seed's v1) --------------------
+    # -- session management actions (extensions beyond the spec's v1) --------------------
 
     def _busy(self) -> set[str | None]:
         """Output nodes that actions are still writing."""

@@ -1,4 +1,4 @@
-"""The Salience servicer (seed 002, ``salience.v1``), grpc.aio in the gateway's event loop.
+"""The Salience servicer (salience.proto, ``salience.v1``), grpc.aio in the gateway's event loop.
 
 Sessions live in the session store; Generate turns run through the scheduler like every other
 surface (see :mod:`services.gateway.salience.turn`). Auth (``sessions.auth_token``, or the ``api_auth``
@@ -16,11 +16,12 @@ import grpc
 import structlog
 import zmq.asyncio
 
+from common import wire
 from common.protos.salience.v1 import salience_pb2 as pb
 from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
 from common.errors import INVALID_REQUEST, TillerError
 from services.gateway.deps import Gateway
-from services.gateway.scheduler_client import HEALTH_MAX_AGE_S
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, facts_of
 from services.gateway.grpc_requests import Malformed, add_servicer, client_address
 from services.gateway.salience.images import ImageSupport
 from services.gateway.salience.store import SessionStoreClient, SessionStoreError
@@ -65,9 +66,9 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         self.store = store
         self.images = images
 
-    async def _facts(self) -> dict[str, Any]:
+    async def _facts(self) -> wire.ModelFacts:
         try:
-            return (await self.gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)).detail
+            return facts_of(await self.gw.scheduler.health(max_age=HEALTH_MAX_AGE_S))
         except TillerError as exc:
             raise Abort(grpc.StatusCode.UNAVAILABLE, exc.message) from None
 
@@ -79,7 +80,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         facts = await self._facts()
         session = await self.store.open(request.model)
         log.info("salience.session_opened", session_id=session.session_id)
-        max_len = int(facts.get("max_model_len") or self.gw.settings.limits.max_model_len)
+        max_len = facts.max_model_len or self.gw.settings.limits.max_model_len
         return pb.OpenSessionResponse(session_id=session.session_id, max_model_len=max_len)
 
     @unary
@@ -102,9 +103,9 @@ class SalienceServicer(pb_grpc.SalienceServicer):
     async def GetReadoutManifest(self, request: pb.GetReadoutManifestRequest, context: grpc.aio.ServicerContext) -> pb.ReadoutManifest:  # noqa: N802
         facts = await self._facts()
         return pb.ReadoutManifest(
-            concepts=facts.get("readout_concepts") or [],
-            layers=facts.get("readout_layers") or [],
-            hidden_size=int(facts.get("hidden_size") or 0),
+            concepts=facts.readout_concepts,
+            layers=facts.readout_layers,
+            hidden_size=facts.hidden_size,
             dtype="float32",
         )
 

@@ -33,7 +33,7 @@ from common.protos.salience.v1 import salience_pb2 as pb
 from services.gateway.admission import Admission
 from services.gateway.deps import Gateway, new_request_id
 from services.gateway.driver import STALL_GRACE_S
-from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, worker_stage
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, facts_of, worker_stage
 from services.gateway.salience.decoded import DecodedTokens, covers, readout_values
 from services.gateway.salience.images import ImageError, ImageSupport, check_unattached, prepare_images
 from services.gateway.salience.store import SessionStoreClient, SessionStoreError
@@ -108,9 +108,9 @@ class Turn:
     async def _run(self) -> AsyncIterator[pb.GenerateEvent]:
         req = self.request
         health = await self._ready()
-        facts = health.detail
-        max_len = int(facts.get("max_model_len") or self.gw.settings.limits.max_model_len)
-        self._validate(int(facts.get("vocab_size") or 0), max_len)
+        facts = facts_of(health)
+        max_len = facts.max_model_len or self.gw.settings.limits.max_model_len
+        self._validate(facts.vocab_size, max_len)
         try:
             self._admission.admit(self._admission.written_tokens(req.append_tokens), "append_tokens")
         except TillerError as exc:
@@ -145,9 +145,9 @@ class Turn:
         except TillerError as exc:
             raise Abort(grpc.StatusCode.UNAVAILABLE, exc.message) from None
         stage = worker_stage(health)
-        if stage.get("stage") != "ready":
-            raise Abort(grpc.StatusCode.UNAVAILABLE, f"the model is not ready ({stage.get('stage')}): "
-                                                     f"{stage.get('message') or 'retry shortly'}")
+        if stage.stage != "ready":
+            raise Abort(grpc.StatusCode.UNAVAILABLE, f"the model is not ready ({stage.stage}): "
+                                                     f"{stage.message or 'retry shortly'}")
         return health
 
     def _params(self) -> dict[str, object]:
