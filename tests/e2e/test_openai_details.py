@@ -79,3 +79,25 @@ async def test_every_refused_request_is_counted(stack):
         after = (await http.get("/metrics")).text
     counts = {s: refused(after, s) - refused(before, s) for s in ("openai", "rest", "websocket", "salience")}
     assert counts == {"openai": 2, "rest": 1, "websocket": 1, "salience": 1}
+
+
+@pytest.mark.parametrize(("route", "body"), [("completions", {"prompt": PROMPT}),
+                                             ("chat/completions", {"messages": [{"role": "user", "content": PROMPT}]})])
+def test_streams_read_as_vllm_bench_serve_reads_them(stack, route, body):
+    """``vllm bench serve``'s OpenAI backends: ``data: `` lines of JSON, every chunk with choices until a last one
+    with ``usage`` and no choices (``stream_options.include_usage``), then ``data: [DONE]``; with ``ignore_eos``
+    the usage counts exactly ``max_tokens``."""
+    payload = {"model": stack.settings.served_model_name, **body, "max_tokens": 12, "temperature": 0,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=stack.http_url, timeout=120) as http:
+        with http.stream("POST", f"/v1/{route}", json=payload) as response:
+            assert response.status_code == 200
+            lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    *deltas, last = chunks
+    assert all(c["choices"] and c.get("usage") is None for c in deltas)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 12
+    assert last["usage"]["prompt_tokens"] > 0
+    texts = [c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or "" for c in deltas]
+    assert "".join(texts).strip()
