@@ -164,7 +164,7 @@ class Engine:
             )
             self.cache = cache
             self.tables = cache.tables
-            runner = PagedLlama(loaded.model, cache, loaded.max_model_len)
+            runner = PagedLlama(loaded.model, cache, loaded.max_model_len, loaded.linears)
             if cuda_graph_batch > 0 and loaded.device.type == "cuda":
                 runner.enable_cuda_graphs(cuda_graph_batch, -(-loaded.max_model_len // cache.tables.block_size))
             if readouts is not None:

@@ -18,7 +18,7 @@ GREEDY = SamplingParams(temperature=0)
 
 @pytest.fixture(scope="session")
 def worker_settings() -> Settings:
-    return Settings(device="cpu")
+    return Settings(device="cpu", weights="fp32")  # dense: what transformers, the oracle, runs
 
 
 @pytest.fixture(scope="session")
