@@ -32,6 +32,17 @@ def tokenizer(worker_settings: Settings):
 
 
 @pytest.fixture(scope="session")
+def prompts(tokenizer) -> list[list[int]]:
+    """The greedy-parity prompts: plain text, code, and a chat turn."""
+    chat = [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]
+    return [
+        tokenizer("The quick brown fox").input_ids,
+        tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n").input_ids,
+        tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False),
+    ]
+
+
+@pytest.fixture(scope="session")
 def engine(loaded: LoadedModel) -> Engine:
     """A shared engine (tests use distinct sequence ids and free what they start)."""
     return Engine(loaded, num_blocks=256)

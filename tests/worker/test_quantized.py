@@ -104,16 +104,6 @@ def test_weights_setting_resolution() -> None:
         weights_mode("gguf", "cpu", has_gguf=False, pretrained=True)
 
 
-@pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[list[int]]:
-    chat = [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]
-    return [
-        tokenizer("The quick brown fox").input_ids,
-        tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n").input_ids,
-        tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False),
-    ]
-
-
 def _top2_gap(model, ids: list[int]) -> float:
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0, -1]
