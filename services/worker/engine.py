@@ -229,6 +229,7 @@ class Engine:
         tables, allocator = self.tables, self.tables.allocator
         return {
             "backend": self.backend,
+            "weights": self.loaded.weights,
             "active_seqs": len(self.seqs),
             "kv_capacity_tokens": tables.capacity_tokens,
             "kv_free_tokens": tables.free_tokens,
