@@ -1,12 +1,14 @@
 # Tiller: `make up` starts the whole stack on the default model, `make test` runs the test suite.
-# Both create .venv and install what they need on first use.
+# Both create .venv and install what they need on first use; `make test` also installs clang + lld for the
+# tests that compile Wasm controllers when it can (root or passwordless sudo, apt-get), else they skip.
+# TILLER_INSTALL_TOOLCHAIN=no never installs them.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tiller-installed
 
-.PHONY: install up down status test test-fast bench logs clean controllers
+.PHONY: install toolchain up down status test bench logs clean controllers
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,7 +29,10 @@ down:
 status:
 	$(VENV)/bin/tiller status
 
-test: install
+toolchain:
+	@deploy/ensure_toolchain.sh
+
+test: install toolchain
 	$(PY) -m pytest -x -q
 
 bench: install
@@ -37,8 +42,8 @@ bench: install
 controllers: install
 	$(PY) controllers/build.py
 
-logs:
-	tail -n 50 run/logs/*.log
+logs: install
+	$(VENV)/bin/tiller logs
 
 clean: down
-	rm -rf run
+	rm -rf "$${TILLER_RUN_DIR:-run}"

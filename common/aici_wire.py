@@ -1,4 +1,4 @@
-"""The controller runtime's channels, in the JSON shapes of seed 001, carried as msgpack.
+"""The controller runtime's channels, in the JSON shapes of the AICI runtime protocol, carried as msgpack.
 
 Requests carry ``op``; replies are ``{"type": "ok" | "error", "data": ...}``. The main channel is
 step-synchronous (one request outstanding); the side channel is asynchronous and every request and
@@ -89,6 +89,43 @@ class MidBranch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_d
 
 
 MidProcessResult = Union[Literal["Stop"], MidBranch]
+
+
+# -- main-channel replies: an ok reply's ``data`` -------------------------------------------------
+
+class SeqOutcome(msgspec.Struct, kw_only=True):
+    """One sequence's callback in a reply: its ``result`` or ``error``, and what it printed, stored, cost."""
+
+    error: str = ""
+    logs: str = ""
+    storage: list[Any] = []
+    micros: int = 0
+
+
+class PostOutcome(SeqOutcome):
+    result: PostProcessResult | None = None
+
+
+class PreOutcome(SeqOutcome):
+    result: PreProcessResult | None = None
+
+
+class MidOutcome(SeqOutcome):
+    result: MidProcessResult | None = None  # None samples, as SampleWithBias does
+
+
+class PostPreProcessReply(msgspec.Struct, kw_only=True):
+    """Per sequence id (as a string): post_process of the post_ops, pre_process of every bound sequence."""
+
+    post_seqs: dict[str, PostOutcome] = {}
+    pre_seqs: dict[str, PreOutcome] = {}
+
+
+class MidProcessReply(msgspec.Struct, kw_only=True):
+    """Per sequence id (as a string); the mask rows follow in the reply's binary frame."""
+
+    seqs: dict[str, MidOutcome] = {}
+    num_seqs: int = 0
 
 _main_decoder = msgspec.msgpack.Decoder(MainRequest)
 _encoder = msgspec.msgpack.Encoder()

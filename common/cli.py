@@ -1,4 +1,5 @@
-"""``tiller up | down | status``: run the five services under supervisord and wait until they serve."""
+"""``tiller up | down | status``: run the five services under supervisord and wait until they serve
+(the operations on a running stack and the model cache are in :mod:`common.cli_ops`)."""
 
 from __future__ import annotations
 
@@ -8,98 +9,107 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
-from common.config import Settings, get_settings
+from pydantic import ValidationError
+
+from common import cli_ops, wire
+from common.config import Distributed, Settings, get_settings
 from common.sockets import probe_health
+from common.startup_checks import busy_ports, gateway_answer, judge_gateway
+from common.supervisor import (
+    SERVICES,
+    program_states,
+    program_status,
+    supervisor_env,
+    supervisorctl,
+    write_conf,
+)
 
-HOME = Path(__file__).resolve().parents[1]
-SUPERVISOR_CONF = HOME / "deploy" / "supervisord.conf"
-SERVICES = ("session_store", "controller_runtime", "scheduler", "worker", "gateway")
-
-
-def _supervisor_env(settings: Settings, foreground: bool, base: dict[str, str] | None = None) -> dict[str, str]:
-    """``base`` (default: this process's environment) plus what deploy/supervisord.conf expands."""
-    run_dir = settings.run_dir.resolve()
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ if base is None else base)
-    env.update(
-        TILLER_RUN_DIR=str(run_dir),
-        TILLER_HOME=str(HOME),
-        TILLER_PYTHON=sys.executable,
-        TILLER_FOREGROUND="true" if foreground else "false",
-        PYTHONUNBUFFERED="1",
-    )
-    return env
+__all__ = ["main", "supervisorctl"]
 
 
-def supervisorctl(
-    settings: Settings, *args: str, base_env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "supervisor.supervisorctl", "-c", str(SUPERVISOR_CONF), *args],
-        env=_supervisor_env(settings, False, base_env),
-        capture_output=True,
-        text=True,
-    )
+def worker(settings: Settings, scheduler: str) -> int:
+    """``tiller worker``: one worker in the foreground, joining the scheduler at ``scheduler``
+    (its worker endpoint, e.g. tcp://host-a:5557)."""
+    env = dict(os.environ, TILLER_WORKER_ENDPOINT=scheduler or settings.endpoint("worker"), PYTHONUNBUFFERED="1")
+    print(f"Worker joining the scheduler at {env['TILLER_WORKER_ENDPOINT']} (model {settings.model}) ...", flush=True)
+    os.execve(sys.executable, [sys.executable, "-m", "services.worker"], env)
+    return 1  # not reached
 
 
-def _program_states(settings: Settings) -> dict[str, str]:
-    out = supervisorctl(settings, "status").stdout
-    states = {}
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) >= 2 and parts[0].startswith("tiller:"):
-            states[parts[0].split(":", 1)[1]] = parts[1]
-    return states
+def _add_worker_commands(sub: argparse._SubParsersAction, up_parser: argparse.ArgumentParser) -> None:
+    up_parser.add_argument("--workers", type=int, default=None, metavar="N",
+                           help="local workers to start (default distributed.local_workers, 1; 0: only remote ones)")
+    worker_parser = sub.add_parser("worker", help="run one worker here that joins a scheduler, in the foreground")
+    worker_parser.add_argument("--scheduler", default="", metavar="tcp://HOST:PORT",
+                               help="the scheduler's worker endpoint (default: TILLER_WORKER_ENDPOINT)")
+    for parser in (up_parser, worker_parser):
+        parser.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                            help="ranks per worker, one per GPU (gloo on the CPU)")
 
 
-def _gateway_ready(settings: Settings) -> bool:
-    url = f"http://{settings.http_host}:{settings.http_port}/health"
+def _with_worker_arguments(settings: Settings, args: argparse.Namespace) -> Settings:
+    """``settings`` with ``--workers`` and ``--tensor-parallel`` applied, and exported to the
+    services that ``tiller up`` starts."""
+    given = {"local_workers": getattr(args, "workers", None), "tensor_parallel": args.tensor_parallel}
+    given = {name: value for name, value in given.items() if value is not None}
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+        distributed = Distributed.model_validate({**settings.distributed.model_dump(), **given})
+    except ValidationError as exc:
+        raise SystemExit(f"tiller: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
+    for name, value in given.items():
+        os.environ[f"TILLER_DISTRIBUTED__{name.upper()}"] = str(value)
+    return settings.model_copy(update={"distributed": distributed})
+
+
 
 
 async def _wait_ready(settings: Settings) -> tuple[bool, str]:
-    """Wait for every service: the zmq ones answer Health, the gateway answers /health with 200."""
+    """Wait for every service: the zmq ones answer Health, the gateway this start launched (its pid)
+    answers /health with 200."""
     deadline = time.monotonic() + settings.ready_timeout_s
     last_note = ""
     while time.monotonic() < deadline:
-        states = _program_states(settings)
+        programs = program_status(settings)
+        states = {name: state for name, (state, _, _) in programs.items()}
         broken = [name for name, state in states.items() if state in ("FATAL", "BACKOFF", "EXITED")]
         if broken:
             return False, f"service(s) failed to start: {', '.join(broken)} (see {settings.run_dir}/logs/)"
         store = await probe_health(settings.endpoint("session_store"), timeout=1.0)
         scheduler = await probe_health(settings.endpoint("scheduler"), timeout=2.0)
         if scheduler is not None:
-            worker = scheduler.detail.get("worker", {})
-            if worker.get("stage") == "failed":
-                return False, f"the worker failed to load the model: {worker.get('message')}"
-            note = f"worker: {worker.get('stage')} {worker.get('progress', 0)}% {worker.get('message', '')}".strip()
+            worker = (scheduler.facts or wire.ModelFacts()).worker
+            if worker.stage == "failed":
+                return False, f"the worker failed to load the model: {worker.message}"
+            note = f"worker: {worker.stage} {worker.progress}% {worker.message}".strip()
             if note != last_note:
                 print(f"  {note}", flush=True)
                 last_note = note
-        if store and store.ready and scheduler and scheduler.ready and _gateway_ready(settings):
+        gateway_pid = programs.get("gateway", ("", None, ""))[1]
+        gateway_ready, fatal = judge_gateway(gateway_answer(settings), gateway_pid, settings)
+        if fatal:
+            return False, fatal
+        if store and store.ready and scheduler and scheduler.ready and gateway_ready:
             return True, ""
         await asyncio.sleep(0.5)
     return False, f"not ready after {settings.ready_timeout_s:.0f} s (see {settings.run_dir}/logs/)"
 
 
 def up(settings: Settings, foreground: bool = False) -> int:
-    if foreground:
-        os.execve(sys.executable, [sys.executable, "-m", "supervisor.supervisord", "-c", str(SUPERVISOR_CONF)],
-                  _supervisor_env(settings, True))
-    if _program_states(settings):
+    if program_states(settings):
         print("Tiller is already running here; `tiller down` first.", file=sys.stderr)
         return 1
+    busy = busy_ports(settings)
+    if busy:
+        print("Tiller cannot start: " + "; ".join(f"{p.describe()} is in use" for p in busy)
+              + " (stop what holds it or move Tiller with that variable)", file=sys.stderr)
+        return 1
+    conf = write_conf(settings, foreground)
+    if foreground:
+        os.execve(sys.executable, [sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)],
+                  supervisor_env(settings, True))
     started = subprocess.run(
-        [sys.executable, "-m", "supervisor.supervisord", "-c", str(SUPERVISOR_CONF)],
-        env=_supervisor_env(settings, False),
+        [sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)], env=supervisor_env(settings, False)
     )
     if started.returncode != 0:
         print("supervisord did not start", file=sys.stderr)
@@ -117,7 +127,8 @@ def up(settings: Settings, foreground: bool = False) -> int:
         f"  OpenAI API  http://{host}:{settings.http_port}/v1\n"
         f"  health      http://{host}:{settings.http_port}/health\n"
         f"  gRPC        {host}:{settings.grpc_port}\n"
-        f"  logs        {settings.run_dir.resolve()}/logs/\n"
+        f"  logs        {settings.run_dir.resolve()}/logs/ (`tiller logs [SERVICE]`)\n"
+        f"  supervisor  supervisorctl -c {conf} status\n"
         "Stop it with `make down` (or `tiller down`).",
         flush=True,
     )
@@ -125,7 +136,7 @@ def up(settings: Settings, foreground: bool = False) -> int:
 
 
 def down(settings: Settings) -> int:
-    if not _program_states(settings):
+    if not program_states(settings):
         print("Tiller is not running here.")
         return 0
     supervisorctl(settings, "shutdown")
@@ -139,7 +150,7 @@ def down(settings: Settings) -> int:
 
 
 def status(settings: Settings) -> int:
-    states = _program_states(settings)
+    states = program_states(settings)
     if not states:
         print("Tiller is not running here.")
         return 1
@@ -155,10 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     up_parser.add_argument("--foreground", action="store_true", help="run supervisord in the foreground (containers)")
     sub.add_parser("down", help="stop every service")
     sub.add_parser("status", help="show each service's state")
+    _add_worker_commands(sub, up_parser)
+    cli_ops.add_commands(sub)
     args = parser.parse_args(argv)
     settings = get_settings()
+    if args.command == "worker":
+        return worker(_with_worker_arguments(settings, args), args.scheduler)
+    if args.command in cli_ops.COMMANDS:
+        return cli_ops.run(args, settings)
     if args.command == "up":
-        return up(settings, args.foreground)
+        return up(_with_worker_arguments(settings, args), args.foreground)
     if args.command == "down":
         return down(settings)
     return status(settings)

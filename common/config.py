@@ -42,16 +42,26 @@ class Limits(BaseModel):
     max_choices: int = Field(64, ge=1, description="choices one OpenAI request may ask for (prompts x n)")
     max_ws_message_bytes: int = Field(1 << 20, ge=1024, description="largest WebSocket frame accepted")
     max_http_body_bytes: int = Field(4 << 20, ge=1024)
+    max_json_depth: int = Field(64, ge=2, le=512, description="deepest nesting of arrays and objects in a JSON "
+                                "request body or WebSocket message; deeper ones are refused with invalid_request")
     request_timeout_s: float = Field(600.0, gt=0, description="a generation running longer ends with timeout")
     rate_limit_per_minute: int = Field(0, ge=0, description="requests per client address; 0 disables")
     worker_step_timeout_s: float = Field(60.0, gt=0)
-    gateway_heartbeat_s: float = Field(1.0, gt=0, description="a gateway with live requests tells the scheduler "
-                                       "it is alive this often")
+    gateway_heartbeat_s: float = Field(1.0, gt=0, description="a gateway tells the scheduler (and the session store "
+                                       "while it holds Salience leases or Evergreen sessions) it is alive this often")
+    peer_suspect_grace_s: float = Field(1.0, gt=0, description="after the connection to a peer holding our work "
+                                        "drops, how long it has to answer again before that work is failed")
+    peer_silence_s: float = Field(5.0, gt=0, description="a peer holding our work that does not answer heartbeats "
+                                  "this long is taken for dead and that work is failed")
     gateway_silence_s: float = Field(10.0, gt=0, description="the scheduler cancels the requests of a gateway "
                                      "that sent heartbeats and then stayed silent this long (it died)")
     kv_memory_fraction: float | None = Field(
         None, gt=0, le=1, description="share of the memory free after loading the model that the KV pool takes "
         "(default 0.85 on a GPU, 0.5 of available RAM on the CPU)"
+    )
+    kv_cpu_max_bytes: int = Field(
+        1 << 30, ge=1 << 20, description="the most the KV pool takes on the CPU (1 GiB: 23,296 tokens of the "
+        "default model in fp32, beside other programs on a laptop); the GPU pool is sized by kv_memory_fraction alone"
     )
     cuda_graphs: bool = Field(True, description="replay decode steps from CUDA graphs on a GPU")
     content_filter_patterns: list[str] = Field(
@@ -70,7 +80,7 @@ class Images(BaseModel):
 
 
 class Sessions(BaseModel):
-    """Salience stateful sessions (seed 002): lifetime, auth, KV kept between turns, readouts."""
+    """Salience stateful sessions (salience.proto): lifetime, auth, KV kept between turns, readouts."""
 
     ttl_s: float = Field(1800.0, gt=0, description="a session idle this long is evicted (any call refreshes it)")
     auth_token: str = Field("", description="bearer token every Salience RPC must carry ('': no auth)")
@@ -81,7 +91,8 @@ class Sessions(BaseModel):
         0.5, ge=0, le=1, description="share of a worker's KV pool idle sessions may hold; live requests evict them first"
     )
     busy_lease_s: float = Field(
-        900.0, gt=0, description="a Generate whose gateway vanished releases its session after this long"
+        5.0, gt=0, description="a Generate's hold on its session, renewed by its gateway's heartbeats: a session "
+        "whose gateway died is free again after this long"
     )
     readout_concepts: list[str] = Field(
         default_factory=lambda: ["yes", "no", "good", "bad", "happy", "sad", "true", "false"],
@@ -96,7 +107,7 @@ class Sessions(BaseModel):
 
 
 class Evergreen(BaseModel):
-    """Limits and external-ref policy of the Evergreen gRPC service (seed 000)."""
+    """Limits and external-ref policy of the Evergreen gRPC service."""
 
     max_nesting_depth: int = Field(64, ge=1, description="longest parent-to-leaf path in a session's node graph")
     max_session_nodes: int = Field(100_000, ge=1, description="nodes one session may hold")
@@ -127,6 +138,11 @@ class Controllers(BaseModel):
     max_log_bytes: int = Field(64 << 10, ge=1024, description="captured stdout/stderr kept per call")
     max_module_bytes: int = Field(64 << 20, ge=1024, description="largest Wasm module mk_module accepts")
     pending_ttl_s: float = Field(600.0, gt=0, description="an instantiated controller never bound to a sequence is dropped after this")
+    user_cpu_share: float = Field(0.5, ge=0, description="controller CPU seconds per second one user's controllers may "
+                                  "take on average (every call is charged to its user, deadline overruns included; "
+                                  "0: no limit)")
+    user_cpu_burst_s: float = Field(5.0, gt=0, description="controller CPU seconds one user may take in a burst")
+    max_controlled_per_user: int = Field(64, ge=1, description="controlled requests one user may have live at once")
     module_dir: Path | None = Field(None, description="modules, compiled cache and tags (default: <run_dir>/controllers)")
     native: dict[str, str] = Field(
         default_factory=lambda: {"constrained": "controllers.native.constrained:ConstrainedController"},
@@ -159,6 +175,22 @@ class ApiAuth(BaseModel):
     )
     default_user: str = Field("localhost", description="the user when no token is configured and the header is absent")
     admins: list[str] = Field(default_factory=lambda: ["localhost"], description="users who may set any tag")
+
+
+class Distributed(BaseModel):
+    """A worker spread over several ranks (tensor parallel on torch.distributed)."""
+
+    tensor_parallel: int = Field(1, ge=1, description="ranks of one worker, each holding a shard of every layer "
+                                 "and of the KV cache (one per GPU; gloo on the CPU); rank 0 talks to the scheduler")
+    port: int = Field(0, ge=0, le=65535, description="the ranks' rendezvous port on 127.0.0.1 (0: any free port)")
+    local_workers: int = Field(1, ge=0, description="workers `tiller up` starts on this host (0: only workers "
+                               "that join from elsewhere; on the CPU the cores are split between them)")
+    placement_balance: int = Field(8, ge=0, description="a worker whose prefix cache holds a new prompt's leading "
+                                   "blocks gets it unless it runs more than this many sequences beyond the least loaded")
+    heartbeat_s: float = Field(1.0, gt=0, description="the scheduler and its workers ping each other's connection "
+                               "this often (ZeroMQ heartbeats, answered even while a worker computes a step)")
+    heartbeat_timeout_s: float = Field(5.0, gt=0, description="a worker connection silent this long is dropped: a "
+                                       "host that vanished without closing its TCP connections is noticed")
 
 
 class Settings(BaseSettings):
@@ -218,6 +250,7 @@ class Settings(BaseSettings):
     sessions: Sessions = Field(default_factory=Sessions)
     controllers: Controllers = Field(default_factory=Controllers)
     api_auth: ApiAuth = Field(default_factory=ApiAuth)
+    distributed: Distributed = Field(default_factory=Distributed)
     log_level: str = "info"
     ready_timeout_s: float = Field(600.0, description="how long `tiller up` waits for every service")
 

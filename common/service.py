@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -20,7 +21,9 @@ def run_service(name: str, factory: Callable[[Settings], Service]) -> None:
     configure_logging(name, settings.log_level)
 
     async def main() -> None:
-        await factory(settings).run()
+        service = factory(settings)
+        release_freed_memory()
+        await service.run()
 
     try:  # uvloop's event loop cuts the per-message overhead of every hop (pyzmq supports it)
         import uvloop
@@ -28,3 +31,14 @@ def run_service(name: str, factory: Callable[[Settings], Service]) -> None:
         asyncio.run(main())
     else:
         uvloop.run(main())
+
+
+def release_freed_memory() -> None:
+    """Give the heap memory freed while starting (tokenizer files parsed, vocabulary tables built) back
+    to the OS: glibc's allocator keeps it otherwise, and it counts in the process's RSS for good (30-40
+    MB in a process holding a tokenizer). Does nothing where the C library has no ``malloc_trim``."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        return
+    trim(0)

@@ -26,6 +26,10 @@ Frames = Sequence[bytes | memoryview]
 _ZERO_COPY_MIN = 64 * 1024
 
 
+class PeerLost(Exception):
+    """A request's peer died or restarted before it replied (:meth:`Dealer.abandon`)."""
+
+
 def ensure_ipc_dir(endpoint: str) -> None:
     if endpoint.startswith("ipc://"):
         Path(endpoint[len("ipc://") :]).parent.mkdir(parents=True, exist_ok=True)
@@ -49,6 +53,15 @@ def bind(sock: zmq.Socket, endpoint: str) -> None:
     sock.bind(bind_address(endpoint))
 
 
+def heartbeat(sock: zmq.Socket, interval_s: float, timeout_s: float) -> None:
+    """ZeroMQ heartbeats on ``sock``'s connections: a peer whose host vanished (no FIN, no RST)
+    is disconnected after ``timeout_s`` instead of never. Set before bind or connect (a bound
+    socket's listener copies the options it had when it was bound)."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(interval_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, int(timeout_s * 1000))
+
+
 def _copy_flag(frames: Frames) -> bool:
     return all(len(f) < _ZERO_COPY_MIN for f in frames)
 
@@ -56,12 +69,22 @@ def _copy_flag(frames: Frames) -> bool:
 class Router:
     """A bound ROUTER socket: receive validated messages from many peers, reply to any of them."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, max_msg_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        *,
+        max_msg_bytes: int = 256 << 20,
+        heartbeat_s: tuple[float, float] | None = None,
+    ) -> None:
+        """``heartbeat_s``: (interval, timeout) of ZeroMQ heartbeats on every peer's connection."""
         self.endpoint = endpoint
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if heartbeat_s is not None:
+            heartbeat(self.sock, *heartbeat_s)
         bind(self.sock, endpoint)
 
     async def recv(self) -> tuple[bytes, wire.Message, list[bytes]]:
@@ -151,11 +174,17 @@ class Dealer:
         future: asyncio.Future[tuple[wire.Message, list[bytes]]] = asyncio.get_running_loop().create_future()
         self._pending[msg.mid] = future
         try:
-            await self.send(msg, binary)
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout):  # the send too: it waits while the peer's queue is full
+                await self.send(msg, binary)
                 return await future
         finally:
             self._pending.pop(msg.mid, None)
+
+    def abandon(self, reason: str) -> None:
+        """Fail every request still waiting for its reply with :class:`PeerLost`: the peer that had them died."""
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(PeerLost(reason))
 
     def close(self) -> None:
         if self._reader is not None:

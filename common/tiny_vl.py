@@ -84,10 +84,14 @@ def _config(vocab_size: int, token_ids: dict[str, int], eos: int | None) -> dict
     return data
 
 
+def cache_name() -> str:
+    return f"{NAME}-v{VERSION}"
+
+
 def prepare(cache_dir: Path, base_tokenizer_dir: Path) -> Path:
     """Write (once) and return the tiny Qwen2-VL directory; ``base_tokenizer_dir`` holds the
     SmolLM2 tokenizer it extends."""
-    target = cache_dir / f"{NAME}-v{VERSION}"
+    target = cache_dir / cache_name()
     target.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if (target / "config.json").is_file():

@@ -6,17 +6,25 @@ same image bytes into the pixel values its encoder takes. Both read the served m
 so they agree. Only transformers' Qwen2-VL family layout (``vision_start_token_id``,
 ``image_token_id``, a processor returning ``image_grid_thw``) is understood; any other model is
 treated as text-only.
+
+The facts come from the model's JSON files; the image processor is loaded on the first image.
+transformers' image modules import torch whenever it is installed (even for the PIL backend), and
+only the worker should carry torch: a gateway serving a text-only model never loads it, and one
+serving a vision-language model loads it with its first image.
 """
 
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Model types whose forward the worker's vision runner drives (3D rotary positions, encoder
 # features scattered over the pad tokens).
@@ -46,28 +54,36 @@ class VisionSpec:
     vision_end_id: int
     image_pad_id: int
     merge_size: int
-    processor: Any  # transformers' image processor (PIL backend) for this model
+    directory: Path  # where the model's image processor config lies
     max_pixels: int  # larger images are refused before decoding (settings.images.max_image_pixels)
 
     @classmethod
-    def load(cls, directory: Path, config: Any, max_pixels: int) -> VisionSpec | None:
-        """The spec of the model in ``directory`` (``config``: its transformers config), or None when
-        the model is text-only or of a vision-language family the server does not drive."""
-        if getattr(config, "vision_config", None) is None or config.model_type not in VL_MODEL_TYPES:
+    def load(cls, directory: Path, max_pixels: int) -> VisionSpec | None:
+        """The spec of the model in ``directory``, or None when the model is text-only or of a
+        vision-language family the server does not drive."""
+        config = read_model_config(directory)
+        vision = config.get("vision_config")
+        if vision is None or config.get("model_type") not in VL_MODEL_TYPES:
             return None
+        preprocessor = directory / "preprocessor_config.json"
+        image_config = json.loads(preprocessor.read_text()) if preprocessor.is_file() else {}
+        return cls(
+            model_type=config["model_type"],
+            vision_start_id=int(config["vision_start_token_id"]),
+            vision_end_id=int(config["vision_end_token_id"]),
+            image_pad_id=int(config["image_token_id"]),
+            merge_size=int(image_config.get("merge_size", vision.get("spatial_merge_size", 2))),
+            directory=directory,
+            max_pixels=max_pixels,
+        )
+
+    @cached_property
+    def processor(self) -> Any:
+        """transformers' image processor (PIL backend) for this model; the first use imports torch."""
         from transformers import AutoImageProcessor
 
         # The PIL backend: the torchvision one does not import beside the CPU build of torch.
-        processor = AutoImageProcessor.from_pretrained(directory, backend="pil")
-        return cls(
-            model_type=config.model_type,
-            vision_start_id=int(config.vision_start_token_id),
-            vision_end_id=int(config.vision_end_token_id),
-            image_pad_id=int(config.image_token_id),
-            merge_size=int(processor.merge_size),
-            processor=processor,
-            max_pixels=max_pixels,
-        )
+        return AutoImageProcessor.from_pretrained(self.directory, backend="pil")
 
     def decode(self, data: bytes) -> Any:
         return decode_image(data, self.max_pixels)
@@ -124,3 +140,8 @@ def decode_image(data: bytes, max_pixels: int) -> Any:
         return image.convert("RGB")
     except (OSError, ValueError, SyntaxError) as exc:  # truncated or corrupt data
         raise ImageDecodeError(f"the image could not be decoded: {exc}") from exc
+
+
+def read_model_config(directory: Path) -> dict[str, Any]:
+    """A model directory's config.json as plain data (transformers' config classes import torch)."""
+    return json.loads((directory / "config.json").read_text())

@@ -5,7 +5,7 @@ A message on a socket is a multipart frame: one msgpack header (a tagged struct 
 describes. Receivers decode with :func:`decode`, which validates the header against these schemas
 and raises :class:`common.errors.WireError` on anything malformed.
 
-The controller runtime's main and side channels keep the JSON shapes of seed 001 instead (``op``
+The controller runtime's main and side channels keep the JSON shapes of the AICI runtime protocol instead (``op``
 requests, ``type: ok|error`` replies); their schemas live in :mod:`common.aici_wire`.
 """
 
@@ -99,10 +99,85 @@ class Health(Msg, tag="health"):
     pass
 
 
+class WorkerStage(msgspec.Struct, kw_only=True):
+    """The best stage among a scheduler's workers; generation needs ``ready``."""
+
+    stage: str = "absent"  # "absent" | "loading" | "ready" | "failed"
+    progress: int = 0
+    message: str = "no worker has connected yet"
+    workers: int = 0
+    device: str = ""
+
+
+class ControllerStepStats(msgspec.Struct, kw_only=True):
+    """Main-channel cost so far: wall time of post_pre_process/mid_process calls, sequence-steps run."""
+
+    main_s: float = 0.0
+    seq_steps: int = 0
+    us_per_seq_step: float = 0.0
+
+
+class WorkerLoad(msgspec.Struct, kw_only=True):
+    """One worker as the scheduler sees it: its load, its KV pool and how placement used it."""
+
+    worker: str  # its id (the ZeroMQ identity it announced)
+    stage: str
+    device: str
+    running: int
+    kv_capacity_tokens: int
+    kv_used_tokens: int
+    kv_cached_tokens: int
+    kv_free_tokens: int
+    kv_reserved_tokens: int
+    prefix_blocks_indexed: int  # its prefix blocks in the scheduler's placement index
+    prefix_hit_rate: float  # share of the prompt tokens placed there whose KV its cache held
+    placed: dict[str, int] = {}  # why sequences went there: reason -> count
+
+
+class ModelFacts(msgspec.Struct, kw_only=True):
+    """The scheduler's health: the served model's facts (from its first ready worker; the configured
+    context before one is) and its load. Gateways admit requests against these, and ``/health``
+    shows them as they are."""
+
+    worker: WorkerStage = msgspec.field(default_factory=WorkerStage)
+    model: str = ""
+    vocab_size: int = 0  # 0: no ready worker yet
+    max_model_len: int = 0
+    eos_token_ids: list[int] = []
+    kv_capacity_tokens: int = 0
+    kv_free_tokens: int = 0  # empty, as the workers' last steps left it
+    kv_cached_tokens: int = 0  # holding reusable prefixes only (evicted on demand)
+    kv_used_tokens: int = 0  # holding live sequences
+    kv_reserved_tokens: int = 0  # promised to admitted requests and parked sessions
+    queued: int = 0
+    running: int = 0
+    paused: int = 0
+    controller_runtime: str = ""  # "ok", or what is wrong with it
+    controller_steps: ControllerStepStats = msgspec.field(default_factory=ControllerStepStats)
+    hidden_size: int = 0
+    readout_concepts: list[str] = []
+    readout_layers: list[int] = []
+    parked_sessions: int = 0
+    parked_tokens: int = 0
+    workers: list[WorkerLoad] = []
+
+
 class HealthReply(Msg, tag="health_reply"):
+    """``facts``: the scheduler's (other services leave it out); ``detail``: a worker's engine figures."""
+
     service: str
     ready: bool
     detail: dict[str, Any] = {}
+    facts: ModelFacts | None = None
+    incarnation: str = ""  # the answering process's life (common.incarnation)
+
+
+class Alive(Msg, tag="alive"):
+    """The answer to a heartbeat: which life of ``service`` answered (see :mod:`common.incarnation`).
+    A peer hearing a new ``incarnation`` knows what it had in flight there is gone."""
+
+    service: str
+    incarnation: str
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,7 +195,9 @@ class OutputRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Per-position outputs of a request (Salience). ``logprob_ranges``: positions p whose token's
     logprob (given the tokens before p) is reported, prompt positions as ``TokenEvent.prompt_outputs``
     and generated ones on their ``SampledToken``; ``top_logprobs`` alternatives each. ``readout_ranges``:
-    prompt positions whose concept readout is reported."""
+    positions whose concept readout is reported; a generated token's comes once a step feeds it (the step
+    after its sampling), as a ``TokenEvent.prompt_outputs`` entry past the prompt; the last generated
+    token is never fed, so its readout is not reported."""
 
     logprob_ranges: list[PositionSpan] = []
     top_logprobs: int = 0
@@ -157,9 +234,17 @@ class Cancel(Msg, tag="cancel"):
 
 
 class GatewayAlive(Msg, tag="gateway_alive"):
-    """A gateway's heartbeat while it streams requests (``limits.gateway_heartbeat_s``); answered with Ok.
-    Once a gateway sent one, the scheduler cancels its requests when it stays silent for
-    ``limits.gateway_silence_s`` (a gateway that died cannot cancel them itself)."""
+    """A gateway's heartbeat (``limits.gateway_heartbeat_s``), answered with ``Alive``.
+
+    To the scheduler: once a gateway sent one, the scheduler cancels its requests when it stays silent
+    for ``limits.gateway_silence_s`` (a gateway that died cannot cancel them itself). To the session
+    store: ``leases`` (Salience sessions with a Generate running) have their busy lease renewed and
+    ``evergreen`` (live Evergreen sessions) keep their node rows; a gateway that died renews nothing,
+    so its leases lapse and its Evergreen rows go within seconds."""
+
+    incarnation: str = ""
+    leases: list[str] = []
+    evergreen: list[str] = []
 
 
 class SessionDrop(Msg, tag="session_drop"):
@@ -183,6 +268,21 @@ class Modify(Msg, tag="modify"):
 
 
 # scheduler -> gateway
+
+
+class Queued(Msg, tag="queued"):
+    """The scheduler took a Submit: ``waiting`` requests (this one included) wait for admission."""
+
+    rid: str
+    waiting: int
+
+
+class RequestState(Msg, tag="request_state"):
+    """The answer to Cancel, Pause, Resume and Modify: where the request stands after it."""
+
+    rid: str
+    state: str  # "queued" | "running" | "finished"
+    paused: bool
 
 
 class PositionOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -213,7 +313,7 @@ class TokenEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    # Controlled requests (seed 001): one event per branch per step. ``index`` is the branch's fork
+    # Controlled requests (the AICI runtime protocol): one event per branch per step. ``index`` is the branch's fork
     # index (0: the original sequence); ``fork_finish`` ends that branch only (AICI's reasons: eos,
     # length, stop, aici-stop, fail, abort) while ``finish_reason`` still ends the whole request, on
     # its last event. ``text`` shows a backtrack as " ↩ " followed by the new text (AICI's stream).
@@ -224,7 +324,7 @@ class TokenEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
     storage: list[Any] = []  # storage write commands the controller executed this step
     micros: int = 0  # time spent in the controller this step
     ff_tokens: int = 0  # tokens the controller fast-forwarded this step
-    prompt_outputs: list[PositionOutput] = []  # Submit.outputs at prompt positions, in position order
+    prompt_outputs: list[PositionOutput] = []  # Submit.outputs at prompt positions (and generated ones' readouts), in position order
     cached_tokens: int = 0  # on the last event: prompt tokens whose KV was reused, not computed
 
 
@@ -332,6 +432,14 @@ class StepMasks(Msg, tag="step_masks"):
     failures: list[SeqFailure] = []
 
 
+class StepAbandon(Msg, tag="step_abandon"):
+    """Between the ranks of a tensor-parallel worker only: rank 0 gave up waiting for the
+    StepMasks of a ``masks_follow`` step, whose sampling sequences fail with ``reason``."""
+
+    step_id: int
+    reason: str
+
+
 class StepResult(Msg, tag="step_result"):
     step_id: int
     samples: dict[int, SampledToken]  # seq_id -> sampled token (only for seqs with sample=True)
@@ -340,7 +448,14 @@ class StepResult(Msg, tag="step_result"):
     cached_tokens: dict[int, int] = {}  # seq_id -> fed tokens whose KV came from the prefix cache
     scores: dict[int, list[ScoreResult]] = {}  # seq_id -> answers to its SeqStep.scores
     readouts: dict[int, list[ReadoutResult]] = {}  # seq_id -> answers to its SeqStep.readouts
-    kv_free_tokens: int = -1  # what the worker's KV pool can still take after the step (-1: not reported)
+    # the worker's KV pool after the step (-1: not reported): tokens of empty blocks, and of blocks that
+    # only hold reusable prefixes (allocations take them when empty ones run out); the rest is in use
+    kv_free_tokens: int = -1
+    kv_cached_tokens: int = -1
+    # block events: keys (common.blocks.block_key) of the prefix blocks the worker's cache registered
+    # and forgot since its last step (after a Step with free_all: every block it holds, none gone)
+    blocks_new: list[int] = []
+    blocks_gone: list[int] = []
 
 
 class WorkerHello(Msg, tag="worker_hello"):
@@ -359,6 +474,7 @@ class WorkerHello(Msg, tag="worker_hello"):
     hidden_size: int = 0
     readout_concepts: list[str] = []
     readout_layers: list[int] = []
+    incarnation: str = ""  # the worker process's life: a new one holds none of the old one's sequences
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,7 +510,7 @@ class GetRequest(Msg, tag="get_request"):
     rid: str
 
 
-# gateway -> session store: Evergreen node graphs (seed 000), keyed by an Evergreen session id
+# gateway -> session store: Evergreen node graphs, keyed by an Evergreen session id
 
 
 class EvergreenFragment(msgspec.Struct, kw_only=True, array_like=True):
@@ -429,7 +545,7 @@ class EvergreenGetNodes(Msg, tag="evergreen_get_nodes"):
     session_id: str
 
 
-# gateway -> session store: Salience sessions (seed 002). Errors use codes not_found,
+# gateway -> session store: Salience sessions (salience.proto). Errors use codes not_found,
 # failed_precondition, resource_exhausted and aborted (the gRPC status the gateway answers with).
 
 
@@ -494,6 +610,7 @@ Message = Union[
     Error,
     Health,
     HealthReply,
+    Alive,
     Submit,
     Cancel,
     GatewayAlive,
@@ -501,10 +618,13 @@ Message = Union[
     Pause,
     Resume,
     Modify,
+    Queued,
+    RequestState,
     Events,
     RequestFailed,
     Step,
     StepMasks,
+    StepAbandon,
     StepResult,
     WorkerHello,
     RecordRequest,

@@ -6,7 +6,19 @@ import pytest
 
 from common.config import Settings
 from common.model_source import load_tokenizer, resolve_model
+from controllers import build
 from tests.stack import Stack, start_stack
+
+
+@pytest.fixture(scope="session")
+def have_clang() -> str:
+    """The clang driver for the tests that compile Wasm controllers; they skip without clang + wasm-ld
+    (`make test` installs them where it can: deploy/ensure_toolchain.sh)."""
+    cc = build.clang()
+    if cc is None:
+        pytest.skip("clang and wasm-ld are not installed (Debian: apt-get install clang lld; `make test` "
+                    "installs them when run as root or with passwordless sudo)")
+    return cc
 
 
 @pytest.fixture(scope="session")

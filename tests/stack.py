@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 from unittest import mock
 
 from common.cli import supervisorctl
@@ -61,7 +63,7 @@ class Stack:
         async def probe() -> dict[str, Any]:
             reply = await probe_health(self.settings.endpoint("scheduler"), timeout=5.0)
             assert reply is not None, "the scheduler did not answer Health"
-            return {"ready": reply.ready, **reply.detail}
+            return {"ready": reply.ready, **msgspec.to_builtins(reply.facts)}
 
         return asyncio.run(probe())
 

@@ -1,4 +1,4 @@
-/* Tiller controller SDK: freestanding C for wasm32 guests of the seed-004 (AICI v0.0.x) ABI.
+/* Tiller controller SDK: freestanding C for wasm32 guests of the AICI ABI (AICI v0.0.x).
  *
  * Layers, bottom up (see controllers/ABI.md and controllers/README.md):
  *   1. raw host imports (aici_host_*, tiller_constraint_*) and the exports the runtime calls;
@@ -176,7 +176,7 @@ typedef struct {
     void (*trie_finished)(aici_recognizer *r);
 } aici_recognizer_vt;
 struct aici_recognizer { const aici_recognizer_vt *vt; };
-/* The seed's separate push_byte / byte_allowed, in terms of try_push_byte. */
+/* The AICI ABI's separate push_byte / byte_allowed, in terms of try_push_byte. */
 static inline int aici_recognizer_byte_allowed(aici_recognizer *r, uint8_t b) {
     if (!r->vt->try_push_byte(r, b)) return 0;
     r->vt->pop_bytes(r, 1);
@@ -190,7 +190,7 @@ void aici_compute_mask(aici_recognizer *r, uint32_t *mask);
 /* Advances the recognizer by the bytes of a token and collapses; 0 if some byte was not viable (state kept). */
 int aici_recognizer_push_token(aici_recognizer *r, uint32_t tok);
 
-/* FunctionalRecognizer over u32 states: append returns 1 and sets *next iff the byte is viable (the seed's
+/* FunctionalRecognizer over u32 states: append returns 1 and sets *next iff the byte is viable (the AICI ABI's
  * byte_allowed + append in one call). */
 typedef struct aici_functional aici_functional;
 struct aici_functional {

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import msgspec
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -63,7 +64,7 @@ class SchedulerStats:
         from common.sockets import probe_health
 
         reply = await probe_health(self.endpoint, timeout=10.0)
-        return reply.detail.get("controller_steps") if reply is not None else None
+        return msgspec.to_builtins(reply.facts.controller_steps) if reply is not None and reply.facts else None
 
     @staticmethod
     def describe(before: dict[str, float] | None, after: dict[str, float] | None) -> str:

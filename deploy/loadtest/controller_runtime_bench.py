@@ -21,7 +21,7 @@ import wasmtime
 
 from common import aici_wire
 from common.config import Settings
-from common.model_source import load_tokenizer
+from common.model_source import resolve_model
 from controllers.native import load_native_controllers
 from services.controller_runtime.registry import ModuleRegistry
 from services.controller_runtime.runtime import Runtime
@@ -84,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
 
     settings = Settings()
-    tokenizer = TokenizerInfo.from_hf(load_tokenizer(settings))
+    tokenizer = TokenizerInfo.from_directory(resolve_model(settings).directory)
     engine = WasmEngine(settings.controllers, tokenizer)
     registry = ModuleRegistry(Path(tempfile.mkdtemp(prefix="crt-bench-")), engine)
     runtime = Runtime(settings.controllers, tokenizer, engine, registry,

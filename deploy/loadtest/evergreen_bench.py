@@ -1,5 +1,5 @@
 """Evergreen benchmark: time to the first output fragment when the prompt is streamed in pieces
-(the action first, then the seed's "streamed chain") vs sent whole in one message.
+(the action first, then the Evergreen spec's "streamed chain") vs sent whole in one message.
 
 Two situations, each measured ``--rounds`` times (median and p90 printed):
 

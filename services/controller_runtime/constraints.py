@@ -1,5 +1,5 @@
 """Host-side constraints backed by llguidance: a guest (or a native controller) creates one from a
-regex, a JSON schema, a Lark grammar or a seed-004 yacc grammar, commits tokens to it and asks for
+regex, a JSON schema, a Lark grammar or a yacc grammar in the AICI ABI's dialect, commits tokens to it and asks for
 the allowed-token bitset, computed straight into the destination memory."""
 
 from __future__ import annotations

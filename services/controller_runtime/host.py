@@ -18,7 +18,7 @@ class HostError(Exception):
 
 @dataclass
 class VariableStore:
-    """Versioned variables of one request (reference §1.1): first write is version 1, each write +1."""
+    """Versioned variables of one request (ABI.md §4): first write is version 1, each write +1."""
 
     vars: dict[str, tuple[int, bytes]] = field(default_factory=dict)
 
@@ -68,6 +68,7 @@ class RequestState:
     module_arg: bytes
     storage: VariableStore = field(default_factory=VariableStore)
     live_seqs: int = 0
+    user: str = "local"  # who instantiated it: its controller time is charged to them
 
 
 class SeqHost:

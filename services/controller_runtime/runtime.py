@@ -1,5 +1,5 @@
 """The controller runtime's state machine: instantiated controllers waiting for a sequence, live
-sequences, and the seed-001 calls (instantiate, post_pre_process, mid_process) over them.
+sequences, and the AICI runtime protocol's calls (instantiate, post_pre_process, mid_process) over them.
 
 Every per-sequence failure (trap, timeout, memory limit, bad host call, invalid result) becomes that
 sequence's ``error``; the other sequences of the call proceed. A failed sequence keeps answering with
@@ -18,6 +18,7 @@ import structlog
 from common import aici_wire
 from common.config import Controllers
 from controllers.native.base import NativeController
+from services.controller_runtime.budget import UserBudgets
 from services.controller_runtime.host import RequestState, SeqHost
 from services.controller_runtime.instances import Instance, NativeInstance, WasmInstance
 from services.controller_runtime.registry import ModuleRegistry, RegistryError
@@ -58,10 +59,12 @@ class Runtime:
         self.pending: dict[str, tuple[float, Instance]] = {}  # req_id -> (created, instance) not yet bound
         self.seqs: dict[int, Instance] = {}
         self._row_bytes = tokenizer.mask_words * 4
+        self.budgets = UserBudgets(settings.user_cpu_share, settings.user_cpu_burst_s, settings.max_controlled_per_user)
 
     # -- side channel: instantiate (runs in a worker thread) ----------------------------------------------
-    def instantiate(self, req_id: Any, prompt: Any, module_ref: Any, module_arg: Any) -> tuple[bool, dict]:
-        """Create and initialise a controller; returns (ok, SequenceResult-shaped dict)."""
+    def instantiate(self, req_id: Any, prompt: Any, module_ref: Any, module_arg: Any,
+                    user: str = "local") -> tuple[bool, dict]:
+        """Create and initialise a controller for ``user``; returns (ok, SequenceResult-shaped dict)."""
         if not isinstance(req_id, str) or not req_id:
             raise UserError("instantiate needs a string req_id")
         self._expire_pending()
@@ -74,7 +77,9 @@ class Runtime:
             raise UserError("prompt must be a list of token ids in the vocabulary (or a string)")
         if not isinstance(module_ref, str) or not module_ref:
             raise UserError("instantiate needs a module_id (module id, tag or native:<name>)")
-        request = RequestState(req_id, module_arg_bytes(module_arg))
+        if refusal := self.budgets.refusal(user, time.monotonic()):
+            raise UserError(refusal)
+        request = RequestState(req_id, module_arg_bytes(module_arg), user=user)
         host = SeqHost(self.tokenizer, request, CAPABILITIES, self.settings.max_log_bytes, self.settings.max_constraints)
         instance = self._make_instance(module_ref, host)
         start = time.perf_counter()
@@ -82,17 +87,36 @@ class Runtime:
             instance.setup(prompt)
         except ControllerError as exc:
             instance.close()
-            return False, seq_result(host, _micros(start), error=str(exc))
+            return False, seq_result(host, self._charge(host, start), error=str(exc))
         request.live_seqs = 1
+        self.budgets.started(user, time.monotonic())
         self.pending[req_id] = (time.monotonic(), instance)
-        return True, seq_result(host, _micros(start), result={})
+        return True, seq_result(host, self._charge(host, start), result={})
+
+    def _charge(self, host: SeqHost, start: float) -> int:
+        """The microseconds since ``start``, charged to the sequence's user."""
+        micros = _micros(start)
+        self.budgets.charge(host.request.user, micros / 1e6, time.monotonic())
+        return micros
+
+    def _over_budget(self, host: SeqHost) -> dict[str, Any] | None:
+        """The failed result of a call a user whose controller time is used up may not make."""
+        refusal = self.budgets.exhausted(host.request.user, time.monotonic())
+        return seq_result(host, 0, error=refusal) if refusal else None
+
+    def _ended(self, instance: Instance) -> None:
+        request = instance.host.request
+        request.live_seqs -= 1
+        if request.live_seqs <= 0:
+            self.budgets.ended(request.user, time.monotonic())
+        instance.close()
 
     def _expire_pending(self) -> None:
         """Drop instances whose request never reached the GPU (cancelled before its first step)."""
         cutoff = time.monotonic() - self.settings.pending_ttl_s
         for req_id, (created, instance) in list(self.pending.items()):
             if created < cutoff and self.pending.pop(req_id, None) is not None:
-                instance.close()
+                self._ended(instance)
 
     def _make_instance(self, module_ref: str, host: SeqHost) -> Instance:
         if module_ref.startswith(NATIVE_PREFIX):
@@ -115,8 +139,7 @@ class Runtime:
         for seq_id in seq_ids:
             instance = self.seqs.pop(seq_id, None)
             if instance is not None:
-                instance.host.request.live_seqs -= 1
-                instance.close()
+                self._ended(instance)
 
     def post_pre_process(self, req: aici_wire.PostPreProcess) -> dict[str, Any]:
         if req.reset:  # a restarted scheduler: the sequences bound so far belong to requests that are gone
@@ -157,8 +180,8 @@ class Runtime:
         try:
             result = instance.post_process(tokens, backtrack)
         except ControllerError as exc:
-            return seq_result(instance.host, _micros(start), error=str(exc))
-        return seq_result(instance.host, _micros(start), result={"stop": result.stop})
+            return seq_result(instance.host, self._charge(instance.host, start), error=str(exc))
+        return seq_result(instance.host, self._charge(instance.host, start), result={"stop": result.stop})
 
     def _pre(self, seq_id: int) -> dict[str, Any]:
         """pre_process; ff_tokens it asks for are fed straight back to post_process (up to max_ff_rounds
@@ -169,6 +192,8 @@ class Runtime:
             host.begin_call(None)
             return {"error": "", "result": {"suspend": False, "num_forks": 1, "ff_tokens": []}, "storage": [],
                     "logs": "", "micros": 0}
+        if (refused := self._over_budget(host)) is not None:
+            return refused
         start = time.perf_counter()
         logs, storage, ff = [], [], []
         try:
@@ -192,11 +217,11 @@ class Runtime:
                                           f"request, more than max_forks {self.settings.max_forks}")
         except ControllerError as exc:
             logs.append(host.logs_text())
-            failed = seq_result(host, _micros(start), error=str(exc))
+            failed = seq_result(host, self._charge(host, start), error=str(exc))
             return failed | {"storage": storage + host.storage_log, "logs": "".join(logs)}
         return {"error": "", "result": {"suspend": result.suspend, "num_forks": result.num_forks,
                                         "ff_tokens": ff + result.ff_tokens},
-                "storage": storage, "logs": "".join(logs), "micros": _micros(start)}
+                "storage": storage, "logs": "".join(logs), "micros": self._charge(host, start)}
 
     def mid_process(self, req: aici_wire.MidProcess) -> tuple[dict[str, Any], bytearray]:
         """Fork the clones, then run mid_process for every op in order; returns (data, mask rows)."""
@@ -232,18 +257,21 @@ class Runtime:
                 error = failed.get(op.id, f"unknown sequence {op.id}")
                 seqs[str(op.id)] = {"error": error, "result": None, "storage": [], "logs": "", "micros": 0}
                 continue
+            if (refused := self._over_budget(instance.host)) is not None:
+                seqs[str(op.id)] = refused
+                continue
             start = time.perf_counter()
             try:
                 result = instance.mid_process(groups.get(op.id) or [op.id], base + i * self._row_bytes)
             except ControllerError as exc:
-                seqs[str(op.id)] = seq_result(instance.host, _micros(start), error=str(exc))
+                seqs[str(op.id)] = seq_result(instance.host, self._charge(instance.host, start), error=str(exc))
                 continue
-            seqs[str(op.id)] = seq_result(instance.host, _micros(start), result=_builtin(result))
+            seqs[str(op.id)] = seq_result(instance.host, self._charge(instance.host, start), result=_builtin(result))
         return {"seqs": seqs, "num_seqs": len(req.ops)}, rows
 
 
 def _builtin(result: aici_wire.MidProcessResult) -> Any:
-    """The reply's ``result``: null when the sequence samples under its mask (seed 001), else "Stop" or
+    """The reply's ``result``: null when the sequence samples under its mask (the AICI runtime protocol), else "Stop" or
     the Splice."""
     if isinstance(result, str):
         return result

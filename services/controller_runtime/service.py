@@ -1,5 +1,5 @@
 """Controller runtime: the main channel (step-synchronous, from the scheduler) and the side channel
-(asynchronous, from the gateway), both ROUTER sockets speaking seed 001's shapes as msgpack.
+(asynchronous, from the gateway), both ROUTER sockets speaking the AICI runtime protocol's shapes as msgpack.
 
 Main-channel replies are ``[identity, header]``, plus for mid_process one binary frame with the
 packed mask rows (controllers/ABI.md). Main calls run on the event loop (µs each, bounded by the
@@ -21,7 +21,7 @@ import zmq.asyncio
 from common import aici_wire
 from common.config import Settings
 from common.errors import WireError
-from common.model_source import load_tokenizer
+from common.model_source import resolve_model
 from common.sockets import bind
 from controllers.native import load_native_controllers
 from services.controller_runtime.registry import ModuleRegistry, RegistryError
@@ -38,7 +38,7 @@ class ControllerRuntime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         cfg = settings.controllers
-        self.tokenizer = TokenizerInfo.from_hf(load_tokenizer(settings))
+        self.tokenizer = TokenizerInfo.from_directory(resolve_model(settings).directory)
         self.vocab_size = self.tokenizer.vocab_size
         self.engine = WasmEngine(cfg, self.tokenizer)
         self.registry = ModuleRegistry(settings.controller_module_dir, self.engine)
@@ -104,7 +104,7 @@ class ControllerRuntime:
                 elif op == "instantiate":
                     ok, data = await asyncio.to_thread(
                         self.runtime.instantiate, request.get("req_id"), request.get("prompt"),
-                        request.get("module_id"), request.get("module_arg"))
+                        request.get("module_id"), request.get("module_arg"), user)
                     if not ok:
                         log.info("controller_runtime.instantiate_failed", error=data["error"])
                         return aici_wire.error(data["error"], is_user_error=True, **rid) | {"data": data}

@@ -1,14 +1,16 @@
 """The tokenizer as controllers see it: byte-level tokenize, per-token bytes, and AICI's serialized
-token trie (reference §6, toktrie ``toktree.rs``), built once per process."""
+token trie (ABI.md §5, toktrie's ``toktree.rs``), built once per process."""
 
 from __future__ import annotations
 
+import json
 import struct
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import llguidance
-import llguidance.hf
 
 TRIE_MAGIC = 0x558B6FD3
 TRIE_HEADER_SIZE = 28
@@ -34,13 +36,37 @@ class TokenizerInfo:
         return self.ll.tokenize_bytes(data)
 
     @classmethod
-    def from_hf(cls, hf_tokenizer) -> TokenizerInfo:
-        vocab_size = len(hf_tokenizer)
-        ll = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
-        eos = int(hf_tokenizer.eos_token_id)
+    def from_directory(cls, directory: Path) -> TokenizerInfo:
+        """From a model directory's tokenizer.json through the tokenizers library (what transformers'
+        fast tokenizer wraps): the runtime process needs neither transformers nor torch."""
+        text = (directory / "tokenizer.json").read_text()
+        eos = eos_token_id(directory, json.loads(text))
+        ll = llguidance.LLTokenizer(text, eos_token=eos)
+        vocab_size = ll.vocab_size
         token_bytes = [b"" if ll.is_special_token(t) else ll.decode_bytes([t]) for t in range(vocab_size)]
         return cls(ll=ll, vocab_size=vocab_size, eos_token=eos, token_bytes=token_bytes,
                    trie_blob=serialize_trie(token_bytes, eos))
+
+
+def eos_token_id(directory: Path, tokenizer_json: dict[str, Any]) -> int:
+    """The id of tokenizer_config.json's ``eos_token`` (a string or an added-token object) in
+    tokenizer.json, else config.json's ``eos_token_id`` (the first, if a list)."""
+    config = directory / "tokenizer_config.json"
+    token = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+    if isinstance(token, dict):
+        token = token.get("content")
+    ids = {t.get("content"): t.get("id") for t in tokenizer_json.get("added_tokens") or []}
+    found = ids.get(token, (tokenizer_json.get("model") or {}).get("vocab", {}).get(token))
+    if isinstance(found, int):
+        return found
+    model_config = directory / "config.json"
+    eos = json.loads(model_config.read_text()).get("eos_token_id") if model_config.is_file() else None
+    if isinstance(eos, list) and eos:
+        eos = eos[0]
+    if not isinstance(eos, int):
+        raise ValueError(f"{directory} names no end-of-sequence token (tokenizer_config.json eos_token or "
+                         "config.json eos_token_id)")
+    return eos
 
 
 class _Node:

@@ -1,11 +1,11 @@
 """The Wasm host: one wasmtime Engine per process, the ABI's imports (controllers/ABI.md), and one
 Store per controlled sequence.
 
-Calls go through wasmtime's *unchecked* C entry points both ways (reference: wasm-runtime-measurements
-§2), which cuts a callback from ~100 µs to ~15 µs: export signatures are checked once when a module is
-prepared and every guest pointer is bounds-checked against the memory size. Deadlines use epoch
-interruption driven by a ticker thread (wall clock, ~equal cost to fuel, §3); a timeout, trap, memory
-limit or host misuse ends only the sequence whose call it was.
+Calls go through wasmtime's *unchecked* C entry points both ways, which cuts a callback from ~100 µs
+to ~15 µs: export signatures are checked once when a module is prepared and every guest pointer is
+bounds-checked against the memory size. Deadlines use epoch interruption driven by a ticker thread
+(wall clock, about the cost of fuel metering); a timeout, trap, memory limit or host misuse ends only
+the sequence whose call it was.
 """
 
 from __future__ import annotations
@@ -475,7 +475,7 @@ def _define_imports(engine: WasmEngine) -> None:
 
 
 def _define_wasi(define: Callable, settings: Controllers) -> None:
-    """reference §1.2: fd_write(1|2) captured into logs; clock only monotonic and always 0; the rest stubbed."""
+    """WASI as AICI gives it (ABI.md): fd_write(1|2) captured into logs; clock only monotonic and always 0; the rest stubbed."""
 
     def fd_write(inst: WasmController, v) -> int:
         fd, iovs, n, nwritten = v[0], v[4], v[8] & 0xFFFFFFFF, v[12]

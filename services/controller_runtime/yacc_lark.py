@@ -1,11 +1,11 @@
-"""Translate seed 004's yacc-style grammars into llguidance's Lark syntax.
+"""Translate the AICI ABI's yacc-style grammars into llguidance's Lark syntax.
 
-Seed format: optional declarations (``%start name``, other ``%...`` lines ignored), ``%%``, then rules
-``name : alt | alt ;`` where an alternative is a sequence of rule names, keywords (``"kw"`` or ``'kw'``)
+The AICI ABI's grammar format: optional declarations (``%start name``, other ``%...`` lines ignored),
+``%%``, then rules ``name : alt | alt ;`` where an alternative is a sequence of rule names, keywords (``"kw"`` or ``'kw'``)
 and regexes (``"/re/"`` or ``'/re/'``); the special rule ``SKIP`` lists lexemes to skip between tokens;
 ``//`` and ``/* */`` comments; an optional second ``%%`` ends the rules. A rule whose alternatives are
 each one keyword or regex becomes a Lark terminal (UPPER name); every other rule a Lark rule (lower name).
-Keywords are reserved as the seed's lexer does ("it prefers keywords over regexps"): a regex that matches
+Keywords are reserved as the AICI ABI's lexer does ("it prefers keywords over regexps"): a regex that matches
 a keyword of the grammar exactly becomes ``(/re/ & ~("kw" | ...))``, so ``return = 3;`` is rejected where
 ``IDENTIFIER "=" ...`` is the only rule that could take it (llguidance has no lexeme priorities).
 """

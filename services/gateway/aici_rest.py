@@ -1,4 +1,4 @@
-"""AICI's REST API (reference §2, rLLM's shapes): controllers, tags and ``/v1/run``.
+"""AICI's REST API (rLLM's shapes): controllers, tags and ``/v1/run``.
 
 - ``POST /v1/controllers``: the raw Wasm module as the body -> ``{module_id, wasm_size, compiled_size,
   time}``; the module id is the sha256 of the bytes.
@@ -32,10 +32,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common import aici_wire, wire
-from common.errors import ERROR_TRAITS, INTERNAL_ERROR, INVALID_REQUEST, MODEL_LOADING_ERROR, TillerError
-from services.gateway.driver import Gateway, context_budget, new_request_id
-from services.gateway.engine import HEALTH_MAX_AGE_S, StreamItem, worker_stage
-from services.gateway.httputil import SSE_HEADERS, gateway_of, read_json_object, sse
+from common.admission import context_budget
+from common.errors import CONTENT_FILTER, ERROR_TRAITS, INTERNAL_ERROR, INVALID_REQUEST, MODEL_LOADING_ERROR, TillerError
+from services.gateway.admission import Admission
+from services.gateway.deps import Gateway, new_request_id
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, facts_of, worker_stage
+from services.gateway.httputil import SSE_HEADERS, client_of, gateway_of, read_json_object, sse
 from services.gateway.protocol import GatewayError
 from services.gateway.side_channel import Caller, ControllerInitFailed, SideChannel, Unauthorized, caller_of
 from services.gateway.validation import (
@@ -50,7 +52,8 @@ from services.gateway.validation import (
 router = APIRouter()
 
 # Tiller finish reasons of a whole request -> AICI's finish reason for a fork still running at its end.
-ABORTED = {"cancelled": "abort", "timeout": "abort", "error": "fail", "length": "length", "stop": "aici-stop"}
+ABORTED = {"cancelled": "abort", "timeout": "abort", "error": "fail", "length": "length", "stop": "aici-stop",
+           CONTENT_FILTER: CONTENT_FILTER}
 # The same for ``controller: "none"``: with no controller, a request that stops has sampled EOS.
 PLAIN_FINISH = ABORTED | {"stop": "eos"}
 NONE_CONTROLLER = "none"
@@ -108,7 +111,7 @@ async def set_tags(request: Request) -> Response:
     gw = gateway_of(request)
     try:
         caller = caller_of(request, gw.settings)
-        body = validate(SetTags, await read_json_object(request, gw.settings.limits.max_http_body_bytes),
+        body = validate(SetTags, await read_json_object(request),
                         Context.of(gw.settings))
         return JSONResponse(await _side(gw).set_tags(caller, body.module_id, body.tags))
     except TillerError as exc:
@@ -163,12 +166,19 @@ class RunStream:
     """One ``/v1/run``: turns the scheduler's per-branch events into AICI's ``run`` events."""
 
     gw: Gateway
-    rid: str
+    admission: Admission
+    prompt_tokens: int
     queue: asyncio.Queue[StreamItem]
     finish_names: dict[str, str] = field(default_factory=lambda: ABORTED)
     forks: dict[int, Fork] = field(default_factory=dict)
+    texts: dict[int, str] = field(default_factory=dict)  # each fork's text sent so far (the content filter's view)
     sampled: int = 0
     ff: int = 0
+    outcome: str = "cancelled"  # the request's Tiller finish reason, an error code, or (the client left) cancelled
+
+    @property
+    def rid(self) -> str:
+        return self.admission.rid
 
     def usage(self) -> dict[str, int]:
         return usage(self.sampled, self.ff)
@@ -186,11 +196,18 @@ class RunStream:
         for item in events:
             if isinstance(item, wire.RequestFailed):
                 entry(0)["error"] = item.message
-                ended = "error"
+                ended, self.outcome = "error", item.code
                 continue
             self.sampled += len(item.tokens)
             self.ff += item.ff_tokens
+            self.admission.tokens(len(item.tokens))
             out = entry(item.index)
+            text = self.texts.get(item.index, "") + item.text
+            if self.admission.screens_out(text):  # withheld: the request ends here
+                out["error"] = "the generated text was refused by the content filter"
+                ended = self.outcome = CONTENT_FILTER
+                break
+            self.texts[item.index] = text
             out["text"] += item.text
             out["logs"] += item.logs
             out["storage"] += item.storage
@@ -200,6 +217,7 @@ class RunStream:
                 out["finish_reason"] = item.fork_finish
                 self.forks[item.index].finished = True
             ended = item.finish_reason or ended
+            self.outcome = item.finish_reason or self.outcome
         if ended is not None:  # every branch still open ends with the request
             for fork in self.forks.values():
                 if not fork.finished:
@@ -231,9 +249,11 @@ class RunStream:
                     yield sse("[DONE]")
                     return
         finally:
-            self.gw.engine.close_stream(self.rid)
-            if not done:  # the client left: free the request's sequences
-                self.gw.engine.cancel_soon(self.rid)
+            self.gw.scheduler.close_stream(self.rid)
+            if not done or self.outcome == CONTENT_FILTER:  # the client left, or the filter ended it: free its sequences
+                self.gw.scheduler.cancel_soon(self.rid)
+            self.admission.end(self.outcome, text=self.texts.get(0, ""), prompt_tokens=self.prompt_tokens,
+                               completion_tokens=self.sampled)
 
 
 def usage(sampled: int, ff: int) -> dict[str, int]:
@@ -255,33 +275,35 @@ async def failed_start(rid: str, model: str, result: dict[str, Any]) -> AsyncIte
     yield sse("[DONE]")
 
 
-async def _start_run(gw: Gateway, run: RunRequest, caller: Caller) -> AsyncIterator[bytes]:
-    """Tokenize, check the model, instantiate the controller and submit; the stream's events.
+async def _start_run(gw: Gateway, run: RunRequest, caller: Caller, admission: Admission) -> AsyncIterator[bytes]:
+    """Admit, tokenize, check the model, instantiate the controller and submit; the stream's events.
     Errors before the controller runs raise (HTTP errors); a failing controller start is a stream."""
     model = gw.settings.served_model_name
     if run.model is not None and run.model != model:
         raise GatewayError(INVALID_REQUEST, f"model {run.model!r} is not served here", param="model")
+    admission.admit(run.prompt_text())
     if run.prompt_text():
         _, prompt_ids = await gw.text.prompt(GenerationRequest(prompt=run.prompt_text()))
     else:  # AICI's default empty prompt: the start symbol
         tokenizer = gw.text.tokenizer
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         prompt_ids = [start]
-    health = await gw.engine.health(max_age=HEALTH_MAX_AGE_S)
-    stage = worker_stage(health).get("stage")
+    health = await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)
+    stage = worker_stage(health).stage
     if stage != "ready":
         raise TillerError(MODEL_LOADING_ERROR, f"the model is not ready (worker: {stage}); retry shortly")
-    max_model_len = int(health.detail.get("max_model_len") or gw.settings.limits.max_model_len)
+    max_model_len = facts_of(health).max_model_len or gw.settings.limits.max_model_len
     max_tokens = context_budget(len(prompt_ids), run.max_tokens, max_model_len, max_model_len)
-    rid = new_request_id("run-")
+    rid = admission.rid
     if not run.plain:
         try:
             await _side(gw).instantiate(caller, rid, prompt_ids, run.controller, aici_wire.module_arg_text(run.controller_arg))
         except ControllerInitFailed as exc:
+            admission.end(INVALID_REQUEST)
             return failed_start(rid, model, exc.result)
-    queue = gw.engine.open_stream(rid)
+    queue = gw.scheduler.open_stream(rid)
     try:
-        await gw.engine.submit(
+        await gw.scheduler.submit(
             wire.Submit(
                 rid=rid,
                 prompt_ids=prompt_ids,
@@ -292,9 +314,10 @@ async def _start_run(gw: Gateway, run: RunRequest, caller: Caller) -> AsyncItera
             )
         )
     except BaseException:
-        gw.engine.close_stream(rid)
+        gw.scheduler.close_stream(rid)
         raise
-    return RunStream(gw, rid, queue, PLAIN_FINISH if run.plain else ABORTED).events(model)
+    admission.record(prompt=run.prompt_text(), params=run.model_dump(exclude={"prompt", "controller_arg"}))
+    return RunStream(gw, admission, len(prompt_ids), queue, PLAIN_FINISH if run.plain else ABORTED).events(model)
 
 
 @router.post("/v1/run")
@@ -302,9 +325,18 @@ async def run(request: Request) -> Response:
     gw = gateway_of(request)
     try:
         caller = caller_of(request, gw.settings)
-        body = await read_json_object(request, gw.settings.limits.max_http_body_bytes)
+        body = await read_json_object(request)
         run_request = validate(RunRequest, body, Context.of(gw.settings))
-        events = await _start_run(gw, run_request, caller)
     except TillerError as exc:
+        gw.metrics.refused("aici", exc.code)
         return _error(exc)
+    admission = Admission(gw, rid=new_request_id("run-"), surface="aici", client=client_of(request))
+    try:
+        events = await _start_run(gw, run_request, caller, admission)
+    except TillerError as exc:
+        admission.end(exc.code)
+        return _error(exc)
+    except BaseException:
+        admission.end(INTERNAL_ERROR)
+        raise
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)

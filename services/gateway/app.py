@@ -13,10 +13,11 @@ from fastapi import FastAPI
 
 from common.config import Settings
 from common.model_source import load_tokenizer
+from common.service import release_freed_memory
 from services.gateway import aici_rest, openai_api, ops, rest, tokenize_api, ws
 from services.gateway.token_gate import TokenGate
-from services.gateway.driver import Gateway
-from services.gateway.engine import EngineClient
+from services.gateway.deps import Gateway
+from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.grpc_server import start_grpc, stop_grpc
 from services.gateway.metrics import Metrics
 from services.gateway.ratelimit import RateLimiter
@@ -26,6 +27,9 @@ from services.gateway.text import TextProcessor
 
 log = structlog.get_logger()
 
+# the modules whose ``router`` serves the HTTP routes and the WebSocket
+ROUTER_MODULES = (ws, rest, openai_api, tokenize_api, ops, aici_rest)
+
 
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
@@ -33,10 +37,11 @@ def create_app(settings: Settings) -> FastAPI:
         tokenizer = await asyncio.to_thread(load_tokenizer, settings)
         text = TextProcessor(tokenizer, settings.limits.content_filter_patterns)
         await text.load_token_texts()
+        release_freed_memory()
         ctx = zmq.asyncio.Context()
         gw = Gateway(
             settings=settings,
-            engine=EngineClient(settings, ctx),
+            scheduler=SchedulerClient(settings, ctx),
             store=StoreClient(settings, ctx),
             text=text,
             limiter=RateLimiter(settings.limits.rate_limit_per_minute),
@@ -44,7 +49,8 @@ def create_app(settings: Settings) -> FastAPI:
             created=int(time.time()),
             side=SideChannel(settings, ctx),
         )
-        gw.engine.start()
+        gw.scheduler.start()
+        gw.store.start()
         gw.side.start()
         app.state.gateway = gw
         grpc_server = await start_grpc(gw)
@@ -53,14 +59,14 @@ def create_app(settings: Settings) -> FastAPI:
             yield
         finally:
             await stop_grpc(grpc_server)
-            gw.engine.close()
+            gw.scheduler.close()
             gw.side.close()
             gw.store.close()
             text.close()
             ctx.term()
 
     app = FastAPI(title="Tiller gateway", lifespan=lifespan)
-    for module in (ws, rest, openai_api, tokenize_api, ops, aici_rest):
+    for module in ROUTER_MODULES:
         app.include_router(module.router)
     if settings.api_auth.everywhere and settings.api_auth.tokens:
         app.add_middleware(TokenGate, settings=settings)

@@ -11,26 +11,24 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from common import wire
-from common.config import Settings
+from common.admission import context_budget
 from common.errors import (
     CONTENT_FILTER,
-    CONTEXT_LENGTH_EXCEEDED,
     INTERNAL_ERROR,
     INVALID_REQUEST,
     MODEL_LOADING_ERROR,
     TIMEOUT,
     TillerError,
 )
-from services.gateway.engine import HEALTH_MAX_AGE_S, EngineClient, StreamItem, worker_stage
-from services.gateway.metrics import Metrics
+from services.gateway.admission import COMPLETED, Admission
+from services.gateway.deps import Gateway
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, facts_of, worker_stage
 from services.gateway.protocol import (
     CompletionMsg,
     ErrorMsg,
@@ -43,10 +41,7 @@ from services.gateway.protocol import (
     TokenMsg,
     Usage,
 )
-from services.gateway.ratelimit import RateLimiter
-from services.gateway.side_channel import Caller, SideChannel
-from services.gateway.store import StoreClient
-from services.gateway.text import TextProcessor
+from services.gateway.side_channel import Caller
 from services.gateway.validation import GenerationRequest, ParametersPatch
 
 log = structlog.get_logger()
@@ -55,53 +50,6 @@ LOADING_POLL_S = 1.0
 # How long past limits.request_timeout_s the gateway waits on a silent scheduler (which should have
 # ended the request with "timeout" itself) before giving up on it.
 STALL_GRACE_S = 10.0
-# Finish reasons that end a generation normally, with a completion message.
-COMPLETED = ("length", "stop", "cancelled")
-
-
-@dataclass
-class Gateway:
-    """What every request needs, built once per app."""
-
-    settings: Settings
-    engine: EngineClient
-    store: StoreClient
-    text: TextProcessor
-    limiter: RateLimiter
-    metrics: Metrics
-    created: int  # unix time the gateway started (OpenAI's model ``created``)
-    side: SideChannel | None = None  # the controller runtime's side channel (controllers, tags, instantiate)
-
-
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex}"
-
-
-def context_budget(prompt_tokens: int, max_tokens: int | None, max_model_len: int, default_max_tokens: int) -> int:
-    """The number of tokens to allow the generation, as vLLM decides it.
-
-    A prompt needs room for at least one generated token. An explicit ``max_tokens`` must fit beside
-    the prompt (otherwise ``context_length_exceeded``, not a silent cut); without one the default is
-    capped by the room left.
-    """
-    room = max_model_len - prompt_tokens
-    if room < 1:
-        raise GatewayError(
-            CONTEXT_LENGTH_EXCEEDED,
-            f"the prompt has {prompt_tokens} tokens; the model's context of {max_model_len} tokens "
-            "leaves no room to generate",
-            param="prompt",
-        )
-    if max_tokens is None:
-        return min(default_max_tokens, room)
-    if max_tokens > room:
-        raise GatewayError(
-            CONTEXT_LENGTH_EXCEEDED,
-            f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the model's context of "
-            f"{max_model_len} tokens; ask for at most {room}",
-            param="max_tokens",
-        )
-    return max_tokens
 
 
 class Phase(enum.Enum):
@@ -161,10 +109,10 @@ class Generation:
     # -- the stream ---------------------------------------------------------------------------
 
     async def stream(self) -> AsyncIterator[ServerMsg]:
-        gw, labels = self._gw, (self.surface,)
+        gw = self._gw
         structlog.contextvars.bind_contextvars(request_id=self.rid)
         self._started = time.monotonic()
-        gw.metrics.active_streams.labels(*labels).inc()
+        self._admission = Admission(gw, rid=self.rid, surface=self.surface, client=self._client)
         outcome = "cancelled"  # unless a final message says otherwise: the consumer left
         try:
             try:
@@ -181,24 +129,12 @@ class Generation:
                     yield ErrorMsg.from_error(error, self.rid if self._initialized else None, self._partial())
         finally:
             if self._phase is Phase.RUNNING:
-                gw.engine.cancel_soon(self.rid)
+                gw.scheduler.cancel_soon(self.rid)
             self._phase = Phase.DONE
-            gw.engine.close_stream(self.rid)
-            elapsed = time.monotonic() - self._started
-            gw.metrics.active_streams.labels(*labels).dec()
-            gw.metrics.requests.labels(self.surface, outcome).inc()
-            gw.metrics.request_latency.labels(*labels).observe(elapsed)
+            gw.scheduler.close_stream(self.rid)
             usage = self.usage
-            if self._initialized:
-                gw.metrics.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
-                gw.store.record_completion(
-                    self.rid,
-                    generated_text=self._text,
-                    finish_reason=outcome,
-                    prompt_tokens=usage.prompt_tokens,
-                    completion_tokens=usage.completion_tokens,
-                    error="" if outcome in (*COMPLETED, CONTENT_FILTER) else outcome,
-                )
+            elapsed = self._admission.end(outcome, text=self._text, prompt_tokens=usage.prompt_tokens,
+                                          completion_tokens=usage.completion_tokens)
             log.info(
                 "request.end",
                 surface=self.surface,
@@ -211,15 +147,13 @@ class Generation:
     async def _run(self) -> AsyncIterator[ServerMsg]:
         gw = self._gw
         try:
-            gw.limiter.check(self._client)
             prompt_text, prompt_ids = await gw.text.prompt(self.request)
             messages = self.request.messages
-            # what the client wrote is screened, not the chat template's own text around it
-            if gw.text.refused("\n".join(m["content"] for m in messages) if messages else prompt_text):
-                raise GatewayError(CONTENT_FILTER, "the prompt was refused by the content filter", param="prompt")
-            health = await gw.engine.health(max_age=HEALTH_MAX_AGE_S)
-            self._max_model_len = int(health.detail.get("max_model_len") or gw.settings.limits.max_model_len)
-            self._check_logit_bias(int(health.detail.get("vocab_size") or 0))
+            self._admission.admit("\n".join(m["content"] for m in messages) if messages else prompt_text)
+            health = await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)
+            facts = facts_of(health)
+            self._max_model_len = facts.max_model_len or gw.settings.limits.max_model_len
+            self._check_logit_bias(facts.vocab_size)
             max_tokens = context_budget(
                 len(prompt_ids), self.request.max_tokens, self._max_model_len, gw.settings.limits.default_max_tokens
             )
@@ -232,15 +166,9 @@ class Generation:
         self._prompt_len = len(prompt_ids)
         self._echo = prompt_text if self.request.echo else ""
         self._initialized = True
-        model_info = {"max_tokens": self._max_model_len, "vocab_size": health.detail.get("vocab_size")}
+        model_info = {"max_tokens": self._max_model_len, "vocab_size": facts.vocab_size or None}
         yield InitMsg(self.rid, gw.settings.served_model_name, model_info, prompt_text)
-        gw.store.record_request(
-            self.rid,
-            surface=self.surface,
-            model=gw.settings.served_model_name,
-            prompt=prompt_text,
-            params=self.request.record(),
-        )
+        self._admission.record(prompt=prompt_text, params=self.request.record())
         log.info("request.start", surface=self.surface, prompt_tokens=self._prompt_len, max_tokens=max_tokens)
 
         try:
@@ -249,13 +177,13 @@ class Generation:
             if self._stop_requested:
                 yield self._completion("cancelled")
                 return
-            queue = gw.engine.open_stream(self.rid)
+            queue = gw.scheduler.open_stream(self.rid)
             self._phase = Phase.RUNNING
-            await gw.engine.submit(
+            await gw.scheduler.submit(
                 wire.Submit(
                     rid=self.rid,
                     prompt_ids=prompt_ids,
-                    sampling=self._sampling(prompt_ids, health.detail),
+                    sampling=self._sampling(prompt_ids, facts),
                     max_tokens=max_tokens,
                     stop=list(self.request.stop),
                     stop_token_ids=list(self.request.stop_token_ids),
@@ -271,7 +199,7 @@ class Generation:
             yield ErrorMsg.from_error(exc, self.rid, self._partial())
 
     async def _instantiate(self, prompt_ids: list[int]) -> None:
-        """Start the request's controller in the runtime under this request's id (seed 001 ``instantiate``)."""
+        """Start the request's controller in the runtime under this request's id (the AICI runtime protocol's ``instantiate``)."""
         side = self._gw.side
         if side is None or self.caller is None:
             raise GatewayError(INVALID_REQUEST, "controllers are not available on this surface", param="controller")
@@ -284,25 +212,25 @@ class Generation:
         first: tuple[float, int] | None = None  # (time, progress) of the first poll, for the ETA
         while not self._stop_requested:
             worker = worker_stage(health)
-            stage = worker.get("stage")
+            stage = worker.stage
             if stage == "ready":
                 return
             if stage == "failed":
                 raise TillerError(
-                    MODEL_LOADING_ERROR, f"the model failed to load: {worker.get('message') or 'no detail given'}"
+                    MODEL_LOADING_ERROR, f"the model failed to load: {worker.message or 'no detail given'}"
                 )
             now = time.monotonic()
             if now - self._started > timeout:
                 raise TillerError(TIMEOUT, f"the model was still loading after {timeout:.0f} s")
-            progress = int(worker.get("progress") or 0)
+            progress = worker.progress
             first = first or (now, progress)
             eta = None
             if progress > first[1]:
                 eta = (now - first[0]) / (progress - first[1]) * (100 - progress)
             default = "waiting for a model worker" if stage == "absent" else "loading the model"
-            yield StatusMsg("model_loading", progress, worker.get("message") or default, eta)
+            yield StatusMsg("model_loading", progress, worker.message or default, eta)
             await asyncio.sleep(LOADING_POLL_S)
-            health = await self._gw.engine.health()
+            health = await self._gw.scheduler.health()
 
     async def _consume(self, queue: asyncio.Queue[StreamItem]) -> AsyncIterator[ServerMsg]:
         limits = self._gw.settings.limits
@@ -340,10 +268,10 @@ class Generation:
         self._tokens += len(event.tokens)
         if event.finish_reason is not None:
             self._final = event
-        if not self._filtered and event.text and self._gw.text.refused(self._text + event.text):
+        if not self._filtered and event.text and self._admission.screens_out(self._text + event.text):
             self._filtered = True
             if event.finish_reason is None:
-                self._gw.engine.cancel_soon(self.rid)  # then drain up to its final "cancelled" event
+                self._gw.scheduler.cancel_soon(self.rid)  # then drain up to its final "cancelled" event
         if self._filtered:
             return [self._completion(CONTENT_FILTER)] if event.finish_reason is not None else []
 
@@ -352,8 +280,7 @@ class Generation:
         last_at = self._last_token_at or self._started
         if event.tokens and self._first_token_at is None:
             self._first_token_at = now
-            self._gw.metrics.time_to_first_token.labels(self.surface).observe(now - self._started)
-        self._gw.metrics.generation_tokens.labels(self.surface).inc(len(event.tokens))
+        self._admission.tokens(len(event.tokens))
         for i, token in enumerate(event.tokens):
             last = i == len(event.tokens) - 1
             if last:
@@ -394,7 +321,7 @@ class Generation:
             raise GatewayError(INVALID_REQUEST, f"logit_bias: token id {outside[0]} is outside the vocabulary "
                                f"(0..{vocab_size - 1})", param="logit_bias")
 
-    def _sampling(self, prompt_ids: list[int], facts: dict) -> wire.SamplingParams:
+    def _sampling(self, prompt_ids: list[int], facts: wire.ModelFacts) -> wire.SamplingParams:
         """The request's sampling placed after its prompt: the penalties on generated tokens and
         ``min_tokens`` count from the first one, and ``min_tokens`` holds back every stop token."""
         sampling = self.request.sampling()
@@ -402,8 +329,8 @@ class Generation:
         if self.request.min_tokens:
             stops = set(self.request.stop_token_ids)
             if not self.request.ignore_eos:
-                stops.update(facts.get("eos_token_ids") or ())
-            vocab = int(facts.get("vocab_size") or 0)
+                stops.update(facts.eos_token_ids)
+            vocab = facts.vocab_size
             sampling.suppress = sorted(t for t in stops if t < vocab)  # a token past the vocabulary never comes
         return sampling
 
@@ -462,22 +389,22 @@ class Generation:
             raise GatewayError(INVALID_REQUEST, "cannot stop: no generation is running", param="action")
         self._stop_requested = True
         if self._phase is Phase.RUNNING:
-            await self._control(self._gw.engine.cancel(self.rid))
+            await self._control(self._gw.scheduler.cancel(self.rid))
 
     async def pause(self) -> None:
         self._require_running("pause")
-        await self._control(self._gw.engine.pause(self.rid))
+        await self._control(self._gw.scheduler.pause(self.rid))
 
     async def resume(self) -> None:
         self._require_running("resume")
-        await self._control(self._gw.engine.resume(self.rid))
+        await self._control(self._gw.scheduler.resume(self.rid))
 
     async def modify(self, patch: ParametersPatch) -> None:
         self._require_running("modify")
         if patch.max_tokens is not None:
             context_budget(self._prompt_len, patch.max_tokens, self._max_model_len, patch.max_tokens)
         sampling_patch = patch.to_patch()
-        await self._control(self._gw.engine.modify(self.rid, sampling_patch))
+        await self._control(self._gw.scheduler.modify(self.rid, sampling_patch))
         self.request = self.request.patched(sampling_patch)
 
 

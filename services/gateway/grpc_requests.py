@@ -1,4 +1,4 @@
-"""Registering a gRPC servicer so that a request that does not parse is the client's error.
+"""Registering a gRPC servicer so that a request that does not parse is the client's error; a caller's address.
 
 grpcio turns a request deserializer's exception into UNKNOWN (unary) or an exception inside the
 request iterator (streaming), which the servicers would report as INTERNAL. Registered with
@@ -58,3 +58,11 @@ def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: 
             response_serializer=GetMessageClass(method.output_type).SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def client_address(peer: str) -> str:
+    """The client's address without its port (what rate limiting keys on): ``ipv4:1.2.3.4:5678`` → ``1.2.3.4``."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rpartition(":")[0].strip("[]") or rest
+    return peer

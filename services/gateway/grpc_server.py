@@ -1,17 +1,56 @@
-"""The gateway's gRPC server (Evergreen today), run by grpc.aio in uvicorn's event loop."""
+"""The gateway's gRPC server (Evergreen and Salience), run by grpc.aio in uvicorn's event loop; every call passes
+the auth of :mod:`services.gateway.auth` first."""
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import structlog
 
-from services.gateway.driver import Gateway
+from services.gateway import auth
+from services.gateway.deps import Gateway
 from services.gateway.evergreen import service as evergreen
+from services.gateway.grpc_requests import HANDLER_KINDS
 from services.gateway.salience import service as salience
 
 log = structlog.get_logger()
 
 STOP_GRACE_S = 2.0
+# the gRPC service (the full name's package) -> the surface whose tokens open it
+SURFACE_OF_SERVICE = {"evergreen": auth.EVERGREEN, "salience": auth.SALIENCE}
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Every RPC of every service: a call without an accepted token ends UNAUTHENTICATED before its handler runs."""
+
+    def __init__(self, settings: Any) -> None:
+        self._key_header = settings.api_auth.key_header
+        self._tokens = {name: auth.accepted_tokens(settings, surface) for name, surface in SURFACE_OF_SERVICE.items()}
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        package = details.method.lstrip("/").partition(".")[0]  # "/salience.v1.Salience/Generate" -> "salience"
+        metadata = {key: value for key, value in details.invocation_metadata or () if isinstance(value, str)}
+        problem = auth.refusal(self._tokens.get(package, frozenset()),
+                               auth.presented_token(metadata, self._key_header), self._key_header)
+        if handler is None or problem is None:
+            return handler
+        return _refusing(handler, problem)
+
+
+def _refusing(handler: grpc.RpcMethodHandler, problem: str) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind that ends the call UNAUTHENTICATED without reading its request."""
+
+    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+
+    kind = HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
+    return kind(refuse, response_serializer=handler.response_serializer)
 
 
 async def start_grpc(gw: Gateway) -> grpc.aio.Server:
@@ -20,6 +59,7 @@ async def start_grpc(gw: Gateway) -> grpc.aio.Server:
     settings = gw.settings
     size = settings.evergreen.max_message_bytes
     server = grpc.aio.server(
+        interceptors=[AuthInterceptor(settings)],
         options=[
             ("grpc.so_reuseport", 0),  # a second gateway on the same port must fail, not share it
             ("grpc.max_receive_message_length", size),

@@ -5,7 +5,6 @@ disconnects."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -13,7 +12,8 @@ import msgspec
 from starlette.requests import HTTPConnection, Request
 
 from common.errors import INVALID_REQUEST
-from services.gateway.driver import Gateway
+from services.gateway.deps import Gateway
+from services.gateway.json_body import parse_json
 from services.gateway.protocol import GatewayError
 
 T = TypeVar("T")
@@ -32,17 +32,17 @@ def client_of(conn: HTTPConnection) -> str:
     return conn.client.host if conn.client else "unknown"
 
 
-async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object, read no further than ``limit`` bytes."""
+async def read_json_object(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object, read no further than ``limits.max_http_body_bytes`` and nested no
+    deeper than ``limits.max_json_depth``."""
+    limits = gateway_of(request).settings.limits
+    limit = limits.max_http_body_bytes
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
             raise GatewayError(INVALID_REQUEST, f"the request body exceeds {limit} bytes")
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise GatewayError(INVALID_REQUEST, f"the request body is not valid JSON: {exc}") from None
+    data = parse_json(bytes(body), limits.max_json_depth, "the request body")
     if not isinstance(data, dict):
         raise GatewayError(INVALID_REQUEST, f"the request body must be a JSON object, not {type(data).__name__}")
     return data

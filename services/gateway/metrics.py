@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from common import wire
+
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class Metrics:
-    """Labelled by ``surface`` (websocket | rest | openai) and, for requests, ``outcome`` (a finish
-    reason or an error code); never by request id."""
+    """Labelled by ``surface`` (websocket | rest | openai | aici | salience | evergreen) and, for requests,
+    ``outcome`` (a finish reason or an error code); never by request id."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -47,19 +49,39 @@ class Metrics:
             key: Gauge(f"tiller:{key}", doc, registry=self.registry)
             for key, doc in (
                 ("kv_capacity_tokens", "Tokens the workers' KV pools hold"),
-                ("kv_free_tokens", "Tokens the workers' KV pools can still take"),
+                ("kv_free_tokens", "Tokens of the workers' empty KV blocks"),
+                ("kv_cached_tokens", "Tokens of KV blocks that only hold reusable prefixes (taken when free ones run out)"),
+                ("kv_used_tokens", "Tokens of KV blocks held by live sequences and parked sessions"),
                 ("kv_reserved_tokens", "KV tokens promised to admitted requests and parked sessions"),
                 ("queued", "Requests waiting for admission"),
                 ("running", "Sequences admitted to a worker"),
             )
         }
+        # per worker, labelled by its id (a worker that left loses its series)
+        self.worker_state = {
+            key: Gauge(f"tiller:worker_{key}", doc, ["worker"], registry=self.registry)
+            for key, doc in (
+                ("running", "Sequences admitted to the worker"),
+                ("kv_capacity_tokens", "Tokens the worker's KV pool holds"),
+                ("kv_used_tokens", "Tokens of the worker's KV blocks held by live sequences and parked sessions"),
+                ("kv_cached_tokens", "Tokens of the worker's KV blocks that only hold reusable prefixes"),
+                ("kv_free_tokens", "Tokens of the worker's empty KV blocks"),
+                ("prefix_hit_rate", "Share of the prompt tokens sent to the worker whose KV its prefix cache gave"),
+            )
+        }
 
-    def observe_engine(self, scheduler_detail: dict) -> None:
-        """Set the engine gauges from the scheduler's health detail (missing keys are left as they are)."""
+    def refused(self, surface: str, code: str) -> None:
+        """A request refused before a generation started (a generation counts its own outcome)."""
+        self.requests.labels(surface, code).inc()
+
+    def observe_engine(self, facts: wire.ModelFacts) -> None:
+        """Set the engine gauges from the scheduler's model facts."""
         for key, gauge in self.engine_state.items():
-            value = scheduler_detail.get(key)
-            if isinstance(value, (int, float)):
-                gauge.set(value)
+            gauge.set(getattr(facts, key))
+        for key, gauge in self.worker_state.items():
+            gauge.clear()
+            for worker in facts.workers:
+                gauge.labels(worker.worker).set(getattr(worker, key))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

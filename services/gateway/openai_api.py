@@ -33,9 +33,18 @@ from pydantic import (
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from common.errors import INTERNAL_ERROR, MEMORY_PRESSURE, MODEL_LOADING_ERROR, RATE_LIMITED, TIMEOUT, TillerError
-from services.gateway.driver import Generation, new_request_id
-from services.gateway.engine import HEALTH_MAX_AGE_S
+from common.errors import (
+    INTERNAL_ERROR,
+    MEMORY_PRESSURE,
+    MODEL_LOADING_ERROR,
+    RATE_LIMITED,
+    SERVICE_UNAVAILABLE,
+    TIMEOUT,
+    TillerError,
+)
+from services.gateway.deps import new_request_id
+from services.gateway.driver import Generation
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, facts_of
 from services.gateway.httputil import (
     SSE_HEADERS,
     client_of,
@@ -47,6 +56,7 @@ from services.gateway.httputil import (
 )
 from services.gateway.protocol import CompletionMsg, ErrorMsg, InitMsg, LogprobEntry, ServerMsg, TokenMsg, Usage
 from services.gateway.side_channel import Caller
+from services.gateway.tool_calls import ReplyParser, Tool, ToolCallIn, ToolChoice, ToolPlan, parse_reply, render_messages
 from services.gateway.validation import (
     ChatMessage,
     ChatRendering,
@@ -74,6 +84,7 @@ _ERROR_TYPES = {
     MEMORY_PRESSURE: "server_error",
     TIMEOUT: "server_error",
     MODEL_LOADING_ERROR: "server_error",
+    SERVICE_UNAVAILABLE: "server_error",
 }
 _FINISH_REASONS = {"cancelled": "abort"}  # the rest (stop, length, content_filter) are OpenAI's own
 
@@ -232,14 +243,28 @@ class _OpenAIRequest(LimitChecks):
             raise ValueError("min_tokens cannot hold back the end of a JSON response_format")
         return self
 
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        """The tool calls the model may make (chat completions only)."""
+        return None
+
+    def _output_schema(self) -> dict[str, Any] | None:
+        return None if self.response_format is None else self.response_format.output_schema()
+
+    def _constraint(self) -> dict[str, Any] | None:
+        """The JSON controller's constraint on the output, if the output has one."""
+        schema = self._output_schema()
+        return None if schema is None else {"json_schema": schema}
+
     def _requests(self, context: Context, prompts: list[dict[str, Any]], **kwargs: Any) -> list[GenerationRequest]:
         """One request per choice: each prompt ``n`` times, choice ``i`` of a prompt seeded ``seed + i``
         (as vLLM seeds parallel samples), so the choices differ and a seed still fixes them all. A JSON
-        ``response_format`` runs under the JSON controller, whose own token limit never cuts first."""
-        schema = None if self.response_format is None else self.response_format.output_schema()
-        if schema is not None:
+        ``response_format`` or tool calls run under the JSON controller, whose own token limit never
+        cuts first."""
+        constraint = self._constraint()
+        if constraint is not None:
             kwargs["controller"] = context.json_controller
-            kwargs["controller_arg"] = json.dumps({"json_schema": schema, "max_tokens": context.limits.max_tokens_cap})
+            kwargs["controller_arg"] = json.dumps({**constraint, "max_tokens": context.limits.max_tokens_cap})
         return [
             GenerationRequest(
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -265,6 +290,7 @@ class _OpenAIRequest(LimitChecks):
 
 class CompletionRequest(_OpenAIRequest):
     prompt: Annotated[list[str | list[int]], PlainValidator(_prompts)]
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 with echo: score the prompt only (as vLLM)
     logprobs: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
     best_of: _only(None, 1, hint="use n") = None
@@ -275,6 +301,8 @@ class CompletionRequest(_OpenAIRequest):
         cap = context_of(info).limits.max_choices
         if len(self.prompt) * self.n > cap:
             raise ValueError(f"{len(self.prompt)} prompts x n={self.n} make more than {cap} choices")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo: true (it returns the prompt, scored with logprobs)")
         return self
 
     def to_requests(self, context: Context) -> list[GenerationRequest]:
@@ -283,13 +311,20 @@ class CompletionRequest(_OpenAIRequest):
                               prompt_logprobs=self.echo and self.logprobs is not None)
 
 
+class ToolChatMessage(ChatMessage):
+    """A chat message of the OpenAI API: an assistant's may carry the tool calls it made."""
+
+    tool_calls: list[ToolCallIn] | None = None
+
+
 class ChatCompletionRequest(_OpenAIRequest, ChatRendering):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ToolChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0)] | None = None
-    tools: _only(None, []) = None
-    tool_choice: _only(None, "none", "auto") = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: _only(None, []) = None
     function_call: _only(None, "none", "auto") = None
     echo: _only(None, False) = None
@@ -306,10 +341,42 @@ class ChatCompletionRequest(_OpenAIRequest, ChatRendering):
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
 
+    @field_validator("tools")
+    @classmethod
+    def _tools_available(cls, value: list[Tool] | None, info: ValidationInfo) -> list[Tool] | None:
+        if value and context_of(info).json_controller is None:
+            raise ValueError("constrained tool calls are not enabled on this server")
+        names = [t.function.name for t in value or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"function names must differ, got {names}")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, value: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if value not in (None, "none") and not names:
+            raise ValueError("needs tools (as OpenAI)")
+        if isinstance(value, BaseModel) and value.function.name not in names:
+            raise ValueError(f"names function {value.function.name!r}, which is not among the tools {names}")
+        return value
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        if not self.tools:
+            return None
+        plan = ToolPlan(self.tools, self.tool_choice or "auto", self.parallel_tool_calls)
+        return plan if plan.may_call else None
+
+    def _constraint(self) -> dict[str, Any] | None:
+        plan = self.tool_plan
+        return super()._constraint() if plan is None else {"lark": plan.grammar(self._output_schema())}
+
     def to_requests(self, context: Context) -> list[GenerationRequest]:
+        messages = render_messages(self.messages, self.tool_plan)
         return self._requests(
             context,
-            [{"messages": [m.model_dump() for m in self.messages], **self.rendering()}],
+            [{"messages": messages, **self.rendering()}],
             max_tokens=self.max_completion_tokens or self.max_tokens,
             top_logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
@@ -325,15 +392,17 @@ class _Format:
     object: str
     chunk_object: str
 
-    def __init__(self, index: int, logprobs: bool) -> None:
+    def __init__(self, index: int, logprobs: bool, tools: ToolPlan | None = None) -> None:
         self.index = index  # the choice's index
         self.logprobs = logprobs
+        self.tools = tools  # chat completions' tool calls, when the model may make them
         self.text_offset = 0  # completions' logprobs.text_offset of the next token
 
     def choice(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None) -> dict[str, Any]:
         raise NotImplementedError
 
-    def delta(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None) -> dict[str, Any]:
+    def delta(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None) -> dict[str, Any] | None:
+        """The choice of a chunk; None when there is nothing to send yet."""
         raise NotImplementedError
 
     def opening(self, init: InitMsg, echo: bool, prompt_entries: list[list[LogprobEntry]]) -> dict[str, Any] | None:
@@ -381,7 +450,13 @@ class _ChatFormat(_Format):
         return {"content": [{**self._entry(s), "top_logprobs": [self._entry(a) for a in alts]} for s, *alts in entries]}
 
     def choice(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            reply, parser = parse_reply(self.tools, text)
+            message["content"] = reply.content or None
+            if reply.calls:
+                message["tool_calls"] = [{k: v for k, v in c.to_openai().items() if k != "index"} for c in reply.calls]
+            finish_reason = finish_reason and parser.finish_reason(finish_reason)
         return {
             "index": self.index,
             "message": message,
@@ -389,8 +464,22 @@ class _ChatFormat(_Format):
             "finish_reason": finish_reason,
         }
 
-    def delta(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None) -> dict[str, Any]:
-        delta = {"content": text} if text or entries else {}
+    def __init__(self, index: int, logprobs: bool, tools: ToolPlan | None = None) -> None:
+        super().__init__(index, logprobs, tools)
+        self._parser = None if tools is None else ReplyParser(tools)
+
+    def delta(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None) -> dict[str, Any] | None:
+        delta: dict[str, Any] = {"content": text} if text or entries else {}
+        if self._parser is not None:
+            reply = self._parser.feed(text)
+            if finish_reason is not None:
+                reply.add(self._parser.close())
+                finish_reason = self._parser.finish_reason(finish_reason)
+            delta = {"content": reply.content} if reply.content else {}
+            if reply.calls:
+                delta["tool_calls"] = [c.to_openai() for c in reply.calls]
+            if not delta and not entries and finish_reason is None:
+                return None
         return {
             "index": self.index,
             "delta": delta,
@@ -464,8 +553,8 @@ async def _sse_chunks(rid: str, choices: list[_Choice], n: int, include_usage: b
                     yield data
             if isinstance(msg, TokenMsg):
                 entries = [msg.logprobs] if msg.logprobs else []
-                if msg.token or entries:
-                    yield chunk([choice_fmt.delta(msg.token, entries, None)])
+                if (msg.token or entries) and (part := choice_fmt.delta(msg.token, entries, None)) is not None:
+                    yield chunk([part])
             elif isinstance(msg, CompletionMsg):
                 usages[i] = msg.usage
                 yield chunk([choice_fmt.delta("", [], _finish(msg.finish_reason))])
@@ -508,7 +597,7 @@ async def _collect_all(
 
 
 async def _start(
-    request: Request, requests: list[GenerationRequest], fmt_type: type[_Format], rid: str
+    request: Request, requests: list[GenerationRequest], fmt_type: type[_Format], rid: str, tools: ToolPlan | None
 ) -> list[_Choice] | ErrorMsg:
     """Start a generation per choice, each up to its ``init``; the first refusal ends them all."""
     gw = gateway_of(request)
@@ -525,7 +614,7 @@ async def _start(
             await _close(choices)
             return first
         assert isinstance(first, InitMsg)
-        choices.append(_Choice(fmt_type(i, logprobs=req.top_logprobs is not None), gen, first, messages))
+        choices.append(_Choice(fmt_type(i, logprobs=req.top_logprobs is not None, tools=tools), gen, first, messages))
     return choices
 
 
@@ -541,14 +630,16 @@ async def _serve(
     gw = gateway_of(request)
     context = Context.of(gw.settings)
     try:
-        body = await read_json_object(request, gw.settings.limits.max_http_body_bytes)
+        body = await read_json_object(request)
         parsed = validate(model, body, context)
     except TillerError as exc:
+        gw.metrics.refused("openai", exc.code)
         return error_response(ErrorMsg.from_error(exc))
     if parsed.model is not None and parsed.model != gw.settings.served_model_name:
+        gw.metrics.refused("openai", "model_not_found")
         return model_not_found(parsed.model, gw.settings.served_model_name)
     rid = new_request_id(fmt_type.id_prefix)
-    choices = await _start(request, parsed.to_requests(context), fmt_type, rid)
+    choices = await _start(request, parsed.to_requests(context), fmt_type, rid, parsed.tool_plan)
     if isinstance(choices, ErrorMsg):
         return error_response(choices)
     if parsed.stream:
@@ -583,10 +674,10 @@ async def max_model_len(request: Request) -> int:
     """The model's own context once a worker has reported it, else the configured one."""
     gw = gateway_of(request)
     try:
-        detail = (await gw.engine.health(max_age=HEALTH_MAX_AGE_S)).detail
+        known = facts_of(await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)).max_model_len
     except TillerError:
-        detail = {}
-    return detail.get("max_model_len") or gw.settings.limits.max_model_len
+        known = 0
+    return known or gw.settings.limits.max_model_len
 
 
 async def _model_card(request: Request) -> dict[str, Any]:

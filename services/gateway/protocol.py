@@ -1,4 +1,4 @@
-"""The server messages of the WebSocket protocol (seed 003), as typed values.
+"""The server messages of the WebSocket protocol, as typed values.
 
 The generation driver yields these; the WebSocket and REST/SSE surfaces render them with
 :meth:`to_json` (which applies the client's ``options``), the OpenAI surface reads their fields.

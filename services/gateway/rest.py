@@ -1,8 +1,9 @@
-"""``POST /v1/generate``: the WebSocket protocol's REST twin (seed 003, "Compatibility with REST APIs").
+"""``POST /v1/generate``: the WebSocket protocol's REST twin (the protocol's "Compatibility with REST APIs").
 
 The body is a config (``prompt`` or ``messages``, ``model``) with the parameters and options flat
-at the top level or nested as on the WebSocket. Without ``stream`` the answer is the completion as
-JSON; with it, the WebSocket's messages as server-sent events. Errors are
+at the top level or nested as on the WebSocket. Without ``stream`` (or with ``stream: false``) the
+answer is the completion as JSON, as REST APIs do (the WebSocket's own default is to stream); with
+``stream: true``, the WebSocket's messages as server-sent events. Errors are
 ``{"error": {type, message, recoverable, recovery_action, ...}}`` with the error type's HTTP status.
 """
 
@@ -17,7 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import ERROR_TRAITS, INTERNAL_ERROR, TillerError
-from services.gateway.driver import Generation, new_request_id, protocol_messages
+from services.gateway.deps import new_request_id
+from services.gateway.driver import Generation, protocol_messages
 from services.gateway.httputil import (
     SSE_HEADERS,
     client_of,
@@ -43,6 +45,14 @@ def error_response(error: dict[str, Any]) -> JSONResponse:
     return JSONResponse({"error": {"type": error["error"], **fields}}, status_code=status, headers=headers)
 
 
+def rest_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """A config without ``stream`` does not stream over REST (a malformed ``options`` is validation's)."""
+    options = config.get("options", {})
+    if isinstance(options, dict) and "stream" not in options:
+        config["options"] = {**options, "stream": False}
+    return config
+
+
 async def _last(messages: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
     last: dict[str, Any] = {}
     async for message in messages:
@@ -59,10 +69,11 @@ async def _events(messages: AsyncIterator[dict[str, Any]]) -> AsyncIterator[byte
 async def generate(request: Request) -> Response:
     gw = gateway_of(request)
     try:
-        body = await read_json_object(request, gw.settings.limits.max_http_body_bytes)
-        config = validate(GenerateConfig, flat_body_to_config(body), Context.of(gw.settings))
+        body = await read_json_object(request)
+        config = validate(GenerateConfig, rest_defaults(flat_body_to_config(body)), Context.of(gw.settings))
         caller = caller_of(request, gw.settings) if config.controller else None
     except TillerError as exc:
+        gw.metrics.refused("rest", exc.code)
         return error_response(ErrorMsg.from_error(exc).to_json())
     gen = Generation(
         gw, config.to_request(), rid=new_request_id("gen_"), surface="rest", client=client_of(request), caller=caller

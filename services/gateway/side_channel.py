@@ -1,4 +1,4 @@
-"""The gateway's side channel to the controller runtime (seed 001): asynchronous requests matched by
+"""The gateway's side channel to the controller runtime (the AICI runtime protocol): asynchronous requests matched by
 ``$rid``, each carrying the caller as ``$auth``; and how a caller is identified.
 
 Identification (``settings.api_auth``): when tokens are configured, a request must carry
@@ -21,11 +21,13 @@ import structlog
 import zmq
 import zmq.asyncio
 from starlette.requests import HTTPConnection
+from zmq.utils.monitor import recv_monitor_message
 
 from common import aici_wire
 from common.config import Settings
-from common.errors import INTERNAL_ERROR, INVALID_REQUEST, TillerError, WireError
+from common.errors import INTERNAL_ERROR, INVALID_REQUEST, SERVICE_UNAVAILABLE, TillerError, WireError
 from common.sockets import ensure_ipc_dir
+from services.gateway.auth import presented_token
 
 log = structlog.get_logger()
 
@@ -52,7 +54,7 @@ def caller_of(conn: HTTPConnection, settings: Settings) -> Caller:
     """The caller of an HTTP or WebSocket request (see the module docstring); Unauthorized if none."""
     auth = settings.api_auth
     if auth.tokens:
-        user = auth.tokens.get(presented_token(conn, settings))
+        user = auth.tokens.get(presented_token(conn.headers, auth.key_header))
         if user is None:
             raise Unauthorized(f"the controller API needs 'Authorization: Bearer <token>' (or '{auth.key_header}: "
                                "<token>') with a known token")
@@ -60,14 +62,6 @@ def caller_of(conn: HTTPConnection, settings: Settings) -> Caller:
     user = conn.headers.get(auth.user_header) or auth.default_user
     role = conn.headers.get(auth.role_header)
     return Caller(user=user, is_admin=user in auth.admins if role is None else role == "admin")
-
-
-def presented_token(conn: HTTPConnection, settings: Settings) -> str:
-    """The token a request presents: ``Authorization: Bearer <token>``, else the key header's value."""
-    scheme, _, token = conn.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer":
-        return token.strip()
-    return conn.headers.get(settings.api_auth.key_header, "").strip()
 
 
 class ControllerError(TillerError):
@@ -88,8 +82,16 @@ class ControllerInitFailed(ControllerError):
         self.result = result
 
 
+def _runtime_down() -> TillerError:
+    return TillerError(SERVICE_UNAVAILABLE, "the controller runtime is not connected (it died or is restarting); "
+                                            "retry shortly")
+
+
 class SideChannel:
-    """A DEALER on the runtime's side channel; many requests in flight, replies matched by ``$rid``."""
+    """A DEALER on the runtime's side channel; many requests in flight, replies matched by ``$rid``.
+
+    While the connection to the runtime is down (it died or restarts) every call fails at once with
+    ``service_unavailable``, the calls waiting for a reply when it dropped included."""
 
     def __init__(self, settings: Settings, ctx: zmq.asyncio.Context) -> None:
         endpoint = settings.endpoint("controller_side")
@@ -97,18 +99,36 @@ class SideChannel:
         self._timeout_s = settings.controllers.side_timeout_s
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._down = False  # the connection dropped and has not come back
 
     def start(self) -> None:
         if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+            loop = asyncio.get_running_loop()
+            self._reader = loop.create_task(self._read_loop())
+            self._watcher = loop.create_task(self._watch_connection())
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+        self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close(0)
+
+    async def _watch_connection(self) -> None:
+        while True:
+            event = await recv_monitor_message(self._monitor)
+            self._down = event["event"] == zmq.EVENT_DISCONNECTED
+            if self._down:
+                log.warning("side_channel.runtime_disconnected", pending=len(self._pending))
+                for future in self._pending.values():
+                    if not future.done():
+                        future.set_exception(_runtime_down())
 
     async def _read_loop(self) -> None:
         while True:
@@ -132,6 +152,8 @@ class SideChannel:
     async def _exchange(self, op: str, caller: Caller, fields: dict[str, Any]) -> dict[str, Any]:
         """Send ``op`` and wait for the reply with its ``$rid``."""
         self.start()
+        if self._down:
+            raise _runtime_down()
         rid = str(uuid.uuid4())
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
@@ -144,6 +166,11 @@ class SideChannel:
         finally:
             self._pending.pop(rid, None)
         return reply
+
+    @property
+    def connected(self) -> bool:
+        """False while the connection to the runtime is known to be down."""
+        return not self._down
 
     async def mk_module(self, caller: Caller, wasm: bytes) -> dict[str, Any]:
         return await self.call("mk_module", caller, binary=base64.b64encode(wasm).decode("ascii"))

@@ -1,10 +1,14 @@
 """The gateway's link to the session store: request records and Evergreen node mirroring
-(fire-and-forget, never on the token path), feedback, and lookups."""
+(fire-and-forget, never on the token path), feedback, and lookups; and the heartbeat that keeps
+what this gateway holds there (:class:`Holdings`) from lapsing."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import structlog
@@ -13,6 +17,7 @@ import zmq.asyncio
 from common import wire
 from common.config import Settings
 from common.errors import ERROR_TRAITS, INTERNAL_ERROR, TillerError
+from common.incarnation import process_incarnation
 from common.sockets import Dealer
 
 log = structlog.get_logger()
@@ -24,10 +29,54 @@ class StoreError(TillerError):
     """A session store refusal; ``code`` may be ``not_found``, which has no WebSocket error type."""
 
 
+class Holdings:
+    """What this gateway holds at the session store and renews with each heartbeat: the busy leases of
+    the Salience sessions it runs a Generate on, and its live Evergreen sessions' node rows. Should the
+    gateway die, the heartbeats stop and the store lets them go (``sessions.busy_lease_s``)."""
+
+    def __init__(self) -> None:
+        self.leases: Counter[str] = Counter()
+        self.evergreen: set[str] = set()
+
+    @contextlib.contextmanager
+    def lease(self, session_id: str) -> Iterator[None]:
+        self.leases[session_id] += 1
+        try:
+            yield
+        finally:
+            self.leases[session_id] -= 1
+            if self.leases[session_id] <= 0:
+                del self.leases[session_id]
+
+    def heartbeat(self) -> wire.GatewayAlive | None:
+        """The heartbeat to send (None: nothing is held)."""
+        if not (self.leases or self.evergreen):
+            return None
+        return wire.GatewayAlive(incarnation=process_incarnation(), leases=sorted(self.leases),
+                                 evergreen=sorted(self.evergreen))
+
+
 class StoreClient:
     def __init__(self, settings: Settings, ctx: zmq.asyncio.Context) -> None:
         self._dealer = Dealer(ctx, settings.endpoint("session_store"))
         self._background: set[asyncio.Task[None]] = set()
+        self._heartbeat_s = settings.limits.gateway_heartbeat_s
+        self.holdings = Holdings()
+
+    def start(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._keep_alive())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _keep_alive(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            if (beat := self.holdings.heartbeat()) is None:
+                continue
+            try:
+                await self._dealer.request(beat, timeout=self._heartbeat_s)
+            except TimeoutError:
+                log.debug("store.heartbeat_unanswered")
 
     def close(self) -> None:
         for task in self._background:
@@ -89,6 +138,14 @@ class StoreClient:
     async def record_feedback(self, rid: str, *, rating: float, text: str | None, position: int | None) -> int:
         data = await self._ok(wire.RecordFeedback(rid=rid, rating=rating, text=text or "", position=position))
         return int(data["feedback_id"])
+
+    async def answers(self, timeout: float = 0.5) -> bool:
+        """Whether the session store answers a Health request within ``timeout`` seconds."""
+        try:
+            reply, _ = await self._dealer.request(wire.Health(), timeout=timeout)
+        except TimeoutError:
+            return False
+        return isinstance(reply, wire.HealthReply)
 
     async def get_request(self, rid: str) -> dict[str, Any]:
         return await self._ok(wire.GetRequest(rid=rid))

@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.config import Settings
-from services.gateway.side_channel import presented_token
+from services.gateway.auth import HTTP, accepted_tokens, presented_token, refusal
 
 OPEN_PATHS = ("/health", "/metrics")
 POLICY_VIOLATION = 1008  # WebSocket close code: the handshake is refused (HTTP 403)
@@ -22,18 +22,19 @@ class TokenGate:
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
         self.settings = settings
+        self.tokens = accepted_tokens(settings, HTTP)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        if presented_token(HTTPConnection(scope), self.settings) in self.settings.api_auth.tokens:
+        key_header = self.settings.api_auth.key_header
+        problem = refusal(self.tokens, presented_token(HTTPConnection(scope).headers, key_header), key_header)
+        if problem is None:
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": POLICY_VIOLATION, "reason": "unauthorized"})
             return
-        key_header = self.settings.api_auth.key_header
-        message = f"this server needs 'Authorization: Bearer <token>' (or '{key_header}: <token>') with a known token"
-        body = {"error": {"message": message, "type": "authentication_error", "param": None, "code": "unauthorized"}}
+        body = {"error": {"message": problem, "type": "authentication_error", "param": None, "code": "unauthorized"}}
         await JSONResponse(body, status_code=401)(scope, receive, send)

@@ -52,7 +52,7 @@ async def _parse(request: Request, model: type[StrictModel]) -> Any:
     """The validated body, or the error response to send instead."""
     gw = gateway_of(request)
     try:
-        parsed = validate(model, await read_json_object(request, gw.settings.limits.max_http_body_bytes),
+        parsed = validate(model, await read_json_object(request),
                           Context.of(gw.settings))
     except TillerError as exc:
         return error_response(ErrorMsg.from_error(exc))

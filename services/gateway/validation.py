@@ -27,6 +27,7 @@ from common import aici_wire
 from common.config import Limits, Settings
 from common.errors import INVALID_REQUEST
 from common.wire import SamplingParams, SamplingPatch
+from services.gateway.json_body import parse_json
 from services.gateway.protocol import GatewayError
 
 CLIENT_MESSAGE_TYPES = ("config", "control", "feedback")
@@ -107,9 +108,10 @@ class LimitChecks(BaseModel):
     @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
     @classmethod
     def _max_tokens_cap(cls, value: int | None, info: ValidationInfo) -> int | None:
-        cap = context_of(info).limits.max_tokens_cap
-        if value is not None and value > cap:
-            raise ValueError(f"must be at most {cap} (got {value})")
+        limits = context_of(info).limits
+        if value is not None and value > limits.max_tokens_cap:
+            raise ValueError(f"must be at most {limits.max_tokens_cap} (got {value}), and fit beside the prompt in the "
+                             f"model's context of {limits.max_model_len} tokens")
         return value
 
     @field_validator("stop", check_fields=False)
@@ -246,7 +248,7 @@ class GenerationRequest:
     prompt_logprobs: bool = False  # the prompt tokens' logprobs too, with top_logprobs alternatives each
     echo: bool = False
     ignore_eos: bool = False
-    controller: str | None = None  # module id, tag or native:<name> steering the generation (seed 001)
+    controller: str | None = None  # module id, tag or native:<name> steering the generation (the AICI runtime protocol)
     controller_arg: str = ""
 
     def sampling(self) -> SamplingParams:
@@ -380,12 +382,9 @@ def validate(model: type[M], data: Any, context: Context, *, prefix: str = "") -
         raise GatewayError(INVALID_REQUEST, "; ".join(m for _, m in described), param=described[0][0] or None) from None
 
 
-def parse_client_message(raw: str | bytes) -> dict[str, Any]:
+def parse_client_message(raw: str | bytes, max_depth: int) -> dict[str, Any]:
     """A WebSocket frame as a message object with a known ``type``, or ``invalid_request``."""
-    try:
-        message = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise GatewayError(INVALID_REQUEST, f"message is not valid JSON: {exc}") from None
+    message = parse_json(raw, max_depth, "message")
     if not isinstance(message, dict):
         raise GatewayError(INVALID_REQUEST, f"message must be a JSON object, not {type(message).__name__}")
     kind = message.get("type")
@@ -401,7 +400,7 @@ def parse_client_message(raw: str | bytes) -> dict[str, Any]:
 
 
 def flat_body_to_config(body: dict[str, Any]) -> dict[str, Any]:
-    """``/v1/generate`` takes the parameters and options at the top level (the seed's REST example)
+    """``/v1/generate`` takes the parameters and options at the top level (the WebSocket protocol's REST example)
     or nested as in the WebSocket config; fold the flat form into the nested one."""
     config = dict(body)
     for group, model in (("parameters", Parameters), ("options", Options)):

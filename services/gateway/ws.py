@@ -1,4 +1,4 @@
-"""``ws://HOST:PORT/generate``: the WebSocket protocol of seed 003.
+"""``ws://HOST:PORT/generate``: the WebSocket protocol.
 
 One connection runs at most one generation at a time (a pump task sending its messages) while the
 reader handles control and feedback messages. After a completion or an error the connection takes a
@@ -17,7 +17,8 @@ from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketState
 
 from common.errors import INTERNAL_ERROR, INVALID_REQUEST, TillerError
-from services.gateway.driver import Gateway, Generation, new_request_id, protocol_messages
+from services.gateway.deps import Gateway, new_request_id
+from services.gateway.driver import Generation, protocol_messages
 from services.gateway.httputil import client_of, gateway_of, json_text
 from services.gateway.protocol import ErrorMsg, GatewayError, StatusMsg
 from services.gateway.side_channel import caller_of
@@ -74,8 +75,9 @@ class Connection:
                 await self._ws.send_text(json_text(message))
 
     async def _on_frame(self, raw: str | bytes) -> None:
+        kind = None
         try:
-            message = parse_client_message(raw)
+            message = parse_client_message(raw, self._gw.settings.limits.max_json_depth)
             kind = message.pop("type")
             if kind == "config":
                 await self._on_config(message)
@@ -88,6 +90,8 @@ class Connection:
             else:
                 await self._on_feedback(validate(FeedbackMessage, message, self._context))
         except TillerError as exc:
+            if kind in (None, "config"):  # a request refused (a control or feedback message is no request)
+                self._gw.metrics.refused("websocket", exc.code)
             await self._send(ErrorMsg.from_error(exc).to_json())
         except Exception as exc:  # a bug or a broken peer socket must not end the connection
             log.exception("ws.message_failed")

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import enum
-import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from common import wire
 from common.textstream import TextStream
+
+
+def stop_token(submit: wire.Submit, token: int, eos: Collection[int]) -> bool:
+    """Whether a sampled token ends its sequence: one of the request's stop tokens, or an ``eos`` token
+    unless the request ignores EOS (a controlled sequence passes none: its controller decides)."""
+    return token in submit.stop_token_ids or (token in eos and not submit.ignore_eos)
+
+
+def length_reached(submit: wire.Submit, generated: int, total: int, max_len: int) -> bool:
+    """Whether a sequence of ``total`` tokens, ``generated`` of them sampled, may grow no more."""
+    return generated >= submit.max_tokens or total >= max_len
 
 
 class State(enum.Enum):
@@ -25,7 +36,6 @@ class LiveRequest:
     order: int  # arrival order, the tie-breaker after priority
     text: TextStream
     deadline: float
-    arrived_at: float = field(default_factory=time.monotonic)
     state: State = State.QUEUED
     paused: bool = False  # a paused request keeps its place (and KV) but is not stepped or admitted
     reserved: int = 0  # KV tokens reserved on its worker at admission
@@ -59,15 +69,15 @@ class LiveRequest:
         n = len(self.prompt)
         for span in outputs.logprob_ranges:
             self.logprob_positions.update(range(max(span.start, 0), min(span.end, n)))
-        for span in outputs.readout_ranges:
-            self.readout_positions.update(range(max(span.start, 0), min(span.end, n)))
+        for span in outputs.readout_ranges:  # decoded positions too: read by the step that feeds them
+            self.readout_positions.update(range(max(span.start, 0), min(span.end, n + self.submit.max_tokens)))
 
     @property
     def first_output_position(self) -> int:
-        """The first position whose hidden states this request needs computed (len(prompt): none)."""
-        return min(
-            [p - 1 for p in self.logprob_positions if p > 0] + list(self.readout_positions), default=len(self.prompt)
-        )
+        """The first prompt position whose hidden states this request needs computed (len(prompt): none)."""
+        n = len(self.prompt)
+        return min([p - 1 for p in self.logprob_positions if p > 0] + [p for p in self.readout_positions if p < n],
+                   default=n)
 
     @property
     def rid(self) -> str:

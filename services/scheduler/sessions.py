@@ -70,11 +70,18 @@ def same_images_prefix(held: list[wire.ImageInput], wanted: list[wire.ImageInput
     return min([limit] + [start for start, _, _ in differ])
 
 
+# ``SessionKV.reuse``'s answer when the request's own parked sequence is busy (a fork of it has not
+# been copied yet): wait a step rather than change it.
+WAIT = object()
+
+
 class SessionKV:
-    def __init__(self, config: Sessions, pool: WorkerPool, free: Callable[[bytes, int], None]) -> None:
+    def __init__(self, config: Sessions, pool: WorkerPool, free: Callable[[bytes, int], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.pool = pool
         self._free = free  # (worker identity, seq_id): free a sequence with the worker's next step
+        self.clock = clock
         self.parked: OrderedDict[str, Parked] = OrderedDict()  # least recently parked first
         self.pinned: set[int] = set()  # parked sequences a placed fork has not copied yet
 
@@ -83,30 +90,27 @@ class SessionKV:
     def held_tokens(self, worker: bytes) -> int:
         return sum(len(p.tokens) for p in self.parked.values() if p.worker == worker)
 
-    def summary(self) -> dict[str, int]:
-        return {"parked_sessions": len(self.parked), "parked_tokens": sum(len(p.tokens) for p in self.parked.values())}
+    def parked_tokens(self) -> int:
+        return sum(len(p.tokens) for p in self.parked.values())
 
     # -- admission -----------------------------------------------------------------------------
 
-    def place(self, request: LiveRequest, needed: int) -> Placement | None:
-        """A worker (and a parked sequence to start from, when one helps) for ``request``, evicting
-        idle sessions' KV when a live request needs the room; None when nothing fits now."""
+    def reuse(self, request: LiveRequest, needed: int) -> Placement | None | object:
+        """Where a session turn continues from a parked sequence (its session's own, or for a first
+        turn its parent's), evicting other idle sessions' KV on that worker for the room; None when
+        no parked sequence helps (place it anew), :data:`WAIT` when its own is busy."""
         ref = request.submit.session
         own = self.parked.get(ref.key) if ref else None
         parent = self.parked.get(ref.parent) if ref and ref.parent and own is None else None
         base = own or parent
         if own is not None and own.seq_id in self.pinned:
-            return None  # a fork of it has not been copied yet: wait a step rather than change it
-        if base is not None:
-            placement = self._place_on(base, own is not None, request, needed)
-            if placement is not None:
-                return placement
-            if own is not None:  # it cannot be used: let it go rather than hold it twice
-                self._evict(own)
-        worker = self.pool.pick_for(needed)
-        while worker is None and self._evict_lru(exclude=self.pinned):
-            worker = self.pool.pick_for(needed)
-        return Placement(worker=worker) if worker is not None else None
+            return WAIT
+        if base is None:
+            return None
+        placement = self._place_on(base, own is not None, request, needed)
+        if placement is None and own is not None:  # it cannot be used: let it go rather than hold it twice
+            self._evict(own)
+        return placement
 
     def _place_on(self, base: Parked, own: bool, request: LiveRequest, needed: int) -> Placement | None:
         worker = self.pool.workers.get(base.worker)
@@ -146,7 +150,7 @@ class SessionKV:
         if previous is not None:
             self._evict(previous)
         images = [image for image in request.submit.images if image.end <= len(tokens)]
-        self.parked[ref.key] = Parked(ref.key, request.seq_id, worker.identity, list(tokens), time.monotonic(), images)
+        self.parked[ref.key] = Parked(ref.key, request.seq_id, worker.identity, list(tokens), self.clock(), images)
         worker.reserved_tokens += len(tokens)
         limit = int(worker.capacity * self.config.kv_parked_fraction)
         while self.held_tokens(worker.identity) > limit:
@@ -169,7 +173,7 @@ class SessionKV:
     def expire(self) -> None:
         """Let go of sequences parked longer than the session TTL (their session is closed or idle
         past it; a later turn of a live one recomputes)."""
-        cutoff = time.monotonic() - self.config.ttl_s
+        cutoff = self.clock() - self.config.ttl_s
         for parked in [p for p in self.parked.values() if p.parked_at < cutoff and p.seq_id not in self.pinned]:
             self._evict(parked)
 
@@ -194,6 +198,10 @@ class SessionKV:
             worker.reserved_tokens -= len(parked.tokens)
             self._free(parked.worker, parked.seq_id)
         log.debug("sessions.evicted", session=parked.key, tokens=len(parked.tokens))
+
+    def evict_lru(self) -> bool:
+        """Free the least recently parked sequence that no placed fork waits for; False: none to free."""
+        return self._evict_lru(exclude=self.pinned)
 
     def _evict_lru(self, exclude: set[int], worker: bytes | None = None) -> bool:
         """Free the least recently parked sequence (on ``worker`` when given); False: none to free."""

@@ -1,24 +1,34 @@
-"""The workers connected to the scheduler: their announced state, liveness, and step round-trips."""
+"""The scheduler's table of workers: what each announced, the KV promised on it, its liveness marks.
+
+Pure data: the service shell sets the liveness marks (``last_seen``, ``suspect_since``) and owns the
+sockets and step round-trips; the core reads and updates the KV figures. ``least_loaded`` is the
+default placement of a new sequence.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common import wire
+
+if TYPE_CHECKING:
+    from services.scheduler.requests import LiveRequest
 
 
 @dataclass
 class WorkerInfo:
     identity: bytes
     hello: wire.WorkerHello
-    last_seen: float = field(default_factory=time.monotonic)
-    reserved_tokens: int = 0  # KV reserved by admitted requests
-    in_flight: dict[int, asyncio.Future[wire.StepResult]] = field(default_factory=dict)  # step_id -> its result
+    last_seen: float = 0.0
+    reserved_tokens: int = 0  # KV reserved by admitted requests and parked sessions
     suspect_since: float | None = None  # set when a peer disconnected: answer soon or be dropped
     kv_free_tokens: int | None = None  # as its last step result reported (None: no step yet)
+    kv_cached_tokens: int = 0  # likewise: blocks that only hold reusable prefixes
     fresh: bool = True  # no step sent yet: the first one drops whatever the worker holds (Step.free_all)
+    running: int = 0  # sequences admitted to it
 
     @property
     def ready(self) -> bool:
@@ -28,12 +38,28 @@ class WorkerInfo:
     def capacity(self) -> int:
         return self.hello.kv_capacity_tokens
 
+    @property
+    def unreserved(self) -> int:
+        return self.capacity - self.reserved_tokens
+
+
+# Where a new sequence for a request runs (it needs ``request.needed_tokens`` of KV): the identity of
+# one of ``workers`` (the ready ones), or None when none can hold it now.
+Place = Callable[["LiveRequest", Sequence[WorkerInfo]], "bytes | None"]
+
+
+def least_loaded(request: LiveRequest, workers: Sequence[WorkerInfo]) -> bytes | None:
+    """The worker with the most unreserved KV, if it can hold the request."""
+    best = max(workers, key=lambda w: w.unreserved, default=None)
+    return best.identity if best is not None and best.unreserved >= request.needed_tokens else None
+
 
 class WorkerPool:
-    """Tracks workers by ZeroMQ identity. The newest hello wins for an identity."""
+    """Workers by ZeroMQ identity. The newest hello wins for an identity."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.workers: dict[bytes, WorkerInfo] = {}
+        self.clock = clock
 
     def on_hello(self, identity: bytes, hello: wire.WorkerHello) -> WorkerInfo:
         info = self.workers.get(identity)
@@ -48,34 +74,20 @@ class WorkerPool:
     def touch(self, identity: bytes) -> None:
         info = self.workers.get(identity)
         if info is not None:
-            info.last_seen = time.monotonic()
+            info.last_seen = self.clock()
             info.suspect_since = None
 
     def ready(self) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.ready]
 
-    def pick_for(self, tokens: int) -> WorkerInfo | None:
-        """The ready worker with the most free reserved capacity that can hold ``tokens``."""
-        best: WorkerInfo | None = None
-        for worker in self.ready():
-            free = worker.capacity - worker.reserved_tokens
-            if free >= tokens and (best is None or free > best.capacity - best.reserved_tokens):
-                best = worker
-        return best
-
-    def summary(self) -> dict[str, object]:
-        """Worker state for health replies: the best stage among workers."""
+    def summary(self) -> wire.WorkerStage:
+        """The best stage among workers, for health replies."""
         if not self.workers:
-            return {"stage": "absent", "progress": 0, "message": "no worker has connected yet"}
+            return wire.WorkerStage()
         rank = {"ready": 3, "loading": 2, "failed": 1}
         best = max(self.workers.values(), key=lambda w: (rank.get(w.hello.stage, 0), w.hello.progress))
-        return {
-            "stage": best.hello.stage,
-            "progress": 100 if best.ready else best.hello.progress,
-            "message": best.hello.message,
-            "workers": len(self.workers),
-            "device": best.hello.device,
-        }
+        return wire.WorkerStage(stage=best.hello.stage, progress=100 if best.ready else best.hello.progress,
+                                message=best.hello.message, workers=len(self.workers), device=best.hello.device)
 
     def drop(self, identity: bytes) -> WorkerInfo | None:
         return self.workers.pop(identity, None)

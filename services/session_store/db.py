@@ -109,7 +109,7 @@ class Store:
     # -- Evergreen node graphs -------------------------------------------------------------
 
     def evergreen_put(self, session_id: str, fragments: list[tuple[str, int, bytes]]) -> None:
-        """Store fragments; the first one stored for a (node, seq) is kept, as the seed requires."""
+        """Store fragments; the first one stored for a (node, seq) is kept, as the Evergreen spec requires."""
         with transaction(self.conn):
             self.conn.executemany(
                 "INSERT OR IGNORE INTO evergreen_fragments (session_id, node_id, seq, fragment) VALUES (?,?,?,?)",
@@ -125,6 +125,9 @@ class Store:
 
     def evergreen_close(self, session_id: str) -> None:
         self.conn.execute("DELETE FROM evergreen_fragments WHERE session_id=?", (session_id,))
+
+    def evergreen_session_ids(self) -> list[str]:
+        return [r[0] for r in self.conn.execute("SELECT DISTINCT session_id FROM evergreen_fragments")]
 
     def evergreen_fragments(self, session_id: str) -> list[list[Any]]:
         rows = self.conn.execute(

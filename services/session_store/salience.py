@@ -1,4 +1,4 @@
-"""Salience sessions (seed 002) in SQLite: token lists, images, idle TTL and the one-turn-at-a-time lease.
+"""Salience sessions (salience.proto) in SQLite: token lists, images, idle TTL and the one-turn-at-a-time lease.
 
 A session row holds its tokens (a uint32 array blob), the session it was forked from, when it was
 last used, and the lease of the Generate running on it (if any). Images live in their own table,
@@ -210,6 +210,15 @@ class SalienceSessions:
             self.conn.execute(
                 "UPDATE salience_sessions SET tokens=?, lease='', lease_until=0 WHERE session_id=?",
                 (_pack(tokens), msg.session_id),
+            )
+
+    def renew(self, session_ids: list[str], lease_s: float) -> None:
+        """Extend the busy leases of these sessions' running turns (their gateway's heartbeat)."""
+        until = self.clock() + lease_s
+        with transaction(self.conn, "BEGIN IMMEDIATE"):
+            self.conn.executemany(
+                "UPDATE salience_sessions SET lease_until=? WHERE session_id=? AND lease != ''",
+                [(until, session_id) for session_id in session_ids],
             )
 
     def expire(self) -> int:

@@ -1,18 +1,25 @@
 """Session store service: a ROUTER answering record/feedback/lookup, Evergreen node and Salience
-session messages from SQLite."""
+session messages from SQLite.
+
+Gateways' heartbeats (``GatewayAlive``) renew the busy leases of their running Salience turns and
+keep their live Evergreen sessions' rows; what a dead gateway held lapses after ``sessions.busy_lease_s``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 
 import structlog
 import zmq.asyncio
 
 from common import wire
 from common.config import Settings
+from common.incarnation import process_incarnation
 from common.sockets import Router, reply_mid
 from services.session_store.db import Store
+from services.session_store.holders import EvergreenHolders
 from services.session_store.salience import SalienceSessions, SessionError
 
 log = structlog.get_logger()
@@ -22,11 +29,17 @@ class SessionStore:
     def __init__(self, settings: Settings) -> None:
         self.store = Store(settings.db_path)
         self.sessions = SalienceSessions(self.store.conn, settings.sessions.ttl_s)
+        self.lease_s = settings.sessions.busy_lease_s
+        self.evergreen_holders = EvergreenHolders(self.lease_s)
         self.router = Router(zmq.asyncio.Context.instance(), settings.endpoint("session_store"))
 
     def handle(self, msg: wire.Message) -> wire.Msg:
         if isinstance(msg, wire.Health):
-            return wire.HealthReply(service="session_store", ready=True)
+            return wire.HealthReply(service="session_store", ready=True, incarnation=process_incarnation())
+        if isinstance(msg, wire.GatewayAlive):
+            self.sessions.renew(msg.leases, self.lease_s)
+            self.evergreen_holders.renew(msg.evergreen, time.monotonic())
+            return wire.Alive(service="session_store", incarnation=process_incarnation())
         if isinstance(msg, wire.RecordRequest):
             self.store.record_request(msg.rid, msg.surface, msg.model, msg.prompt, msg.params, msg.created_at)
             return wire.Ok()
@@ -92,9 +105,21 @@ class SessionStore:
             except sqlite3.Error:
                 log.exception("session_store.expire_failed")
 
+    async def drop_orphans(self) -> None:
+        """Drop the node rows of Evergreen sessions whose gateway stopped renewing them (it died)."""
+        while True:
+            await asyncio.sleep(self.lease_s / 4)
+            try:
+                for session_id in self.evergreen_holders.orphans(self.store.evergreen_session_ids(), time.monotonic()):
+                    self.store.evergreen_close(session_id)
+                    log.info("session_store.evergreen_orphan_dropped", session_id=session_id)
+            except sqlite3.Error:
+                log.exception("session_store.orphans_failed")
+
     async def run(self) -> None:
         log.info("session_store.ready", endpoint=self.router.endpoint)
-        self._sweeper = asyncio.get_running_loop().create_task(self.expire_sessions())
+        loop = asyncio.get_running_loop()
+        self._sweepers = [loop.create_task(self.expire_sessions()), loop.create_task(self.drop_orphans())]
         while True:
             identity, msg, _ = await self.router.recv()
             try:

@@ -43,6 +43,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
@@ -61,6 +62,9 @@ from services.worker.readouts import Readouts
 from services.worker.runner import Runner, SeqInput
 from services.worker.sampler import SeqSampler, mask_allows_any, mask_bias, sample, validate_params
 from services.worker.transfer import to_device
+
+if TYPE_CHECKING:
+    from services.worker.tensor_parallel import Ranks
 
 log = structlog.get_logger()
 
@@ -140,10 +144,12 @@ class Engine:
         native: bool = True,
         cuda_graph_batch: int = 0,
         readouts: Readouts | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
         """``num_blocks``: KV pool size including the reserved null block. ``native=False`` forces
         the transformers fallback even for a supported architecture. ``cuda_graph_batch`` > 0 on a
-        GPU replays decode steps of up to that many sequences from CUDA graphs."""
+        GPU replays decode steps of up to that many sequences from CUDA graphs. ``ranks``: this
+        engine is one rank of a tensor-parallel worker (its shard planned), holding its KV heads."""
         self.loaded = loaded
         self.device = loaded.device
         self.vocab_size = loaded.vocab_size
@@ -152,8 +158,12 @@ class Engine:
         reason = unsupported_reason(config, loaded.max_model_len) if native else "native forward disabled"
         self.runner: Runner
         self.cache: PagedKVCache | None = None
+        if reason is not None and ranks is not None:
+            raise ValueError(f"tensor parallel needs the native forward: {reason}")
         if reason is None:
             layers, kv_heads, head_dim = _kv_shape(config)
+            if ranks is not None:
+                kv_heads = ranks.plan(config).num_kv_heads
             cache = PagedKVCache(
                 num_layers=layers,
                 num_kv_heads=kv_heads,
@@ -164,8 +174,11 @@ class Engine:
             )
             self.cache = cache
             self.tables = cache.tables
-            runner = PagedLlama(loaded.model, cache, loaded.max_model_len, loaded.linears)
-            if cuda_graph_batch > 0 and loaded.device.type == "cuda":
+            if ranks is None:
+                runner = PagedLlama(loaded.model, cache, loaded.max_model_len, loaded.linears)
+            else:
+                runner = ranks.runner(loaded.model, cache, loaded.max_model_len)
+            if cuda_graph_batch > 0 and loaded.device.type == "cuda" and ranks is None:
                 runner.enable_cuda_graphs(cuda_graph_batch, -(-loaded.max_model_len // cache.tables.block_size))
             if readouts is not None:
                 runner.tap_layers = frozenset(readouts.layers)
@@ -187,8 +200,10 @@ class Engine:
         self.cached_tokens = 0
 
     @classmethod
-    def create(cls, loaded: LoadedModel, settings: Settings) -> Engine:
-        """An engine whose KV pool holds ``max_batch_size`` full-length sequences, or what memory allows."""
+    def create(cls, loaded: LoadedModel, settings: Settings, ranks: Ranks | None = None) -> Engine:
+        """An engine whose KV pool holds ``max_batch_size`` full-length sequences, or what memory
+        allows. Tensor-parallel ranks plan with the whole model's KV per token (on the CPU they
+        share one host's memory; on GPUs it is conservative) and agree on the smallest pool."""
         token_bytes = bytes_per_token(*_kv_shape(loaded.config), loaded.dtype)
         num_blocks = plan_num_blocks(
             max_batch_size=settings.limits.max_batch_size,
@@ -196,7 +211,10 @@ class Engine:
             token_bytes=token_bytes,
             device=loaded.device,
             memory_fraction=settings.limits.kv_memory_fraction,
+            cpu_max_bytes=settings.limits.kv_cpu_max_bytes,
         )
+        if ranks is not None:
+            num_blocks = ranks.agree(num_blocks)
         graphs = settings.limits.max_batch_size if settings.limits.cuda_graphs else 0
         readouts = Readouts.build(  # dropped by a runner that cannot capture hidden states
             settings.sessions,
@@ -204,7 +222,7 @@ class Engine:
             unembedding=loaded.model.get_output_embeddings().weight.detach(),
             tokenizer=load_tokenizer(settings),
         )
-        return cls(loaded, num_blocks=num_blocks, cuda_graph_batch=graphs, readouts=readouts)
+        return cls(loaded, num_blocks=num_blocks, cuda_graph_batch=graphs, readouts=readouts, ranks=ranks)
 
     def capture_graphs(self) -> int:
         """Capture the CUDA graphs of every decode bucket now (a no-op without them); returns
@@ -223,16 +241,17 @@ class Engine:
     def stats(self) -> dict[str, int | float | str]:
         """Pool and prefix-cache figures. Blocks: ``total`` usable, ``free`` (unreferenced, empty),
         ``cached`` (unreferenced, holding a reusable prefix; evicted least recently used first when
-        the free ones run out), the rest referenced by live sequences. ``kv_free_tokens`` counts
-        what allocations can still take (free and cached blocks). The hit rate is the share of fed
-        tokens whose KV came from the cache."""
+        the free ones run out), the rest referenced by live sequences; ``kv_*_tokens`` count the
+        same three in tokens. The hit rate is the share of fed tokens whose KV came from the cache."""
         tables, allocator = self.tables, self.tables.allocator
         return {
             "backend": self.backend,
             "weights": self.loaded.weights,
             "active_seqs": len(self.seqs),
             "kv_capacity_tokens": tables.capacity_tokens,
-            "kv_free_tokens": tables.free_tokens,
+            "kv_free_tokens": tables.empty_tokens,
+            "kv_cached_tokens": tables.cached_tokens,
+            "kv_used_tokens": tables.capacity_tokens - tables.free_tokens,
             "kv_block_size": tables.block_size,
             "kv_blocks_total": allocator.num_blocks - 1,
             "kv_blocks_free": allocator.num_empty,
@@ -370,6 +389,8 @@ class Engine:
             for q, t in zip(seqs, tokens):
                 q.last_sample = t.token_id
         step = forwarded.step
+        allocator = self.tables.allocator
+        blocks_new, blocks_gone = allocator.take_events(everything=step.free_all)
         return StepResult(
             mid=step.mid,
             step_id=step.step_id,
@@ -379,7 +400,10 @@ class Engine:
             cached_tokens=forwarded.cached,
             scores=forwarded.scores,
             readouts=forwarded.readouts,
-            kv_free_tokens=self.tables.free_tokens,
+            kv_free_tokens=self.tables.empty_tokens,
+            kv_cached_tokens=self.tables.cached_tokens,
+            blocks_new=blocks_new,
+            blocks_gone=blocks_gone,
         )
 
     def _position_outputs(

@@ -26,19 +26,16 @@ sequence the blocks deepest in the prefix (the least likely to be shared) go fir
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import psutil
 import torch
 
+from common.blocks import BLOCK_SIZE, ROOT_HASH, block_hash, block_key
 from services.worker.transfer import to_device
 
-BLOCK_SIZE = 16  # tokens per block
 NULL_BLOCK = 0
-ROOT_HASH = b""  # the parent hash of a sequence's first block
 # Share of the memory left after loading the model that the pool may take.
 KV_MEMORY_FRACTION_CPU = 0.5
 KV_MEMORY_FRACTION_CUDA = 0.85
@@ -46,11 +43,6 @@ KV_MEMORY_FRACTION_CUDA = 0.85
 
 class PoolExhausted(Exception):
     """Not enough free blocks for a request; nothing was allocated."""
-
-
-def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """The name of a full block: a 128-bit BLAKE2b digest of its parent's name and its token ids."""
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 class BlockAllocator:
@@ -68,6 +60,9 @@ class BlockAllocator:
         self._hash_of: dict[int, bytes] = {}
         self._by_hash: dict[bytes, int] = {}
         self.evictions = 0
+        # block key -> registered (True) or forgotten (False) since the last take_events(); the
+        # scheduler's prefix index follows the registry through these
+        self._events: dict[int, bool] = {}
 
     @property
     def num_free(self) -> int:
@@ -145,12 +140,22 @@ class BlockAllocator:
         assert h not in self._by_hash and block not in self._hash_of and self._refs[block] > 0
         self._hash_of[block] = h
         self._by_hash[h] = block
+        self._events[block_key(h)] = True
 
     def unregister(self, block: int) -> None:
         """Forget a block's name (before it is written again)."""
         h = self._hash_of.pop(block, None)
         if h is not None:
             del self._by_hash[h]
+            self._events[block_key(h)] = False
+
+    def take_events(self, everything: bool = False) -> tuple[list[int], list[int]]:
+        """The keys of the blocks registered and forgotten since the last call (``everything``:
+        every block registered now, none forgotten, for a scheduler that knows nothing yet)."""
+        events, self._events = self._events, {}
+        if everything:
+            return [block_key(h) for h in self._by_hash], []
+        return [k for k, new in events.items() if new], [k for k, new in events.items() if not new]
 
 
 class BlockTables:
@@ -178,6 +183,16 @@ class BlockTables:
     def free_tokens(self) -> int:
         """Tokens allocations can still take (cached blocks count: they are evicted on demand)."""
         return self.allocator.num_free * self.block_size
+
+    @property
+    def empty_tokens(self) -> int:
+        """Tokens of the unreferenced blocks that hold nothing reusable."""
+        return self.allocator.num_empty * self.block_size
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens of the unreferenced blocks that still hold a reusable prefix (taken when empty ones run out)."""
+        return self.allocator.num_cached * self.block_size
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []
@@ -352,10 +367,13 @@ def plan_num_blocks(
     token_bytes: int,
     device: torch.device,
     memory_fraction: float | None = None,
+    cpu_max_bytes: int | None = None,
     block_size: int = BLOCK_SIZE,
 ) -> int:
     """Blocks for ``max_batch_size`` sequences of ``max_model_len`` tokens, capped by
-    ``memory_fraction`` of the free memory (default: 0.85 of a GPU's, 0.5 of the CPU's available).
+    ``memory_fraction`` of the free memory (default: 0.85 of a GPU's, 0.5 of the CPU's available)
+    and, on the CPU, by ``cpu_max_bytes``: the pool's pages become resident as blocks are first used
+    and stay so, so a pool sized by free RAM alone grows the worker with traffic up to that size.
 
     Raises RuntimeError when memory cannot hold even one sequence of ``max_model_len`` tokens.
     """
@@ -364,6 +382,8 @@ def plan_num_blocks(
         free = torch.cuda.mem_get_info(device)[0] * (memory_fraction or KV_MEMORY_FRACTION_CUDA)
     else:
         free = psutil.virtual_memory().available * (memory_fraction or KV_MEMORY_FRACTION_CPU)
+        if cpu_max_bytes is not None:
+            free = min(free, cpu_max_bytes)
     affordable = int(free // (token_bytes * block_size))
     minimum = -(-max_model_len // block_size)
     if affordable < minimum:

@@ -122,7 +122,8 @@ def load_model(settings: Settings, progress: Progress) -> LoadedModel:
     model = model.to(device).eval()
     if device.type == "cpu" and source.pretrained_weights:
         _own_weights(model)
-    mode = weights_mode(settings.weights, device.type, source.gguf is not None, source.pretrained_weights)
+    mode = weights_mode(settings.weights, device.type, source.gguf is not None, source.pretrained_weights,
+                        sharded=settings.distributed.tensor_parallel > 1)
     linears = None
     if mode != "fp32":
         progress(75, f"packing {mode} weights")
@@ -139,7 +140,7 @@ def load_model(settings: Settings, progress: Progress) -> LoadedModel:
         dtype=dtype,
         eos_token_ids=eos,
         max_model_len=max_len,
-        vision=VisionSpec.load(source.directory, config, settings.images.max_image_pixels),
+        vision=VisionSpec.load(source.directory, settings.images.max_image_pixels),
         weights=mode,
         linears=linears,
     )

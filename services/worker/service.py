@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextvars
 import os
+import socket
+import subprocess
 import threading
 import time
 from collections import deque
@@ -26,8 +28,11 @@ from zmq.utils.monitor import recv_monitor_message
 from common import wire
 from common.config import Settings
 from common.errors import WireError
+from common.incarnation import process_incarnation
+from common.sockets import heartbeat
 from services.worker.engine import Engine
 from services.worker.model_loader import load_model
+from services.worker.tensor_parallel import Ranks, start_followers
 
 LOADING_HELLO_INTERVAL_S = 1.0
 FAILED_HELLO_INTERVAL_S = 2.0
@@ -42,6 +47,8 @@ class _Loader(threading.Thread):
         self.progress = 0
         self.message = "starting"
         self.engine: Engine | None = None
+        self.ranks: Ranks | None = None  # set first when the worker is tensor parallel
+        self.followers: list[subprocess.Popen[bytes]] = []  # its ranks 1..N-1
         self.error: str | None = None
         self.seconds = 0.0
         self._context = contextvars.copy_context()  # the logging context bound by the main thread
@@ -55,9 +62,12 @@ class _Loader(threading.Thread):
     def _load(self) -> None:
         started = time.monotonic()
         try:
+            if self.settings.distributed.tensor_parallel > 1:
+                self._report(0, f"joining {self.settings.distributed.tensor_parallel} tensor-parallel ranks")
+                self.ranks, self.followers = start_followers(self.settings)
             loaded = load_model(self.settings, self._report)
             self._report(90, "allocating the KV cache")
-            engine = Engine.create(loaded, self.settings)
+            engine = Engine.create(loaded, self.settings, self.ranks)
             if engine.backend.endswith("cuda_graphs"):
                 self._report(95, "capturing CUDA graphs of decode steps")
                 engine.capture_graphs()
@@ -75,11 +85,13 @@ class WorkerService:
     def __init__(self, settings: Settings, log: Any | None = None) -> None:
         self.settings = settings
         self.log = log or structlog.get_logger()
-        self.worker_id = f"worker-{os.getpid()}"
+        self.worker_id = f"worker-{socket.gethostname()}-{os.getpid()}"  # unique across the hosts that join
+        self.incarnation = process_incarnation()
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        heartbeat(self.sock, settings.distributed.heartbeat_s, settings.distributed.heartbeat_timeout_s)
         self.endpoint = settings.endpoint("worker")
         self.loader = _Loader(settings)
         self.engine: Engine | None = None
@@ -127,6 +139,8 @@ class WorkerService:
         except KeyboardInterrupt:
             self.log.info("worker.stop")
         finally:
+            for follower in self.loader.followers:
+                follower.terminate()
             self.sock.disable_monitor()
             monitor.close(0)
             self.sock.close(0)
@@ -159,6 +173,7 @@ class WorkerService:
                 progress=min(self.loader.progress, 99),
                 message=self.loader.message,
             )
+        hello.incarnation = self.incarnation
         self._send(hello)
 
     def _send(self, msg: wire.Msg) -> None:
@@ -212,11 +227,17 @@ class WorkerService:
             else:
                 self.backlog.append(parts)
 
+    def _to_ranks(self, msg: wire.Msg, frame: bytes | None) -> None:
+        """A tensor-parallel worker's other ranks run what rank 0 runs (see tensor_parallel)."""
+        if self.loader.ranks is not None:
+            self.loader.ranks.send([wire.encode(msg)] if frame is None else [wire.encode(msg), frame])
+
     def _run_step(self, step: wire.Step, mask_frame: bytes | None) -> wire.StepResult:
         if self.engine is None:
             reason = self.loader.error or "model is still loading"
             return _fail_all(step, f"model not available: {reason}")
         try:
+            self._to_ranks(step, mask_frame)
             if not step.masks_follow:
                 return self.engine.step(step, mask_frame)
             forwarded = self.engine.forward(step)
@@ -225,7 +246,9 @@ class WorkerService:
                 timeout_s = self.settings.limits.worker_step_timeout_s
                 self.log.warning("worker.step_masks_missing", step_id=step.step_id, timeout_s=timeout_s)
                 message = f"the masks of step {step.step_id} (StepMasks) did not come within {timeout_s:g} s"
+                self._to_ranks(wire.StepAbandon(step_id=step.step_id, reason=message), None)
                 return self.engine.abandon(forwarded, message)
+            self._to_ranks(*masks)
             return self.engine.sample_with(forwarded, *masks)
         except Exception as exc:  # a bug in one step fails that step only
             self.log.exception("worker.step_failed", step_id=step.step_id)

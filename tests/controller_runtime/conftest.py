@@ -7,7 +7,7 @@ import pytest
 
 from common import aici_wire
 from common.config import Controllers, Settings
-from common.model_source import load_tokenizer
+from common.model_source import resolve_model
 from controllers.native import load_native_controllers
 from services.controller_runtime.registry import ModuleRegistry
 from services.controller_runtime.runtime import Runtime
@@ -19,7 +19,7 @@ LIMITS = Controllers(max_memory_bytes=4 << 20, mid_deadline_ms=100.0)
 
 @pytest.fixture(scope="session")
 def tokenizer() -> TokenizerInfo:
-    return TokenizerInfo.from_hf(load_tokenizer(Settings()))
+    return TokenizerInfo.from_directory(resolve_model(Settings()).directory)
 
 
 @pytest.fixture(scope="session")

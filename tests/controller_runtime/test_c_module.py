@@ -3,7 +3,6 @@ runs it, forks it (static state copied, then independent) and reads its logit bi
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import pytest
@@ -46,12 +45,10 @@ EXPORT("aici_post_process") void post_process(int h) { steps++; reply("{\"stop\"
 
 
 @pytest.fixture(scope="module")
-def c_module(tmp_path_factory) -> bytes:
-    if shutil.which("clang") is None:
-        pytest.skip("clang is not installed")
+def c_module(have_clang, tmp_path_factory) -> bytes:
     d = tmp_path_factory.mktemp("c")
     (d / "ctl.c").write_text(C_SOURCE)
-    subprocess.run(["clang", "--target=wasm32", "-O2", "-nostdlib", "-Wl,--no-entry", "-Wl,--stack-first",
+    subprocess.run([have_clang, "--target=wasm32", "-O2", "-nostdlib", "-Wl,--no-entry", "-Wl,--stack-first",
                     "-mmutable-globals", "-Wl,--export=__stack_pointer", "-o", str(d / "ctl.wasm"), str(d / "ctl.c")],
                    check=True)
     return (d / "ctl.wasm").read_bytes()

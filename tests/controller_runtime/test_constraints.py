@@ -1,4 +1,4 @@
-"""The seed-004 yacc -> Lark translator, llguidance-backed constraints, and the native example controller."""
+"""The AICI ABI's yacc -> Lark translator, llguidance-backed constraints, and the native example controller."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from services.controller_runtime.runtime import UserError
 from services.controller_runtime.yacc_lark import YaccError, yacc_to_lark
 from tests.controller_runtime.conftest import allowed, mid, row, start
 
-# seed 004's C fragment, abridged (same lexical conventions: SKIP, "/regex/", keywords, // comments)
+# the AICI ABI's C grammar fragment, abridged (same lexical conventions: SKIP, "/regex/", keywords, // comments)
 C_GRAMMAR = r"""
 %start translation_unit
 %%
@@ -67,7 +67,7 @@ def test_yacc_translation_shape():
     ("return x", None),  # an unfinished prefix: accepted so far, not complete
     ("x = 3 3;", False),
     ("x = 3 +;", False),
-    ("return = 3;", False),  # a keyword is never an IDENTIFIER (seed 004: keywords win over regexes)
+    ("return = 3;", False),  # a keyword is never an IDENTIFIER (the AICI ABI: keywords win over regexes)
     ("returned = 3; return returned;", True),
 ])
 def test_yacc_grammar_accepts_exactly_c_fragment(tokenizer, program, accepted):

@@ -14,12 +14,6 @@ def host() -> Host:
 
 
 @pytest.fixture(scope="session")
-def have_clang() -> None:
-    if build.clang() is None:
-        pytest.skip("clang and wasm-ld are not installed (Debian: apt-get install clang lld); CI installs them")
-
-
-@pytest.fixture(scope="session")
 def sdk_test_wasm(have_clang, tmp_path_factory) -> bytes:
     """The SDK test module (tests/controllers/sdk_test.c linked with the SDK), built fresh."""
     return build.build_one(HERE / "sdk_test.c", tmp_path_factory.mktemp("sdk_test")).read_bytes()

@@ -1,7 +1,7 @@
 """Drives Wasm controllers in-process through the controller runtime (services/controller_runtime: its
 Runtime, registry and Wasm host) with the real tokenizer and model-free token streams: a `pick` function plays
 the model, choosing each sampled token from the mask row the runtime returned. The step loop is the
-scheduler's (seed 001 / AICI v0.0.x): post_pre_process (post_ops, pre_ops, freed), then mid_process with
+scheduler's (the AICI runtime protocol, AICI v0.0.x): post_pre_process (post_ops, pre_ops, freed), then mid_process with
 clone ops for forks; Splice backtrack/ff_tokens are applied and reported back in the next post_ops."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 from common import aici_wire as w
 from common.config import Settings
-from common.model_source import load_tokenizer
+from common.model_source import load_tokenizer, resolve_model
 from controllers.native import load_native_controllers
 from services.controller_runtime.host import RequestState, SeqHost
 from services.controller_runtime.instances import WasmInstance
@@ -39,9 +39,10 @@ class Host:
     plus `instantiate`/`mid` for driving one WasmInstance directly (SDK unit tests, forks by hand)."""
 
     def __init__(self) -> None:
-        self.settings = Settings()
+        # one user's controllers back to back in this process: fairness between users is not tested here
+        self.settings = Settings(controllers={"user_cpu_share": 0, "max_controlled_per_user": 1 << 30})
         self.hf = load_tokenizer(self.settings)
-        self.tok = TokenizerInfo.from_hf(self.hf)
+        self.tok = TokenizerInfo.from_directory(resolve_model(self.settings).directory)
         self.engine = WasmEngine(self.settings.controllers, self.tok)
         self._tmp = tempfile.TemporaryDirectory()
         self.registry = ModuleRegistry(Path(self._tmp.name), self.engine)
@@ -179,7 +180,7 @@ class Run:
             if res["error"] or result == "Stop":
                 self._finish(seq, "mid:stop", res)
                 continue
-            if result is None:  # sample under the mask row (seed 001: no specific result)
+            if result is None:  # sample under the mask row (the AICI runtime protocol: no specific result)
                 allowed = self.host.allowed(bytes(rows[i * row_bytes:(i + 1) * row_bytes]))
                 assert len(allowed), "empty mask"
                 tok = int(self.pick(seq, allowed))

@@ -1,4 +1,4 @@
-"""Controllers end to end (seed 001/004, AICI's REST API): the real five services, the shipped Wasm
+"""Controllers end to end (the AICI runtime protocol and ABI, AICI's REST API): the real five services, the shipped Wasm
 controllers from controllers/wasm/, and one test controller built here from C with the SDK.
 
 Each test talks HTTP (``/v1/controllers``, tags, ``/v1/run`` SSE) or WebSocket to the gateway; what the
@@ -197,8 +197,8 @@ def modules(stack) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def test_module(stack, tmp_path_factory) -> str:
-    """The test controller above, compiled with the SDK and uploaded."""
+def test_module(stack, have_clang, tmp_path_factory) -> str:
+    """The test controller above, compiled with the SDK and uploaded (skips without clang + wasm-ld)."""
     tmp = tmp_path_factory.mktemp("ctrl")
     source = tmp / "tiller_test_ctrl.c"
     source.write_text(TEST_CONTROLLER)

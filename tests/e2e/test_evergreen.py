@@ -1,6 +1,6 @@
-"""The Evergreen protocol (seed 000) end to end with a grpcio client on the real stack.
+"""The Evergreen protocol end to end with a grpcio client on the real stack.
 
-The seed's three examples run as written (the video of the first is a text transcript, since the
+The Evergreen spec's three examples run as written (the video of the first is a text transcript, since the
 model takes text only; the real video/mp4 is refused). Greedy output is compared with transformers
 on the flattened prompt rendered by the tokenizer's chat template, as the gateway renders it.
 """
@@ -184,12 +184,12 @@ def long_video_question(mimetype: str = "text/plain") -> list[eg.SessionMessage]
         msg(parent("prompt_1", "question_1", "video_1")),
         msg(text("question_1", QUESTION_1)),
         msg(ref("video_1", "file://path/to/file/part1", continued=True, mimetype=mimetype)),
-        # the seed's note: "Metadata in the second chunk can be omitted" — and our rule requires it
+        # the spec's note: "Metadata in the second chunk can be omitted" — and our rule requires it
         msg(ref("video_1", "file://path/to/file/part2", seq=1, mimetype=None)),
     ]
 
 
-# -- the seed's examples ----------------------------------------------------------------------
+# -- the spec's examples ----------------------------------------------------------------------
 
 
 async def test_long_video_question_then_follow_up(stack, hf_greedy, video_parts):

@@ -49,6 +49,17 @@ async def test_json_flat_body(stack, client, expected):
     assert result["timing"]["first_token_ms"] <= result["timing"]["total_ms"]
 
 
+@pytest.mark.parametrize("options", [None, {"include_token_ids": True}])
+async def test_without_stream_the_answer_is_json(stack, client, expected, options):
+    """REST's default is one JSON answer (the WebSocket's is to stream), flat or with nested options."""
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, **({"options": options} if options else {})}
+    reply = await client.post("/v1/generate", json=body)
+    assert reply.status_code == 200 and reply.headers["content-type"] == "application/json", reply.text
+    result = reply.json()
+    assert result["generated_text"] == stack.tokenizer.decode(expected, skip_special_tokens=True)
+    assert result.get("token_ids") == (expected if options else None)
+
+
 async def test_json_nested_body_with_chat_and_echo(stack, client, hf_greedy):
     messages = [{"role": "user", "content": "Name a fruit."}]
     text = stack.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -158,6 +169,8 @@ async def test_metrics_report_the_kv_pool(client):
               if line.startswith(("tiller:kv_", "tiller:queued", "tiller:running"))}
     assert gauges["tiller:kv_capacity_tokens"] == capacity > 0
     assert 0 <= gauges["tiller:kv_free_tokens"] <= capacity
+    parts = ("tiller:kv_free_tokens", "tiller:kv_cached_tokens", "tiller:kv_used_tokens")
+    assert sum(gauges[name] for name in parts) == capacity, gauges
     assert gauges["tiller:queued"] >= 0 and gauges["tiller:running"] >= 0
 
 

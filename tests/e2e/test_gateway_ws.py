@@ -1,4 +1,4 @@
-"""The WebSocket protocol (seed 003) end to end, on the real stack, checked against transformers."""
+"""The WebSocket protocol end to end, on the real stack, checked against transformers."""
 
 from __future__ import annotations
 

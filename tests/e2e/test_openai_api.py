@@ -292,8 +292,8 @@ def test_unsupported_fields_are_refused_not_ignored(stack, client):
     model = stack.settings.served_model_name
     tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
     refusals = [
-        (dict(tools=[tool]), "tools"),
-        (dict(tool_choice="required"), "tool_choice"),
+        (dict(extra_body={"functions": [tool["function"]]}), "functions"),  # the deprecated form of tools
+        (dict(tool_choice="required"), "tool_choice"),  # without tools
         (dict(frequency_penalty=2.5), "frequency_penalty"),
         (dict(extra_body={"min_p": 1.2}), "min_p"),
         (dict(response_format={"type": "json_schema"}), "response_format"),

@@ -63,7 +63,7 @@ class EventCollector:
 
     async def run(self, request: wire.Submit, timeout: float = 120.0) -> list[wire.TokenEvent]:
         reply, _ = await self.dealer.request(request)
-        assert isinstance(reply, wire.Ok), reply
+        assert isinstance(reply, wire.Queued) and reply.rid == request.rid, reply
         await asyncio.wait_for(self.done.setdefault(request.rid, asyncio.Event()).wait(), timeout)
         return self.events.get(request.rid, [])
 
@@ -203,7 +203,7 @@ async def test_killed_worker_fails_its_requests_cleanly_and_a_new_worker_serves(
         stack.kill("worker")
         await asyncio.wait_for(collector.done.setdefault(doomed.rid, asyncio.Event()).wait(), 30)
         failure = collector.failures[doomed.rid]
-        assert failure.code == "internal_error" and failure.recoverable and failure.recovery_action == "retry"
+        assert failure.code == "service_unavailable" and failure.recoverable and failure.recovery_action == "retry"
 
         deadline = time.monotonic() + 120
         while not (await asyncio.to_thread(stack.scheduler_health))["ready"]:

@@ -1,4 +1,4 @@
-"""Salience (seed 002) end to end: a grpcio client generated from salience.proto on the real stack.
+"""Salience end to end: a grpcio client generated from salience.proto on the real stack.
 
 Greedy decoding is asked for the proto's way (top_k=1; temperature 0 means the default 1.0) and
 compared with transformers greedy; prompt logprobs and logit-lens readouts are compared with
@@ -238,6 +238,36 @@ async def test_readouts_equal_transformers_logit_lens(stack, stub, model_name, h
         check_readouts(prefill, out, rows, layers, hf_model)
 
 
+async def test_readouts_on_decoded_tokens_equal_those_of_the_same_tokens_fed_as_a_prompt(stack, stub, model_name,
+                                                                                        hf_greedy) -> None:
+    """Readouts reach into the decoded positions as logprobs do: each decoded token arrives with its
+    readout (the last one's read by one more step), equal to the readouts of the same tokens appended
+    as a prompt; the tokens keep their order and all of them are committed to the session."""
+    tokens = encode(stack, "The weather today is")
+    n, decode = len(tokens), 4
+    session = await open_session(stub, model_name)
+    watched = [pb.PositionRange(start=n - 1, end=n + decode)]  # the last prompt position and every decoded one
+    result = await generate(stub, session_id=session, append_tokens=tokens, offset=0, max_tokens=decode,
+                            readout_ranges=watched, logprobs_ranges=watched, **greedy())
+    decoded = [t for t in result.tokens if not t.is_prefill]
+    assert result.decoded == hf_greedy(tokens, decode)
+    assert [t.position for t in decoded] == list(range(n, n + decode))
+    assert all(t.readout and t.has_sampled_logprob for t in decoded)
+    assert await dump(stub, session) == tokens + result.decoded
+
+    fed = await open_session(stub, model_name)
+    scored = await generate(stub, session_id=fed, append_tokens=tokens + result.decoded, offset=0, max_tokens=0,
+                            readout_ranges=[pb.PositionRange(start=n, end=n + decode)])
+    assert [t.position for t in scored.prefill] == list(range(n, n + decode))
+    for got, want in zip(decoded, scored.prefill, strict=True):
+        np.testing.assert_allclose(np.array(got.readout), np.array(want.readout), atol=2e-4, rtol=1e-4)
+    # only the watched positions carry readouts: a range short of the last token leaves it without
+    partial = await generate(stub, session_id=await open_session(stub, model_name), append_tokens=tokens, offset=0,
+                             max_tokens=decode, readout_ranges=[pb.PositionRange(start=n, end=n + 2)], **greedy())
+    assert [bool(t.readout) for t in partial.tokens] == [True, True, False, False]
+    assert partial.decoded == result.decoded
+
+
 def check_readouts(prefill, out, rows, layers, hf_model) -> None:
     config = hf_model.config
     for token in prefill:
@@ -373,8 +403,8 @@ async def test_bad_input_gets_specific_status_and_other_sessions_go_on(stack, ch
          grpc.StatusCode.INVALID_ARGUMENT, "logprobs_ranges"),
         (generate(stub, session_id=session, offset=3, max_tokens=2, logprobs_ranges=[R(start=0, end=6)]),
          grpc.StatusCode.INVALID_ARGUMENT, "logprobs_ranges"),
-        (generate(stub, session_id=session, offset=3, max_tokens=2, readout_ranges=[R(start=1, end=4)]),
-         grpc.StatusCode.INVALID_ARGUMENT, "readout_ranges"),
+        (generate(stub, session_id=session, offset=3, max_tokens=2, readout_ranges=[R(start=1, end=6)]),
+         grpc.StatusCode.INVALID_ARGUMENT, "readout_ranges"),  # past the decode budget, as logprobs_ranges
         # judged by a drifted offset, the call's problem is the drift, not its ranges or an empty session
         (generate(stub, session_id=session, offset=0, max_tokens=2), grpc.StatusCode.FAILED_PRECONDITION, "offset 0"),
         (generate(stub, session_id=session, offset=1, max_tokens=0, logprobs_ranges=[R(start=0, end=3)]),

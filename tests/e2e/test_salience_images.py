@@ -1,4 +1,4 @@
-"""Images over Salience (seed 002) end to end: a real stack serving the tiny random Qwen2-VL, a
+"""Images over Salience end to end: a real stack serving the tiny random Qwen2-VL, a
 grpcio client generated from salience.proto, and transformers' own Qwen2VLForConditionalGeneration
 on the same random weights as the oracle. Also: the default text-only model refuses any image.
 
@@ -21,7 +21,6 @@ from common.model_source import load_tokenizer
 from common.protos.salience.v1 import salience_pb2 as pb
 from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
 from common.vision import VisionSpec
-from services.scheduler.service import SUSPECT_GRACE_S
 from services.worker.model_loader import LoadedModel, load_model
 from tests.images import png
 from tests.stack import Stack, start_stack
@@ -134,7 +133,7 @@ async def wait_for_new_worker(stack: Stack) -> None:
     while True:
         health = await asyncio.to_thread(stack.scheduler_health)
         worker = health["worker"]
-        settled = time.monotonic() - restarted > SUSPECT_GRACE_S + 1  # the old one is dropped by then
+        settled = time.monotonic() - restarted > stack.settings.limits.peer_suspect_grace_s + 1  # the old one is dropped by then
         if settled and worker["stage"] == "ready" and worker["workers"] == 1:
             return
         assert time.monotonic() - restarted < 120, f"no worker came back: {health}"

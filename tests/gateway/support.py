@@ -129,11 +129,13 @@ def gateway(env: dict[str, str], log_dir: Path, timeout: float = 120.0) -> Itera
 
 
 @contextlib.contextmanager
-def gateway_process(env: dict[str, str], log_dir: Path, timeout: float = 120.0) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A gateway process on a free port; yields its ``host:port`` and the process once it answers HTTP."""
+def gateway_process(env: dict[str, str], log_dir: Path, timeout: float = 120.0,
+                    grpc_port: int | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A gateway process on a free port (gRPC on ``grpc_port``, else another free one); yields its ``host:port``
+    and the process once it answers HTTP."""
     port = free_port()
     log = log_dir / f"gateway-{port}.log"
-    env = dict(env, TILLER_HTTP_PORT=str(port), TILLER_GRPC_PORT=str(free_port()))
+    env = dict(env, TILLER_HTTP_PORT=str(port), TILLER_GRPC_PORT=str(grpc_port or free_port()))
     with service("services.gateway", env, log) as proc:
         deadline = time.monotonic() + timeout
         while True:

@@ -1,4 +1,4 @@
-"""Server message rendering (seed 003 shapes), the options that shape it, and SSE framing."""
+"""Server message rendering (the WebSocket protocol's shapes), the options that shape it, and SSE framing."""
 
 from __future__ import annotations
 

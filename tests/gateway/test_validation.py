@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from common.config import Limits, Settings
-from common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST
+from common.errors import INVALID_REQUEST
 from common.wire import SamplingPatch
-from services.gateway.driver import context_budget
 from services.gateway.protocol import GatewayError
 from services.gateway.validation import (
     DEFAULT_TOP_LOGPROBS,
@@ -145,11 +144,14 @@ def test_control_and_feedback_messages():
         ('{"prompt": "x"}', "no 'type' field"),
         ('{"type": "generate"}', "unknown message type 'generate'"),
         ('{"type": 7}', "unknown message type 7"),
+        ('{"type": "config", "x": ' + "[" * 65 + "]" * 65 + "}", "deeper than 64 levels (limits.max_json_depth)"),
+        ("[" * 5000 + "]" * 5000, "deeper than 64 levels"),  # past what Python's parser recurses into
+        ('{"type": "stop", "s": "' + "[" * 100 + '"}', "unknown message type 'stop'"),  # brackets in a string
     ],
 )
 def test_bad_frames(raw, fragment):
     with pytest.raises(GatewayError) as caught:
-        parse_client_message(raw)
+        parse_client_message(raw, Limits().max_json_depth)
     assert caught.value.code == INVALID_REQUEST and fragment in caught.value.message
 
 
@@ -162,16 +164,6 @@ def test_flat_rest_body_folds_into_config():
     }
     with pytest.raises(GatewayError, match="max_tokens: given both"):
         flat_body_to_config({"prompt": "x", "max_tokens": 3, "parameters": {"max_tokens": 4}})
-
-
-def test_context_budget():
-    assert context_budget(10, None, 100, 256) == 90  # the default, capped by the room left
-    assert context_budget(10, None, 1000, 256) == 256
-    assert context_budget(10, 90, 100, 256) == 90
-    for prompt, max_tokens in ((100, None), (10, 91)):
-        with pytest.raises(GatewayError) as caught:
-            context_budget(prompt, max_tokens, 100, 256)
-        assert caught.value.code == CONTEXT_LENGTH_EXCEEDED
 
 
 def test_context_from_settings():

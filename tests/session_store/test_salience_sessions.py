@@ -90,6 +90,22 @@ def test_one_turn_at_a_time_and_an_expired_lease_is_let_go(sessions, clock) -> N
     assert sessions.get(sid).tokens == [1, 2, 3]
 
 
+def test_a_renewed_lease_holds_and_a_lapsed_one_frees_the_session(sessions, clock) -> None:
+    sid = sessions.open("m").session_id
+    other = sessions.open("m").session_id
+    first = begin(sessions, sid, 0, [1], lease_s=5)
+    for _ in range(4):  # the turn's gateway lives: its heartbeats keep the lease
+        clock.now += 3
+        sessions.renew([sid, other], lease_s=5)  # a session without a turn takes no lease from it
+        assert code_of(lambda: begin(sessions, sid, 1)) == "aborted"
+    begin(sessions, other, 0, [7], lease_s=5)
+    clock.now += 6  # its gateway died: no heartbeat renews it, the session is free, the prompt committed
+    second = begin(sessions, sid, 1, [2], lease_s=5)
+    assert code_of(lambda: sessions.end(wire.SalienceEnd(session_id=sid, lease=first.lease, append_tokens=[99]))) == "aborted"
+    sessions.end(wire.SalienceEnd(session_id=sid, lease=second.lease, append_tokens=[3]))
+    assert sessions.get(sid).tokens == [1, 2, 3]
+
+
 def test_images_fork_and_truncation_respect_blocks(sessions) -> None:
     sid = sessions.open("m").session_id
     turn = begin(sessions, sid, 0, list(range(20)), images=[image(2, 6), image(10, 15)])

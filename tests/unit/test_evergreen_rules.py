@@ -18,7 +18,7 @@ from services.gateway.evergreen.config import GenerateParams, TtlParams, action_
 from services.gateway.evergreen.errors import SessionAbort
 from services.gateway.evergreen.graph import NodeGraph
 from services.gateway.evergreen.refs import read_ref, resolve_ref
-from services.gateway.evergreen.service import client_address
+from services.gateway.grpc_requests import client_address
 from services.gateway.evergreen.turns import END_OF_TURN, check_media, to_turns
 
 TEXT = eg.ChunkMetadata(mimetype="text/plain")
@@ -293,6 +293,12 @@ def test_generate_config():
         action_config(action(config=struct_pb2.Value(number_value=1)), GenerateParams, settings)
     with aborts("SET_TTL: configs: a config is required"):
         action_config(action("SET_TTL", (("node", "n"),), ()), TtlParams, settings, required=True)
+    invalid_utf8 = eg.Action(name="GENERATE", configs=[any_pb2.Any(
+        type_url="type.googleapis.com/google.protobuf.Struct",
+        value=b"\x0a\x07" + b"\x0a\x01\xff" + b"\x12\x02\x08\x00",  # {"\xff": null}: a key that is not UTF-8
+    )])
+    with aborts("GENERATE: configs: not a valid google.protobuf.Struct"):
+        action_config(invalid_utf8, GenerateParams, settings)
 
 
 def test_client_address():

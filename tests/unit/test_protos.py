@@ -2,13 +2,13 @@
 
 The expected field names/numbers below are transcribed by hand from the specs,
 not read back from our .proto files:
-  * salience.v1 from seed 002 (salience.proto, whose line breaks were lost);
-  * evergreen.v2 from the published google-deepmind/evergreen-spec definitions
-    (reference doc section 8.1).
+  * salience.v1 from the published salience.proto (whose line breaks were lost in the copy we had);
+  * evergreen.v2 from the published google-deepmind/evergreen-spec definitions.
 """
 
 from __future__ import annotations
 
+import hashlib
 from concurrent import futures
 from pathlib import Path
 
@@ -24,7 +24,9 @@ from common.protos.salience.v1 import salience_pb2_grpc as sal_grpc
 
 FD = descriptor.FieldDescriptor
 REPO = Path(__file__).resolve().parents[2]
-SALIENCE_SEED = Path("/work/shared/seeds/002_617cbc4b4ff3fb36.txt")
+# SHA-256 of the published salience.proto's words joined by single spaces (1,442 words): only line
+# breaks and indentation may differ from it, nothing lost in a comment.
+SALIENCE_PUBLISHED_WORDS_SHA256 = "0e47f9c0a2f57391a29f09363a2c04daa02e2c759cbcef55832f28d5751ea857"
 
 # ---------------------------------------------------------------------------
 # (a) checked-in stubs == freshly generated ones
@@ -80,7 +82,7 @@ def msg_type(msg, name) -> str:
 
 
 # ---------------------------------------------------------------------------
-# (b) salience.v1 — expectations transcribed from seed 002
+# (b) salience.v1 — expectations transcribed from the published salience.proto
 # ---------------------------------------------------------------------------
 
 SALIENCE_MESSAGES = {
@@ -250,17 +252,13 @@ def test_salience_round_trip():
     assert sal.Token(readout=[0.5, -1.25]).SerializeToString() == b"\x22\x08\x00\x00\x00\x3f\x00\x00\xa0\xbf"
 
 
-def test_salience_proto_is_the_seed_modulo_whitespace():
-    """Only line breaks / indentation may differ from the seed text (nothing lost in a comment)."""
-    if not SALIENCE_SEED.is_file():
-        pytest.skip("seed 002 not available on this machine")
-    proto = build.PROTO_ROOT / "salience/v1/salience.proto"
-    seed_words = SALIENCE_SEED.read_text(encoding="utf-8").split()
-    assert proto.read_text(encoding="utf-8").split() == seed_words
+def test_salience_proto_is_the_published_one_modulo_whitespace():
+    words = (build.PROTO_ROOT / "salience/v1/salience.proto").read_text(encoding="utf-8").split()
+    assert hashlib.sha256(" ".join(words).encode()).hexdigest() == SALIENCE_PUBLISHED_WORDS_SHA256
 
 
 # ---------------------------------------------------------------------------
-# (c) evergreen.v2 — expectations transcribed from evergreen-spec (ref. 8.1)
+# (c) evergreen.v2 — expectations transcribed from evergreen-spec
 # ---------------------------------------------------------------------------
 
 EVERGREEN_MESSAGES = {

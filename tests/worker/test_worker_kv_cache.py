@@ -62,6 +62,15 @@ def test_plan_covers_the_batch_or_fails_clearly() -> None:
         plan_num_blocks(max_batch_size=1, max_model_len=1 << 20, token_bytes=1 << 30, device=cpu)
 
 
+def test_cpu_plan_is_capped_by_cpu_max_bytes() -> None:
+    cpu = torch.device("cpu")
+    # 64 sequences of 2048 tokens at 1 KiB a token would take 128 MiB; 16 MiB holds 1024 blocks of 16 tokens
+    assert plan_num_blocks(max_batch_size=64, max_model_len=2048, token_bytes=1024, device=cpu,
+                           cpu_max_bytes=16 << 20) == 1024 + 1
+    with pytest.raises(RuntimeError, match="not enough memory"):  # not even one full-length sequence
+        plan_num_blocks(max_batch_size=1, max_model_len=2048, token_bytes=1024, device=cpu, cpu_max_bytes=1 << 20)
+
+
 def _tables(num_blocks: int = 9) -> BlockTables:
     return BlockTables(num_blocks=num_blocks, block_size=4)
 

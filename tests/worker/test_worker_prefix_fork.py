@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.wire import SamplingParams, SeqStep
+from common.blocks import prefix_keys
+from common.wire import SamplingParams, SeqStep, Step
 from services.worker.engine import Engine
 from services.worker.kv_cache import ROOT_HASH, block_hash
 from tests.worker.conftest import GREEDY, Driver
@@ -241,6 +242,7 @@ def test_eviction_under_a_tiny_pool_keeps_greedy_output_and_goes_lru(loaded, lon
     assert drv.generate(2, b, n) == want["b"]
     stats = engine.stats()
     assert (stats["kv_blocks_cached"], stats["kv_blocks_free"]) == (6, 2)
+    assert (stats["kv_cached_tokens"], stats["kv_free_tokens"], stats["kv_used_tokens"]) == (6 * 16, 2 * 16, 0)
     # c needs 5 blocks: the 2 free, then 3 cached ones, a's (released before b's).
     assert drv.generate(3, c, n) == want["c"]
     assert engine.tables.allocator.lookup(block_hash(ROOT_HASH, a[:16])) is None
@@ -268,3 +270,20 @@ def test_fork_and_backtrack_on_the_transformers_fallback(loaded, long_prefix, re
     result = drv.step([SeqStep(seq_id=2, tokens=want[:3])])
     assert result.samples[2].token_id == want[3]
     engine.free([1, 2])
+
+
+def test_step_results_carry_block_events(driver) -> None:
+    """The blocks a step registers and the cache forgets come back as block keys, the same keys
+    the scheduler computes from a prompt (common.blocks.prefix_keys)."""
+    prompt = list(range(300, 340))  # two full blocks and a partial one
+    result = driver.step([SeqStep(seq_id=900, tokens=prompt, sampling=GREEDY)])
+    assert result.blocks_new == list(prefix_keys(prompt)) and result.blocks_gone == []
+    driver.step([], free=[900])
+    assert driver.engine.drop_prefix_cache() >= 2
+    result = driver.step([])
+    assert set(result.blocks_gone) >= set(prefix_keys(prompt)) and result.blocks_new == []
+    assert result.kv_cached_tokens == 0
+    driver.step([SeqStep(seq_id=901, tokens=prompt, sampling=GREEDY)])
+    driver.step_id += 1
+    result = driver.engine.step(Step(step_id=driver.step_id, seqs=[], free_all=True))
+    assert set(result.blocks_new) >= set(prefix_keys(prompt)) and result.kv_cached_tokens >= 32

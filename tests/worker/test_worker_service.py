@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -92,7 +93,7 @@ def test_worker_process_serves_steps_and_survives_garbage(
     process = _start_worker(tmp_path)
     try:
         hello = scheduler.wait_for_stage("ready")
-        assert scheduler.worker == f"worker-{process.pid}".encode()
+        assert scheduler.worker == f"worker-{socket.gethostname()}-{process.pid}".encode()
         assert hello.vocab_size == 49152 and hello.max_model_len == 2048 and hello.eos_token_ids == [2]
         assert hello.device == "cpu" and hello.kv_capacity_tokens >= 4 * 2048
 

@@ -15,7 +15,7 @@ CANCEL      ``output`` (a GENERATE's output)   none                             
 TRY_GENERATE is GENERATE with per-action failure reporting, asked for by its ``error`` output: a
 failure of that action ends its output node and writes ``{"status", "message"}``
 (``application/json``) into the ``error`` node instead of aborting the session. Plain GENERATE
-keeps the seed's rule: any failure aborts, and an ``error`` output is an unknown output name.
+keeps the spec's rule: any failure aborts, and an ``error`` output is an unknown output name.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import grpc
 import structlog
 
 from common.protos.evergreen.v2 import evergreen_pb2 as eg
-from services.gateway.driver import Gateway, Generation, new_request_id
+from services.gateway.deps import Gateway, new_request_id
+from services.gateway.driver import Generation
 from services.gateway.evergreen.config import GenerateParams
 from services.gateway.evergreen.errors import SessionAbort
 from services.gateway.evergreen.graph import Leaf
@@ -226,7 +227,7 @@ class GenerateRun:
 
 
 def target_check(action: eg.Action, served: str) -> None:
-    """An unknown target is NOT_FOUND (the seed's TargetSpec rule)."""
+    """An unknown target is NOT_FOUND (the spec's TargetSpec rule)."""
     target = action.target_spec.id
     if target and target != served:
         raise SessionAbort(grpc.StatusCode.NOT_FOUND, f"{action.name}: target {target!r} not found; this server serves {served!r}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Annotated, Any, TypeVar
 
 from google.protobuf import json_format, struct_pb2
+from google.protobuf.message import DecodeError
 from pydantic import BaseModel, Field
 
 from common.config import Settings
@@ -59,7 +60,10 @@ def action_config(action: eg.Action, model: type[M], settings: Settings, *, requ
                 f"{what}: unsupported type {packed.type_url!r}; pack a google.protobuf.Struct"
             )
         struct = struct_pb2.Struct()
-        packed.Unpack(struct)
+        try:
+            packed.Unpack(struct)
+        except DecodeError as exc:  # e.g. a string that is not valid UTF-8
+            raise SessionAbort.invalid(f"{what}: not a valid google.protobuf.Struct: {exc}") from None
         data = _integral(json_format.MessageToDict(struct))
     elif required:
         raise SessionAbort.invalid(f"{what}: a config is required")

@@ -12,6 +12,7 @@ from common.errors import (
     MEMORY_PRESSURE,
     MODEL_LOADING_ERROR,
     RATE_LIMITED,
+    SERVICE_UNAVAILABLE,
     TIMEOUT,
 )
 
@@ -25,20 +26,22 @@ STATUS_OF_CODE: dict[str, grpc.StatusCode] = {
     INTERNAL_ERROR: grpc.StatusCode.INTERNAL,
     MODEL_LOADING_ERROR: grpc.StatusCode.UNAVAILABLE,
     RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    SERVICE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
 
 
 class SessionAbort(Exception):
     """Ends the session (or, where the client asked for per-action failures, one action) with ``status``."""
 
-    def __init__(self, status: grpc.StatusCode, message: str) -> None:
+    def __init__(self, status: grpc.StatusCode, message: str, *, refused: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.refused = refused  # the client's message was refused (not a generation's own failure)
 
     @classmethod
     def invalid(cls, message: str) -> SessionAbort:
-        return cls(grpc.StatusCode.INVALID_ARGUMENT, message)
+        return cls(grpc.StatusCode.INVALID_ARGUMENT, message, refused=True)
 
     @classmethod
     def from_code(cls, code: str, message: str) -> SessionAbort:

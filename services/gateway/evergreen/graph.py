@@ -1,4 +1,4 @@
-"""A session's node graph and the seed's rules on it (no I/O: unit-testable on its own).
+"""A session's node graph and the Evergreen spec's rules on it (no I/O: unit-testable on its own).
 
 Rules enforced by :meth:`NodeGraph.add` (each violation raises :class:`SessionAbort`):
 
@@ -95,7 +95,7 @@ class NodeGraph:
             raise SessionAbort.invalid(f"node {frag.id!r} is an action's output: only the server writes it")
         node = self.nodes.get(frag.id)
         if node is not None and frag.seq in node.fragments:
-            return False  # the seed: keep the first fragment with a seq, ignore the rest without error
+            return False  # the spec: keep the first fragment with a seq, ignore the rest without error
         self._check_content(frag)
         if node is None:
             node = Node(frag.id)

@@ -1,6 +1,6 @@
 """External chunk refs: ``file://`` URIs under one allow-listed directory, nothing else.
 
-``file:///abs/path`` must lie under the root; ``file://rel/path`` (the seed's own form,
+``file:///abs/path`` must lie under the root; ``file://rel/path`` (the spec's own form,
 ``file://path/to/file/part1``) is taken relative to the root. ``..`` components, symlinks leading
 out of the root and every other scheme are refused.
 """

@@ -6,23 +6,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common.errors import INVALID_REQUEST
 from common.protos.evergreen.v2 import evergreen_pb2 as eg
 from common.protos.evergreen.v2 import evergreen_pb2_grpc as eg_grpc
-from services.gateway.driver import Gateway
+from services.gateway.deps import Gateway
 from services.gateway.evergreen.errors import SessionAbort
 from services.gateway.evergreen.session import Session
-from services.gateway.grpc_requests import Malformed, add_servicer
+from services.gateway.grpc_requests import Malformed, add_servicer, client_address
 
 # initial metadata naming the session (its key in the session store, and in the gateway's logs)
 SESSION_ID_HEADER = "tiller-evergreen-session-id"
-
-
-def client_address(peer: str) -> str:
-    """The client's address without its port (what rate limiting keys on): ``ipv4:1.2.3.4:5678`` → ``1.2.3.4``."""
-    kind, _, rest = peer.partition(":")
-    if kind in ("ipv4", "ipv6"):
-        return rest.rpartition(":")[0].strip("[]") or rest
-    return peer
 
 
 class EvergreenServicer(eg_grpc.EvergreenServiceServicer):
@@ -38,6 +31,8 @@ class EvergreenServicer(eg_grpc.EvergreenServiceServicer):
             async for message in session.run(request_iterator):
                 yield message
         except SessionAbort as exc:
+            if exc.refused:
+                self._gw.metrics.refused("evergreen", INVALID_REQUEST)
             await context.abort(exc.status, exc.message)
 
 

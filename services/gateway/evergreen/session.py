@@ -24,7 +24,7 @@ import structlog
 
 from common import wire
 from common.protos.evergreen.v2 import evergreen_pb2 as eg
-from services.gateway.driver import Gateway
+from services.gateway.deps import Gateway
 from services.gateway.evergreen.actions import Bound, GenerateRun, Phase, bind, target_check
 from services.gateway.evergreen.config import GenerateParams, TtlParams, action_config
 from services.gateway.evergreen.errors import SessionAbort
@@ -67,6 +67,7 @@ class Session:
         """The server's side of the stream; raises :class:`SessionAbort` when the session aborts."""
         structlog.contextvars.bind_contextvars(session_id=self.id)
         log.info("evergreen.session_start", client=self._client)
+        self._gw.store.holdings.evergreen.add(self.id)
         reader = asyncio.create_task(self._read(requests))
         outcome = "cancelled"
         try:
@@ -89,6 +90,7 @@ class Session:
             self._stop()
             reader.cancel()
             self._gw.store.evergreen_close(self.id)
+            self._gw.store.holdings.evergreen.discard(self.id)
             log.info("evergreen.session_end", outcome=outcome, nodes=len(self.graph.nodes))
 
     def _stop(self) -> None:
@@ -245,7 +247,7 @@ class Session:
         else:
             self._advance()
 
-    # -- session management actions (extensions beyond the seed's v1) --------------------
+    # -- session management actions (extensions beyond the spec's v1) --------------------
 
     def _busy(self) -> set[str | None]:
         """Output nodes that actions are still writing."""

@@ -1,1 +1,1 @@
-"""Salience (seed 002): stateful sessions over gRPC."""
+"""Salience (salience.proto): stateful sessions over gRPC."""

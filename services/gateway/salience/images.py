@@ -16,13 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
-from transformers import AutoConfig
 
 from common import wire
 from common.config import Settings
 from common.model_source import resolve_model
 from common.protos.salience.v1 import salience_pb2
-from common.vision import VL_MODEL_TYPES, ImageDecodeError, VisionSpec
+from common.vision import VL_MODEL_TYPES, ImageDecodeError, VisionSpec, read_model_config
 
 
 class ImageError(Exception):
@@ -46,16 +45,16 @@ class ImageSupport:
 
     @classmethod
     def load(cls, settings: Settings) -> ImageSupport:
-        """Read the served model's config (and processor, for a vision-language model); blocking."""
+        """Read the served model's config (the image processor loads with the first image); blocking."""
         directory = resolve_model(settings).directory
-        config = AutoConfig.from_pretrained(directory)
+        config = read_model_config(directory)
         name = settings.served_model_name
-        spec = VisionSpec.load(directory, config, settings.images.max_image_pixels)
+        spec = VisionSpec.load(directory, settings.images.max_image_pixels)
         if spec is not None:
             refusal = ""
-        elif getattr(config, "vision_config", None) is not None:
-            refusal = (f"the served model {name} is a {config.model_type} vision-language model, whose images this "
-                       f"server does not handle (supported: {', '.join(sorted(VL_MODEL_TYPES))})")
+        elif config.get("vision_config") is not None:
+            refusal = (f"the served model {name} is a {config.get('model_type')} vision-language model, whose "
+                       f"images this server does not handle (supported: {', '.join(sorted(VL_MODEL_TYPES))})")
         else:
             refusal = f"the served model {name} is text-only: it takes no images"
         return cls(

@@ -1,14 +1,13 @@
-"""The Salience servicer (seed 002, ``salience.v1``), grpc.aio in the gateway's event loop.
+"""The Salience servicer (salience.proto, ``salience.v1``), grpc.aio in the gateway's event loop.
 
 Sessions live in the session store; Generate turns run through the scheduler like every other
-surface (see :mod:`services.gateway.salience.turn`). When ``sessions.auth_token`` is set, every
-RPC must carry ``authorization: Bearer <token>`` metadata, else it is UNAUTHENTICATED.
+surface (see :mod:`services.gateway.salience.turn`). Auth (``sessions.auth_token``, or the ``api_auth``
+tokens when they guard every surface) is the gRPC server's, before any RPC here runs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import wraps
 from typing import Any, TypeVar
@@ -17,12 +16,13 @@ import grpc
 import structlog
 import zmq.asyncio
 
+from common import wire
 from common.protos.salience.v1 import salience_pb2 as pb
 from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
-from common.errors import TillerError
-from services.gateway.driver import Gateway
-from services.gateway.engine import HEALTH_MAX_AGE_S
-from services.gateway.grpc_requests import Malformed, add_servicer
+from common.errors import INVALID_REQUEST, TillerError
+from services.gateway.deps import Gateway
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, facts_of
+from services.gateway.grpc_requests import Malformed, add_servicer, client_address
 from services.gateway.salience.images import ImageSupport
 from services.gateway.salience.store import SessionStoreClient, SessionStoreError
 from services.gateway.salience.turn import Abort, Turn
@@ -36,38 +36,24 @@ REQUEST_ID_TRAILER = "tiller-request-id"
 Reply = TypeVar("Reply")
 
 
-def _check_auth(token: str, context: grpc.aio.ServicerContext) -> str | None:
-    """Why the call is not authorized (None: it is)."""
-    if not token:
-        return None
-    metadata = dict(context.invocation_metadata() or ())
-    given = metadata.get("authorization", "")
-    if not given:
-        return "this server requires 'authorization: Bearer <token>' metadata"
-    scheme, _, value = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
-        return "the bearer token is not valid"
-    return None
-
-
-async def _admit(token: str, request: Any, context: grpc.aio.ServicerContext) -> None:
-    """Auth first, then the request must have parsed; else the call ends here."""
-    problem = _check_auth(token, context)
-    if problem is not None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+async def _parsed(gw: Gateway, request: Any, context: grpc.aio.ServicerContext) -> None:
+    """The request must have parsed; else the call ends here (a refused request, counted)."""
     if isinstance(request, Malformed):
+        gw.metrics.refused("salience", INVALID_REQUEST)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
 
 def unary(method: Callable[..., Awaitable[Reply]]) -> Callable[..., Awaitable[Reply]]:
-    """Auth first, and store/validation errors become the call's status."""
+    """A request that parsed, and store/validation errors become the call's status."""
 
     @wraps(method)
     async def handler(self: SalienceServicer, request: Any, context: grpc.aio.ServicerContext) -> Reply:
-        await _admit(self.gw.settings.sessions.auth_token, request, context)
+        await _parsed(self.gw, request, context)
         try:
             return await method(self, request, context)
         except (SessionStoreError, Abort) as exc:
+            if exc.status == grpc.StatusCode.INVALID_ARGUMENT:  # no generation: the refusal is counted here
+                self.gw.metrics.refused("salience", INVALID_REQUEST)
             await context.abort(exc.status, exc.message)  # raises
             raise
 
@@ -80,9 +66,9 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         self.store = store
         self.images = images
 
-    async def _facts(self) -> dict[str, Any]:
+    async def _facts(self) -> wire.ModelFacts:
         try:
-            return (await self.gw.engine.health(max_age=HEALTH_MAX_AGE_S)).detail
+            return facts_of(await self.gw.scheduler.health(max_age=HEALTH_MAX_AGE_S))
         except TillerError as exc:
             raise Abort(grpc.StatusCode.UNAVAILABLE, exc.message) from None
 
@@ -94,7 +80,7 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         facts = await self._facts()
         session = await self.store.open(request.model)
         log.info("salience.session_opened", session_id=session.session_id)
-        max_len = int(facts.get("max_model_len") or self.gw.settings.limits.max_model_len)
+        max_len = facts.max_model_len or self.gw.settings.limits.max_model_len
         return pb.OpenSessionResponse(session_id=session.session_id, max_model_len=max_len)
 
     @unary
@@ -117,15 +103,15 @@ class SalienceServicer(pb_grpc.SalienceServicer):
     async def GetReadoutManifest(self, request: pb.GetReadoutManifestRequest, context: grpc.aio.ServicerContext) -> pb.ReadoutManifest:  # noqa: N802
         facts = await self._facts()
         return pb.ReadoutManifest(
-            concepts=facts.get("readout_concepts") or [],
-            layers=facts.get("readout_layers") or [],
-            hidden_size=int(facts.get("hidden_size") or 0),
+            concepts=facts.readout_concepts,
+            layers=facts.readout_layers,
+            hidden_size=facts.hidden_size,
             dtype="float32",
         )
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:  # noqa: N802
-        await _admit(self.gw.settings.sessions.auth_token, request, context)
-        turn = Turn(self.gw, self.store, self.images, request)
+        await _parsed(self.gw, request, context)
+        turn = Turn(self.gw, self.store, self.images, request, client_address(context.peer()))
         try:
             async for event in turn.run():
                 if event.HasField("done"):

@@ -15,16 +15,28 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
-import numpy as np
 import structlog
 
 from common import wire
-from common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, MEMORY_PRESSURE, TIMEOUT, TillerError
+from common.errors import (
+    CONTENT_FILTER,
+    CONTEXT_LENGTH_EXCEEDED,
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    MEMORY_PRESSURE,
+    RATE_LIMITED,
+    SERVICE_UNAVAILABLE,
+    TIMEOUT,
+    TillerError,
+)
 from common.protos.salience.v1 import salience_pb2 as pb
-from services.gateway.driver import STALL_GRACE_S, Gateway, new_request_id
-from services.gateway.engine import HEALTH_MAX_AGE_S, worker_stage
+from services.gateway.admission import Admission
+from services.gateway.deps import Gateway, new_request_id
+from services.gateway.driver import STALL_GRACE_S
+from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, facts_of, worker_stage
+from services.gateway.salience.decoded import DecodedTokens, covers, readout_values
 from services.gateway.salience.images import ImageError, ImageSupport, check_unattached, prepare_images
-from services.gateway.salience.store import SessionStoreClient
+from services.gateway.salience.store import SessionStoreClient, SessionStoreError
 
 log = structlog.get_logger()
 
@@ -36,24 +48,28 @@ FAILURE_STATUS = {
     MEMORY_PRESSURE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
     TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    CONTENT_FILTER: grpc.StatusCode.PERMISSION_DENIED,
+    SERVICE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
 
 
 class Abort(Exception):
     """End the call with a gRPC status."""
 
-    def __init__(self, status: grpc.StatusCode, message: str) -> None:
+    def __init__(self, status: grpc.StatusCode, message: str, outcome: str = "") -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.outcome = outcome or status.name.lower()  # the requests_total label: an error code when one applies
+
+    @classmethod
+    def from_error(cls, exc: TillerError) -> Abort:
+        return cls(FAILURE_STATUS.get(exc.code, grpc.StatusCode.INTERNAL), exc.message, exc.code)
 
 
 def _invalid(message: str) -> Abort:
-    return Abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
-def covers(ranges: list[wire.PositionSpan], position: int) -> bool:
-    return any(r.start <= position < r.end for r in ranges)
+    return Abort(grpc.StatusCode.INVALID_ARGUMENT, message, INVALID_REQUEST)
 
 
 @dataclass
@@ -62,19 +78,44 @@ class Turn:
     store: SessionStoreClient
     images: ImageSupport
     request: pb.GenerateRequest
+    client: str  # the caller's address (the rate limit's key)
     rid: str = field(default_factory=lambda: new_request_id("sal-"))
     sent: list[int] = field(default_factory=list)  # decoded tokens the client was sent
+    generated: str = ""  # their text, as the content filter reads it
     cached_tokens: int = 0
+    length: int = 0  # the session's length once the call's tokens are appended
+    outcome: str = "cancelled"  # how the call ended (the requests_total label); unless set: the client left
+    _admission: Admission = field(init=False)
 
     async def run(self) -> AsyncIterator[pb.GenerateEvent]:
-        """The call's events; raises :class:`Abort` for a refused or failed call."""
+        """The call's events, through the admission pipeline; raises :class:`Abort` (or the store's
+        error) for a refused or failed call."""
+        structlog.contextvars.bind_contextvars(request_id=self.rid, session_id=self.request.session_id)
+        self._admission = Admission(self.gw, rid=self.rid, surface="salience", client=self.client)
+        try:
+            async for event in self._run():
+                yield event
+        except (Abort, SessionStoreError) as exc:
+            self.outcome = exc.outcome if isinstance(exc, Abort) else exc.status.name.lower()
+            raise
+        except Exception:
+            self.outcome = INTERNAL_ERROR
+            raise
+        finally:
+            self._admission.end(self.outcome, text=self.generated, prompt_tokens=self.length,
+                                completion_tokens=len(self.sent))
+
+    async def _run(self) -> AsyncIterator[pb.GenerateEvent]:
         req = self.request
-        structlog.contextvars.bind_contextvars(request_id=self.rid, session_id=req.session_id)
         health = await self._ready()
-        facts = health.detail
-        max_len = int(facts.get("max_model_len") or self.gw.settings.limits.max_model_len)
-        self._validate(int(facts.get("vocab_size") or 0), max_len)
-        length = req.offset + len(req.append_tokens)  # the session's length once the call is applied
+        facts = facts_of(health)
+        max_len = facts.max_model_len or self.gw.settings.limits.max_model_len
+        self._validate(facts.vocab_size, max_len)
+        try:
+            self._admission.admit(self._admission.written_tokens(req.append_tokens), "append_tokens")
+        except TillerError as exc:
+            raise Abort.from_error(exc) from None
+        length = self.length = req.offset + len(req.append_tokens)
         try:
             outputs = self._positions(length)
         except Abort:  # judged by the client's offset: a drifted offset is the call's real problem
@@ -84,12 +125,15 @@ class Turn:
         new_images = await self._images(length)
         started = time.monotonic()
         session = await self.store.begin(self._begin(max_len, new_images))
+        self._admission.record(prompt=self._admission.written_tokens(session.tokens), params=self._params())
         try:
             if length == 0:  # nothing to prefill: a no-op call (it refreshed the TTL)
+                self.outcome = "length"
                 yield pb.GenerateEvent(done=Done(finish_reason=Done.FINISH_REASON_LENGTH))
                 return
-            async for event in self._stream(session, outputs, sampling, length):
-                yield event
+            with self.gw.store.holdings.lease(session.session_id):  # renewed while the turn runs
+                async for event in self._stream(session, outputs, sampling, length):
+                    yield event
         finally:
             await self._end(session)
             log.info("salience.generate_end", prompt_tokens=length, completion_tokens=len(self.sent),
@@ -97,14 +141,20 @@ class Turn:
 
     async def _ready(self) -> wire.HealthReply:
         try:
-            health = await self.gw.engine.health(max_age=HEALTH_MAX_AGE_S)
+            health = await self.gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)
         except TillerError as exc:
             raise Abort(grpc.StatusCode.UNAVAILABLE, exc.message) from None
         stage = worker_stage(health)
-        if stage.get("stage") != "ready":
-            raise Abort(grpc.StatusCode.UNAVAILABLE, f"the model is not ready ({stage.get('stage')}): "
-                                                     f"{stage.get('message') or 'retry shortly'}")
+        if stage.stage != "ready":
+            raise Abort(grpc.StatusCode.UNAVAILABLE, f"the model is not ready ({stage.stage}): "
+                                                     f"{stage.message or 'retry shortly'}")
         return health
+
+    def _params(self) -> dict[str, object]:
+        """The call's parameters as its request record keeps them."""
+        req = self.request
+        return {"session_id": req.session_id, "offset": req.offset, "max_tokens": req.max_tokens,
+                "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "priority": req.priority}
 
     def _begin(self, max_len: int, images: list[wire.ImageInput] | None = None, *,
                check_only: bool = False) -> wire.SalienceBegin:
@@ -155,15 +205,12 @@ class Turn:
         spans = {}
         for name, ranges, end in (
             ("logprobs_ranges", req.logprobs_ranges, length + req.max_tokens),
-            ("readout_ranges", req.readout_ranges, length),
+            ("readout_ranges", req.readout_ranges, length + req.max_tokens),
         ):
             for r in ranges:
                 if not r.start < r.end <= end:
-                    raise _invalid(
-                        f"{name} [{r.start}, {r.end}) must be a non-empty range ending at or before {end} "
-                        + ("(the tokens after append plus max_tokens)" if name == "logprobs_ranges"
-                           else "(readouts cover the tokens after append)")
-                    )
+                    raise _invalid(f"{name} [{r.start}, {r.end}) must be a non-empty range ending at or before {end} "
+                                   "(the tokens after append plus max_tokens)")
             spans[name] = [wire.PositionSpan(r.start, r.end) for r in ranges]
         return wire.OutputRequest(
             logprob_ranges=spans["logprobs_ranges"],
@@ -203,27 +250,82 @@ class Turn:
     async def _stream(
         self, session: wire.SalienceSession, outputs: wire.OutputRequest, sampling: wire.SamplingParams, length: int
     ) -> AsyncIterator[pb.GenerateEvent]:
-        req, engine = self.request, self.gw.engine
-        queue = engine.open_stream(self.rid)
+        req = self.request
+        submit = wire.Submit(
+            rid=self.rid,
+            prompt_ids=session.tokens,
+            sampling=sampling,
+            max_tokens=req.max_tokens,
+            stop_token_ids=list(req.stop_token_ids),
+            priority=req.priority,
+            timeout_s=self.gw.settings.limits.request_timeout_s,
+            session=wire.SessionRef(key=session.session_id, parent=session.parent),
+            outputs=outputs,
+            images=session.images,
+        )
+        decoded = DecodedTokens(outputs.readout_ranges)
+        decoded_ids: list[int] = []
+        final: wire.TokenEvent | None = None
+        async for item in self._events(submit):
+            for out in item.prompt_outputs:
+                if out.position < length:
+                    yield pb.GenerateEvent(token=self._prompt_token(out))
+                else:  # the readout of a decoded token
+                    for token in decoded.readout(out.position, out.readout):
+                        yield self._send(token)
+            for sampled in item.tokens:
+                generated = self.generated + self.gw.text.token_text(sampled.token_id)
+                if self._admission.screens_out(generated):  # withheld; what was sent stays committed
+                    raise Abort(grpc.StatusCode.PERMISSION_DENIED, "the generated text was refused by the "
+                                "content filter", CONTENT_FILTER)
+                self.generated = generated
+                self._admission.tokens(1)
+                token = self._decoded_token(sampled, length + len(decoded_ids), outputs)
+                decoded_ids.append(sampled.token_id)
+                for ready in decoded.add(token):
+                    yield self._send(ready)
+            if item.finish_reason is not None:
+                final = item
+        assert final is not None
+        if decoded.waiting() and final.finish_reason in ("stop", "length"):
+            # the last token was never fed: one prefill-only step of the session reads it
+            waiting = decoded.waiting()
+            tail = wire.Submit(
+                rid=f"{self.rid}-tail",
+                prompt_ids=session.tokens + decoded_ids,
+                sampling=sampling,
+                max_tokens=0,
+                priority=req.priority,
+                timeout_s=self.gw.settings.limits.request_timeout_s,
+                session=wire.SessionRef(key=session.session_id, parent=session.parent),
+                outputs=wire.OutputRequest(readout_ranges=[wire.PositionSpan(waiting[0], waiting[-1] + 1)]),
+                images=session.images,
+            )
+            async for item in self._events(tail):
+                for out in item.prompt_outputs:
+                    for token in decoded.readout(out.position, out.readout):
+                        yield self._send(token)
+        self.cached_tokens = final.cached_tokens
+        self.outcome = final.finish_reason or ""
+        yield pb.GenerateEvent(done=self._done(final, length))
+
+    def _send(self, token: pb.Token) -> pb.GenerateEvent:
+        """A decoded token's event; the token counts as sent (committed to the session) from here: a
+        cancel arriving while the message is on its way interrupts the yield, and the client may still
+        have read it."""
+        self.sent.append(token.id)
+        return pb.GenerateEvent(token=token)
+
+    async def _events(self, submit: wire.Submit) -> AsyncIterator[wire.TokenEvent]:
+        """The scheduler's events of one submitted request, up to its final one; failures raise Abort."""
+        scheduler = self.gw.scheduler
+        queue = scheduler.open_stream(submit.rid)
         finished = False
         try:
             try:
-                await engine.submit(
-                    wire.Submit(
-                        rid=self.rid,
-                        prompt_ids=session.tokens,
-                        sampling=sampling,
-                        max_tokens=req.max_tokens,
-                        stop_token_ids=list(req.stop_token_ids),
-                        priority=req.priority,
-                        timeout_s=self.gw.settings.limits.request_timeout_s,
-                        session=wire.SessionRef(key=session.session_id, parent=session.parent),
-                        outputs=outputs,
-                        images=session.images,
-                    )
-                )
+                await scheduler.submit(submit)
             except TillerError as exc:
-                raise Abort(FAILURE_STATUS.get(exc.code, grpc.StatusCode.INTERNAL), exc.message) from None
+                raise Abort.from_error(exc) from None
             deadline = asyncio.get_running_loop().time() + self.gw.settings.limits.request_timeout_s + STALL_GRACE_S
             while True:
                 try:
@@ -233,33 +335,25 @@ class Turn:
                     raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no result from the scheduler in time") from None
                 if isinstance(item, wire.RequestFailed):
                     finished = True
-                    raise Abort(FAILURE_STATUS.get(item.code, grpc.StatusCode.INTERNAL), item.message)
-                for out in item.prompt_outputs:
-                    yield pb.GenerateEvent(token=self._prompt_token(out))
-                for sampled in item.tokens:
-                    position = length + len(self.sent)
-                    token = self._decoded_token(sampled, position, outputs)
-                    # counted before the yield: a cancel arriving while the message is on its way
-                    # interrupts the yield, and the client may still have read the token
-                    self.sent.append(sampled.token_id)
-                    yield pb.GenerateEvent(token=token)
+                    raise Abort(FAILURE_STATUS.get(item.code, grpc.StatusCode.INTERNAL), item.message, item.code)
                 if item.finish_reason is not None:
                     finished = True
                     if item.finish_reason == "timeout":
-                        raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the generation exceeded its time limit")
-                    self.cached_tokens = item.cached_tokens
-                    yield pb.GenerateEvent(done=self._done(item, length))
+                        raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the generation exceeded its time limit",
+                                    TIMEOUT)
+                yield item
+                if finished:
                     return
         finally:
             if not finished:
-                engine.cancel_soon(self.rid)
-            engine.close_stream(self.rid)
+                scheduler.cancel_soon(submit.rid)
+            scheduler.close_stream(submit.rid)
 
     @staticmethod
     def _prompt_token(out: wire.PositionOutput) -> pb.Token:
         token = pb.Token(id=out.token_id, position=out.position, is_prefill=True)
         if out.readout:
-            token.readout.extend(np.frombuffer(out.readout, dtype="<f4").tolist())
+            token.readout.extend(readout_values(out.readout))
         if out.logprob is not None:
             token.sampled_logprob, token.has_sampled_logprob = out.logprob, True
             token.logprobs.extend(pb.TokenLogprob(id=t.token_id, logprob=t.logprob) for t in out.top)

@@ -1,5 +1,11 @@
 """The gateway's link to the scheduler: one Dealer for request/reply, and routing of the token
-events the scheduler pushes (one ``Events`` message per step) to per-request queues."""
+events the scheduler pushes (one ``Events`` message per step) to per-request queues.
+
+Heartbeats (``GatewayAlive``, answered with the scheduler's incarnation) and the connection's drops
+feed a :class:`common.incarnation.PeerWatch`: when the scheduler restarted, or dropped its connection
+and did not answer within ``limits.peer_suspect_grace_s``, or stayed silent ``limits.peer_silence_s``,
+every live request ends at once with ``service_unavailable`` (retryable). Nothing is resubmitted.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +14,15 @@ import time
 from typing import Any
 
 import structlog
+import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from common import wire
 from common.config import Settings
-from common.errors import ERROR_TRAITS, INTERNAL_ERROR, TillerError
-from common.sockets import Dealer
+from common.errors import ERROR_TRAITS, INTERNAL_ERROR, SERVICE_UNAVAILABLE, TillerError
+from common.incarnation import PeerWatch, process_incarnation
+from common.sockets import Dealer, PeerLost
 
 log = structlog.get_logger()
 
@@ -21,14 +30,20 @@ COMMAND_TIMEOUT_S = 10.0
 HEALTH_TIMEOUT_S = 2.0
 # A ready scheduler's health (model facts, worker stage) is reused this long by request admission.
 HEALTH_MAX_AGE_S = 1.0
+WATCH_TICK_S = 0.2  # how often the scheduler's liveness is judged
 
 StreamItem = wire.TokenEvent | wire.RequestFailed
 
 
-def worker_stage(health: wire.HealthReply) -> dict[str, Any]:
+def facts_of(health: wire.HealthReply) -> wire.ModelFacts:
+    """The model facts of the scheduler's health reply (an empty set, no worker, if it sent none)."""
+    return health.facts or wire.ModelFacts()
+
+
+def worker_stage(health: wire.HealthReply) -> wire.WorkerStage:
     """The scheduler's view of its best worker: ``stage`` (absent | loading | ready | failed),
     ``progress``, ``message``. Generation needs a ready worker, not the rest of ``ready``."""
-    return health.detail.get("worker") or {"stage": "absent"}
+    return facts_of(health).worker
 
 
 def _as_error(reply: wire.Message, what: str) -> TillerError:
@@ -38,10 +53,14 @@ def _as_error(reply: wire.Message, what: str) -> TillerError:
     return TillerError(INTERNAL_ERROR, f"unexpected reply from the scheduler to {what}: {type(reply).__name__}")
 
 
-class EngineClient:
+class SchedulerClient:
+    """The gateway's client of the scheduler: commands, health, and the token events routed per request."""
+
     def __init__(self, settings: Settings, ctx: zmq.asyncio.Context) -> None:
         self._dealer = Dealer(ctx, settings.endpoint("scheduler"), on_message=self._on_message)
-        self._heartbeat_s = settings.limits.gateway_heartbeat_s
+        limits = settings.limits
+        self._heartbeat_s = limits.gateway_heartbeat_s
+        self._watch = PeerWatch(silence_s=limits.peer_silence_s, suspect_grace_s=limits.peer_suspect_grace_s)
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._health: wire.HealthReply | None = None
         self._health_at = 0.0
@@ -50,21 +69,59 @@ class EngineClient:
 
     def start(self) -> None:
         self._dealer.start()
-        task = asyncio.get_running_loop().create_task(self._heartbeat())
+        for loop in (self._heartbeat(), self._judge(), self._watch_disconnects()):
+            self._spawn(loop)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def _heartbeat(self) -> None:
-        """While requests stream, tell the scheduler this gateway lives (``wire.GatewayAlive``): should it
-        die, the scheduler cancels its requests instead of generating them for nobody."""
+        """Tell the scheduler this gateway lives (``wire.GatewayAlive``): should it die, the scheduler
+        cancels its requests instead of generating them for nobody. The reply names the scheduler's
+        incarnation."""
         while True:
+            self._spawn(self._beat())
             await asyncio.sleep(self._heartbeat_s)
-            if not self._streams:
-                continue
-            try:
-                await self._call(wire.GatewayAlive(), timeout=self._heartbeat_s)
-            except TillerError as exc:
-                log.debug("engine.heartbeat_unanswered", reason=exc.message)
+
+    async def _beat(self) -> None:
+        try:
+            reply = await self._call(wire.GatewayAlive(incarnation=process_incarnation()), timeout=self._heartbeat_s)
+        except TillerError as exc:
+            log.debug("scheduler.heartbeat_unanswered", reason=exc.message)
+            return
+        if isinstance(reply, wire.Alive):
+            self._lost(self._watch.heard(reply.incarnation, time.monotonic()))
+
+    async def _judge(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_TICK_S)
+            self._lost(self._watch.check(time.monotonic(), busy=bool(self._streams)))
+
+    async def _watch_disconnects(self) -> None:
+        """A dropped connection to the scheduler (it died, or the network dropped) is checked at once."""
+        monitor = self._dealer.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await recv_monitor_message(monitor)
+                self._watch.disconnected(time.monotonic())
+                self._spawn(self._beat())
+        finally:
+            monitor.close(0)
+
+    def _lost(self, reason: str | None) -> None:
+        """The scheduler lost the requests it had: each live one ends now with a retryable error."""
+        if reason is None:
+            return
+        self._watch.forget(time.monotonic())
+        message = f"the scheduler was lost ({reason}); this request was not resubmitted: retry it"
+        log.warning("scheduler.lost", reason=reason, requests=len(self._streams))
+        self._dealer.abandon(message)
+        traits = ERROR_TRAITS[SERVICE_UNAVAILABLE]
+        for rid, queue in self._streams.items():
+            queue.put_nowait(wire.RequestFailed(rid=rid, code=SERVICE_UNAVAILABLE, message=message,
+                                                recoverable=traits[0], recovery_action=traits[1]))
 
     def close(self) -> None:
         for task in self._background:
@@ -78,12 +135,12 @@ class EngineClient:
         elif isinstance(msg, wire.RequestFailed):
             self._route(msg.rid, msg)
         else:
-            log.warning("engine.unexpected_message", type=type(msg).__name__)
+            log.warning("scheduler.unexpected_message", type=type(msg).__name__)
 
     def _route(self, rid: str, item: StreamItem) -> None:
         queue = self._streams.get(rid)
         if queue is None:  # the request was abandoned here (client gone, regenerate) before its end
-            log.debug("engine.event_for_closed_stream", rid=rid)
+            log.debug("scheduler.event_for_closed_stream", rid=rid)
         else:
             queue.put_nowait(item)
 
@@ -102,15 +159,17 @@ class EngineClient:
             reply, _ = await self._dealer.request(msg, timeout=timeout)
         except TimeoutError:
             raise TillerError(INTERNAL_ERROR, f"the scheduler did not answer {what}; is it running?") from None
+        except PeerLost as exc:
+            raise TillerError(SERVICE_UNAVAILABLE, str(exc)) from None
         return reply
 
-    async def _command(self, msg: wire.Msg) -> None:
+    async def _command(self, msg: wire.Msg, answer: type[wire.Msg] = wire.RequestState) -> None:
         reply = await self._call(msg)
-        if not isinstance(reply, wire.Ok):
+        if not isinstance(reply, answer):
             raise _as_error(reply, type(msg).__name__)
 
     async def submit(self, submit: wire.Submit) -> None:
-        await self._command(submit)
+        await self._command(submit, wire.Queued)
 
     async def cancel(self, rid: str) -> None:
         await self._command(wire.Cancel(rid=rid))
@@ -135,7 +194,7 @@ class EngineClient:
         try:
             await self.cancel(rid)
         except TillerError as exc:  # typically: it had just finished
-            log.debug("engine.cancel_refused", rid=rid, reason=exc.message)
+            log.debug("scheduler.cancel_refused", rid=rid, reason=exc.message)
 
     def recent_health(self, max_age: float) -> wire.HealthReply | None:
         """The last health reply seen, never waiting: one older than ``max_age`` seconds is refreshed
@@ -151,7 +210,7 @@ class EngineClient:
         try:
             await self.health()
         except TillerError as exc:
-            log.debug("engine.health_unavailable", reason=exc.message)
+            log.debug("scheduler.health_unavailable", reason=exc.message)
         finally:
             self._health_refreshing = False
 
@@ -159,7 +218,7 @@ class EngineClient:
         """The scheduler's health; a ready reply younger than ``max_age`` seconds is reused."""
         now = time.monotonic()
         cached = self._health
-        if cached is not None and worker_stage(cached).get("stage") == "ready" and now - self._health_at <= max_age:
+        if cached is not None and worker_stage(cached).stage == "ready" and now - self._health_at <= max_age:
             return cached
         reply = await self._call(wire.Health(), timeout=HEALTH_TIMEOUT_S)
         if not isinstance(reply, wire.HealthReply):

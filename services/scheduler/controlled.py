@@ -1,6 +1,6 @@
 """The controller-aware part of the step loop: requests that carry a controller (``Submit.controller``).
 
-Each loop iteration, for the controlled sequences only (DESIGN.md "One decoding step", seed 001):
+Each step, for the controlled sequences only (the AICI runtime protocol's main channel):
 
 1. ``post_pre_process`` on the main channel: post_ops report what happened to each sequence since the
    controller last saw it (the sampled token; a Splice's backtrack and ff_tokens), pre_ops assign an
@@ -18,6 +18,9 @@ Each loop iteration, for the controlled sequences only (DESIGN.md "One decoding 
    failures (fed, not sampled) the sequences that stopped, spliced or failed; a Splice's backtrack
    and ff_tokens are applied once the step's result is in, and fed on the branch's next step.
 
+This module is pure: it talks to the scheduler core through :class:`Host` and to the runtime through
+the requests it returns and the replies it is given; the service shell does the I/O.
+
 A controller error or a missed deadline ends only that branch (its event carries the error); the
 request ends when its last branch does. Sequences without a controller never reach this module.
 
@@ -27,67 +30,48 @@ worker holds; what lies beyond is fed on the branch's next step.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import msgspec
 import structlog
-import zmq
-import zmq.asyncio
 
 from common import aici_wire, wire
-from common.errors import INTERNAL_ERROR, WireError
-from common.sockets import ensure_ipc_dir
+from common.config import Controllers
+from common.errors import INTERNAL_ERROR, SERVICE_UNAVAILABLE
 from common.textstream import TextStream
-from services.scheduler.requests import LiveRequest, State
-
-if TYPE_CHECKING:
-    from services.scheduler.service import Scheduler
+from services.scheduler.requests import LiveRequest, State, length_reached, stop_token
 
 log = structlog.get_logger()
 
 BACKTRACK_MARK = " \u21a9 "  # AICI's marker for a backtrack in streamed text
 
 
-class RuntimeUnavailable(Exception):
-    """The controller runtime did not answer (in time, or sensibly) on the main channel."""
+@dataclass
+class MainReply:
+    """The answer to one main-channel request: an ok reply's ``data`` and binary frames, or ``error``
+    (the runtime refused, did not answer in time, or answered nonsense)."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+    frames: list[bytes] = field(default_factory=list)
+    error: str = ""
 
 
-class MainChannel:
-    """The scheduler's DEALER on the runtime's main channel: strictly one request outstanding.
+class Host(Protocol):
+    """What controlled requests need from the scheduler core (and nothing else of it)."""
 
-    A reply that does not come in time means the socket is replaced, so a late reply can never be
-    taken for the answer to the next request."""
+    prefill_chunk_tokens: int
 
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self.lock = asyncio.Lock()
-        self.sock = self._connect()
-
-    def _connect(self) -> zmq.asyncio.Socket:
-        ensure_ipc_dir(self.endpoint)
-        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.endpoint)
-        return sock
-
-    async def call(self, request: dict[str, Any], timeout_s: float) -> tuple[dict[str, Any], list[bytes]]:
-        """Send one request; its reply (``type`` ok|error) and any binary frames after it."""
-        async with self.lock:
-            await self.sock.send(aici_wire.encode(request))
-            if not await self.sock.poll(int(timeout_s * 1000)):
-                self.sock.close(0)
-                self.sock = self._connect()
-                raise RuntimeUnavailable(f"the controller runtime did not answer {request['op']} within {timeout_s:g} s")
-            parts = await self.sock.recv_multipart()
-        try:
-            return aici_wire.decode_reply(parts[0]), parts[1:]
-        except WireError as exc:
-            raise RuntimeUnavailable(f"bad reply from the controller runtime to {request['op']}: {exc}") from None
+    def max_model_len(self) -> int: ...
+    def new_seq_id(self) -> int: ...
+    def reserve(self, worker: bytes, tokens: int) -> None: ...
+    def free_seq(self, worker: bytes, seq_id: int) -> None: ...
+    def emit(self, request: LiveRequest, events: Iterable[wire.TokenEvent]) -> None: ...
+    def finish(self, request: LiveRequest, reason: str, event: wire.TokenEvent) -> None: ...
+    def fail(self, request: LiveRequest, code: str, message: str) -> None: ...
 
 
 @dataclass
@@ -109,7 +93,6 @@ class Branch:
     report_backtrack: int = 0  # what the controller has not been told yet (post_ops)
     report_tokens: list[int] = field(default_factory=list)
     suspended: bool = False
-    sampled: int = 0  # tokens sampled on this branch
     finished: str | None = None  # the branch's AICI finish reason once it ended
     mid_splice: tuple[int, list[int]] | None = None  # this step's Splice (backtrack, ff_tokens), applied after it
     event: wire.TokenEvent | None = None  # what this step has to say about the branch
@@ -123,12 +106,12 @@ class Branch:
             self.event = wire.TokenEvent(rid=self.request.rid, index=self.index)
         return self.event
 
-    def note(self, result: dict[str, Any]) -> None:
+    def note(self, outcome: aici_wire.SeqOutcome) -> None:
         """Add a runtime result's logs, storage and time to this step's event."""
         event = self.pending_event()
-        event.logs += result.get("logs") or ""
-        event.storage = [*event.storage, *(result.get("storage") or [])]
-        event.micros += int(result.get("micros") or 0)
+        event.logs += outcome.logs
+        event.storage = [*event.storage, *outcome.storage]
+        event.micros += outcome.micros
 
     def report(self, backtrack: int, tokens: list[int]) -> None:
         """Record a change the controller must hear about in the next post_ops."""
@@ -172,7 +155,6 @@ class Controlled:
     request: LiveRequest
     branches: list[Branch]
     indices: itertools.count = field(default_factory=lambda: itertools.count(1))
-    ff_total: int = 0
     suspended_steps: int = 0  # consecutive steps in which every live branch was suspended
 
     def live(self) -> list[Branch]:
@@ -193,7 +175,8 @@ class PendingMid:
 
     runnable: list[tuple[Branch, int | None]]  # op i samples under mask row i
     seq_ids: set[int]
-    task: asyncio.Future[None] | None = None
+    sent: bool = False  # its request was handed out
+    done: bool = False  # its reply (or failure) was applied
     frame: bytes | None = None  # the reply's mask rows
     skip: dict[int, str] = field(default_factory=dict)  # seq_id -> why it is not sampled this step
 
@@ -203,50 +186,29 @@ REQUEST_REASON = {"eos": "stop", "stop": "stop", "aici-stop": "stop", "deadlock"
                   "fail": "error", "abort": "cancelled"}
 
 
-class ControllerSteps:
-    """Drives every controlled request of one scheduler (see the module docstring)."""
+class ControlledSteps:
+    """Drives every controlled request of one scheduler core (see the module docstring). Main-channel
+    calls are data: :meth:`begin` returns the ``post_pre_process`` to send and :meth:`planned` takes
+    its reply; :meth:`mid_request` and :meth:`mid_done` do the same for ``mid_process``."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.sched = scheduler
-        self.settings = scheduler.settings.controllers
-        self.channel = MainChannel(scheduler.settings.endpoint("controller_main"))
+    def __init__(self, host: Host, settings: Controllers) -> None:
+        self.host = host
+        self.settings = settings
         self.requests: dict[str, Controlled] = {}
         self.by_seq: dict[int, Branch] = {}
         self.freed: list[int] = []  # ended sequences the runtime has not been told about
         self.free_later: dict[bytes, list[int]] = defaultdict(list)  # worker frees after this step's forks
-        self.main_s = 0.0  # wall time spent in post_pre_process/mid_process calls, IPC included
         self.seq_steps = 0  # controlled sequence-steps (mid_process ops) run so far
         self.mid: PendingMid | None = None  # this step's mid_process, once the step went out
         self.runtime_fresh = True  # the first post_pre_process resets the runtime (seqs of a previous scheduler)
+        self._assign: list[Branch] = []  # roots bound to their controller by the post_pre_process under way
+        self._post_ops: list[aici_wire.PostOp] = []
 
-    def stats(self) -> dict[str, float]:
-        """Main-channel cost so far, for health replies and the controller benchmark."""
-        per_seq = self.main_s / self.seq_steps * 1e6 if self.seq_steps else 0.0
-        return {"main_s": round(self.main_s, 6), "seq_steps": self.seq_steps, "us_per_seq_step": round(per_seq, 1)}
-
-    # -- main channel ------------------------------------------------------------------------------
-
-    async def ping(self) -> str:
-        try:
-            reply, _ = await self.channel.call({"op": "ping"}, timeout_s=1.0)
-        except RuntimeUnavailable as exc:
-            return "unreachable" if "did not answer" in str(exc) else f"bad reply: {exc}"
-        return "ok" if reply["type"] == "ok" and reply["data"].get("pong") == 1 else "bad reply"
-
-    async def _call(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]] | None:
-        """A main-channel call; when the runtime fails it, every controlled request fails with the reason."""
-        started = time.perf_counter()
-        try:
-            reply, frames = await self.channel.call(request, self.settings.main_timeout_s)
-            self.main_s += time.perf_counter() - started
-            if reply["type"] != "ok":
-                raise RuntimeUnavailable(f"the controller runtime refused {request['op']}: {reply.get('error')}")
-        except RuntimeUnavailable as exc:
-            log.warning("scheduler.controller_runtime_failed", error=str(exc))
-            for controlled in list(self.requests.values()):
-                self.sched._fail(controlled.request, INTERNAL_ERROR, str(exc))
-            return None
-        return reply, frames
+    def _channel_failed(self, error: str) -> None:
+        """The runtime failed a main-channel call: every controlled request fails with the reason."""
+        log.warning("scheduler.controller_runtime_failed", error=error)
+        for controlled in list(self.requests.values()):
+            self.host.fail(controlled.request, SERVICE_UNAVAILABLE, error)
 
     # -- the step ------------------------------------------------------------------------------------
 
@@ -259,9 +221,10 @@ class ControllerSteps:
             self.by_seq[root.seq_id] = root
         return controlled
 
-    async def plan(self, running: Iterable[LiveRequest], budget: int) -> Plan:
-        """post_pre_process and forks: the controlled SeqSteps of this step (its mid_process runs
-        once the step went out, see :meth:`step_masks`)."""
+    def begin(self, running: Iterable[LiveRequest], budget: int) -> tuple[Plan, aici_wire.PostPreProcess | None]:
+        """The first half of a step's controlled part: prompt chunks fed before a controller is
+        involved, and the ``post_pre_process`` to send (None: nothing to ask); pass its reply to
+        :meth:`planned`."""
         plan = Plan()
         self.mid = None
         assign: list[Branch] = []
@@ -273,16 +236,41 @@ class ControllerSteps:
             if root.assigned or request.paused:
                 continue
             remaining = len(request.prompt) - request.fed
-            chunk = min(self.sched.limits.prefill_chunk_tokens, budget)
+            chunk = min(self.host.prefill_chunk_tokens, budget)
             if remaining <= chunk:
                 assign.append(root)
             elif chunk > 0:  # a prompt chunk: no controller involved yet
                 self._add(plan, root, request.prompt[request.fed : request.fed + chunk], sample=False)
                 budget -= chunk
         if not self.requests and not self.freed:
+            return plan, None
+        post_ops = []
+        for controlled in self.requests.values():
+            for b in controlled.live():
+                if b.assigned and (b.report_tokens or b.report_backtrack):
+                    post_ops.append(aici_wire.PostOp(id=b.seq_id, tokens=b.report_tokens, backtrack=b.report_backtrack))
+                    b.report_tokens, b.report_backtrack = [], 0
+        pre_ops = [aici_wire.PreOp(id=b.seq_id, req_id=b.request.submit.controller) for b in assign]
+        freed, self.freed = self.freed, []
+        assigned_any = any(b.assigned for c in self.requests.values() for b in c.live())
+        if not (post_ops or pre_ops or assigned_any or freed):
+            return plan, None
+        self._assign, self._post_ops = assign, post_ops
+        return plan, aici_wire.PostPreProcess(post_ops=post_ops, pre_ops=pre_ops, freed=freed, reset=self.runtime_fresh)
+
+    def planned(self, plan: Plan, reply: MainReply) -> Plan:
+        """The second half: apply the ``post_pre_process`` reply and plan the sampling sequences
+        (their ``mid_process`` runs once the step went out, see :meth:`mid_request`)."""
+        assign, self._assign = self._assign, []
+        post_ops, self._post_ops = self._post_ops, []
+        for b in assign:
+            b.assigned = True
+        if reply.error:
+            self._channel_failed(reply.error)
             return plan
+        self.runtime_fresh = False
         try:
-            runnable = await self._post_pre_process(assign)
+            runnable = self._post_pre_process(post_ops, msgspec.convert(reply.data, aici_wire.PostPreProcessReply))
             for row, (branch, _) in enumerate(runnable):
                 self._plan_sample(plan, branch, row)
         except Exception as exc:  # a bug or a nonsensical runtime reply fails the controlled requests, not the loop
@@ -298,7 +286,7 @@ class ControllerSteps:
     def _fail_all(self, exc: Exception) -> None:
         log.exception("scheduler.controller_step_failed")
         for controlled in list(self.requests.values()):
-            self.sched._fail(controlled.request, INTERNAL_ERROR, f"controller step failed: {exc}")
+            self.host.fail(controlled.request, INTERNAL_ERROR, f"controller step failed: {exc}")
 
     def _plan_sample(self, plan: Plan, branch: Branch, row: int) -> None:
         """Feed the branch what the worker lacks and sample it under mask row ``row``."""
@@ -311,27 +299,42 @@ class ControllerSteps:
         """Whether ``step`` samples a sequence whose mask comes from this step's mid_process."""
         return self.mid is not None and any(s.sample and s.seq_id in self.mid.seq_ids for s in step.seqs)
 
-    async def step_masks(self, step: wire.Step) -> tuple[wire.StepMasks, list[bytes]]:
-        """The StepMasks (and its frame) of a step sent with ``masks_follow``; the first call runs
-        mid_process, the steps of other workers share it."""
+    def mid_request(self) -> aici_wire.MidProcess | None:
+        """This step's ``mid_process`` to send once its worker steps went out; None when it was handed
+        out already (the steps of several workers share one) or there is none."""
+        mid = self.mid
+        if mid is None or mid.sent:
+            return None
+        mid.sent = True
+        self.seq_steps += len(mid.runnable)
+        return aici_wire.MidProcess(ops=[aici_wire.MidOp(id=b.seq_id, clone_id=clone) for b, clone in mid.runnable])
+
+    def mid_done(self, reply: MainReply) -> None:
+        """Apply this step's ``mid_process`` reply: Stop ends a branch, Splice waits for the step's
+        result, anything else samples under the mask row."""
         mid = self.mid
         assert mid is not None
-        if mid.task is None:
-            mid.task = asyncio.ensure_future(self._run_mid(mid))
-        await asyncio.shield(mid.task)
-        failures = [wire.SeqFailure(seq_id=s.seq_id, message=mid.skip[s.seq_id]) for s in step.seqs if s.seq_id in mid.skip]
-        return wire.StepMasks(step_id=step.step_id, failures=failures), [mid.frame] if mid.frame is not None else []
-
-    async def _run_mid(self, mid: PendingMid) -> None:
-        try:
-            await self._mid_process(mid)
-        except Exception as exc:  # as in plan(): the controlled requests fail, the loop goes on
-            self._fail_all(exc)
+        mid.done = True
+        if reply.error:
+            self._channel_failed(reply.error)
+        else:
+            try:
+                self._mid_process(mid, reply)
+            except Exception as exc:  # as in planned(): the controlled requests fail, the loop goes on
+                self._fail_all(exc)
         for branch, _ in mid.runnable:
             if branch.finished is not None:
                 mid.skip[branch.seq_id] = f"the sequence ended in mid_process ({branch.finished})"
             elif branch.mid_splice is not None:
                 mid.skip[branch.seq_id] = "the controller spliced instead of sampling"
+
+    def step_masks(self, step: wire.Step) -> tuple[wire.StepMasks, list[bytes]]:
+        """The StepMasks (and its mask frame) of a step sent with ``masks_follow``, once
+        :meth:`mid_done` ran."""
+        mid = self.mid
+        assert mid is not None and mid.done
+        failures = [wire.SeqFailure(seq_id=s.seq_id, message=mid.skip[s.seq_id]) for s in step.seqs if s.seq_id in mid.skip]
+        return wire.StepMasks(step_id=step.step_id, failures=failures), [mid.frame] if mid.frame is not None else []
 
     def _add(self, plan: Plan, branch: Branch, tokens: list[int], *, sample: bool, mask_row: int = -1) -> None:
         request = branch.request
@@ -344,48 +347,25 @@ class ControllerSteps:
         plan.per_worker[request.worker].append((branch, seq))
         plan.tokens += len(tokens)
 
-    async def _post_pre_process(self, assign: list[Branch]) -> list[tuple[Branch, int | None]]:
-        """Run post_pre_process; returns the branches to run this step, each with its clone parent."""
-        post_ops = []
-        for controlled in self.requests.values():
-            for b in controlled.live():
-                if b.assigned and (b.report_tokens or b.report_backtrack):
-                    post_ops.append({"id": b.seq_id, "tokens": b.report_tokens, "backtrack": b.report_backtrack})
-                    b.report_tokens, b.report_backtrack = [], 0
-        pre_ops = [{"id": b.seq_id, "req_id": b.request.submit.controller} for b in assign]
-        freed, self.freed = self.freed, []
-        assigned_any = any(b.assigned for c in self.requests.values() for b in c.live())
-        if not (post_ops or pre_ops or assigned_any or freed):
-            return []
-        request = {"op": "post_pre_process", "post_ops": post_ops, "pre_ops": pre_ops, "freed": freed}
-        if self.runtime_fresh:
-            request["reset"] = True
-        called = await self._call(request)
-        if called is not None:
-            self.runtime_fresh = False
-        for b in assign:
-            b.assigned = True
-        if called is None:
-            return []
-        data = called[0]["data"]
-        post_seqs = data.get("post_seqs") or {}
+    def _post_pre_process(self, post_ops: list[aici_wire.PostOp], reply: aici_wire.PostPreProcessReply
+                          ) -> list[tuple[Branch, int | None]]:
+        """Apply a post_pre_process reply; returns the branches to run this step, each with its clone parent."""
         for op in post_ops:
-            branch = self.by_seq.get(op["id"])
-            result = post_seqs.get(str(op["id"]), post_seqs.get(op["id"]))
-            if branch is None or branch.finished or result is None:
+            branch = self.by_seq.get(op.id)
+            post = reply.post_seqs.get(str(op.id))
+            if branch is None or branch.finished or post is None:
                 continue
-            branch.note(result)
-            if result.get("error"):
-                self._end(branch, "fail", error=result["error"])
-            elif (result.get("result") or {}).get("stop"):
+            branch.note(post)
+            if post.error:
+                self._end(branch, "fail", error=post.error)
+            elif post.result is not None and post.result.stop:
                 self._end(branch, "aici-stop")
         runnable: list[tuple[Branch, int | None]] = []
-        pre_seqs = data.get("pre_seqs") or {}
         for controlled in list(self.requests.values()):
             for branch in list(controlled.live()):
                 if not branch.assigned:
                     continue
-                result = pre_seqs.get(str(branch.seq_id), pre_seqs.get(branch.seq_id))
+                result = reply.pre_seqs.get(str(branch.seq_id))
                 if result is None:
                     self._end(branch, "fail", error="the controller runtime returned no pre_process result")
                     continue
@@ -405,24 +385,25 @@ class ControllerSteps:
             for branch in live:
                 self._end(branch, "deadlock")
 
-    def _on_pre(self, controlled: Controlled, branch: Branch, result: dict[str, Any]) -> list[tuple[Branch, int | None]]:
-        branch.note(result)
-        if result.get("error"):
-            self._end(branch, "fail", error=result["error"])
+    def _on_pre(self, controlled: Controlled, branch: Branch, outcome: aici_wire.PreOutcome
+                ) -> list[tuple[Branch, int | None]]:
+        branch.note(outcome)
+        if outcome.error:
+            self._end(branch, "fail", error=outcome.error)
             return []
-        pre = result.get("result") or {}
-        num_forks = int(pre.get("num_forks", 1))
+        pre = outcome.result or aici_wire.PreProcessResult()
+        num_forks = pre.num_forks
         if num_forks == 0:
             self._end(branch, "aici-stop")
             return []
-        ff = [int(t) for t in pre.get("ff_tokens") or []]
+        ff = pre.ff_tokens
         if ff:
             branch.splice(0, ff)
-            self._count_ff(controlled, branch, len(ff))
-            self._check_limits(branch, self.sched._max_model_len())
+            self._count_ff(branch, len(ff))
+            self._check_limits(branch, self.host.max_model_len())
             if branch.finished:
                 return []
-        branch.suspended = bool(pre.get("suspend"))
+        branch.suspended = pre.suspend
         request = branch.request
         if branch.suspended or request.paused:
             return []
@@ -438,7 +419,7 @@ class ControllerSteps:
 
     def _fork(self, controlled: Controlled, parent: Branch) -> Branch:
         request = parent.request
-        child = Branch(request=request, index=next(controlled.indices), seq_id=next(self.sched.seq_ids),
+        child = Branch(request=request, index=next(controlled.indices), seq_id=self.host.new_seq_id(),
                        tokens=list(parent.tokens), text=TextStream(request.text.tokenizer, stop=list(request.text.stop)),
                        text_start=parent.text_start, assigned=True)
         child.text.push(child.tokens[child.text_start :])
@@ -447,51 +428,42 @@ class ControllerSteps:
             child.fork_of, child.kv_len, child.kv_backtrack = parent.seq_id, parent.kv_len, parent.kv_backtrack
         controlled.branches.append(child)
         self.by_seq[child.seq_id] = child
-        worker = self.sched.pool.workers.get(request.worker)
-        if worker is not None:
-            worker.reserved_tokens += request.needed_tokens
+        self.host.reserve(request.worker, request.needed_tokens)
         return child
 
-    async def _mid_process(self, mid: PendingMid) -> None:
-        ops = [{"id": b.seq_id, "clone_id": clone} for b, clone in mid.runnable]
-        self.seq_steps += len(ops)
-        called = await self._call({"op": "mid_process", "ops": ops})
-        if called is None:
-            return
-        reply, frames = called
-        seqs = reply["data"].get("seqs") or {}
-        mid.frame = frames[0] if frames else None
+    def _mid_process(self, mid: PendingMid, reply: MainReply) -> None:
+        seqs = msgspec.convert(reply.data, aici_wire.MidProcessReply).seqs
+        mid.frame = reply.frames[0] if reply.frames else None
         for branch, _ in mid.runnable:
             if branch.finished:
                 continue
-            result = seqs.get(str(branch.seq_id), seqs.get(branch.seq_id))
-            if result is None:
+            outcome = seqs.get(str(branch.seq_id))
+            if outcome is None:
                 self._end(branch, "fail", error="the controller runtime returned no mid_process result")
                 continue
-            branch.note(result)
-            if result.get("error"):
-                self._end(branch, "fail", error=result["error"])
+            branch.note(outcome)
+            if outcome.error:
+                self._end(branch, "fail", error=outcome.error)
                 continue
-            self._on_mid(branch, result.get("result"))
+            self._on_mid(branch, outcome.result)
 
-    def _on_mid(self, branch: Branch, mid: Any) -> None:
+    def _on_mid(self, branch: Branch, mid: aici_wire.MidProcessResult | None) -> None:
         """Stop ends the branch; a Splice waits for the step's result (see :meth:`apply`); anything
-        else samples under the branch's mask row (seed 001: a null result as SampleWithBias does)."""
+        else samples under the branch's mask row (the AICI runtime protocol: a null result as SampleWithBias does)."""
         if mid == "Stop":
             self._end(branch, "aici-stop")
-        elif isinstance(mid, dict) and "Splice" in mid:
-            splice = mid["Splice"] or {}
-            branch.mid_splice = (int(splice.get("backtrack", 0)), [int(t) for t in splice.get("ff_tokens") or []])
+        elif isinstance(mid, aici_wire.MidBranch) and mid.Splice is not None:
+            branch.mid_splice = (mid.Splice.backtrack, list(mid.Splice.ff_tokens))
 
     def _splice(self, branch: Branch, backtrack: int, ff: list[int]) -> None:
         """Apply a mid_process Splice; its tokens are fed on the branch's next step."""
         branch.splice(backtrack, ff)
         branch.report(backtrack, ff)
-        self._count_ff(self.requests[branch.request.rid], branch, len(ff))
-        self._check_limits(branch, self.sched._max_model_len())
+        self._count_ff(branch, len(ff))
+        self._check_limits(branch, self.host.max_model_len())
 
-    def _count_ff(self, controlled: Controlled, branch: Branch, n: int) -> None:
-        controlled.ff_total += n
+    @staticmethod
+    def _count_ff(branch: Branch, n: int) -> None:
         branch.pending_event().ff_tokens += n
 
     # -- results ------------------------------------------------------------------------------------
@@ -527,15 +499,13 @@ class ControllerSteps:
         token = sampled.token_id
         branch.tokens.append(token)
         branch.report(0, [token])
-        branch.sampled += 1
         if branch.index == 0:
             request.generated.append(token)
         event = branch.pending_event()
         event.tokens = [*event.tokens, sampled]
-        if token in request.submit.stop_token_ids:
+        if stop_token(request.submit, token, eos=()):  # EOS does not end a controlled sequence (AICI): its controller decides
             self._end(branch, "eos")
             return
-        # EOS does not end a controlled sequence (AICI): its controller sees it and decides
         event.text += branch.text.push([token])
         self._check_limits(branch, max_len)
 
@@ -545,7 +515,7 @@ class ControllerSteps:
         generated = len(branch.tokens) - len(request.prompt)
         if branch.text.stopped_by is not None:
             self._end(branch, "stop")
-        elif generated >= request.submit.max_tokens or len(branch.tokens) >= max_len:
+        elif length_reached(request.submit, generated, len(branch.tokens), max_len):
             self._end(branch, "length")
 
     def _end(self, branch: Branch, reason: str, *, error: str = "") -> None:
@@ -572,17 +542,13 @@ class ControllerSteps:
             branch.runtime_freed = True
             self.freed.append(branch.seq_id)
         if branch.index != 0 and self.by_seq.pop(branch.seq_id, None) is not None:
-            worker = self.sched.pool.workers.get(request.worker)
-            if worker is not None:
-                worker.reserved_tokens -= request.needed_tokens
-                self.free_later[request.worker].append(branch.seq_id)
+            self.host.reserve(request.worker, -request.needed_tokens)
+            self.free_later[request.worker].append(branch.seq_id)
 
     def flush(self) -> None:
         """After a step: send each branch's event; end the requests whose last branch ended. Worker
         frees of ended forks go out with the next step (a fork made this step may copy them)."""
-        for identity, seq_ids in self.free_later.items():
-            self.sched.to_free[identity].extend(seq_ids)
-        self.free_later.clear()
+        self._release_frees()
         for controlled in list(self.requests.values()):
             request = controlled.request
             if request.state is State.FINISHED:
@@ -591,16 +557,16 @@ class ControllerSteps:
             for b in controlled.branches:
                 b.event = None
             if controlled.live():
-                self.sched.outbox[request.gateway].extend(events)
+                self.host.emit(request, events)
                 continue
             root = controlled.branches[0]
             final = next((e for e in events if e.index == 0), None) or wire.TokenEvent(rid=request.rid)
-            self.sched.outbox[request.gateway].extend(e for e in events if e is not final)
+            self.host.emit(request, [e for e in events if e is not final])
             reason = REQUEST_REASON.get(root.finished or "fail", "error")
             if all(b.finished == "fail" for b in controlled.branches):
                 reason = "error"
                 final.error = final.error or next((e.error for e in events if e.error), "the controller failed")
-            self.sched._finish(request, reason, final)
+            self.host.finish(request, reason, final)
 
     def release(self, request: LiveRequest) -> None:
         """The request ended (finished, cancelled, failed): forget it and free every branch."""
@@ -611,14 +577,10 @@ class ControllerSteps:
             branch.finished = branch.finished or "abort"
             self._free(branch)
         self.by_seq.pop(controlled.branches[0].seq_id, None)
+        self._release_frees()
+
+    def _release_frees(self) -> None:
         for identity, seq_ids in self.free_later.items():
-            self.sched.to_free[identity].extend(seq_ids)
+            for seq_id in seq_ids:
+                self.host.free_seq(identity, seq_id)
         self.free_later.clear()
-
-    def usage(self, request: LiveRequest) -> tuple[int, int]:
-        """(sampled tokens over every branch, fast-forwarded tokens) of a controlled request."""
-        controlled = self.requests.get(request.rid)
-        if controlled is None:
-            return len(request.generated), 0
-        return sum(b.sampled for b in controlled.branches), controlled.ff_total
-

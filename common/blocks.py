@@ -1,0 +1,36 @@
+"""Names of KV blocks, shared by the worker (its prefix cache) and the scheduler (its index of
+which worker caches which prompt prefix).
+
+A full block of ``block_size`` tokens is named by a hash chain: the hash of its parent block's
+name and its own token ids, so equal names mean equal token prefixes. Workers report the names
+they register and forget as 64-bit keys (the first 8 bytes of the name), which is all the
+scheduler's placement needs: a collision only misplaces a request, it never changes its output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Iterator, Sequence
+
+BLOCK_SIZE = 16  # tokens per block
+ROOT_HASH = b""  # the parent name of a sequence's first block
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The name of a full block: a 128-bit BLAKE2b digest of its parent's name and its token ids."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+def block_key(name: bytes) -> int:
+    """The 64-bit key of a block name, as block events carry it."""
+    return int.from_bytes(name[:8], "little", signed=True)
+
+
+def prefix_keys(tokens: Sequence[int], block_size: int = BLOCK_SIZE, limit: int | None = None) -> Iterator[int]:
+    """The keys of the full blocks of ``tokens``, first block first (at most ``limit`` of them)."""
+    parent = ROOT_HASH
+    blocks = len(tokens) // block_size if limit is None else min(limit, len(tokens) // block_size)
+    for j in range(blocks):
+        parent = block_hash(parent, tokens[j * block_size : (j + 1) * block_size])
+        yield block_key(parent)

@@ -1,0 +1,145 @@
+"""``tiller ps | restart | logs | check | cache``: operations on a running stack and on the model cache.
+
+``ps``, ``restart`` and ``logs`` act on the supervisord that ``tiller up`` started in this run
+directory; ``check`` asks one service whether it is ready (the container healthchecks use it, where
+each service runs alone); ``cache`` lists and cleans the converted models in ``cache_dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import sys
+
+from common import aici_wire, model_cache, wire
+from common.model_source import cache_entries_in_use
+from common.config import Settings
+from common.sockets import probe_health
+from common.startup_checks import gateway_answer
+from common.supervisor import SERVICES, program_status, supervisorctl
+
+COMMANDS = ("ps", "restart", "logs", "check", "cache")
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    ps = sub.add_parser("ps", help="each service's state, pid and uptime")
+    ps.add_argument("service", nargs="?", choices=SERVICES)
+    restart = sub.add_parser("restart", help="restart one service (or all) under the running supervisord")
+    restart.add_argument("service", choices=(*SERVICES, "all"))
+    logs = sub.add_parser("logs", help="the last lines of a service's log (all services without one)")
+    logs.add_argument("service", nargs="?", choices=(*SERVICES, "supervisord"))
+    logs.add_argument("-n", "--lines", type=int, default=50)
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    check = sub.add_parser("check", help="exit 0 when the service answers its health check as ready (healthchecks)")
+    check.add_argument("service", choices=SERVICES)
+    cache = sub.add_parser("cache", help="list the converted models in cache_dir; `clean` removes stale ones")
+    cache.add_argument("action", nargs="?", choices=("list", "clean"), default="list")
+    cache.add_argument("--all", action="store_true", help="with clean: also the current model's conversion")
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    if args.command == "ps":
+        return ps(settings, args.service)
+    if args.command == "restart":
+        return restart(settings, args.service)
+    if args.command == "logs":
+        return logs(settings, args.service, args.lines, args.follow)
+    if args.command == "check":
+        ready, note = asyncio.run(check(settings, args.service))
+        print(f"{args.service}: {'ready' if ready else 'not ready'}{f' ({note})' if note else ''}")
+        return 0 if ready else 1
+    return cache(settings, args.action, args.all)
+
+
+def ps(settings: Settings, service: str | None) -> int:
+    programs = program_status(settings)
+    if not programs:
+        print(f"Tiller is not running here (run directory {settings.run_dir.resolve()}).")
+        return 1
+    for name in [service] if service else SERVICES:
+        state, _, rest = programs.get(name, ("UNKNOWN", None, ""))
+        print(f"{name:20s} {state:10s} {rest}".rstrip())
+    return 0
+
+
+def restart(settings: Settings, service: str) -> int:
+    if not program_status(settings):
+        print(f"Tiller is not running here (run directory {settings.run_dir.resolve()}).", file=sys.stderr)
+        return 1
+    target = "tiller:*" if service == "all" else f"tiller:{service}"
+    result = supervisorctl(settings, "restart", target)
+    print(result.stdout.strip() or result.stderr.strip())
+    ok = result.returncode == 0 and "ERROR" not in result.stdout
+    if ok:
+        print("restarted; `tiller status` shows when it serves again (the worker reloads the model)")
+    return 0 if ok else 1
+
+
+def logs(settings: Settings, service: str | None, lines: int, follow: bool) -> int:
+    log_dir = settings.run_dir.resolve() / "logs"
+    names = [service] if service else list(SERVICES)
+    files = [str(log_dir / f"{name}.log") for name in names if (log_dir / f"{name}.log").is_file()]
+    if not files:
+        print(f"no logs in {log_dir}", file=sys.stderr)
+        return 1
+    tail = shutil.which("tail")
+    if tail is None:  # pragma: no cover - every POSIX system has tail
+        print("`tail` is not installed", file=sys.stderr)
+        return 1
+    os.execv(tail, [tail, "-n", str(lines), *(["-F"] if follow else []), *files])
+
+
+async def check(settings: Settings, service: str) -> tuple[bool, str]:
+    """Whether ``service`` answers as ready, and a note. The worker binds no socket of its own: it is
+    judged by what the scheduler reports of its workers."""
+    if service == "gateway":
+        answer = await asyncio.to_thread(gateway_answer, settings)
+        if answer is None:
+            return False, f"nothing answers on {settings.http_host}:{settings.http_port}"
+        return answer.status == 200, f"/health {answer.status}"
+    if service == "controller_runtime":
+        return await _ping_controller_runtime(settings)
+    if service in ("scheduler", "session_store"):
+        reply = await probe_health(settings.endpoint(service), timeout=2.0)
+        return (reply is not None and reply.ready), "" if reply is not None else "no answer"
+    reply = await probe_health(settings.endpoint("scheduler"), timeout=2.0)
+    if reply is None:
+        return False, "the scheduler does not answer"
+    worker = (reply.facts or wire.ModelFacts()).worker
+    return worker.stage == "ready", f"{worker.stage} {worker.message}".strip()
+
+
+async def _ping_controller_runtime(settings: Settings) -> tuple[bool, str]:
+    import zmq
+    import zmq.asyncio
+
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(settings.endpoint("controller_main"))
+        await sock.send(aici_wire.encode(aici_wire.Ping()))
+        if not await sock.poll(2000):
+            return False, "no answer"
+        reply = aici_wire.decode_reply((await sock.recv_multipart())[0])
+        return reply.get("type") == "ok", ""
+    finally:
+        sock.close(0)
+
+
+def cache(settings: Settings, action: str, everything: bool) -> int:
+    entries = model_cache.entries(settings.cache_dir)
+    current = cache_entries_in_use(settings)
+    if action == "list":
+        if not entries:
+            print(f"{settings.cache_dir}: empty")
+        for entry in entries:
+            mark = "in use " if entry.path.name in current else "stale  "
+            print(f"{mark}{entry.size_bytes / 2**20:8.0f} MiB  {entry.path}")
+        return 0
+    doomed = [e for e in entries if everything or e.path.name not in current]
+    freed = model_cache.remove(doomed)
+    print(f"removed {len(doomed)} entr{'y' if len(doomed) == 1 else 'ies'} from {settings.cache_dir}, "
+          f"{freed / 2**20:.0f} MiB freed")
+    return 0

@@ -1,0 +1,94 @@
+"""What ``tiller up`` checks before and while it starts the services: that the ports it will bind are
+free, and that what answers on the HTTP port is the gateway it started (not another server that
+held the port while ours crash-loops on "address already in use")."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from common.config import Settings
+
+_ZMQ_ENDPOINTS = ("scheduler", "worker", "controller_main", "controller_side", "session_store")
+
+
+@dataclass(frozen=True)
+class Port:
+    host: str
+    port: int
+    setting: str  # the environment variable that moves it
+
+    def describe(self) -> str:
+        return f"port {self.port} on {self.host} ({self.setting})"
+
+
+def ports_to_bind(settings: Settings) -> list[Port]:
+    """Every TCP port this machine's services bind: HTTP, gRPC and any tcp:// ZeroMQ endpoint."""
+    ports = [
+        Port(settings.http_host, settings.http_port, "TILLER_HTTP_PORT"),
+        Port(settings.http_host, settings.grpc_port, "TILLER_GRPC_PORT"),
+    ]
+    for name in _ZMQ_ENDPOINTS:
+        endpoint = getattr(settings, f"{name}_endpoint")
+        parts = urlsplit(endpoint)
+        if parts.scheme == "tcp" and parts.port:
+            ports.append(Port("0.0.0.0", parts.port, f"TILLER_{name.upper()}_ENDPOINT"))
+    return ports
+
+
+def port_is_free(port: Port) -> bool:
+    """Whether a server could bind ``port`` now (SO_REUSEADDR as servers set it: TIME_WAIT is free)."""
+    family = socket.AF_INET6 if ":" in port.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((port.host, port.port))
+        except OSError:
+            return False
+    return True
+
+
+def busy_ports(settings: Settings) -> list[Port]:
+    return [port for port in ports_to_bind(settings) if not port_is_free(port)]
+
+
+@dataclass(frozen=True)
+class GatewayAnswer:
+    status: int
+    pid: int | None  # the pid the /health body names (None: not a Tiller gateway's body)
+
+
+def gateway_answer(settings: Settings, timeout: float = 2.0) -> GatewayAnswer | None:
+    """What answers ``GET /health`` on the HTTP port, or None when nothing does."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(settings.http_host, settings.http_host)  # bound everywhere
+    url = f"http://{host}:{settings.http_port}/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as exc:  # a 503 while loading still names its pid
+        status, raw = exc.code, exc.read()
+    except (urllib.error.URLError, OSError):
+        return None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    pid = body.get("pid") if isinstance(body, dict) else None
+    return GatewayAnswer(status=status, pid=pid if isinstance(pid, int) else None)
+
+
+def judge_gateway(answer: GatewayAnswer | None, started_pid: int | None, settings: Settings) -> tuple[bool, str]:
+    """(ready, why not ready is fatal or ''): ready when our gateway answers 200; fatal (a non-empty
+    reason) when a server other than the gateway supervisord started answers on the port."""
+    if answer is None or started_pid is None:
+        return False, ""
+    if answer.pid != started_pid:
+        who = f"pid {answer.pid}" if answer.pid is not None else "not a Tiller gateway"
+        port = Port(settings.http_host, settings.http_port, "TILLER_HTTP_PORT")
+        return False, (f"{port.describe()} is answered by another server ({who}), not by the gateway this "
+                       f"start launched (pid {started_pid}): stop that server or set TILLER_HTTP_PORT")
+    return answer.status == 200, ""

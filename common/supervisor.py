@@ -1,0 +1,114 @@
+"""Tiller's five processes under supervisord: the configuration, supervisorctl and what it reports.
+
+``deploy/supervisord.conf`` is a template whose paths are ``%(ENV_TILLER_*)s`` variables. ``tiller up``
+writes it out with those values filled in as ``<run_dir>/supervisord.conf``, and every later call
+(``tiller down|status|ps|restart``, and a person typing ``supervisorctl -c run/supervisord.conf status``)
+reads that file, so none of them depends on the caller's environment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from common.config import Settings
+
+HOME = Path(__file__).resolve().parents[1]
+SUPERVISOR_TEMPLATE = HOME / "deploy" / "supervisord.conf"
+SERVICES = ("session_store", "controller_runtime", "scheduler", "worker", "gateway")
+_ENV_REF = re.compile(r"%\(ENV_(\w+)\)s")
+
+
+def supervisor_env(settings: Settings, foreground: bool, base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) plus what deploy/supervisord.conf expands."""
+    run_dir = settings.run_dir.resolve()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ if base is None else base)
+    env.update(
+        TILLER_RUN_DIR=str(run_dir),
+        TILLER_HOME=str(HOME),
+        TILLER_PYTHON=sys.executable,
+        TILLER_FOREGROUND="true" if foreground else "false",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(_local_workers_env(settings.distributed.local_workers, env))
+    return env
+
+
+def _local_workers_env(count: int, env: dict[str, str]) -> dict[str, str]:
+    """What deploy/supervisord.conf needs to start ``count`` local workers (worker, then
+    worker_1 .. worker_<count-1>); several CPU workers split the cores instead of each taking all."""
+    more = max(count - 1, 0)
+    extra = {
+        "TILLER_WORKER_AUTOSTART": str(count >= 1).lower(),
+        "TILLER_MORE_WORKERS": str(max(more, 1)),  # supervisord needs numprocs >= 1: one stays stopped
+        "TILLER_MORE_WORKERS_AUTOSTART": str(more >= 1).lower(),
+    }
+    if count > 1 and "OMP_NUM_THREADS" not in env:
+        extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // count))
+    return extra
+
+
+def conf_path(settings: Settings) -> Path:
+    return settings.run_dir.resolve() / "supervisord.conf"
+
+
+def render_conf(template: str, env: dict[str, str]) -> str:
+    """The template with every ``%(ENV_NAME)s`` replaced by ``env[NAME]`` (``%`` escaped for supervisord);
+    supervisord's own ``%(program_name)s`` and friends stay."""
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in env:
+            raise KeyError(f"{SUPERVISOR_TEMPLATE} names ${name}, which is not set")
+        return env[name].replace("%", "%%")
+
+    return _ENV_REF.sub(value, template)
+
+
+def write_conf(settings: Settings, foreground: bool) -> Path:
+    """Write ``<run_dir>/supervisord.conf`` for this start; returns its path."""
+    path = conf_path(settings)
+    env = supervisor_env(settings, foreground)
+    path.write_text(render_conf(SUPERVISOR_TEMPLATE.read_text(), env))
+    return path
+
+
+def supervisorctl(
+    settings: Settings, *args: str, base_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run supervisorctl against this run directory's supervisord (fails cleanly when none runs)."""
+    env = dict(os.environ if base_env is None else base_env)
+    path = conf_path(settings)
+    if not path.is_file():
+        return subprocess.CompletedProcess(args, 1, "", f"no supervisord.conf in {path.parent}: Tiller is not running")
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor.supervisorctl", "-c", str(path), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+
+
+def parse_status(out: str) -> dict[str, tuple[str, int | None, str]]:
+    """``supervisorctl status`` lines -> {service: (state, pid or None, the rest of the line)}."""
+    programs: dict[str, tuple[str, int | None, str]] = {}
+    for line in out.splitlines():
+        parts = line.split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith("tiller:"):
+            continue
+        rest = parts[2] if len(parts) > 2 else ""
+        pid = re.match(r"pid (\d+),", rest)
+        programs[parts[0].split(":", 1)[1]] = (parts[1], int(pid.group(1)) if pid else None, rest)
+    return programs
+
+
+def program_status(settings: Settings) -> dict[str, tuple[str, int | None, str]]:
+    return parse_status(supervisorctl(settings, "status").stdout)
+
+
+def program_states(settings: Settings) -> dict[str, str]:
+    return {name: state for name, (state, _, _) in program_status(settings).items()}

@@ -1,0 +1,89 @@
+"""The scheduler's end of the controller runtime's main channel (the AICI runtime protocol)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import zmq
+import zmq.asyncio
+
+from common import aici_wire
+from common.errors import WireError
+from common.sockets import ensure_ipc_dir
+from services.scheduler.controlled import MainReply
+
+
+# How often a call waiting for its reply checks the connection.
+DROP_CHECK_MS = 100
+
+
+class MainChannel:
+    """A DEALER with strictly one request outstanding. A reply that does not come in time means the
+    socket is replaced, so a late reply can never be taken for the answer to the next request. A
+    connection that drops while a reply is awaited (the runtime died: its instances with it) fails the
+    call at once, not after the timeout."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.lock = asyncio.Lock()
+        self.sock = self._connect()
+        self.busy_s = 0.0  # wall time of answered post_pre_process/mid_process calls, IPC included
+
+    def _connect(self) -> zmq.asyncio.Socket:
+        ensure_ipc_dir(self.endpoint)
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self.endpoint)
+        return sock
+
+    def _replace(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(0)
+        self.sock.close(0)
+        self.sock = self._connect()
+
+    async def _dropped(self) -> bool:
+        """Whether the connection dropped since the last look."""
+        dropped = False
+        while await self.monitor.poll(0):
+            await self.monitor.recv_multipart()
+            dropped = True
+        return dropped
+
+    async def call(self, request: aici_wire.MainRequest, timeout_s: float) -> MainReply:
+        """Send one request; its ok reply's data and frames, or why there is none."""
+        op = type(request).__struct_config__.tag
+        started = time.perf_counter()
+        async with self.lock:
+            await self._dropped()  # a drop before this call says nothing about it
+            await self.sock.send(aici_wire.encode(request))
+            deadline = time.monotonic() + timeout_s
+            while not await self.sock.poll(DROP_CHECK_MS):
+                if await self._dropped():
+                    self._replace()
+                    return MainReply(error=f"the controller runtime's connection dropped during {op} "
+                                           "(it died or restarted, its controllers with it)")
+                if time.monotonic() > deadline:
+                    self._replace()
+                    return MainReply(error=f"the controller runtime did not answer {op} within {timeout_s:g} s")
+            parts = await self.sock.recv_multipart()
+        try:
+            reply = aici_wire.decode_reply(parts[0])
+        except WireError as exc:
+            return MainReply(error=f"bad reply from the controller runtime to {op}: {exc}")
+        if not isinstance(request, aici_wire.Ping):
+            self.busy_s += time.perf_counter() - started
+        if reply["type"] != "ok":
+            return MainReply(error=f"the controller runtime refused {op}: {reply.get('error')}")
+        return MainReply(data=reply.get("data") or {}, frames=parts[1:])
+
+    async def ping(self) -> str:
+        """"ok", or what is wrong with the runtime (for health replies)."""
+        reply = await self.call(aici_wire.Ping(), timeout_s=1.0)
+        if "did not answer" in reply.error or "dropped" in reply.error:
+            return "unreachable"
+        if reply.error.startswith("bad reply"):
+            return f"bad reply: {reply.error}"
+        return "ok" if not reply.error and reply.data.get("pong") == 1 else "bad reply"

@@ -1,0 +1,173 @@
+"""Which worker a new sequence goes to: where its KV already is, else where there is room.
+
+Pure decision logic (no sockets, no clocks). In order of preference:
+
+1. **session**: the worker holding the session's parked sequence (its next turn only feeds what
+   is new);
+2. **prefix**: the worker whose prefix cache holds the longest run of the prompt's leading full
+   blocks, as the :class:`PrefixIndex` knows it from the workers' block events (the idea of
+   SGLang's cache-aware router and llm-d's KV-aware scheduling), unless that worker already runs
+   more than ``balance`` sequences beyond the least loaded one;
+3. **load**: the worker running the fewest sequences (then the one with the most free KV).
+
+A worker qualifies only when its free KV can hold the sequence. Forks and backtracks of a live or
+parked sequence never come here: they stay on their parent's worker.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from common import wire
+from common.blocks import prefix_keys
+
+if TYPE_CHECKING:
+    from services.scheduler.requests import LiveRequest
+    from services.scheduler.workers import WorkerInfo
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A ready worker as placement sees it."""
+
+    identity: bytes
+    free_tokens: int  # KV not promised to admitted requests or parked sessions
+    running: int  # sequences admitted to it
+
+
+@dataclass(frozen=True)
+class Decision:
+    identity: bytes
+    reason: Literal["session", "prefix", "load"]
+    matched_blocks: int = 0  # leading prompt blocks the chosen worker's prefix cache holds
+
+
+class PrefixIndex:
+    """Which workers' prefix caches hold which blocks, by 64-bit block key (common.blocks)."""
+
+    def __init__(self) -> None:
+        self._holders: dict[int, set[bytes]] = {}
+        self._keys: dict[bytes, set[int]] = {}
+
+    def apply(self, worker: bytes, new: Iterable[int], gone: Iterable[int]) -> None:
+        """A worker's block events: blocks it registered, then blocks it forgot."""
+        keys = self._keys.setdefault(worker, set())
+        for key in new:
+            keys.add(key)
+            self._holders.setdefault(key, set()).add(worker)
+        for key in gone:
+            keys.discard(key)
+            holders = self._holders.get(key)
+            if holders is not None:
+                holders.discard(worker)
+                if not holders:
+                    del self._holders[key]
+
+    def forget(self, worker: bytes) -> None:
+        """A worker left, or its cache will be reported afresh."""
+        self.apply(worker, (), self._keys.get(worker, set()).copy())
+        del self._keys[worker]
+
+    def workers(self) -> set[bytes]:
+        return set(self._keys)
+
+    def blocks(self, worker: bytes) -> int:
+        return len(self._keys.get(worker, ()))
+
+    def matches(self, keys: Sequence[int], workers: Iterable[bytes]) -> dict[bytes, int]:
+        """For each of ``workers``, how many of the leading ``keys`` its cache holds in a row."""
+        alive = set(workers)
+        found = dict.fromkeys(alive, 0)
+        for depth, key in enumerate(keys, 1):
+            alive &= self._holders.get(key, set())
+            if not alive:
+                break
+            for worker in alive:
+                found[worker] = depth
+        return found
+
+
+def choose(
+    candidates: Sequence[Candidate],
+    needed: int,
+    prompt_keys: Sequence[int],
+    index: PrefixIndex,
+    *,
+    session_worker: bytes | None = None,
+    balance: int = 8,
+) -> Decision | None:
+    """The worker for a new sequence needing ``needed`` KV tokens (see the module docstring);
+    None when no worker has the room now."""
+    fits = [c for c in candidates if c.free_tokens >= needed]
+    if not fits:
+        return None
+    if session_worker is not None and any(c.identity == session_worker for c in fits):
+        return Decision(session_worker, "session")
+    least = min(fits, key=lambda c: (c.running, -c.free_tokens))
+    fewest_running = min(c.running for c in fits)
+    matched = index.matches(prompt_keys, [c.identity for c in fits if c.running <= fewest_running + balance])
+    best = max(fits, key=lambda c: (matched.get(c.identity, 0), c.free_tokens, -c.running))
+    if matched.get(best.identity, 0) > 0:
+        return Decision(best.identity, "prefix", matched[best.identity])
+    return Decision(least.identity, "load")
+
+
+@dataclass
+class WorkerFigures:
+    """What placement counts per worker: its decisions by reason, and its prefix cache's hits."""
+
+    placed: Counter[str] = field(default_factory=Counter)
+    prompt_tokens: int = 0  # tokens of prompt chunks sent to it
+    hit_tokens: int = 0  # of those, tokens whose KV its prefix cache gave
+
+
+class KVAwarePlacement:
+    """The scheduler core's ``place`` policy (see :func:`choose`), and the prefix index and figures
+    it keeps from the workers' step results (:meth:`observe`)."""
+
+    def __init__(self, balance: int = 8) -> None:
+        self.balance = balance
+        self.index = PrefixIndex()
+        self.figures: dict[bytes, WorkerFigures] = {}
+
+    def __call__(self, request: LiveRequest, workers: Sequence[WorkerInfo]) -> bytes | None:
+        for gone in self.index.workers() - {w.identity for w in workers}:  # left since the last call
+            self.index.forget(gone)
+            self.figures.pop(gone, None)
+        candidates = [Candidate(w.identity, w.unreserved, w.running) for w in workers if w.suspect_since is None]
+        decision = choose(candidates, request.needed_tokens, list(prefix_keys(request.prompt)), self.index,
+                          balance=self.balance)
+        if decision is None:
+            return None
+        self.figures.setdefault(decision.identity, WorkerFigures()).placed[decision.reason] += 1
+        return decision.identity
+
+    def observe(self, worker: bytes, step: wire.Step, result: wire.StepResult) -> None:
+        """A worker's step result: its block events, and its prefix cache's hits on prompt chunks."""
+        self.index.apply(worker, result.blocks_new, result.blocks_gone)
+        figures = self.figures.setdefault(worker, WorkerFigures())
+        figures.prompt_tokens += sum(len(s.tokens) for s in step.seqs if len(s.tokens) > 1)
+        figures.hit_tokens += sum(result.cached_tokens.values())
+
+    def worker_figures(self, worker: WorkerInfo) -> wire.WorkerLoad:
+        """One worker's line of the scheduler's model facts (and the gateway's /metrics)."""
+        figures = self.figures.get(worker.identity, WorkerFigures())
+        free = worker.capacity if worker.kv_free_tokens is None else worker.kv_free_tokens
+        cached = worker.kv_cached_tokens if worker.kv_free_tokens is not None else 0
+        return wire.WorkerLoad(
+            worker=worker.identity.decode(errors="replace"),
+            stage=worker.hello.stage,
+            device=worker.hello.device,
+            running=worker.running,
+            kv_capacity_tokens=worker.capacity,
+            kv_used_tokens=worker.capacity - free - cached,
+            kv_cached_tokens=cached,
+            kv_free_tokens=free,
+            kv_reserved_tokens=worker.reserved_tokens,
+            prefix_blocks_indexed=self.index.blocks(worker.identity),
+            prefix_hit_rate=figures.hit_tokens / figures.prompt_tokens if figures.prompt_tokens else 0.0,
+            placed=dict(figures.placed),
+        )

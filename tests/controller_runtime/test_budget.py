@@ -1,0 +1,75 @@
+"""Fair controller time: per-user CPU buckets and the cap on live controlled requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from common import aici_wire
+from common.config import Controllers
+from controllers.native import load_native_controllers
+from services.controller_runtime.budget import UserBudgets
+from services.controller_runtime.registry import ModuleRegistry
+from services.controller_runtime.runtime import Runtime, UserError
+from tests.controller_runtime.wat import controller
+
+
+def test_a_bucket_refills_at_the_share_up_to_the_burst():
+    b = UserBudgets(share=0.5, burst_s=2.0, max_live=8)
+    b.charge("mallory", 2.5, now=0.0)
+    assert "used up their controller CPU time" in b.exhausted("mallory", 0.0)
+    assert "retry in 1.0 s" in b.exhausted("mallory", 0.0)
+    assert b.exhausted("alice", 0.0) == ""  # another user's bucket is their own
+    assert b.exhausted("mallory", 1.1) == ""  # refilled past zero
+    b.charge("alice", 0.1, now=0.0)
+    b.charge("alice", 0.0, now=100.0)
+    assert b._accounts["alice"].credit_s == 2.0  # never above the burst
+
+
+def test_the_cap_on_live_requests_and_a_share_of_zero_limits_nothing():
+    b = UserBudgets(share=0.0, burst_s=1.0, max_live=2)
+    b.charge("u", 50.0, now=0.0)
+    assert b.exhausted("u", 0.0) == ""
+    b.started("u", 0.0)
+    b.started("u", 0.0)
+    assert "already has 2 controlled requests running" in b.refusal("u", 0.0)
+    b.ended("u", 1.0)
+    assert b.refusal("u", 1.0) == ""
+
+
+@pytest.fixture
+def strict(tmp_path, engine, tokenizer) -> Runtime:
+    limits = Controllers(max_memory_bytes=4 << 20, mid_deadline_ms=50.0, user_cpu_share=0.01, user_cpu_burst_s=0.08,
+                         max_controlled_per_user=3)
+    registry = ModuleRegistry(tmp_path / "modules", engine)
+    return Runtime(limits, tokenizer, engine, registry, load_native_controllers(limits.native))
+
+
+def bind(runtime: Runtime, module_id: str, seq_id: int, user: str) -> None:
+    ok, result = runtime.instantiate(f"r{seq_id}", [1], module_id, "", user)
+    assert ok, result
+    runtime.post_pre_process(aici_wire.PostPreProcess(pre_ops=[aici_wire.PreOp(id=seq_id, req_id=f"r{seq_id}")]))
+
+
+def test_a_looping_controller_is_charged_to_its_owner_only(strict: Runtime):
+    spin = strict.registry.create(controller(mid="(loop $l (br $l))"), "mallory")["module_id"]
+    fine = strict.registry.create(controller(), "alice")["module_id"]
+    bind(strict, spin, 1, "mallory")
+    bind(strict, spin, 2, "mallory")
+    bind(strict, fine, 3, "alice")
+    data, _ = strict.mid_process(aici_wire.MidProcess(ops=[aici_wire.MidOp(id=i) for i in (1, 2, 3)]))
+    assert "deadline of 50 ms exceeded" in data["seqs"]["1"]["error"]  # its overrun is charged to mallory...
+    assert "used up their controller CPU time" in data["seqs"]["2"]["error"]  # ...who may not run another call
+    assert data["seqs"]["3"]["error"] == ""  # alice's controller is not affected
+    with pytest.raises(UserError, match="used up their controller CPU time"):
+        strict.instantiate("r9", [1], spin, "", "mallory")
+    bind(strict, fine, 4, "alice")
+
+
+def test_live_controlled_requests_per_user_are_capped(strict: Runtime):
+    fine = strict.registry.create(controller(), "alice")["module_id"]
+    for seq_id in (1, 2, 3):
+        bind(strict, fine, seq_id, "alice")
+    with pytest.raises(UserError, match="already has 3 controlled requests running"):
+        strict.instantiate("r4", [1], fine, "", "alice")
+    strict.free([2])
+    bind(strict, fine, 4, "alice")

@@ -1,0 +1,105 @@
+"""OpenAI tool calling through the official ``openai`` client on the real stack: a forced call whose
+arguments follow the function's schema, streamed as OpenAI streams them, then the tool's result sent
+back and the model's final answer."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from services.gateway.tool_calls import ToolPlan, Tool
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now"}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
+
+
+def create(stack, client, **kwargs):
+    return client.chat.completions.create(model=stack.settings.served_model_name, temperature=0, **kwargs)
+
+
+def test_sdk_tool_calling_flow(stack, client):
+    """call -> tool result -> final answer, as the openai SDK's documented flow runs it."""
+    first = create(stack, client, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
+                   parallel_tool_calls=False, max_tokens=40)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in ("get_weather", "get_time")
+    schema = (WEATHER if call.function.name == "get_weather" else {"function": {"parameters": {"maxProperties": 0}}})
+    jsonschema.validate(json.loads(call.function.arguments), schema["function"]["parameters"])
+
+    # the SDK's own message object goes back as it came, then the tool's result
+    history = [*ASK, choice.message, {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees."}]
+    again = create(stack, client, messages=history, tools=[WEATHER, CLOCK], max_tokens=40)  # auto: the model picks
+    picked = again.choices[0]
+    if picked.message.tool_calls:  # a call (this model likes to call again): whole, and it parses
+        assert picked.finish_reason == "tool_calls" and picked.message.content is None
+        assert all(isinstance(json.loads(c.function.arguments), dict) for c in picked.message.tool_calls)
+    else:  # text, which never opens a call
+        assert picked.finish_reason in ("stop", "length") and not picked.message.content.startswith("<tool_call>")
+    # the prompt held the call as written and the result as a tool message, the tools in the system message
+    plan = ToolPlan([Tool.model_validate(WEATHER), Tool.model_validate(CLOCK)])
+    written = f'<tool_call>\n{{"name":"{call.function.name}","arguments":{call.function.arguments}}}\n</tool_call>'
+    rendered = stack.tokenizer.apply_chat_template(
+        [{"role": "system", "content": plan.system_text()}, *ASK, {"role": "assistant", "content": written},
+         {"role": "tool", "content": "Sunny, 21 degrees."}], add_generation_prompt=True, tokenize=False)
+    assert again.usage.prompt_tokens == len(stack.tokenizer(rendered, add_special_tokens=False).input_ids)
+
+    final = create(stack, client, messages=history, tools=[WEATHER, CLOCK], tool_choice="none", max_tokens=8)
+    answer = final.choices[0]
+    assert answer.message.tool_calls is None and answer.message.content and answer.finish_reason in ("stop", "length")
+
+
+def test_streamed_calls_equal_the_whole_reply(stack, client):
+    """Parallel calls stream as vLLM streams them: each opens with its id and name, its arguments
+    follow in pieces; joined they equal the unstreamed reply's calls."""
+    ask = dict(messages=ASK, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+               max_tokens=30)
+    whole = create(stack, client, **ask).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    assert json.loads(whole.message.tool_calls[0].function.arguments)["city"] in ("Paris", "London", "Tokyo")
+    chunks = list(create(stack, client, **ask, stream=True, stream_options={"include_usage": True}))
+    calls: dict[int, dict] = {}
+    for chunk in chunks[:-1]:
+        for part in chunk.choices[0].delta.tool_calls or []:
+            if part.id is not None:
+                assert part.index not in calls and part.type == "function"
+                calls[part.index] = {"name": part.function.name, "arguments": ""}
+            calls[part.index]["arguments"] += part.function.arguments or ""
+        assert not chunk.choices[0].delta.content
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert [c.choices[0].finish_reason for c in chunks[:-1] if c.choices[0].finish_reason] == ["tool_calls"]
+    assert chunks[-1].usage.completion_tokens > 0 and chunks[-1].choices == []
+
+
+def test_tool_choice_none_answers_in_text(stack, client):
+    reply = create(stack, client, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=4)
+    plain = create(stack, client, messages=ASK, max_tokens=4)
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].message.content == plain.choices[0].message.content  # the tools are not in the prompt
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(stack, client, messages=ASK, tools=[WEATHER], max_tokens=4,
+               tool_choice={"type": "function", "function": {"name": "get_news"}})
+    assert caught.value.body["param"] == "tool_choice" and "get_news" in caught.value.body["message"]

@@ -1,0 +1,147 @@
+"""A scheduler core with fake workers, a fake tokenizer and a fake clock: no processes, no sockets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from common import wire
+from common.config import Controllers, Limits, Sessions
+from common.textstream import TextStream
+from services.scheduler.controlled import Branch, MainReply
+from services.scheduler.core import Dispatch, SchedulerCore
+from services.scheduler.workers import Place, least_loaded
+
+# token id -> text; 0-2 are special (skipped when decoding), 2 is EOS
+VOCAB = ["<pad>", "<s>", "</s>", "a", "b", "c", " he", "llo", " wor", "ld", "!", " x", "\u00e9"] + [
+    f" t{i}" for i in range(13, 64)
+]
+EOS = 2
+HE, LLO, WOR, LD, BANG = 6, 7, 8, 9, 10
+SPECIAL = {0, 1, 2}
+
+class FakeTokenizer:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False) -> str:
+        return "".join(VOCAB[i] for i in ids if not (skip_special_tokens and i in SPECIAL))
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+def prompt(n: int, start: int = 13) -> list[int]:
+    """``n`` ordinary prompt tokens."""
+    return [start + i % 40 for i in range(n)]
+
+class Harness:
+    """Drives a ``SchedulerCore`` the way the service shell does, with step results made up by the test."""
+
+    def __init__(self, *, place: Place = least_loaded, sessions: Sessions | None = None,
+                 controllers: Controllers | None = None, **limits: object) -> None:
+        self.clock = Clock()
+        self.core = SchedulerCore(
+            Limits(**limits), sessions or Sessions(), controllers or Controllers(),
+            lambda stop: TextStream(FakeTokenizer(), stop=stop),
+            place=place, clock=self.clock,
+        )
+        self.sent: list[tuple[bytes, wire.Msg]] = []
+
+    # -- peers ----------------------------------------------------------------------------------
+
+    def worker(self, identity: bytes = b"w1", *, capacity: int = 4096, max_model_len: int = 2048,
+               stage: str = "ready") -> bytes:
+        self.core.worker_hello(identity, wire.WorkerHello(
+            worker_id=identity.decode(), stage=stage, vocab_size=len(VOCAB), max_model_len=max_model_len,
+            eos_token_ids=[EOS], kv_capacity_tokens=capacity, message="boom" if stage == "failed" else ""))
+        return identity
+
+    def submit(self, rid: str, prompt_ids: list[int], max_tokens: int = 16, *, gateway: bytes = b"gw",
+               **fields: object) -> wire.Msg:
+        sampling = fields.pop("sampling", wire.SamplingParams(temperature=0.0))
+        return self.core.submit(gateway, wire.Submit(rid=rid, prompt_ids=prompt_ids, max_tokens=max_tokens,
+                                                     sampling=sampling, **fields))
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def build(self) -> list[Dispatch]:
+        """Admit and build the next steps (plain requests only: no main-channel call expected)."""
+        self.core.admit()
+        plan, request = self.core.plan_controlled()
+        assert request is None, "a controlled request needs plan_controlled/controlled_planned"
+        return self.core.build_steps(plan)
+
+    def result(self, dispatch: Dispatch, tokens: dict[str, int] | None = None, *,
+               failures: dict[str, str] | None = None, **fields: object) -> wire.StepResult:
+        """The worker's result for ``dispatch``: ``tokens`` sampled per request id (every sampling
+        sequence not named gets token 3)."""
+        tokens, failures = tokens or {}, failures or {}
+        samples, failed = {}, []
+        for owner, seq in dispatch.batch:
+            rid = owner.request.rid if isinstance(owner, Branch) else owner.rid
+            key = f"{rid}/{owner.index}" if isinstance(owner, Branch) and owner.index else rid
+            if key in failures:
+                failed.append(wire.SeqFailure(seq_id=seq.seq_id, message=failures[key]))
+            elif seq.sample or seq.follow:
+                samples[seq.seq_id] = wire.SampledToken(token_id=tokens.get(key, 3), logprob=-0.5)
+        return wire.StepResult(step_id=dispatch.step.step_id, samples=samples, failures=failed, **fields)
+
+    def apply(self, dispatches: Iterable[Dispatch], tokens: dict[str, int] | None = None, **kw: object) -> None:
+        for dispatch in dispatches:
+            result = self.result(dispatch, tokens, **kw)
+            self.core.step_done(dispatch.worker, result)
+            self.core.apply(dispatch, result)
+        self.core.end_step()
+
+    def cycle(self, tokens: dict[str, int] | None = None, **kw: object) -> list[Dispatch]:
+        """One step at pipeline depth 1: build, apply with ``tokens``, work out the text."""
+        steps = self.build()
+        self.apply(steps, tokens, **kw)
+        self.core.emit_deferred()
+        return steps
+
+    def run(self, script: dict[str, list[int]], *, max_steps: int = 100) -> None:
+        """Cycle until every request of ``script`` ended, each sampling its tokens in order (then 3s)."""
+        scripts = {rid: iter(tokens) for rid, tokens in script.items()}
+        for _ in range(max_steps):
+            if not any(rid in self.core.requests for rid in script):
+                return
+            steps = self.build()
+            sampling = {owner.rid for d in steps for owner, seq in d.batch
+                        if not isinstance(owner, Branch) and (seq.sample or seq.follow)}
+            self.apply(steps, {rid: next(scripts[rid], 3) for rid in sampling if rid in scripts})
+            self.core.emit_deferred()
+        raise AssertionError("the requests did not end")
+
+    # -- what gateways got ----------------------------------------------------------------------
+
+    def take(self) -> list[tuple[bytes, wire.Msg]]:
+        out = self.core.take_output()
+        self.sent += out
+        return out
+
+    def events(self, rid: str) -> list[wire.TokenEvent]:
+        self.take()
+        return [e for _, m in self.sent if isinstance(m, wire.Events) for e in m.events if e.rid == rid]
+
+    def failures(self, rid: str) -> list[wire.RequestFailed]:
+        self.take()
+        return [m for _, m in self.sent if isinstance(m, wire.RequestFailed) and m.rid == rid]
+
+    def text(self, rid: str) -> str:
+        return "".join(e.text for e in self.events(rid))
+
+    def final(self, rid: str) -> wire.TokenEvent:
+        ends = [e for e in self.events(rid) if e.finish_reason is not None]
+        assert len(ends) == 1, ends
+        return ends[0]
+
+    def generated(self, rid: str) -> list[int]:
+        return [t.token_id for e in self.events(rid) for t in e.tokens]
+
+def seqs_of(dispatches: list[Dispatch], rid: str) -> list[wire.SeqStep]:
+    return [seq for d in dispatches for owner, seq in d.batch
+            if (owner.request.rid if isinstance(owner, Branch) else owner.rid) == rid]
+
+def reply(data: dict[str, object] | None = None, frames: list[bytes] | None = None, error: str = "") -> MainReply:
+    return MainReply(data=data or {}, frames=frames or [], error=error)

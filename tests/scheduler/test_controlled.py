@@ -1,0 +1,250 @@
+"""Controlled requests against a fake controller runtime: forks, fast-forward, splices, stops, failures."""
+
+from __future__ import annotations
+
+import itertools
+
+from common import aici_wire, wire
+from common.config import Controllers
+from services.scheduler.controlled import BACKTRACK_MARK, MainReply
+from services.scheduler.core import Dispatch
+from tests.scheduler.harness import BANG, EOS, HE, LD, LLO, WOR, Harness, prompt, reply, seqs_of
+
+
+class FakeRuntime:
+    """Answers the main channel as a controller that samples freely, unless a test says otherwise per
+    sequence id (``pre``: a pre_process result; ``mid``: a mid_process result; ``post``: a post result)."""
+
+    def __init__(self) -> None:
+        self.pre: dict[int, dict] = {}
+        self.mid: dict[int, object] = {}
+        self.post: dict[int, dict] = {}
+        self.pre_error: dict[int, str] = {}
+        self.requests: list[aici_wire.MainRequest] = []
+        self.fail_next = ""
+
+    def post_pre_process(self, h: Harness, request: aici_wire.PostPreProcess) -> MainReply:
+        self.requests.append(request)
+        if self.fail_next:
+            error, self.fail_next = self.fail_next, ""
+            return reply(error=error)
+        bound = {b.seq_id for c in h.core.controlled.requests.values() for b in c.live() if b.assigned}
+        bound |= {op.id for op in request.pre_ops}
+        return reply({
+            "pre_seqs": {str(s): {"error": self.pre_error.pop(s)} if s in self.pre_error else {"result": self.pre.pop(s, {})}
+                         for s in bound},
+            "post_seqs": {str(op.id): {"result": self.post.pop(op.id, {})} for op in request.post_ops},
+        })
+
+    def mid_process(self, request: aici_wire.MidProcess) -> MainReply:
+        self.requests.append(request)
+        seqs = {str(op.id): {"result": self.mid.pop(op.id, None), "logs": "hi"} for op in request.ops}
+        return reply({"seqs": seqs}, frames=[b"MASKS"])
+
+
+def step(h: Harness, rt: FakeRuntime, tokens: dict[str, int] | None = None
+         ) -> tuple[list[Dispatch], list[tuple[wire.StepMasks, list[bytes]]]]:
+    """One whole step as the service shell runs it; the StepMasks sent to workers."""
+    h.core.admit()
+    plan, request = h.core.plan_controlled()
+    plan = h.core.controlled_planned(plan, None if request is None else rt.post_pre_process(h, request))
+    steps = h.core.build_steps(plan)
+    masks = []
+    if any(d.step.masks_follow for d in steps):
+        mid = h.core.controlled.mid_request()
+        assert mid is not None and h.core.controlled.mid_request() is None  # one per step, whatever the workers
+        h.core.controlled.mid_done(rt.mid_process(mid))
+        masks = [h.core.controlled.step_masks(d.step) for d in steps if d.step.masks_follow]
+    h.apply(steps, tokens)
+    h.core.emit_deferred()
+    return steps, masks
+
+
+def next_seq_id(h: Harness) -> int:
+    """The sequence id the core hands out next (the queued request's, once admitted)."""
+    seq_id = next(h.core.seq_ids)
+    h.core.seq_ids = itertools.count(seq_id)
+    return seq_id
+
+
+def controlled(max_tokens: int = 8, n: int = 3, **fields: object) -> tuple[Harness, FakeRuntime]:
+    h = Harness(controllers=Controllers(max_forks=4, deadlock_steps=2), prefill_chunk_tokens=16)
+    h.worker()
+    h.submit("c", prompt(n), max_tokens, controller="ctl-1", **fields)
+    return h, FakeRuntime()
+
+
+def test_the_first_step_binds_the_controller_and_samples_under_its_mask():
+    h, rt = controlled()
+    steps, masks = step(h, rt, {"c": HE})
+    first = rt.requests[0]
+    seq_id = h.core.requests["c"].seq_id
+    assert isinstance(first, aici_wire.PostPreProcess) and first.reset
+    assert first.pre_ops == [aici_wire.PreOp(id=seq_id, req_id="ctl-1")]
+    (seq,) = seqs_of(steps, "c")
+    assert seq.mask_row == 0 and seq.sample and steps[0].step.masks_follow
+    assert masks == [(wire.StepMasks(step_id=steps[0].step.step_id), [b"MASKS"])]
+    (event,) = h.events("c")
+    assert event.index == 0 and event.text == " he" and event.logs == "hi"
+
+
+def test_the_controller_hears_each_sampled_token_in_the_next_post_ops():
+    h, rt = controlled()
+    step(h, rt, {"c": HE})
+    step(h, rt, {"c": LLO})
+    seq_id = h.core.requests["c"].seq_id
+    posts = [r for r in rt.requests if isinstance(r, aici_wire.PostPreProcess)]
+    assert posts[1].post_ops == [aici_wire.PostOp(id=seq_id, tokens=[HE])] and not posts[1].reset
+    assert posts[1].pre_ops == []
+
+
+def test_a_controlled_request_ends_with_length_by_the_shared_rule():
+    h, rt = controlled(max_tokens=2)
+    step(h, rt, {"c": HE})
+    step(h, rt, {"c": LLO})
+    final = h.final("c")
+    assert (final.finish_reason, final.fork_finish, final.completion_tokens) == ("length", "length", 2)
+    assert h.text("c") == " hello"
+
+
+def test_eos_does_not_end_a_controlled_sequence_but_a_stop_token_does():
+    h, rt = controlled(stop_token_ids=[BANG])
+    step(h, rt, {"c": EOS})
+    assert "c" in h.core.requests
+    step(h, rt, {"c": BANG})
+    final = h.final("c")
+    assert (final.finish_reason, final.fork_finish) == ("stop", "eos")
+
+
+def test_a_stop_string_ends_a_controlled_sequence():
+    h, rt = controlled(stop=["llo"])
+    step(h, rt, {"c": HE})
+    step(h, rt, {"c": LLO})
+    assert h.final("c").finish_reason == "stop" and h.text("c") == " he"
+
+
+def test_a_long_prompt_is_chunked_before_the_controller_is_involved():
+    h, rt = controlled(n=40)
+    steps, _ = step(h, rt)
+    (seq,) = seqs_of(steps, "c")
+    assert len(seq.tokens) == 16 and not seq.sample and rt.requests == []
+    step(h, rt)
+    step(h, rt, {"c": HE})
+    assert rt.requests[0].pre_ops and h.generated("c") == [HE]
+
+
+def test_ff_tokens_are_fed_in_the_same_step_and_counted():
+    h, rt = controlled()
+    seq_id = next_seq_id(h)
+    rt.pre[seq_id] = {"ff_tokens": [WOR, LD]}
+    steps, _ = step(h, rt, {"c": BANG})
+    (seq,) = seqs_of(steps, "c")
+    assert seq.tokens[-2:] == [WOR, LD] and seq.sample
+    events = h.events("c")
+    assert sum(e.ff_tokens for e in events) == 2 and h.text("c") == " world!"
+
+
+def test_forks_sample_under_their_own_mask_rows_and_end_together():
+    h, rt = controlled(max_tokens=1)
+    parent = next_seq_id(h)
+    rt.pre[parent] = {"num_forks": 3}
+    steps, _ = step(h, rt, {"c": HE, "c/1": LLO, "c/2": WOR})
+    seqs = seqs_of(steps, "c")
+    assert [s.mask_row for s in seqs] == [0, 1, 2]
+    mid = next(r for r in rt.requests if isinstance(r, aici_wire.MidProcess))
+    assert [op.clone_id for op in mid.ops] == [None, parent, parent]
+    events = h.events("c")
+    assert sorted((e.index, e.text) for e in events) == [(0, " he"), (1, "llo"), (2, " wor")]
+    assert h.final("c").finish_reason == "length"
+    assert h.core.pool.workers[b"w1"].reserved_tokens == 0
+
+
+def test_too_many_forks_fail_the_branch():
+    h, rt = controlled()
+    parent = next_seq_id(h)
+    rt.pre[parent] = {"num_forks": 9}
+    step(h, rt)
+    final = h.final("c")
+    assert final.finish_reason == "error" and "at most 4 live sequences" in final.error
+
+
+def test_a_splice_backtracks_after_the_step_and_feeds_its_tokens_next():
+    h, rt = controlled()
+    step(h, rt, {"c": HE})
+    step(h, rt, {"c": LLO})
+    seq_id = h.core.requests["c"].seq_id
+    rt.mid[seq_id] = {"Splice": {"backtrack": 1, "ff_tokens": [WOR]}}
+    steps, masks = step(h, rt, {"c": BANG})  # fed, not sampled: the splice replaces the sample
+    assert masks[0][0].failures[0].seq_id == seq_id
+    assert h.generated("c") == [HE, LLO]
+    nxt, _ = step(h, rt, {"c": LD})
+    (seq,) = seqs_of(nxt, "c")
+    assert seq.backtrack == 1 and seq.tokens == [WOR]
+    post = [r for r in rt.requests if isinstance(r, aici_wire.PostPreProcess)][-1]
+    assert post.post_ops == [aici_wire.PostOp(id=seq_id, tokens=[WOR], backtrack=1)]
+    assert h.text("c") == " hello" + BACKTRACK_MARK + " world"
+
+
+def test_a_stop_from_mid_process_ends_the_request():
+    h, rt = controlled()
+    seq_id = next_seq_id(h)
+    rt.mid[seq_id] = "Stop"
+    _, masks = step(h, rt, {"c": HE})
+    assert "ended in mid_process" in masks[0][0].failures[0].message
+    final = h.final("c")
+    assert (final.finish_reason, final.fork_finish) == ("stop", "aici-stop")
+    step(h, rt)
+    assert rt.requests[-1] == aici_wire.PostPreProcess(freed=[seq_id])
+
+
+def test_a_controller_error_fails_its_branch_and_the_request_reports_it():
+    h, rt = controlled()
+    step(h, rt, {"c": HE})
+    rt.pre_error[h.core.requests["c"].seq_id] = "boom in pre_process"
+    step(h, rt)
+    final = h.final("c")
+    assert (final.finish_reason, final.fork_finish, final.error) == ("error", "fail", "boom in pre_process")
+
+
+def test_a_failing_runtime_fails_every_controlled_request_and_nothing_else():
+    h, rt = controlled()
+    h.submit("plain", prompt(3), 8)
+    step(h, rt, {"c": HE})
+    rt.fail_next = "the controller runtime did not answer post_pre_process within 5 s"
+    step(h, rt)
+    (failed,) = h.failures("c")
+    assert failed.code == "service_unavailable" and failed.recoverable and "did not answer" in failed.message
+    assert "plain" in h.core.requests and not h.failures("plain")
+
+
+def test_a_cancelled_controlled_request_is_reported_freed_to_the_runtime():
+    h, rt = controlled()
+    step(h, rt, {"c": HE})
+    seq_id = h.core.requests["c"].seq_id
+    h.core.control(b"gw", wire.Cancel(rid="c"))
+    assert h.final("c").finish_reason == "cancelled"
+    h.submit("c2", prompt(3), 4, controller="ctl-2")
+    step(h, rt)
+    assert rt.requests[-2].freed == [seq_id]
+
+
+def test_branches_suspended_too_long_end_in_deadlock():
+    h, rt = controlled()
+    seq_id = next_seq_id(h)
+    for _ in range(3):
+        rt.pre[seq_id] = {"suspend": True}
+        steps, _ = step(h, rt)
+        assert not seqs_of(steps, "c") or not seqs_of(steps, "c")[0].sample
+    final = h.final("c")
+    assert (final.finish_reason, final.fork_finish) == ("stop", "deadlock")
+
+
+def test_a_reply_that_does_not_match_the_protocol_fails_the_controlled_requests():
+    h, rt = controlled()
+    step(h, rt, {"c": HE})
+    seq_id = h.core.requests["c"].seq_id
+    plan, request = h.core.plan_controlled()
+    assert request is not None
+    h.core.controlled_planned(plan, reply({"pre_seqs": {str(seq_id): {"result": {"num_forks": "two"}}}}))
+    (failed,) = h.failures("c")
+    assert failed.code == "internal_error" and "controller step failed" in failed.message

@@ -1,0 +1,65 @@
+"""The KV-aware placement policy driving the scheduler core: prompts go where their prefix is
+cached (as the workers' block events say), else to the least loaded worker; a worker that left
+is forgotten."""
+
+from __future__ import annotations
+
+from common.blocks import prefix_keys
+from services.scheduler.placement import KVAwarePlacement
+from tests.scheduler.harness import Harness, prompt
+
+SHARED = prompt(64)  # four full blocks
+
+
+def _run_prefill(h: Harness, placement: KVAwarePlacement, rid: str) -> bytes:
+    """Admit ``rid`` and run its prefill step, the worker reporting the blocks it registered."""
+    (dispatch,) = [d for d in h.build() if any(getattr(o, "rid", None) == rid for o, _ in d.batch)]
+    result = h.result(dispatch, blocks_new=list(prefix_keys(h.core.requests[rid].prompt)))
+    placement.observe(dispatch.worker, dispatch.step, result)
+    h.core.step_done(dispatch.worker, result)
+    h.core.apply(dispatch, result)
+    h.core.end_step()
+    return dispatch.worker
+
+
+def test_a_shared_prefix_follows_its_blocks_and_the_rest_spreads() -> None:
+    placement = KVAwarePlacement(balance=8)
+    h = Harness(place=placement)
+    h.worker(b"w1")
+    h.worker(b"w2")
+    h.submit("a", SHARED + [5, 6], 4)
+    holder = _run_prefill(h, placement, "a")
+    h.submit("b", SHARED + [7, 8, 9], 4)  # the same 64 leading tokens: where a's blocks are
+    h.submit("c", prompt(40, start=20), 4)  # nothing cached: the less loaded worker
+    h.core.admit()
+    assert h.core.requests["b"].worker == holder
+    assert h.core.requests["c"].worker != holder
+    assert placement.figures[holder].placed == {"load": 1, "prefix": 1}
+    line = placement.worker_figures(h.core.pool.workers[holder])
+    assert line.running == 2 and line.prefix_blocks_indexed == 4
+
+
+def test_a_lost_worker_leaves_the_index() -> None:
+    placement = KVAwarePlacement()
+    h = Harness(place=placement)
+    h.worker(b"w1")
+    h.worker(b"w2")
+    h.submit("a", SHARED + [5], 4)
+    holder = _run_prefill(h, placement, "a")
+    h.core.worker_lost(holder, "gone")
+    h.submit("b", SHARED + [6], 4)
+    h.core.admit()
+    other = ({b"w1", b"w2"} - {holder}).pop()
+    assert h.core.requests["b"].worker == other and placement.figures[other].placed == {"load": 1}
+    assert holder not in placement.index.workers()
+
+
+def test_batch_size_and_step_budget_are_per_worker() -> None:
+    h = Harness(max_batch_size=1, step_token_budget=16, prefill_chunk_tokens=16)
+    h.worker(b"w1")
+    h.worker(b"w2")
+    for rid in "abc":
+        h.submit(rid, prompt(32, start=13 + "abc".index(rid)), 4)
+    steps = h.build()
+    assert sorted(h.core.requests[rid].state.value for rid in "abc").count("queued") == 1
+    assert sorted(len(s.tokens) for d in steps for s in d.step.seqs) == [16, 16]  # a full chunk on each worker

@@ -1,0 +1,185 @@
+"""Building steps: chunked prefill, the token budget, decode-first order, and pipelining with ``follow``."""
+
+from common import wire
+from tests.scheduler.harness import EOS, LD, LLO, WOR, Harness, prompt, seqs_of
+
+
+def test_a_long_prompt_is_fed_in_chunks_and_sampled_after_the_last():
+    h = Harness(prefill_chunk_tokens=16)
+    h.worker()
+    ids = prompt(40)
+    h.submit("r", ids, 4)
+    fed = []
+    for _ in range(3):
+        (seq,) = seqs_of(h.cycle(), "r")
+        fed.append((seq.tokens, seq.sample))
+    assert fed == [(ids[:16], False), (ids[16:32], False), (ids[32:], True)]
+    assert len(h.generated("r")) == 1
+
+
+def test_the_step_token_budget_caps_prefill_and_decoding_goes_first():
+    h = Harness(prefill_chunk_tokens=16, step_token_budget=20)
+    h.worker()
+    h.submit("old", prompt(5), 8)
+    h.cycle()  # "old" is decoding from now on
+    h.submit("new1", prompt(16), 4)
+    h.submit("new2", prompt(16), 4)
+    (step,) = h.build()
+    seqs = step.step.seqs
+    assert [len(s.tokens) for s in seqs] == [1, 16, 3]  # 1 decode token, then prompts within 20 tokens
+    assert seqs[0].seq_id == h.core.requests["old"].seq_id
+    assert not seqs[2].sample
+
+
+def test_sampling_params_go_with_the_first_seqstep_only():
+    h = Harness()
+    h.worker()
+    h.submit("r", prompt(3), 5, sampling=wire.SamplingParams(temperature=0.7, seed=3))
+    first = seqs_of(h.cycle(), "r")[0]
+    second = seqs_of(h.cycle(), "r")[0]
+    assert first.sampling == wire.SamplingParams(temperature=0.7, seed=3) and second.sampling is None
+
+
+def test_decoding_feeds_the_last_sampled_token():
+    h = Harness()
+    h.worker()
+    h.submit("r", prompt(3), 5)
+    h.cycle({"r": 21})
+    (seq,) = seqs_of(h.build(), "r")
+    assert seq.tokens == [21] and seq.sample and not seq.follow
+
+
+def test_pipelining_sends_a_follow_step_before_the_result_is_back():
+    h = Harness()
+    h.worker()
+    h.submit("r", prompt(3), 10)
+    first = h.build()
+    second = h.build()  # the first is still in flight
+    (seq,) = seqs_of(second, "r")
+    assert seq.follow and seq.tokens == [] and seq.sample
+    assert h.build() == []  # never more than one follow ahead
+    h.apply(first, {"r": 21})
+    h.apply(second, {"r": 22})
+    h.core.emit_deferred()
+    assert h.generated("r") == [21, 22]
+    (seq,) = seqs_of(h.build(), "r")
+    assert seq.tokens == [22] and not seq.follow
+
+
+def test_no_follow_when_the_token_in_flight_is_the_last():
+    h = Harness()
+    h.worker()
+    h.submit("r", prompt(3), 1)
+    h.build()
+    assert h.build() == []
+
+
+def test_no_follow_when_the_token_in_flight_fills_the_context():
+    h = Harness()
+    h.worker(max_model_len=20)
+    h.submit("r", prompt(19), 16)
+    h.build()
+    assert h.build() == []
+
+
+def test_a_prompt_chunk_does_not_wait_for_the_chunk_before():
+    h = Harness(prefill_chunk_tokens=16)
+    h.worker()
+    ids = prompt(40)
+    h.submit("r", ids, 4)
+    first, second = h.build(), h.build()
+    assert seqs_of(first, "r")[0].tokens == ids[:16] and seqs_of(second, "r")[0].tokens == ids[16:32]
+
+
+def test_the_sample_after_eos_is_dropped():
+    h = Harness()
+    h.worker()
+    h.submit("r", prompt(3), 10)
+    h.cycle({"r": 21})
+    first = h.build()
+    second = h.build()  # follows the token the first step samples
+    h.apply(first, {"r": EOS})
+    h.apply(second, {"r": 22})  # sampled after EOS: never shown
+    h.core.emit_deferred()
+    assert h.generated("r") == [21, EOS]
+    final = h.final("r")
+    assert final.finish_reason == "stop" and final.stop_reason == EOS and final.completion_tokens == 2
+    seq_id = seqs_of(first, "r")[0].seq_id
+    assert seq_id in h.build()[0].step.free  # the worker's sequence is freed with the next step
+
+
+def test_the_sample_after_a_stop_string_is_dropped():
+    h = Harness()
+    h.worker()
+    h.submit("r", prompt(3), 10, stop=["llo wor"])
+    h.cycle({"r": 6})  # " he"
+    first = h.build()
+    h.apply(first, {"r": LLO})
+    second = h.build()  # its text is worked out while this one runs
+    h.core.emit_deferred()
+    h.apply(second, {"r": WOR})
+    h.core.emit_deferred()
+    third = h.build()
+    h.apply(third, {"r": LD})  # the stop string completed on " wor": "ld" never shows
+    h.core.emit_deferred()
+    assert h.final("r").finish_reason == "stop" and h.final("r").stop_reason == "llo wor"
+    assert h.text("r") == " he"
+    assert LD not in h.generated("r")
+
+
+def test_a_failed_sequence_fails_its_request_only():
+    h = Harness()
+    h.worker()
+    h.submit("ok", prompt(3), 3)
+    h.submit("bad", prompt(3), 3)
+    h.cycle(failures={"bad": "out of blocks"})
+    (failed,) = h.failures("bad")
+    assert failed.code == "internal_error" and "out of blocks" in failed.message
+    assert "ok" in h.core.requests and "bad" not in h.core.requests
+    assert h.core.requests["ok"].seq_id not in h.build()[0].step.free
+
+
+def test_a_missing_sample_fails_the_request():
+    h = Harness()
+    h.worker()
+    h.submit("r", prompt(3), 3)
+    (d,) = h.build()
+    h.core.apply(d, wire.StepResult(step_id=d.step.step_id, samples={}))
+    assert "no token" in h.failures("r")[0].message
+
+
+def test_events_of_one_step_go_to_each_gateway_in_one_message():
+    h = Harness()
+    h.worker()
+    h.submit("a", prompt(3), 5, gateway=b"g1")
+    h.submit("b", prompt(3), 5, gateway=b"g1")
+    h.submit("c", prompt(3), 5, gateway=b"g2")
+    h.cycle()
+    out = h.take()
+    assert sorted(g for g, _ in out) == [b"g1", b"g2"]
+    by_gateway = {g: m for g, m in out}
+    assert sorted(e.rid for e in by_gateway[b"g1"].events) == ["a", "b"]
+
+
+def test_prompt_logprobs_and_readouts_come_back_as_prompt_outputs():
+    h = Harness(prefill_chunk_tokens=16)
+    h.worker()
+    ids = prompt(20)
+    outputs = wire.OutputRequest(logprob_ranges=[wire.PositionSpan(1, 20)], top_logprobs=2,
+                                 readout_ranges=[wire.PositionSpan(18, 20)])
+    h.submit("r", ids, 0, outputs=outputs)
+    (d,) = h.build()
+    (seq,) = d.batch[0][1:]
+    assert [s.position for s in seq.scores] == list(range(0, 16)) and seq.top_logprobs == 2
+    h.core.apply(d, wire.StepResult(step_id=d.step.step_id, samples={},
+                                    scores={seq.seq_id: [wire.ScoreResult(p, ids[p + 1], -1.0) for p in range(16)]}))
+    (d,) = h.build()
+    (seq,) = d.batch[0][1:]
+    assert seq.readouts == [18, 19] and not seq.sample
+    h.core.apply(d, wire.StepResult(step_id=d.step.step_id, samples={},
+                                    scores={seq.seq_id: [wire.ScoreResult(p, ids[p + 1], -2.0) for p in range(16, 19)]},
+                                    readouts={seq.seq_id: [wire.ReadoutResult(18, b"r18"), wire.ReadoutResult(19, b"r19")]}))
+    positions = [o for e in h.events("r") for o in e.prompt_outputs]
+    assert [o.position for o in positions] == list(range(1, 20))
+    assert positions[-1].readout == b"r19" and positions[-1].logprob == -2.0
+    assert h.final("r").finish_reason == "length" and h.final("r").completion_tokens == 0

@@ -1,0 +1,115 @@
+"""Workers joining, loading and being lost: what fails, what waits, what is forgotten."""
+
+from common import wire
+from common.errors import SERVICE_UNAVAILABLE
+from services.scheduler.requests import State
+from tests.scheduler.harness import HE, LLO, Harness, prompt
+
+
+def test_a_lost_worker_fails_its_running_requests_as_retryable():
+    h = Harness(max_batch_size=1)
+    h.worker()
+    h.submit("run", prompt(3), 10)
+    h.submit("wait", prompt(3), 10)
+    steps = h.build()
+    h.core.worker_lost(b"w1", "the worker stopped answering")
+    (failed,) = h.failures("run")
+    assert failed.code == SERVICE_UNAVAILABLE and failed.recoverable and "retry" in failed.message
+    assert h.core.requests["wait"].state is State.QUEUED  # it waits for another worker
+    assert h.build() == [] and steps  # nothing is sent to a worker that is gone
+
+
+def test_events_before_the_failure_reach_the_gateway_first():
+    h = Harness()
+    h.worker()
+    h.submit("r", prompt(3), 10)
+    h.apply(h.build(), {"r": HE})
+    h.core.emit_deferred()
+    h.core.worker_lost(b"w1", "gone")
+    kinds = [type(m).__name__ for _, m in h.take()]
+    assert kinds == ["Events", "RequestFailed"]
+
+
+def test_a_lost_worker_takes_its_parked_sessions_and_frees_with_it():
+    h = Harness()
+    h.worker(b"w1")
+    h.submit("t", prompt(3), 1, session=wire.SessionRef(key="s"))
+    h.run({"t": [HE]})
+    h.submit("x", prompt(3), 5)
+    h.core.admit()
+    h.core.control(b"gw", wire.Cancel(rid="x"))  # a free owed to w1
+    h.core.worker_lost(b"w1", "gone")
+    assert not h.core.sessions.parked and not h.core.to_free
+
+
+def test_the_requests_of_other_workers_go_on():
+    h = Harness()
+    h.worker(b"w1")
+    h.worker(b"w2")
+    h.submit("a", prompt(3), 10)
+    h.submit("b", prompt(3), 10)
+    h.cycle()
+    lost = h.core.requests["a"].worker
+    h.core.worker_lost(lost, "gone")
+    assert h.failures("a") and not h.failures("b")
+    steps = h.build()
+    assert [d.worker for d in steps] == [h.core.requests["b"].worker]
+
+
+def test_a_returning_worker_starts_clean_and_takes_waiting_requests():
+    h = Harness()
+    h.worker()
+    h.submit("a", prompt(3), 10)
+    h.cycle()
+    h.core.worker_lost(b"w1", "gone")
+    h.submit("b", prompt(3), 10)
+    assert h.build() == []
+    h.worker()
+    (step,) = h.build()
+    assert step.step.free_all and h.core.requests["b"].worker == b"w1"
+
+
+def test_a_worker_that_restarted_under_the_same_identity_lost_its_requests():
+    h = Harness()
+    h.worker()
+    h.submit("r", prompt(3), 10)
+    h.cycle()
+    h.core.worker_hello(b"w1", wire.WorkerHello(worker_id="w1", stage="loading", incarnation="second-life"))
+    (failed,) = h.failures("r")
+    assert failed.code == SERVICE_UNAVAILABLE and "restarted" in failed.message
+    assert h.core.pool.workers[b"w1"].fresh  # its first step will drop whatever it holds
+
+
+def test_a_worker_result_reports_its_free_kv():
+    h = Harness()
+    h.worker()
+    h.submit("r", prompt(3), 10)
+    h.cycle(kv_free_tokens=1234)
+    assert h.core.facts().kv_free_tokens == 1234
+
+
+def test_hello_progress_changes_are_reported_once():
+    h = Harness()
+    hello = wire.WorkerHello(worker_id="w", stage="loading", progress=10)
+    assert h.core.worker_hello(b"w", hello)
+    assert not h.core.worker_hello(b"w", hello)
+    assert h.core.worker_hello(b"w", wire.WorkerHello(worker_id="w", stage="loading", progress=50))
+
+
+def test_health_figures_count_queued_running_paused_and_reserved_kv():
+    h = Harness(max_batch_size=1)
+    h.worker(capacity=100)
+    h.submit("a", prompt(3), 7)
+    h.submit("b", prompt(3), 7)
+    h.cycle({"a": LLO})
+    h.core.control(b"gw", wire.Pause(rid="a"))
+    facts = h.core.facts()
+    assert (facts.queued, facts.running, facts.paused) == (1, 1, 1)
+    assert (facts.kv_capacity_tokens, facts.kv_reserved_tokens) == (100, 10)
+    assert facts.worker.stage == "ready" and facts.max_model_len == 2048 and facts.eos_token_ids == [2]
+
+
+def test_facts_before_any_worker_carry_the_configured_context():
+    h = Harness(max_model_len=512)
+    facts = h.core.facts()
+    assert facts.worker == wire.WorkerStage() and facts.max_model_len == 512 and facts.vocab_size == 0
