@@ -213,6 +213,25 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: int = 0
+    weights: Literal["auto", "fp32", "gguf", "gguf-bf16", "int8"] = Field(
+        "auto", description="how the worker holds the projections: 'fp32' dense at `dtype` (what the model "
+        "loads as); 'gguf' the GGUF's own 4/8-bit blocks exactly, on packed CPU kernels (the default model); "
+        "'gguf-bf16' the same with the blocks' scales rounded to bfloat16 (half the reads); 'int8' weights "
+        "rounded to int8 per output row (CPU, any model); 'auto' picks 'gguf-bf16' on the CPU when the model "
+        "ships as a GGUF, else 'fp32' (see README 'Quantized weights')",
+    )
+    worker_threads: int | None = Field(
+        None, ge=1, description="CPU threads of the worker's matmuls (OpenMP); unset: the environment's "
+        "OMP_NUM_THREADS if set, else the cores this process may use minus worker_reserved_cores (at least 1)",
+    )
+    worker_reserved_cores: float = Field(
+        0.0, ge=0, description="cores left to the other four processes when worker_threads is unset (they idle "
+        "between requests: see README 'CPU threads')",
+    )
+    worker_wait_policy: Literal["PASSIVE", "ACTIVE", ""] = Field(
+        "PASSIVE", description="OMP_WAIT_POLICY of the worker's threads: PASSIVE sleeps while waiting (degrades "
+        "gracefully beside other load), ACTIVE spins, '' leaves OpenMP's default (spin, then sleep)",
+    )
 
     http_host: str = "127.0.0.1"
     http_port: int = 8080

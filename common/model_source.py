@@ -32,12 +32,13 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A resolved model: a directory holding config.json and tokenizer files, and whether its
-    weights are to be loaded (False: random initialisation of that config)."""
+    """A resolved model: a directory holding config.json and tokenizer files, whether its weights
+    are to be loaded (False: random initialisation of that config), and the GGUF they came from."""
 
     directory: Path
     pretrained_weights: bool
     name: str
+    gguf: Path | None = None  # the quantized file the weights were converted from
 
 
 def _embedded_gguf() -> Path:
@@ -119,7 +120,8 @@ def resolve_model(settings: Settings, *, weights: bool = False) -> ModelSource:
         directory = Path(spec).expanduser()
         if not (directory / "config.json").is_file():
             raise RuntimeError(f"model directory {directory} has no config.json")
-    return ModelSource(directory=directory, pretrained_weights=not random, name=settings.served_model_name)
+    gguf = _embedded_gguf() if spec == DEFAULT_MODEL and not random else None
+    return ModelSource(directory=directory, pretrained_weights=not random, name=settings.served_model_name, gguf=gguf)
 
 
 def load_tokenizer(settings: Settings):  # -> transformers.PreTrainedTokenizerBase

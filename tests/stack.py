@@ -91,6 +91,7 @@ def start_stack(run_dir: Path, **env_overrides: str) -> Stack:
         TILLER_HTTP_PORT=str(free_port()),
         TILLER_GRPC_PORT=str(free_port()),
         TILLER_READY_TIMEOUT_S="300",
+        TILLER_WEIGHTS="fp32",  # dense, as the transformers oracle (quantized weights: tests/worker/test_quantized.py)
         PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
     )
     env.update(env_overrides)

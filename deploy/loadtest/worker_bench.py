@@ -1,6 +1,7 @@
 """Decode speed of the worker engine vs ``transformers.generate`` (greedy, same prompt, same weights, same process).
 
     .venv/bin/python deploy/loadtest/worker_bench.py [--new-tokens 64] [--batch 1 16] [--repeats 3]
+        [--weights fp32 gguf gguf-bf16 int8]
     # on a GPU, the default model's shapes and a Llama-1B shape, random bf16 weights:
     python deploy/loadtest/worker_bench.py --models random:smollm2 llama-1b --batch 1 16 64 256
 
@@ -13,7 +14,9 @@ generate); the ``engine+pc`` row repeats them with the prompt's full blocks alre
 second request sharing the prompt would find them. Each figure is the best of ``--repeats`` runs,
 and steps are timed one by one (generate through a stopping criterion), so a busy machine skews
 the medians less than the totals. It also prints whether the engine's greedy tokens equal
-generate's for the first sequence of each batch.
+generate's for the first sequence of each batch. ``--weights`` runs the engine once per weights
+setting (see common/config.py), after the first on the same loaded model, and closes with each
+one's decode tokens/s against the first's.
 """
 
 from __future__ import annotations
@@ -171,7 +174,8 @@ def bench_model(spec: str, settings: Settings, batches: list[int], new_tokens: i
     engine.capture_graphs()  # as the worker does at start-up
     n = new_tokens
     print(
-        f"\nmodel={spec} device={loaded.device} dtype={loaded.dtype} threads={torch.get_num_threads()} "
+        f"\nmodel={spec} weights={loaded.weights} device={loaded.device} dtype={loaded.dtype} "
+        f"threads={torch.get_num_threads()} "
         f"backend={engine.backend} prompt={len(prompt)} tokens new={n} repeats={repeats}"
     )
     # Warm both paths up once (allocator, kernels, lazy pages of the KV pool, CUDA graphs).
@@ -225,10 +229,21 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--repeats", type=int, default=3, help="best of N runs")
+    parser.add_argument("--weights", nargs="+", default=None, help="weights settings to run (default: TILLER_WEIGHTS)")
     args = parser.parse_args()
     settings = get_settings()
     for spec in args.models or [settings.model]:
-        bench_model(spec, settings, args.batch, args.new_tokens, args.repeats)
+        engine_rows: dict[str, dict[int, Figures]] = {}
+        for weights in args.weights or [settings.weights]:
+            rows = bench_model(spec, settings.model_copy(update={"weights": weights}), args.batch, args.new_tokens,
+                               args.repeats)
+            engine_rows[weights] = {row.batch: row for row in rows if row.impl == "engine"}
+        first, *others = engine_rows
+        for weights in others:
+            for batch, row in engine_rows[weights].items():
+                ratio = row.decode_tok_s / engine_rows[first][batch].decode_tok_s
+                print(f"{spec} batch {batch}: engine decode with weights={weights} {row.decode_tok_s:.1f} tok/s, "
+                      f"{ratio:.2f}x weights={first}'s")
 
 
 if __name__ == "__main__":

@@ -6,13 +6,17 @@ import structlog
 
 from common.config import get_settings
 from common.logging import configure_logging
-from services.worker.service import WorkerService
+from services.worker.threads import apply_cpu_threads
 
 
 def main() -> None:
     settings = get_settings()
+    threads = apply_cpu_threads(settings)  # before anything imports torch
+    from services.worker.service import WorkerService
+
     log = configure_logging("worker", settings.log_level)
     structlog.contextvars.bind_contextvars(service="worker")  # for module loggers too
+    log.info("worker.cpu_threads", threads=threads)
     WorkerService(settings, log).run()
 
 

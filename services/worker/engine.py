@@ -174,7 +174,10 @@ class Engine:
             )
             self.cache = cache
             self.tables = cache.tables
-            runner = (PagedLlama if ranks is None else ranks.runner)(loaded.model, cache, loaded.max_model_len)
+            if ranks is None:
+                runner = PagedLlama(loaded.model, cache, loaded.max_model_len, loaded.linears)
+            else:
+                runner = ranks.runner(loaded.model, cache, loaded.max_model_len)
             if cuda_graph_batch > 0 and loaded.device.type == "cuda" and ranks is None:
                 runner.enable_cuda_graphs(cuda_graph_batch, -(-loaded.max_model_len // cache.tables.block_size))
             if readouts is not None:
@@ -243,6 +246,7 @@ class Engine:
         tables, allocator = self.tables, self.tables.allocator
         return {
             "backend": self.backend,
+            "weights": self.loaded.weights,
             "active_seqs": len(self.seqs),
             "kv_capacity_tokens": tables.capacity_tokens,
             "kv_free_tokens": tables.empty_tokens,

@@ -22,6 +22,7 @@ from transformers.utils import logging as hf_logging
 from common.config import Settings
 from common.model_source import resolve_model
 from common.vision import VisionSpec
+from services.worker.quantized import LinearFactory, linear_factory, weights_mode
 
 log = structlog.get_logger()
 
@@ -40,6 +41,8 @@ class LoadedModel:
     eos_token_ids: list[int]
     max_model_len: int
     vision: VisionSpec | None = None  # a vision-language model's image facts and processor
+    weights: str = "fp32"  # the resolved weights setting
+    linears: LinearFactory | None = None  # the native forward's projections (None: dense)
 
     @property
     def vocab_size(self) -> int:
@@ -119,6 +122,12 @@ def load_model(settings: Settings, progress: Progress) -> LoadedModel:
     model = model.to(device).eval()
     if device.type == "cpu" and source.pretrained_weights:
         _own_weights(model)
+    mode = weights_mode(settings.weights, device.type, source.gguf is not None, source.pretrained_weights,
+                        sharded=settings.distributed.tensor_parallel > 1)
+    linears = None
+    if mode != "fp32":
+        progress(75, f"packing {mode} weights")
+        linears = linear_factory(mode, model, source.gguf)
     progress(80, "reading tokenizer and generation config")
     eos = eos_token_ids(source.directory, config)
     limit = settings.limits.max_model_len
@@ -132,4 +141,6 @@ def load_model(settings: Settings, progress: Progress) -> LoadedModel:
         eos_token_ids=eos,
         max_model_len=max_len,
         vision=VisionSpec.load(source.directory, settings.images.max_image_pixels),
+        weights=mode,
+        linears=linears,
     )

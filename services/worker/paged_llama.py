@@ -1,8 +1,8 @@
 """Our own forward pass for Llama-shaped models (Llama, Mistral, Qwen2) over the paged KV cache.
 
-The weights are the transformers modules' own: q/k/v and gate/up projections are fused into one
-matrix each, and the modules' parameters are re-pointed at views of the fused matrices, so
-nothing is stored twice and the transformers model keeps working on the same memory.
+The projections are made by a :class:`services.worker.quantized.LinearFactory`: by default the
+transformers modules' own weights, q/k/v and gate/up fused into one matrix each (the modules'
+parameters re-pointed at views of them, so nothing is stored twice); or weight-only quantized.
 
 One step flattens every token of every sequence into ``[tokens, hidden]``: each projection and the
 MLP is one matmul per step. Attention runs for all single-token inputs (decode) at once, over a
@@ -23,6 +23,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.kv_cache import NULL_BLOCK, PagedKVCache
+from services.worker.quantized import DenseLinears, Linear, LinearFactory
 from services.worker.runner import Captured, SeqInput
 from services.worker.step_plan import Prefill, StepPlan
 from services.worker.transfer import to_device
@@ -42,59 +43,26 @@ def unsupported_reason(config: PretrainedConfig, max_model_len: int) -> str | No
     return None
 
 
-def _fuse_transposed(modules: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weights of ``modules`` side by side, transposed: one contiguous ``[in, sum(out)]``
-    matrix (and the biases concatenated). Each module's parameters are re-pointed at their slice
-    of it, so the memory is not doubled and the transformers modules keep working.
-
-    ``x @ W^T`` with a contiguous ``W^T`` measured up to 2x faster than ``F.linear(x, W)`` for the
-    few-row matmuls of decode steps on the CPU (MKL).
-    """
-    weight = torch.cat([m.weight.detach().t() for m in modules], dim=1).contiguous()
-    has_bias = [m.bias is not None for m in modules]
-    if any(has_bias) and not all(has_bias):
-        raise ValueError("cannot fuse projections where only some have a bias")
-    bias = torch.cat([m.bias.detach() for m in modules]) if all(has_bias) else None
-    column = 0
-    for m in modules:
-        n = m.weight.shape[0]
-        m.weight = nn.Parameter(weight[:, column : column + n].t(), requires_grad=False)
-        if bias is not None:
-            m.bias = nn.Parameter(bias[column : column + n], requires_grad=False)
-        column += n
-    return weight, bias
-
-
-def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
-
-
-def _add_linear(x: torch.Tensor, h: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x + h @ weight_t (+ bias)`` with the residual add folded into the matmul."""
-    out = torch.addmm(x, h, weight_t)
-    return out if bias is None else out.add_(bias)
-
-
 @dataclass
 class _Layer:
-    """One decoder layer's weights; matrices are transposed (``[in, out]``, see _fuse_transposed)."""
+    """One decoder layer's weights."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Linear
+    down: Linear
 
 
 class PagedLlama:
     """The native runner (see module docstring). Implements :class:`services.worker.runner.Runner`."""
 
-    def __init__(self, model: PreTrainedModel, cache: PagedKVCache, max_positions: int) -> None:
+    def __init__(
+        self, model: PreTrainedModel, cache: PagedKVCache, max_positions: int, linears: LinearFactory | None = None
+    ) -> None:
+        """``linears`` makes the projections (default: the model's dense weights)."""
+        linears = linears or DenseLinears()
         config = model.config
         self.cache = cache
         self.device = cache.kv.device
@@ -106,9 +74,7 @@ class PagedLlama:
         base = model.model
         self.embed = base.embed_tokens.weight.detach()
         self.final_norm = base.norm.weight.detach()
-        head = model.get_output_embeddings()
-        self.lm_head = head.weight.detach()  # [vocab, hidden]: often tied to the embedding, kept as is
-        self.lm_head_bias = None if head.bias is None else head.bias.detach()
+        self.head = linears.head(model.get_output_embeddings())
         self.act: Callable[[torch.Tensor], torch.Tensor] = (
             F.silu if config.hidden_act == "silu" else base.layers[0].mlp.act_fn
         )
@@ -120,22 +86,14 @@ class PagedLlama:
         self.layers: list[_Layer] = []
         for layer in base.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, qkv_bias = _fuse_transposed([attn.q_proj, attn.k_proj, attn.v_proj])
-            o, o_bias = _fuse_transposed([attn.o_proj])
-            gate_up, gate_up_bias = _fuse_transposed([mlp.gate_proj, mlp.up_proj])
-            down, down_bias = _fuse_transposed([mlp.down_proj])
             self.layers.append(
                 _Layer(
                     input_norm=layer.input_layernorm.weight.detach(),
-                    qkv=qkv,
-                    qkv_bias=qkv_bias,
-                    o=o,
-                    o_bias=o_bias,
+                    qkv=linears.layer([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    o=linears.layer([attn.o_proj]),
                     post_norm=layer.post_attention_layernorm.weight.detach(),
-                    gate_up=gate_up,
-                    gate_up_bias=gate_up_bias,
-                    down=down,
-                    down_bias=down_bias,
+                    gate_up=linears.layer([mlp.gate_proj, mlp.up_proj]),
+                    down=linears.layer([mlp.down_proj]),
                 )
             )
 
@@ -208,7 +166,7 @@ class PagedLlama:
             self.captured = Captured(final=x[rows_t], layers=taps)
         wanted = [last_row[i] for i, item in enumerate(inputs) if item.logits]
         if not wanted:
-            return torch.empty(0, self.lm_head.shape[0], dtype=torch.float32, device=device)
+            return torch.empty(0, self.head.out_features, dtype=torch.float32, device=device)
         return self._logits(x[to_device(wanted, device)])
 
     def _layers(
@@ -225,19 +183,12 @@ class PagedLlama:
                 taps[index - 1] = x[taps[-1]]
             x = self._attention(layer, x, kv_slots, kv_blocks, step)
             h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
-            gate_up = _linear(h, layer.gate_up, layer.gate_up_bias)
+            gate_up = layer.gate_up(h)
             h = self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-            x = self._residual_linear(x, h, layer.down, layer.down_bias)
+            x = layer.down.add_to(x, h)
         if taps is not None and len(self.layers) - 1 in self.tap_layers:
             taps[len(self.layers) - 1] = x[taps[-1]]
         return x
-
-    def _residual_linear(
-        self, x: torch.Tensor, h: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """``x + h @ weight_t (+ bias)``: the attention output and MLP down projections (a
-        tensor-parallel runner sums its ranks' partial products here)."""
-        return _add_linear(x, h, weight_t, bias)
 
     def final_norm_of(self, h: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
@@ -245,7 +196,7 @@ class PagedLlama:
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states."""
         h = F.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
-        return F.linear(h, self.lm_head, self.lm_head_bias).float()
+        return self.head(h).float()
 
     def _rotary_tables(self, rotary: nn.Module, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[max_positions, head_dim]`` from the model's rotary module, computed once,
@@ -300,7 +251,7 @@ class PagedLlama:
         tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         h = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
-        qkv = _linear(h, layer.qkv, layer.qkv_bias).view(tokens, heads + 2 * kv_heads, dim)
+        qkv = layer.qkv(h).view(tokens, heads + 2 * kv_heads, dim)
         qkv = torch.addcmul(qkv * step.cos, qkv.roll(dim // 2, -1), step.sin)
         kv_slots.index_copy_(0, step.slots, qkv[:, heads:])
 
@@ -323,5 +274,5 @@ class PagedLlama:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True)
             outs.append(out[0].transpose(0, 1).reshape(p.n, heads * dim))
         attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return self._residual_linear(x, attn, layer.o, layer.o_bias)
+        return layer.o.add_to(x, attn)
 

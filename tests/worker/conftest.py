@@ -18,7 +18,7 @@ GREEDY = SamplingParams(temperature=0)
 
 @pytest.fixture(scope="session")
 def worker_settings() -> Settings:
-    return Settings(device="cpu")
+    return Settings(device="cpu", weights="fp32")  # dense: what transformers, the oracle, runs
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +29,17 @@ def loaded(worker_settings: Settings) -> LoadedModel:
 @pytest.fixture(scope="session")
 def tokenizer(worker_settings: Settings):
     return load_tokenizer(worker_settings)
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer) -> list[list[int]]:
+    """The greedy-parity prompts: plain text, code, and a chat turn."""
+    chat = [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]
+    return [
+        tokenizer("The quick brown fox").input_ids,
+        tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n").input_ids,
+        tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False),
+    ]
 
 
 @pytest.fixture(scope="session")

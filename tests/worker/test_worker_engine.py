@@ -15,16 +15,6 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[list[int]]:
-    chat = [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]
-    return [
-        tokenizer("The quick brown fox").input_ids,
-        tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n").input_ids,
-        tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False),
-    ]
-
-
-@pytest.fixture(scope="module")
 def expected(prompts, reference) -> list[list[int]]:
     want = [reference(p, NEW_TOKENS) for p in prompts]
     assert all(len(w) == NEW_TOKENS for w in want), "a reference stopped early at EOS: pick longer-running prompts"

@@ -64,6 +64,7 @@ def _start_worker(run_dir: Path, **env: str) -> subprocess.Popen[bytes]:
         TILLER_RUN_DIR=str(run_dir),
         TILLER_DEVICE="cpu",
         TILLER_LIMITS__MAX_BATCH_SIZE="4",
+        TILLER_WEIGHTS="fp32",  # compared with transformers below
         **env,
     )
     log = open(run_dir / "worker.log", "wb")

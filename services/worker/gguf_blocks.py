@@ -1,0 +1,127 @@
+"""A GGUF file's quantized weight matrices as blocks of 32 weights, under transformers' names.
+
+Supported block types (llama.cpp's layouts; each block starts with float16 fields):
+
+* ``Q4_0`` (18 bytes): scale ``d``, 16 bytes of 4-bit codes; ``w = d * (q - 8)``
+* ``Q4_1`` (20 bytes): scale ``d``, minimum ``m``, 16 bytes of 4-bit codes; ``w = d * q + m``
+* ``Q8_0`` (34 bytes): scale ``d``, 32 signed bytes; ``w = d * q``
+
+A 4-bit block keeps weight ``j`` in the low nibble of byte ``j`` and weight ``j + 16`` in its high
+nibble. llama.cpp stores Llama's q and k projections with the rows of each head interleaved for its
+rotary layout; they are put back in transformers' order here, as transformers does when it loads a
+GGUF (rows are whole blocks, so reordering them keeps every block intact).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GROUP = 32  # weights per block, for all supported types
+_LAYOUT = {"Q4_0": (18, False), "Q4_1": (20, True), "Q8_0": (34, False)}  # bytes per block, has a minimum
+_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A weight matrix ``[out, in]`` quantized in blocks of 32 along ``in``: codes ``q`` (uint8
+    0..15 for the 4-bit types, int8 for Q8_0) and, per block, ``scale`` and (Q4_1) ``minimum``,
+    both float32 ``[out, in // 32]``."""
+
+    kind: str
+    q: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights the blocks stand for."""
+        scale = self.scale.repeat_interleave(GROUP, dim=1)
+        if self.kind == "Q4_0":
+            return (self.q.float() - 8) * scale
+        if self.kind == "Q4_1":
+            assert self.minimum is not None
+            return self.q.float() * scale + self.minimum.repeat_interleave(GROUP, dim=1)
+        return self.q.float() * scale
+
+    def rows(self, index: torch.Tensor) -> Blocks:
+        minimum = None if self.minimum is None else self.minimum[index]
+        return Blocks(self.kind, self.q[index], self.scale[index], minimum)
+
+    @staticmethod
+    def cat(parts: list[Blocks]) -> Blocks:
+        """Matrices of one kind stacked along ``out`` (fused projections)."""
+        kinds = {p.kind for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot fuse projections quantized differently: {sorted(kinds)}")
+        minimum = None if parts[0].minimum is None else torch.cat([p.minimum for p in parts])  # type: ignore[misc]
+        return Blocks(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), minimum)
+
+
+def decode(kind: str, data: np.ndarray) -> Blocks:
+    """Blocks from a tensor's raw bytes ``[out, blocks * bytes_per_block]`` (as gguf reads them)."""
+    size, has_min = _LAYOUT[kind]
+    raw = np.ascontiguousarray(data).reshape(data.shape[0], -1, size)
+    scale = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    body = raw[..., 4:] if has_min else raw[..., 2:]
+    minimum = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)) if has_min else None
+    if kind == "Q8_0":
+        q = torch.from_numpy(body.copy().view(np.int8)).reshape(data.shape[0], -1)
+    else:
+        q = torch.from_numpy(np.concatenate([body & 0x0F, body >> 4], axis=-1)).reshape(data.shape[0], -1)
+    return Blocks(kind, q, scale, minimum)
+
+
+def _unpermute(blocks: Blocks, heads: int) -> Blocks:
+    """Undo llama.cpp's rotary row interleaving of a q or k projection with ``heads`` heads."""
+    rows = blocks.shape[0]
+    order = torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+    return blocks.rows(order)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """transformers' parameter name of a GGUF weight matrix (None: not a projection or embedding)."""
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    if match is None or match[2] not in _NAMES:
+        return None
+    return f"model.layers.{match[1]}.{_NAMES[match[2]]}.weight"
+
+
+def read_blocks(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Blocks]:
+    """Every quantized weight matrix of a Llama-architecture GGUF of a supported type, by
+    transformers' parameter name; other tensors (norms, float tensors) are left out."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    found: dict[str, Blocks] = {}
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        name = hf_name(tensor.name)
+        if name is None or kind not in _LAYOUT:
+            continue
+        blocks = decode(kind, tensor.data)
+        if ".attn_q." in tensor.name:
+            blocks = _unpermute(blocks, num_heads)
+        elif ".attn_k." in tensor.name:
+            blocks = _unpermute(blocks, num_kv_heads)
+        found[name] = blocks
+    return found
