@@ -221,11 +221,14 @@ class Int8Linears:
         return Int8Packed(module.weight.detach(), _bias([module]))
 
 
-def weights_mode(setting: str, device: str, has_gguf: bool, pretrained: bool) -> str:
-    """The ``weights`` setting resolved for a model on ``device``: 'fp32' (dense), 'gguf' or
-    'int8'; a combination that cannot work raises ValueError with the reason."""
+def weights_mode(setting: str, device: str, has_gguf: bool, pretrained: bool, sharded: bool = False) -> str:
+    """The ``weights`` setting resolved for a model on ``device`` (``sharded``: tensor parallel,
+    which splits dense weights): 'fp32' (dense), 'gguf', 'gguf-bf16' or 'int8'; a combination that
+    cannot work raises ValueError with the reason."""
     if setting == "auto":
-        return "gguf-bf16" if device == "cpu" and has_gguf and pretrained else "fp32"
+        return "gguf-bf16" if device == "cpu" and has_gguf and pretrained and not sharded else "fp32"
+    if setting != "fp32" and sharded:
+        raise ValueError(f"tensor parallel shards dense weights; weights={setting!r} cannot be sharded (use 'fp32')")
     if setting != "fp32" and device != "cpu":
         raise ValueError(f"weights={setting!r} runs on packed CPU kernels; device is {device!r} (use 'fp32')")
     if setting.startswith("gguf") and not (has_gguf and pretrained):

@@ -42,6 +42,7 @@ from common.config import Settings, get_settings
 from common.logging import configure_logging
 from services.worker.kv_cache import PagedKVCache
 from services.worker.paged_llama import PagedLlama, _Layer
+from services.worker.quantized import Dense, Linear
 
 log = structlog.get_logger()
 
@@ -95,15 +96,11 @@ class TensorParallelLlama(PagedLlama):
         self.layers = [
             _Layer(
                 input_norm=layer.input_norm,
-                qkv=_columns(layer.qkv, qkv_cols),
-                qkv_bias=None if layer.qkv_bias is None else _columns(layer.qkv_bias, qkv_cols),
-                o=layer.o[h0 * dim : h1 * dim].contiguous(),
-                o_bias=layer.o_bias,  # added once, after the all-reduce
+                qkv=_column_shard(layer.qkv, qkv_cols),
+                o=RowParallel(_dense(layer.o), h0 * dim, h1 * dim),
                 post_norm=layer.post_norm,
-                gate_up=_columns(layer.gate_up, gate_up_cols),
-                gate_up_bias=None if layer.gate_up_bias is None else _columns(layer.gate_up_bias, gate_up_cols),
-                down=layer.down[c0:c1].contiguous(),
-                down_bias=layer.down_bias,
+                gate_up=_column_shard(layer.gate_up, gate_up_cols),
+                down=RowParallel(_dense(layer.down), c0, c1),
             )
             for layer in self.layers
         ]
@@ -112,14 +109,36 @@ class TensorParallelLlama(PagedLlama):
         for param in model.model.layers.parameters():
             param.data = param.data.new_empty(0)
 
-    def _residual_linear(
-        self, x: torch.Tensor, h: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Row-parallel: this rank's partial product, summed over the ranks, then the residual."""
-        out = torch.mm(h, weight_t)
+
+def _dense(linear: Linear) -> Dense:
+    if not isinstance(linear, Dense):
+        raise TypeError("tensor parallel shards dense weights only (weights=fp32)")
+    return linear
+
+
+class RowParallel:
+    """Rows ``[start, end)`` of a dense layer's ``[in, out]`` matrix: this rank's partial product,
+    summed over the ranks; the bias is added once, after the sum."""
+
+    def __init__(self, whole: Dense, start: int, end: int) -> None:
+        self.weight_t = whole.weight_t[start:end].contiguous()
+        self.bias = whole.bias
+        self.out_features = whole.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.mm(x, self.weight_t)
         dist.all_reduce(out)
-        out.add_(x)
-        return out if bias is None else out.add_(bias)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def add_to(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self(h).add_(x)
+
+
+def _column_shard(linear: Linear, ranges: list[tuple[int, int]]) -> Dense:
+    """Column-parallel: the given output column ranges of a dense layer (and its bias)."""
+    whole = _dense(linear)
+    bias = None if whole.bias is None else _columns(whole.bias, ranges)
+    return Dense(_columns(whole.weight_t, ranges), bias)
 
 
 def _columns(matrix: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
