@@ -17,12 +17,16 @@ ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "tests" / "lm_eval_tasks"
 
 
-@pytest.fixture
-def evaluate(monkeypatch):
+@pytest.fixture(scope="module")
+def manager():
     from lm_eval.tasks import TaskManager
 
+    return TaskManager(include_path=str(TASKS), include_defaults=False)  # indexing lm-eval's own tasks takes ~30 s
+
+
+@pytest.fixture
+def evaluate(monkeypatch, manager):
     monkeypatch.chdir(ROOT)  # the tasks name their data files from the repository root
-    manager = TaskManager(include_path=str(TASKS))
 
     def run(model, task: str, **kwargs) -> tuple[dict, list[dict]]:
         out = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=manager, log_samples=True,
