@@ -162,10 +162,13 @@ WASM_HEADER = b"\x00asm\x01\x00\x00\x00"
 WASM_SECTIONS = [b"\x01\x01\x00", b"\x03\x01\x00", b"\x00\x03\x01ab", b"\x07\x01\x00"]
 
 
-def wasm_case(rng: random.Random) -> bytes:
-    """A module: valid but empty, a header with sections in any order, or broken bytes."""
+def wasm_case(rng: random.Random, controller: bytes) -> bytes:
+    """A module: now and then ``controller`` as it is (compiled once), else a header with sections in any order,
+    or broken bytes."""
     module = WASM_HEADER + b"".join(rng.sample(WASM_SECTIONS, rng.randrange(len(WASM_SECTIONS) + 1)))
     roll = rng.random()
+    if roll < 0.02:
+        return controller
     if roll < 0.6:
         return corrupt(rng, module)
     if roll < 0.8:

@@ -26,7 +26,7 @@ from common.protos.salience.v1 import salience_pb2 as pb
 from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
 from tests.fuzzing import ProtoFuzzer, json_case, wasm_case
 from tests.gateway.support import FINAL, call_status, gateway_process, greedy_config, receive, token_ids, ws_generate
-from tests.stack import free_port
+from tests.stack import ROOT, free_port
 
 CASES = 2000
 CONCURRENCY = 8
@@ -160,7 +160,8 @@ def _short_run(body: bytes) -> bytes:
 
 async def test_module_upload(fuzzed, intact):
     rng = random.Random("upload")
-    cases = [wasm_case(rng) for _ in range(CASES)]
+    controller = (ROOT / "controllers" / "wasm" / "yesno.wasm").read_bytes()
+    cases = [wasm_case(rng, controller) for _ in range(CASES)]
     async with httpx.AsyncClient(base_url=f"http://{fuzzed.http}", timeout=120) as http:
         async def one(module: bytes) -> Outcome:
             response = await http.post("/v1/controllers", content=module)
