@@ -4,7 +4,7 @@ Each of ``--streams`` clients loops over one surface (WebSocket, OpenAI SSE comp
 Salience Generate on a session of its own, Evergreen GENERATE), one request after another, each of
 ``--tokens`` greedy tokens. Printed: per minute, requests ended, errors and generated tokens/s (streamed
 tokens; Evergreen counts its response fragments); then each
-service's resident memory (RSS) at the start and the end, and its change.
+service's resident memory (RSS) at the start, after the first minute (warmed up) and at the end.
 
     OMP_NUM_THREADS=1 python deploy/loadtest/soak.py --minutes 10
 """
@@ -145,11 +145,19 @@ async def client(stack: Stack, surface: str, tokens: int, until: float, tally: T
             await asyncio.sleep(0.5)
 
 
-async def soak(stack: Stack, streams: int, minutes: float, tokens: int) -> Tally:
+async def soak(stack: Stack, streams: int, minutes: float, tokens: int, pids: dict[str, int]) -> tuple[Tally, dict]:
+    """Run the clients; also the services' RSS once the first minute warmed them up."""
     tally = Tally(minutes)
     until = tally.start + minutes * 60
-    await asyncio.gather(*(client(stack, SURFACES[i % len(SURFACES)], tokens, until, tally) for i in range(streams)))
-    return tally
+    warm: dict[str, float] = {}
+
+    async def sample_warm() -> None:
+        await asyncio.sleep(min(60.0, minutes * 30))
+        warm.update({name: rss_mib(pid) for name, pid in pids.items()})
+
+    await asyncio.gather(sample_warm(), *(client(stack, SURFACES[i % len(SURFACES)], tokens, until, tally)
+                                          for i in range(streams)))
+    return tally, warm
 
 
 def main() -> None:
@@ -165,7 +173,7 @@ def main() -> None:
     try:
         pids = {name: stack.pid(name) for name in SERVICES}
         before = {name: rss_mib(pid) for name, pid in pids.items()}
-        tally = asyncio.run(soak(stack, args.streams, args.minutes, args.tokens))
+        tally, warm = asyncio.run(soak(stack, args.streams, args.minutes, args.tokens, pids))
         after = {name: rss_mib(pid) for name, pid in pids.items()}
         restarted = [name for name in SERVICES if stack.pid(name) != pids[name]]
     finally:
@@ -177,10 +185,11 @@ def main() -> None:
     for minute in sorted(tally.rows):
         requests, errors, tokens = tally.rows[minute]
         print(f"| {minute + 1} | {requests} | {errors} | {tokens / 60:.1f} |")
-    print("\n| service | RSS start (MiB) | RSS end (MiB) | change |")
-    print("|---|---|---|---|")
+    print("\n| service | RSS start (MiB) | after the first minute | RSS end (MiB) | end vs start | end vs first minute |")
+    print("|---|---|---|---|---|---|")
     for name in SERVICES:
-        print(f"| {name} | {before[name]:.0f} | {after[name]:.0f} | {(after[name] / before[name] - 1) * 100:+.1f}% |")
+        print(f"| {name} | {before[name]:.0f} | {warm[name]:.0f} | {after[name]:.0f} | "
+              f"{(after[name] / before[name] - 1) * 100:+.1f}% | {(after[name] / warm[name] - 1) * 100:+.1f}% |")
     print(f"\nrestarted during the soak: {', '.join(restarted) or 'none'}")
     for error, n in sorted(tally.errors.items(), key=lambda e: -e[1])[:10]:
         print(f"error x{n}: {error}")

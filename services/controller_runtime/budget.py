@@ -54,6 +54,10 @@ class UserBudgets:
         return (f"user {user!r} used up their controller CPU time ({self.share:g} s per second, bursts of "
                 f"{self.burst_s:g} s); retry in {wait:.1f} s")
 
+    def credit_s(self, user: str, now: float) -> float:
+        """What is left of ``user``'s bucket."""
+        return self._account(user, now).credit_s
+
     def charge(self, user: str, seconds: float, now: float) -> None:
         self._account(user, now).credit_s -= seconds
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from common import aici_wire
@@ -22,7 +24,7 @@ def test_a_bucket_refills_at_the_share_up_to_the_burst():
     assert b.exhausted("mallory", 1.1) == ""  # refilled past zero
     b.charge("alice", 0.1, now=0.0)
     b.charge("alice", 0.0, now=100.0)
-    assert b._accounts["alice"].credit_s == 2.0  # never above the burst
+    assert b.credit_s("alice", 100.0) == 2.0  # never above the burst
 
 
 def test_the_cap_on_live_requests_and_a_share_of_zero_limits_nothing():
@@ -38,7 +40,7 @@ def test_the_cap_on_live_requests_and_a_share_of_zero_limits_nothing():
 
 @pytest.fixture
 def strict(tmp_path, engine, tokenizer) -> Runtime:
-    limits = Controllers(max_memory_bytes=4 << 20, mid_deadline_ms=50.0, user_cpu_share=0.01, user_cpu_burst_s=0.08,
+    limits = Controllers(max_memory_bytes=4 << 20, mid_deadline_ms=50.0, user_cpu_share=1e-6, user_cpu_burst_s=1.0,
                          max_controlled_per_user=3)
     registry = ModuleRegistry(tmp_path / "modules", engine)
     return Runtime(limits, tokenizer, engine, registry, load_native_controllers(limits.native))
@@ -56,6 +58,8 @@ def test_a_looping_controller_is_charged_to_its_owner_only(strict: Runtime):
     bind(strict, spin, 1, "mallory")
     bind(strict, spin, 2, "mallory")
     bind(strict, fine, 3, "alice")
+    now = time.monotonic()
+    strict.budgets.charge("mallory", strict.budgets.credit_s("mallory", now) - 0.001, now)  # 1 ms of credit left
     data, _ = strict.mid_process(aici_wire.MidProcess(ops=[aici_wire.MidOp(id=i) for i in (1, 2, 3)]))
     assert "deadline of 50 ms exceeded" in data["seqs"]["1"]["error"]  # its overrun is charged to mallory...
     assert "used up their controller CPU time" in data["seqs"]["2"]["error"]  # ...who may not run another call
