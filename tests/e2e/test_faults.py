@@ -17,7 +17,7 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,6 @@ import pytest
 import websockets
 
 from common.model_source import load_tokenizer
-from common.protos.evergreen.v2 import evergreen_pb2 as eg
 from common.protos.evergreen.v2 import evergreen_pb2_grpc as eg_grpc
 from common.protos.salience.v1 import salience_pb2 as pb
 from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
@@ -109,18 +108,22 @@ async def ws_client(stack: Stack, c: Client) -> None:
         c.end(f"connection lost: {exc!r}")
 
 
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict | None]:
+    """The JSON events of a server-sent event stream as they arrive; None for its closing [DONE]."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            yield None if data == "[DONE]" else json.loads(data)
+
+
 async def sse_client(stack: Stack, c: Client) -> None:
     body = {"model": stack.settings.served_model_name, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0,
             "stream": True, "ignore_eos": True}
     try:
         async with http(stack) as client, client.stream("POST", "/v1/completions", json=body) as response:
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
+            async for event in sse_events(response):
+                if event is None:
                     return c.end()
-                event = json.loads(data)
                 if "error" in event:
                     return c.end(f"{event['error']['code']}: {event['error']['message']}")
                 c.token()
@@ -165,13 +168,9 @@ async def run_client(stack: Stack, c: Client) -> None:
     body = {"controller": TAG, "controller_arg": {"regex": "[0-9]{%d}" % LONG}, "prompt": PROMPT, "max_tokens": LONG}
     try:
         async with http(stack) as client, client.stream("POST", "/v1/run", json=body) as response:
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
+            async for event in sse_events(response):
+                if event is None:
                     break
-                event = json.loads(data)
                 for fork in event.get("forks", []):
                     if fork.get("error"):
                         return c.end(fork["error"])
