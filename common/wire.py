@@ -86,7 +86,7 @@ class ImageInput(msgspec.Struct, kw_only=True):
 
 
 class Ok(Msg, tag="ok"):
-    data: dict[str, Any] = {}
+    """Done; nothing to report back (replies that carry data have their own types)."""
 
 
 class Error(Msg, tag="error"):
@@ -500,14 +500,55 @@ class RecordCompletion(Msg, tag="record_completion"):
 
 
 class RecordFeedback(Msg, tag="record_feedback"):
+    """Replied with :class:`FeedbackRecorded`, or ``Error(code="not_found")`` for an unknown request."""
+
     rid: str
     rating: float
     text: str = ""
     position: int | None = None
 
 
+class FeedbackRecorded(Msg, tag="feedback_recorded"):
+    feedback_id: int
+
+
 class GetRequest(Msg, tag="get_request"):
+    """Replied with :class:`RequestRecordReply`, or ``Error(code="not_found")``."""
+
     rid: str
+
+
+class FeedbackEntry(msgspec.Struct, kw_only=True):
+    """One piece of feedback on a request, as stored."""
+
+    id: int
+    rating: float
+    text: str
+    position: int | None
+    created_at: float
+
+
+class RequestRecord(msgspec.Struct, kw_only=True):
+    """A request's stored record; the fields a request has not reached yet (its completion) are None.
+    ``GET /v1/requests/{rid}`` shows it as JSON, every field included."""
+
+    rid: str
+    surface: str
+    model: str
+    prompt: str
+    params: dict[str, Any]
+    created_at: float
+    generated_text: str | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    error: str | None
+    finished_at: float | None
+    feedback: list[FeedbackEntry]
+
+
+class RequestRecordReply(Msg, tag="request_record"):
+    record: RequestRecord
 
 
 # gateway -> session store: Evergreen node graphs, keyed by an Evergreen session id
@@ -540,9 +581,15 @@ class EvergreenClose(Msg, tag="evergreen_close"):
 
 
 class EvergreenGetNodes(Msg, tag="evergreen_get_nodes"):
-    """Replied with ``Ok(data={"fragments": [[node_id, seq, fragment bytes], ...]})`` in (node, seq) order."""
+    """Replied with :class:`EvergreenNodes`."""
 
     session_id: str
+
+
+class EvergreenNodes(Msg, tag="evergreen_nodes"):
+    """A session's stored fragments in (node, seq) order."""
+
+    fragments: list[EvergreenFragment] = []
 
 
 # gateway -> session store: Salience sessions (salience.proto). Errors use codes not_found,
@@ -630,11 +677,14 @@ Message = Union[
     RecordRequest,
     RecordCompletion,
     RecordFeedback,
+    FeedbackRecorded,
     GetRequest,
+    RequestRecordReply,
     EvergreenPut,
     EvergreenDrop,
     EvergreenClose,
     EvergreenGetNodes,
+    EvergreenNodes,
     SalienceOpen,
     SalienceClose,
     SalienceFork,
