@@ -162,12 +162,50 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     workers: list[WorkerLoad] = []
 
 
+class EngineStats(msgspec.Struct, kw_only=True):
+    """A ready worker's engine: its backend and its KV pool and prefix-cache figures. Blocks: ``total``
+    usable, ``free`` (unreferenced, empty), ``cached`` (unreferenced, holding a reusable prefix), ``used``
+    by live sequences; ``kv_*_tokens`` count the same in tokens. The hit rate is the share of fed tokens
+    whose KV came from the cache."""
+
+    backend: str
+    weights: str
+    active_seqs: int
+    kv_capacity_tokens: int
+    kv_free_tokens: int
+    kv_cached_tokens: int
+    kv_used_tokens: int
+    kv_block_size: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    kv_blocks_used: int
+    kv_evictions: int
+    prefix_caching: bool
+    prefix_fed_tokens: int
+    prefix_cached_tokens: int
+    prefix_hit_rate: float
+
+
+class WorkerHealth(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A worker's answer to Health: its stage, and its engine once ready (else its loading progress and
+    message, or why loading failed)."""
+
+    stage: str  # "loading" | "ready" | "failed"
+    worker_id: str
+    model: str
+    device: str = ""
+    progress: int = 0
+    message: str = ""
+    engine: EngineStats | None = None
+
+
 class HealthReply(Msg, tag="health_reply"):
-    """``facts``: the scheduler's (other services leave it out); ``detail``: a worker's engine figures."""
+    """``facts``: the scheduler's; ``worker``: a worker's (other services leave both out)."""
 
     service: str
     ready: bool
-    detail: dict[str, Any] = {}
+    worker: WorkerHealth | None = None
     facts: ModelFacts | None = None
     incarnation: str = ""  # the answering process's life (common.incarnation)
 
