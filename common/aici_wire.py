@@ -8,7 +8,7 @@ reply carries ``$rid`` (and requests ``$auth``).
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from typing import Any, Generic, Literal, TypeVar, Union
 
 import msgspec
 
@@ -102,6 +102,12 @@ class SeqOutcome(msgspec.Struct, kw_only=True):
     micros: int = 0
 
 
+class InitOutcome(SeqOutcome):
+    """instantiate's outcome (the side channel's reply data): ``result`` is ``{}`` when it succeeded."""
+
+    result: dict[str, Any] | None = None
+
+
 class PostOutcome(SeqOutcome):
     result: PostProcessResult | None = None
 
@@ -127,6 +133,34 @@ class MidProcessReply(msgspec.Struct, kw_only=True):
     seqs: dict[str, MidOutcome] = {}
     num_seqs: int = 0
 
+
+class Pong(msgspec.Struct, kw_only=True):
+    pong: int = 1
+
+
+class TokensReply(msgspec.Struct, kw_only=True):
+    vocab_size: int
+    eos_token_id: int
+
+
+D = TypeVar("D")
+
+
+class MainOk(msgspec.Struct, Generic[D], tag_field="type", tag="ok"):
+    """A main-channel ok reply; ``data`` is the reply type of the request's op (:data:`REPLY_DATA`)."""
+
+    data: D
+
+
+class MainError(msgspec.Struct, tag_field="type", tag="error"):
+    error: str
+    is_user_error: bool = False
+    data: dict[str, Any] = {}
+
+
+REPLY_DATA: dict[type[MainOp], type] = {Ping: Pong, Tokens: TokensReply, PostPreProcess: PostPreProcessReply,
+                                        MidProcess: MidProcessReply}
+_reply_decoders = {op: msgspec.msgpack.Decoder(Union[MainOk[data], MainError]) for op, data in REPLY_DATA.items()}
 _main_decoder = msgspec.msgpack.Decoder(MainRequest)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -140,6 +174,14 @@ def decode_main(frame: bytes) -> MainRequest:
         return _main_decoder.decode(frame)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise WireError(f"malformed main-channel request: {exc}") from exc
+
+
+def decode_main_reply(request: MainRequest, frame: bytes) -> MainOk[Any] | MainError:
+    """The reply to ``request``, its ``data`` typed by the request's op; anything else raises WireError."""
+    try:
+        return _reply_decoders[type(request)].decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise WireError(f"malformed reply: {exc}") from exc
 
 
 def module_arg_text(arg: Any) -> str:
@@ -173,7 +215,7 @@ def decode_side(frame: bytes) -> dict[str, Any]:
 
 
 def decode_reply(frame: bytes) -> dict[str, Any]:
-    """A reply as a dict with ``type`` ok|error and ``data``; anything else raises WireError."""
+    """A side-channel reply as a dict with ``type`` ok|error and ``data``; anything else raises WireError."""
     try:
         reply = msgspec.msgpack.decode(frame)
     except msgspec.DecodeError as exc:

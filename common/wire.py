@@ -86,7 +86,7 @@ class ImageInput(msgspec.Struct, kw_only=True):
 
 
 class Ok(Msg, tag="ok"):
-    data: dict[str, Any] = {}
+    """Done; nothing to report back (replies that carry data have their own types)."""
 
 
 class Error(Msg, tag="error"):
@@ -162,12 +162,50 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     workers: list[WorkerLoad] = []
 
 
+class EngineStats(msgspec.Struct, kw_only=True):
+    """A ready worker's engine: its backend and its KV pool and prefix-cache figures. Blocks: ``total``
+    usable, ``free`` (unreferenced, empty), ``cached`` (unreferenced, holding a reusable prefix), ``used``
+    by live sequences; ``kv_*_tokens`` count the same in tokens. The hit rate is the share of fed tokens
+    whose KV came from the cache."""
+
+    backend: str
+    weights: str
+    active_seqs: int
+    kv_capacity_tokens: int
+    kv_free_tokens: int
+    kv_cached_tokens: int
+    kv_used_tokens: int
+    kv_block_size: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    kv_blocks_used: int
+    kv_evictions: int
+    prefix_caching: bool
+    prefix_fed_tokens: int
+    prefix_cached_tokens: int
+    prefix_hit_rate: float
+
+
+class WorkerHealth(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A worker's answer to Health: its stage, and its engine once ready (else its loading progress and
+    message, or why loading failed)."""
+
+    stage: str  # "loading" | "ready" | "failed"
+    worker_id: str
+    model: str
+    device: str = ""
+    progress: int = 0
+    message: str = ""
+    engine: EngineStats | None = None
+
+
 class HealthReply(Msg, tag="health_reply"):
-    """``facts``: the scheduler's (other services leave it out); ``detail``: a worker's engine figures."""
+    """``facts``: the scheduler's; ``worker``: a worker's (other services leave both out)."""
 
     service: str
     ready: bool
-    detail: dict[str, Any] = {}
+    worker: WorkerHealth | None = None
     facts: ModelFacts | None = None
     incarnation: str = ""  # the answering process's life (common.incarnation)
 
@@ -500,14 +538,55 @@ class RecordCompletion(Msg, tag="record_completion"):
 
 
 class RecordFeedback(Msg, tag="record_feedback"):
+    """Replied with :class:`FeedbackRecorded`, or ``Error(code="not_found")`` for an unknown request."""
+
     rid: str
     rating: float
     text: str = ""
     position: int | None = None
 
 
+class FeedbackRecorded(Msg, tag="feedback_recorded"):
+    feedback_id: int
+
+
 class GetRequest(Msg, tag="get_request"):
+    """Replied with :class:`RequestRecordReply`, or ``Error(code="not_found")``."""
+
     rid: str
+
+
+class FeedbackEntry(msgspec.Struct, kw_only=True):
+    """One piece of feedback on a request, as stored."""
+
+    id: int
+    rating: float
+    text: str
+    position: int | None
+    created_at: float
+
+
+class RequestRecord(msgspec.Struct, kw_only=True):
+    """A request's stored record; the fields a request has not reached yet (its completion) are None.
+    ``GET /v1/requests/{rid}`` shows it as JSON, every field included."""
+
+    rid: str
+    surface: str
+    model: str
+    prompt: str
+    params: dict[str, Any]
+    created_at: float
+    generated_text: str | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    error: str | None
+    finished_at: float | None
+    feedback: list[FeedbackEntry]
+
+
+class RequestRecordReply(Msg, tag="request_record"):
+    record: RequestRecord
 
 
 # gateway -> session store: Evergreen node graphs, keyed by an Evergreen session id
@@ -540,9 +619,15 @@ class EvergreenClose(Msg, tag="evergreen_close"):
 
 
 class EvergreenGetNodes(Msg, tag="evergreen_get_nodes"):
-    """Replied with ``Ok(data={"fragments": [[node_id, seq, fragment bytes], ...]})`` in (node, seq) order."""
+    """Replied with :class:`EvergreenNodes`."""
 
     session_id: str
+
+
+class EvergreenNodes(Msg, tag="evergreen_nodes"):
+    """A session's stored fragments in (node, seq) order."""
+
+    fragments: list[EvergreenFragment] = []
 
 
 # gateway -> session store: Salience sessions (salience.proto). Errors use codes not_found,
@@ -630,11 +715,14 @@ Message = Union[
     RecordRequest,
     RecordCompletion,
     RecordFeedback,
+    FeedbackRecorded,
     GetRequest,
+    RequestRecordReply,
     EvergreenPut,
     EvergreenDrop,
     EvergreenClose,
     EvergreenGetNodes,
+    EvergreenNodes,
     SalienceOpen,
     SalienceClose,
     SalienceFork,

@@ -57,7 +57,7 @@ def run_case(runtime: Runtime, ref: str, arg: object, n: int, tokens: list[int])
     """µs per sequence per step for ``n`` sequences of controller ``ref`` fed ``tokens``."""
     for i in range(n):
         ok, result = runtime.instantiate(f"b{i}", [1], ref, arg)
-        assert ok, result
+        assert ok, result.error
     step = aici_wire.encode({"op": "post_pre_process", "post_ops": [], "freed": [],
                              "pre_ops": [{"id": i, "req_id": f"b{i}"} for i in range(n)]})
     mid = aici_wire.encode({"op": "mid_process", "ops": [{"id": i} for i in range(n)]})
@@ -65,11 +65,11 @@ def run_case(runtime: Runtime, ref: str, arg: object, n: int, tokens: list[int])
     for tok in tokens:
         start = time.perf_counter()
         reply = runtime.post_pre_process(aici_wire.decode_main(step))
-        aici_wire.encode(aici_wire.ok(reply))
+        aici_wire.encode(aici_wire.MainOk(data=reply))
         data, rows = runtime.mid_process(aici_wire.decode_main(mid))
-        aici_wire.encode(aici_wire.ok(data))
+        aici_wire.encode(aici_wire.MainOk(data=data))
         elapsed += time.perf_counter() - start
-        errors = [s["error"] for s in data["seqs"].values() if s["error"]]
+        errors = [s.error for s in data.seqs.values() if s.error]
         assert not errors, errors[:1]
         step = aici_wire.encode({"op": "post_pre_process", "pre_ops": [], "freed": [],
                                  "post_ops": [{"id": i, "tokens": [tok], "backtrack": 0} for i in range(n)]})

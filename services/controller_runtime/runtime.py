@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Any
+from typing import Any, TypeVar
 
-import msgspec
 import structlog
 
 from common import aici_wire
@@ -30,8 +29,8 @@ log = structlog.get_logger()
 NATIVE_PREFIX = "native:"
 CAPABILITIES = {"fork": True, "backtrack": True, "ff_tokens": True}
 # the reply for a pre_process the guest lets the runtime skip (shared: only ever encoded)
-PRE_DEFAULT_REPLY = {"error": "", "result": {"suspend": False, "num_forks": 1, "ff_tokens": []}, "storage": [],
-                     "logs": "", "micros": 0}
+PRE_DEFAULT_REPLY = aici_wire.PreOutcome(result=aici_wire.PreProcessResult())
+O = TypeVar("O", bound=aici_wire.SeqOutcome)
 
 
 class UserError(ValueError):
@@ -44,11 +43,11 @@ def module_arg_bytes(arg: Any) -> bytes:
     return arg if isinstance(arg, bytes) else aici_wire.module_arg_text(arg).encode()
 
 
-def seq_result(host: SeqHost, micros: int, result: Any = None, error: str = "") -> dict[str, Any]:
+def seq_result(outcome: type[O], host: SeqHost, micros: int, result: Any = None, error: str = "") -> O:
+    """A sequence's outcome of one callback, with what it logged and stored."""
     if error and not error.startswith("controller already failed"):
         log.info("controller_runtime.seq_failed", req_id=host.request.req_id, seq_id=host.seq_id, error=error[:500])
-    return {"error": error, "result": result, "storage": host.storage_log, "logs": host.logs_text(),
-            "micros": micros}
+    return outcome(error=error, result=result, storage=host.storage_log, logs=host.logs_text(), micros=micros)
 
 
 class Runtime:
@@ -66,8 +65,8 @@ class Runtime:
 
     # -- side channel: instantiate (runs in a worker thread) ----------------------------------------------
     def instantiate(self, req_id: Any, prompt: Any, module_ref: Any, module_arg: Any,
-                    user: str = "local") -> tuple[bool, dict]:
-        """Create and initialise a controller for ``user``; returns (ok, SequenceResult-shaped dict)."""
+                    user: str = "local") -> tuple[bool, aici_wire.InitOutcome]:
+        """Create and initialise a controller for ``user``; returns (ok, its outcome: the AICI SequenceResult)."""
         if not isinstance(req_id, str) or not req_id:
             raise UserError("instantiate needs a string req_id")
         self._expire_pending()
@@ -90,11 +89,11 @@ class Runtime:
             instance.setup(prompt)
         except ControllerError as exc:
             instance.close()
-            return False, seq_result(host, self._charge(host, start), error=str(exc))
+            return False, seq_result(aici_wire.InitOutcome, host, self._charge(host, start), error=str(exc))
         request.live_seqs = 1
         self.budgets.started(user, time.monotonic())
         self.pending[req_id] = (time.monotonic(), instance)
-        return True, seq_result(host, self._charge(host, start), result={})
+        return True, seq_result(aici_wire.InitOutcome, host, self._charge(host, start), result={})
 
     def _charge(self, host: SeqHost, start: float) -> int:
         """The microseconds since ``start``, charged to the sequence's user."""
@@ -102,10 +101,10 @@ class Runtime:
         self.budgets.charge(host.request.user, micros / 1e6, time.monotonic())
         return micros
 
-    def _over_budget(self, host: SeqHost) -> dict[str, Any] | None:
+    def _over_budget(self, outcome: type[O], host: SeqHost) -> O | None:
         """The failed result of a call a user whose controller time is used up may not make."""
         refusal = self.budgets.exhausted(host.request.user, time.monotonic())
-        return seq_result(host, 0, error=refusal) if refusal else None
+        return seq_result(outcome, host, 0, error=refusal) if refusal else None
 
     def _ended(self, instance: Instance) -> None:
         request = instance.host.request
@@ -144,22 +143,22 @@ class Runtime:
             if instance is not None:
                 self._ended(instance)
 
-    def post_pre_process(self, req: aici_wire.PostPreProcess) -> dict[str, Any]:
+    def post_pre_process(self, req: aici_wire.PostPreProcess) -> aici_wire.PostPreProcessReply:
         if req.reset:  # a restarted scheduler: the sequences bound so far belong to requests that are gone
             self.free(list(self.seqs))
         self.free(req.freed)
-        post_seqs: dict[str, dict] = {}
+        post_seqs: dict[str, aici_wire.PostOutcome] = {}
         for op in req.post_ops:
             post_seqs[str(op.id)] = self._post(op.id, op.tokens, op.backtrack)
-        pre_seqs: dict[str, dict] = {}
+        pre_seqs: dict[str, aici_wire.PreOutcome] = {}
         for op in req.pre_ops:
             error = self._bind(op)
             if error:
-                pre_seqs[str(op.id)] = {"error": error, "result": None, "storage": [], "logs": "", "micros": 0}
+                pre_seqs[str(op.id)] = aici_wire.PreOutcome(error=error)
         for seq_id in self.seqs:
             if str(seq_id) not in pre_seqs:
                 pre_seqs[str(seq_id)] = self._pre(seq_id)
-        return {"post_seqs": post_seqs, "pre_seqs": pre_seqs}
+        return aici_wire.PostPreProcessReply(post_seqs=post_seqs, pre_seqs=pre_seqs)
 
     def _bind(self, op: aici_wire.PreOp) -> str:
         """Bind ``op.req_id``'s instance to ``op.id``. The scheduler never reuses a live id, so an id that
@@ -175,25 +174,25 @@ class Runtime:
         self.seqs[op.id] = instance
         return ""
 
-    def _post(self, seq_id: int, tokens: list[int], backtrack: int) -> dict[str, Any]:
+    def _post(self, seq_id: int, tokens: list[int], backtrack: int) -> aici_wire.PostOutcome:
         instance = self.seqs.get(seq_id)
         if instance is None:
-            return {"error": f"unknown sequence {seq_id}", "result": None, "storage": [], "logs": "", "micros": 0}
+            return aici_wire.PostOutcome(error=f"unknown sequence {seq_id}")
         start = time.perf_counter()
         try:
             result = instance.post_process(tokens, backtrack)
         except ControllerError as exc:
-            return seq_result(instance.host, self._charge(instance.host, start), error=str(exc))
-        return seq_result(instance.host, self._charge(instance.host, start), result={"stop": result.stop})
+            return seq_result(aici_wire.PostOutcome, instance.host, self._charge(instance.host, start), error=str(exc))
+        return seq_result(aici_wire.PostOutcome, instance.host, self._charge(instance.host, start), result=result)
 
-    def _pre(self, seq_id: int) -> dict[str, Any]:
+    def _pre(self, seq_id: int) -> aici_wire.PreOutcome:
         """pre_process; ff_tokens it asks for are fed straight back to post_process (up to max_ff_rounds
         times), as AICI v0.0.x does, so the scheduler never reports them in post_ops."""
         instance = self.seqs[seq_id]
         host = instance.host
         if instance.pre_default:
             return PRE_DEFAULT_REPLY
-        if (refused := self._over_budget(host)) is not None:
+        if (refused := self._over_budget(aici_wire.PreOutcome, host)) is not None:
             return refused
         start = time.perf_counter()
         logs, storage, ff = [], [], []
@@ -218,17 +217,20 @@ class Runtime:
                                           f"request, more than max_forks {self.settings.max_forks}")
         except ControllerError as exc:
             logs.append(host.logs_text())
-            failed = seq_result(host, self._charge(host, start), error=str(exc))
-            return failed | {"storage": storage + host.storage_log, "logs": "".join(logs)}
-        return {"error": "", "result": {"suspend": result.suspend, "num_forks": result.num_forks,
-                                        "ff_tokens": ff + result.ff_tokens},
-                "storage": storage, "logs": "".join(logs), "micros": self._charge(host, start)}
+            failed = seq_result(aici_wire.PreOutcome, host, self._charge(host, start), error=str(exc))
+            failed.storage, failed.logs = storage + host.storage_log, "".join(logs)
+            return failed
+        if ff:
+            result = aici_wire.PreProcessResult(num_forks=result.num_forks, suspend=result.suspend,
+                                                ff_tokens=ff + result.ff_tokens)
+        return aici_wire.PreOutcome(result=result, storage=storage, logs="".join(logs),
+                                    micros=self._charge(host, start))
 
-    def mid_process(self, req: aici_wire.MidProcess) -> tuple[dict[str, Any], bytearray]:
-        """Fork the clones, then run mid_process for every op in order; returns (data, mask rows)."""
+    def mid_process(self, req: aici_wire.MidProcess) -> tuple[aici_wire.MidProcessReply, bytearray]:
+        """Fork the clones, then run mid_process for every op in order; returns (reply, mask rows)."""
         rows = bytearray(len(req.ops) * self._row_bytes)
         base = ctypes.addressof(ctypes.c_char.from_buffer(rows)) if rows else 0
-        seqs: dict[str, dict] = {}
+        seqs: dict[str, aici_wire.MidOutcome] = {}
         groups: dict[int, list[int]] = {}  # fork groups of the clones and their parents; others are alone
         failed: dict[int, str] = {}
         for op in req.ops:
@@ -256,29 +258,29 @@ class Runtime:
             instance = self.seqs.get(op.id)
             if op.id in failed or instance is None:
                 error = failed.get(op.id, f"unknown sequence {op.id}")
-                seqs[str(op.id)] = {"error": error, "result": None, "storage": [], "logs": "", "micros": 0}
+                seqs[str(op.id)] = aici_wire.MidOutcome(error=error)
                 continue
-            if (refused := self._over_budget(instance.host)) is not None:
+            if (refused := self._over_budget(aici_wire.MidOutcome, instance.host)) is not None:
                 seqs[str(op.id)] = refused
                 continue
             start = time.perf_counter()
             try:
                 result = instance.mid_process(groups.get(op.id) or [op.id], base + i * self._row_bytes)
             except ControllerError as exc:
-                seqs[str(op.id)] = seq_result(instance.host, self._charge(instance.host, start), error=str(exc))
+                seqs[str(op.id)] = seq_result(aici_wire.MidOutcome, instance.host, self._charge(instance.host, start),
+                                              error=str(exc))
                 continue
-            seqs[str(op.id)] = seq_result(instance.host, self._charge(instance.host, start), result=_builtin(result))
-        return {"seqs": seqs, "num_seqs": len(req.ops)}, rows
+            seqs[str(op.id)] = seq_result(aici_wire.MidOutcome, instance.host, self._charge(instance.host, start),
+                                          result=_as_replied(result))
+        return aici_wire.MidProcessReply(seqs=seqs, num_seqs=len(req.ops)), rows
 
 
-def _builtin(result: aici_wire.MidProcessResult) -> Any:
+def _as_replied(result: aici_wire.MidProcessResult) -> aici_wire.MidProcessResult | None:
     """The reply's ``result``: null when the sequence samples under its mask (the AICI runtime protocol), else "Stop" or
     the Splice."""
-    if isinstance(result, str):
+    if isinstance(result, str) or result.SampleWithBias is None:
         return result
-    if result.SampleWithBias is not None:
-        return None
-    return msgspec.to_builtins(result)
+    return None
 
 
 def _micros(start: float) -> int:

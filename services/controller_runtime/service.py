@@ -56,27 +56,28 @@ class ControllerRuntime:
         return sock
 
     # -- main channel ----------------------------------------------------------------------------------
-    def handle_main(self, frame: bytes) -> tuple[dict, list[bytes | bytearray]]:
+    def handle_main(self, frame: bytes) -> tuple[aici_wire.MainOk[Any] | aici_wire.MainError, list[bytes | bytearray]]:
         """The reply header and its binary frames (the mask rows for mid_process)."""
         try:
             request = aici_wire.decode_main(frame)
         except WireError as exc:
-            return aici_wire.error(str(exc), is_user_error=True), []
+            return aici_wire.MainError(error=str(exc), is_user_error=True), []
         try:
             match request:
                 case aici_wire.Ping():
-                    return aici_wire.ok({"pong": 1}), []
+                    return aici_wire.MainOk(data=aici_wire.Pong()), []
                 case aici_wire.Tokens():
-                    return aici_wire.ok({"vocab_size": self.vocab_size, "eos_token_id": self.tokenizer.eos_token}), []
+                    tokens = aici_wire.TokensReply(vocab_size=self.vocab_size, eos_token_id=self.tokenizer.eos_token)
+                    return aici_wire.MainOk(data=tokens), []
                 case aici_wire.PostPreProcess():
-                    return aici_wire.ok(self.runtime.post_pre_process(request)), []
+                    return aici_wire.MainOk(data=self.runtime.post_pre_process(request)), []
                 case aici_wire.MidProcess():
                     data, rows = self.runtime.mid_process(request)
-                    return aici_wire.ok(data), [rows]
+                    return aici_wire.MainOk(data=data), [rows]
         except Exception as exc:  # noqa: BLE001 - a runtime bug answers this call, the service goes on
             log.exception("controller_runtime.main_failed", op=type(request).__name__)
-            return aici_wire.error(f"internal error: {type(exc).__name__}: {exc}", is_user_error=False), []
-        return aici_wire.error("unknown op", is_user_error=True), []
+            return aici_wire.MainError(error=f"internal error: {type(exc).__name__}: {exc}"), []
+        return aici_wire.MainError(error="unknown op", is_user_error=True), []
 
     # -- side channel ----------------------------------------------------------------------------------
     async def handle_side(self, frame: bytes) -> dict:
@@ -106,8 +107,8 @@ class ControllerRuntime:
                         self.runtime.instantiate, request.get("req_id"), request.get("prompt"),
                         request.get("module_id"), request.get("module_arg"), user)
                     if not ok:
-                        log.info("controller_runtime.instantiate_failed", error=data["error"])
-                        return aici_wire.error(data["error"], is_user_error=True, **rid) | {"data": data}
+                        log.info("controller_runtime.instantiate_failed", error=data.error)
+                        return aici_wire.error(data.error, is_user_error=True, **rid) | {"data": data}
                 else:
                     return aici_wire.error(f"unknown side-channel op {op!r}", is_user_error=True, **rid)
             except (UserError, RegistryError) as exc:

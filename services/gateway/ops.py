@@ -85,7 +85,7 @@ async def metrics(request: Request) -> Response:
 async def get_request(request: Request, rid: str) -> JSONResponse:
     """A request's record in the session store, feedback included."""
     try:
-        return JSONResponse(await gateway_of(request).store.get_request(rid))
+        return JSONResponse(msgspec.to_builtins(await gateway_of(request).store.get_request(rid)))
     except StoreError as exc:
         status = 404 if exc.code == NOT_FOUND else ERROR_TRAITS[exc.code][2]
         return JSONResponse({"error": {"type": exc.code, "message": exc.message}}, status_code=status)

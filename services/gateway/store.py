@@ -9,7 +9,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 import zmq.asyncio
@@ -23,6 +23,8 @@ from common.sockets import Dealer
 log = structlog.get_logger()
 
 NOT_FOUND = "not_found"
+
+R = TypeVar("R", bound=wire.Msg)
 
 
 class StoreError(TillerError):
@@ -83,14 +85,15 @@ class StoreClient:
             task.cancel()
         self._dealer.close()
 
-    async def _ok(self, msg: wire.Msg) -> dict[str, Any]:
+    async def _ask(self, msg: wire.Msg, expect: type[R]) -> R:
+        """Send ``msg`` and return its reply, which must be an ``expect``; anything else raises StoreError."""
         what = type(msg).__name__
         try:
             reply, _ = await self._dealer.request(msg)
         except TimeoutError:
             raise StoreError(INTERNAL_ERROR, f"the session store did not answer {what}; is it running?") from None
-        if isinstance(reply, wire.Ok):
-            return reply.data
+        if isinstance(reply, expect):
+            return reply
         if isinstance(reply, wire.Error):
             code = reply.code if reply.code in ERROR_TRAITS or reply.code == NOT_FOUND else INTERNAL_ERROR
             raise StoreError(code, reply.message)
@@ -103,7 +106,7 @@ class StoreClient:
 
     async def _logged(self, msg: wire.Msg) -> None:
         try:
-            await self._ok(msg)
+            await self._ask(msg, wire.Ok)
         except StoreError as exc:
             log.warning("store.record_failed", type=type(msg).__name__, code=exc.code, error=exc.message)
 
@@ -136,8 +139,8 @@ class StoreClient:
         )
 
     async def record_feedback(self, rid: str, *, rating: float, text: str | None, position: int | None) -> int:
-        data = await self._ok(wire.RecordFeedback(rid=rid, rating=rating, text=text or "", position=position))
-        return int(data["feedback_id"])
+        msg = wire.RecordFeedback(rid=rid, rating=rating, text=text or "", position=position)
+        return (await self._ask(msg, wire.FeedbackRecorded)).feedback_id
 
     async def answers(self, timeout: float = 0.5) -> bool:
         """Whether the session store answers a Health request within ``timeout`` seconds."""
@@ -147,8 +150,8 @@ class StoreClient:
             return False
         return isinstance(reply, wire.HealthReply)
 
-    async def get_request(self, rid: str) -> dict[str, Any]:
-        return await self._ok(wire.GetRequest(rid=rid))
+    async def get_request(self, rid: str) -> wire.RequestRecord:
+        return (await self._ask(wire.GetRequest(rid=rid), wire.RequestRecordReply)).record
 
     # -- Evergreen node graphs (the gateway holds the live graph; the store mirrors it) ------
 
@@ -161,6 +164,6 @@ class StoreClient:
     def evergreen_close(self, session_id: str) -> None:
         self._fire(wire.EvergreenClose(session_id=session_id))
 
-    async def evergreen_fragments(self, session_id: str) -> list[list[Any]]:
-        """``[node_id, seq, serialized NodeFragment]`` of every stored fragment of a session."""
-        return (await self._ok(wire.EvergreenGetNodes(session_id=session_id)))["fragments"]
+    async def evergreen_fragments(self, session_id: str) -> list[wire.EvergreenFragment]:
+        """Every stored fragment of a session, in (node, seq) order."""
+        return (await self._ask(wire.EvergreenGetNodes(session_id=session_id), wire.EvergreenNodes)).fragments

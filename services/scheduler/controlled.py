@@ -36,7 +36,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import msgspec
 import structlog
 
 from common import aici_wire, wire
@@ -52,10 +51,11 @@ BACKTRACK_MARK = " \u21a9 "  # AICI's marker for a backtrack in streamed text
 
 @dataclass
 class MainReply:
-    """The answer to one main-channel request: an ok reply's ``data`` and binary frames, or ``error``
-    (the runtime refused, did not answer in time, or answered nonsense)."""
+    """The answer to one main-channel request: an ok reply's ``data`` (the op's reply type, e.g.
+    :class:`aici_wire.PostPreProcessReply`) and binary frames, or ``error`` (the runtime refused, did not
+    answer in time, or answered something that is not the op's reply)."""
 
-    data: dict[str, Any] = field(default_factory=dict)
+    data: Any = None
     frames: list[bytes] = field(default_factory=list)
     error: str = ""
 
@@ -270,7 +270,7 @@ class ControlledSteps:
             return plan
         self.runtime_fresh = False
         try:
-            runnable = self._post_pre_process(post_ops, msgspec.convert(reply.data, aici_wire.PostPreProcessReply))
+            runnable = self._post_pre_process(post_ops, reply.data)
             for row, (branch, _) in enumerate(runnable):
                 self._plan_sample(plan, branch, row)
         except Exception as exc:  # a bug or a nonsensical runtime reply fails the controlled requests, not the loop
@@ -432,7 +432,7 @@ class ControlledSteps:
         return child
 
     def _mid_process(self, mid: PendingMid, reply: MainReply) -> None:
-        seqs = msgspec.convert(reply.data, aici_wire.MidProcessReply).seqs
+        seqs = reply.data.seqs
         mid.frame = reply.frames[0] if reply.frames else None
         for branch, _ in mid.runnable:
             if branch.finished:

@@ -55,7 +55,7 @@ class MainChannel:
         return dropped
 
     async def call(self, request: aici_wire.MainRequest, timeout_s: float) -> MainReply:
-        """Send one request; its ok reply's data and frames, or why there is none."""
+        """Send one request; its ok reply's data (typed by the op) and frames, or why there is none."""
         op = type(request).__struct_config__.tag
         started = time.perf_counter()
         async with self.lock:
@@ -74,14 +74,14 @@ class MainChannel:
                     return MainReply(error=f"the controller runtime did not answer {op} within {timeout_s:g} s")
             parts = await self.sock.recv_multipart()
         try:
-            reply = aici_wire.decode_reply(parts[0])
+            reply = aici_wire.decode_main_reply(request, parts[0])
         except WireError as exc:
             return MainReply(error=f"bad reply from the controller runtime to {op}: {exc}")
         if not isinstance(request, aici_wire.Ping):
             self.busy_s += time.perf_counter() - started
-        if reply["type"] != "ok":
-            return MainReply(error=f"the controller runtime refused {op}: {reply.get('error')}")
-        return MainReply(data=reply.get("data") or {}, frames=parts[1:])
+        if isinstance(reply, aici_wire.MainError):
+            return MainReply(error=f"the controller runtime refused {op}: {reply.error}")
+        return MainReply(data=reply.data, frames=parts[1:])
 
     async def ping(self) -> str:
         """"ok", or what is wrong with the runtime (for health replies)."""
@@ -90,4 +90,4 @@ class MainChannel:
             return "unreachable"
         if reply.error.startswith("bad reply"):
             return f"bad reply: {reply.error}"
-        return "ok" if not reply.error and reply.data.get("pong") == 1 else "bad reply"
+        return "ok" if isinstance(reply.data, aici_wire.Pong) and reply.data.pong == 1 else "bad reply"

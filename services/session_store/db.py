@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from common import wire
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     rid TEXT PRIMARY KEY,
@@ -93,18 +95,17 @@ class Store:
         )
         return int(cursor.lastrowid)
 
-    def get_request(self, rid: str) -> dict[str, Any] | None:
+    def get_request(self, rid: str) -> wire.RequestRecord | None:
         row = self.conn.execute("SELECT * FROM requests WHERE rid=?", (rid,)).fetchone()
         if row is None:
             return None
-        record = dict(row)
-        record["params"] = json.loads(record["params"])
-        record["feedback"] = [
-            dict(f) for f in self.conn.execute(
-                "SELECT id, rating, text, position, created_at FROM feedback WHERE rid=? ORDER BY id", (rid,)
-            )
-        ]
-        return record
+        feedback = self.conn.execute(
+            "SELECT id, rating, text, position, created_at FROM feedback WHERE rid=? ORDER BY id", (rid,)
+        )
+        return wire.RequestRecord(
+            **{**dict(row), "params": json.loads(row["params"])},
+            feedback=[wire.FeedbackEntry(**dict(f)) for f in feedback],
+        )
 
     # -- Evergreen node graphs -------------------------------------------------------------
 
@@ -129,12 +130,12 @@ class Store:
     def evergreen_session_ids(self) -> list[str]:
         return [r[0] for r in self.conn.execute("SELECT DISTINCT session_id FROM evergreen_fragments")]
 
-    def evergreen_fragments(self, session_id: str) -> list[list[Any]]:
+    def evergreen_fragments(self, session_id: str) -> list[wire.EvergreenFragment]:
         rows = self.conn.execute(
             "SELECT node_id, seq, fragment FROM evergreen_fragments WHERE session_id=? ORDER BY node_id, seq",
             (session_id,),
         )
-        return [[r["node_id"], r["seq"], bytes(r["fragment"])] for r in rows]
+        return [wire.EvergreenFragment(node_id=r["node_id"], seq=r["seq"], fragment=bytes(r["fragment"])) for r in rows]
 
     def close(self) -> None:
         self.conn.close()

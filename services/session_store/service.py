@@ -52,12 +52,12 @@ class SessionStore:
             feedback_id = self.store.record_feedback(msg.rid, msg.rating, msg.text, msg.position)
             if feedback_id is None:
                 return wire.Error(code="not_found", message=f"no request {msg.rid!r} to attach feedback to", rid=msg.rid)
-            return wire.Ok(data={"feedback_id": feedback_id})
+            return wire.FeedbackRecorded(feedback_id=feedback_id)
         if isinstance(msg, wire.GetRequest):
             record = self.store.get_request(msg.rid)
             if record is None:
                 return wire.Error(code="not_found", message=f"no request {msg.rid!r}", rid=msg.rid)
-            return wire.Ok(data=record)
+            return wire.RequestRecordReply(record=record)
         if isinstance(msg, wire.EvergreenPut):
             self.store.evergreen_put(msg.session_id, [(f.node_id, f.seq, f.fragment) for f in msg.fragments])
             return wire.Ok()
@@ -68,7 +68,7 @@ class SessionStore:
             self.store.evergreen_close(msg.session_id)
             return wire.Ok()
         if isinstance(msg, wire.EvergreenGetNodes):
-            return wire.Ok(data={"fragments": self.store.evergreen_fragments(msg.session_id)})
+            return wire.EvergreenNodes(fragments=self.store.evergreen_fragments(msg.session_id))
         if isinstance(msg, wire.SalienceOpen | wire.SalienceClose | wire.SalienceFork | wire.SalienceGet
                       | wire.SalienceBegin | wire.SalienceEnd):
             try:

@@ -52,7 +52,8 @@ from transformers import PretrainedConfig
 
 from common.config import Settings
 from common.model_source import load_tokenizer
-from common.wire import ReadoutResult, ScoreResult, SeqFailure, SeqStep, Step, StepMasks, StepResult, TokenLogprob
+from common.wire import (EngineStats, ReadoutResult, ScoreResult, SeqFailure, SeqStep, Step, StepMasks, StepResult,
+                         TokenLogprob)
 from services.worker.hf_fallback import HFFallback
 from services.worker.vision import VisionFallback
 from services.worker.kv_cache import BlockTables, PagedKVCache, PoolExhausted, bytes_per_token, plan_num_blocks
@@ -238,31 +239,28 @@ class Engine:
         """Tokens the whole pool holds (live, cached and free blocks alike)."""
         return self.tables.capacity_tokens
 
-    def stats(self) -> dict[str, int | float | str]:
-        """Pool and prefix-cache figures. Blocks: ``total`` usable, ``free`` (unreferenced, empty),
-        ``cached`` (unreferenced, holding a reusable prefix; evicted least recently used first when
-        the free ones run out), the rest referenced by live sequences; ``kv_*_tokens`` count the
-        same three in tokens. The hit rate is the share of fed tokens whose KV came from the cache."""
+    def stats(self) -> EngineStats:
+        """Pool and prefix-cache figures (:class:`EngineStats` says what each counts)."""
         tables, allocator = self.tables, self.tables.allocator
-        return {
-            "backend": self.backend,
-            "weights": self.loaded.weights,
-            "active_seqs": len(self.seqs),
-            "kv_capacity_tokens": tables.capacity_tokens,
-            "kv_free_tokens": tables.empty_tokens,
-            "kv_cached_tokens": tables.cached_tokens,
-            "kv_used_tokens": tables.capacity_tokens - tables.free_tokens,
-            "kv_block_size": tables.block_size,
-            "kv_blocks_total": allocator.num_blocks - 1,
-            "kv_blocks_free": allocator.num_empty,
-            "kv_blocks_cached": allocator.num_cached,
-            "kv_blocks_used": allocator.num_blocks - 1 - allocator.num_free,
-            "kv_evictions": allocator.evictions,
-            "prefix_caching": int(tables.prefix_caching),
-            "prefix_fed_tokens": self.fed_tokens,
-            "prefix_cached_tokens": self.cached_tokens,
-            "prefix_hit_rate": self.cached_tokens / self.fed_tokens if self.fed_tokens else 0.0,
-        }
+        return EngineStats(
+            backend=self.backend,
+            weights=self.loaded.weights,
+            active_seqs=len(self.seqs),
+            kv_capacity_tokens=tables.capacity_tokens,
+            kv_free_tokens=tables.empty_tokens,
+            kv_cached_tokens=tables.cached_tokens,
+            kv_used_tokens=tables.capacity_tokens - tables.free_tokens,
+            kv_block_size=tables.block_size,
+            kv_blocks_total=allocator.num_blocks - 1,
+            kv_blocks_free=allocator.num_empty,
+            kv_blocks_cached=allocator.num_cached,
+            kv_blocks_used=allocator.num_blocks - 1 - allocator.num_free,
+            kv_evictions=allocator.evictions,
+            prefix_caching=bool(tables.prefix_caching),
+            prefix_fed_tokens=self.fed_tokens,
+            prefix_cached_tokens=self.cached_tokens,
+            prefix_hit_rate=self.cached_tokens / self.fed_tokens if self.fed_tokens else 0.0,
+        )
 
     def drop_prefix_cache(self) -> int:
         """Empty the prefix cache of unreferenced blocks (live sequences keep theirs, and their

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from typing import Any
 
+import msgspec
 import structlog
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -130,7 +131,7 @@ class WorkerService:
                     continue
                 if self.loader.engine is not None:
                     self.engine = self.loader.engine
-                    self.log.info("worker.ready", load_s=round(self.loader.seconds, 2), **self.engine.stats())
+                    self.log.info("worker.ready", load_s=round(self.loader.seconds, 2), **msgspec.structs.asdict(self.engine.stats()))
                     self._hello()
                 elif time.monotonic() >= next_hello:
                     self._hello()
@@ -195,14 +196,14 @@ class WorkerService:
             self.log.warning("worker.unexpected_message", type=type(msg).__name__)
 
     def _health(self, msg: wire.Health) -> None:
-        detail: dict[str, Any] = {"stage": self.stage, "worker_id": self.worker_id, "model": self.settings.model}
+        health = wire.WorkerHealth(stage=self.stage, worker_id=self.worker_id, model=self.settings.model)
         if self.engine is not None:
-            detail.update(self.engine.stats(), device=str(self.engine.device))
+            health.engine, health.device = self.engine.stats(), str(self.engine.device)
         elif self.loader.error is not None:
-            detail["message"] = self.loader.error
+            health.message = self.loader.error
         else:
-            detail.update(progress=self.loader.progress, message=self.loader.message)
-        self._send(wire.HealthReply(mid=msg.mid, service="worker", ready=self.engine is not None, detail=detail))
+            health.progress, health.message = self.loader.progress, self.loader.message
+        self._send(wire.HealthReply(mid=msg.mid, service="worker", ready=self.engine is not None, worker=health))
         self._hello()
 
     def _await_masks(self, step_id: int) -> tuple[wire.StepMasks, bytes | None] | None:

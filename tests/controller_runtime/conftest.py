@@ -3,6 +3,10 @@ a temporary directory."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import msgspec
 import pytest
 
 from common import aici_wire
@@ -27,10 +31,34 @@ def engine(tokenizer: TokenizerInfo) -> WasmEngine:
     return WasmEngine(LIMITS, tokenizer)
 
 
-@pytest.fixture
-def runtime(tmp_path, engine: WasmEngine, tokenizer: TokenizerInfo) -> Runtime:
+class WireRuntime(Runtime):
+    """The runtime with its replies read as they travel: encoded, then decoded to plain data, so that the
+    tests check the AICI runtime protocol's JSON shapes."""
+
+    def instantiate(self, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        ok, outcome = super().instantiate(*args, **kwargs)
+        return ok, as_sent(outcome)
+
+    def post_pre_process(self, req: aici_wire.PostPreProcess) -> Any:
+        return as_sent(super().post_pre_process(req))
+
+    def mid_process(self, req: aici_wire.MidProcess) -> tuple[Any, bytearray]:
+        reply, rows = super().mid_process(req)
+        return as_sent(reply), rows
+
+
+def as_sent(reply: object) -> Any:
+    return msgspec.msgpack.decode(aici_wire.encode(reply))
+
+
+def wire_runtime(limits: Controllers, tmp_path: Path, engine: WasmEngine, tokenizer: TokenizerInfo) -> WireRuntime:
     registry = ModuleRegistry(tmp_path / "modules", engine)
-    return Runtime(LIMITS, tokenizer, engine, registry, load_native_controllers(LIMITS.native))
+    return WireRuntime(limits, tokenizer, engine, registry, load_native_controllers(limits.native))
+
+
+@pytest.fixture
+def runtime(tmp_path: Path, engine: WasmEngine, tokenizer: TokenizerInfo) -> Runtime:
+    return wire_runtime(LIMITS, tmp_path, engine, tokenizer)
 
 
 def start(runtime: Runtime, wasm_or_ref: bytes | str, seq_id: int, arg: object = "", prompt=(1,)) -> dict:

@@ -8,10 +8,9 @@ import pytest
 
 from common import aici_wire
 from common.config import Controllers
-from controllers.native import load_native_controllers
 from services.controller_runtime.budget import UserBudgets
-from services.controller_runtime.registry import ModuleRegistry
 from services.controller_runtime.runtime import Runtime, UserError
+from tests.controller_runtime.conftest import wire_runtime
 from tests.controller_runtime.wat import controller
 
 
@@ -42,8 +41,7 @@ def test_the_cap_on_live_requests_and_a_share_of_zero_limits_nothing():
 def strict(tmp_path, engine, tokenizer) -> Runtime:
     limits = Controllers(max_memory_bytes=4 << 20, mid_deadline_ms=50.0, user_cpu_share=1e-6, user_cpu_burst_s=1.0,
                          max_controlled_per_user=3)
-    registry = ModuleRegistry(tmp_path / "modules", engine)
-    return Runtime(limits, tokenizer, engine, registry, load_native_controllers(limits.native))
+    return wire_runtime(limits, tmp_path, engine, tokenizer)
 
 
 def bind(runtime: Runtime, module_id: str, seq_id: int, user: str) -> None:

@@ -117,9 +117,9 @@ class Run:
         self.req_id = f"req-{next(host.ids)}"
         ok, res = self.rt.instantiate(self.req_id, ids, module_id, arg)
         if not ok:
-            raise ControllerFailed(res["error"], res["logs"])
-        self.init_logs = res["logs"]
-        self.storage: list[dict] = list(res["storage"])   # every variable write of the request, in order
+            raise ControllerFailed(res.error, res.logs)
+        self.init_logs = res.logs
+        self.storage: list[dict] = list(res.storage)   # every variable write of the request, in order
         first = Seq(next(host.ids), ids, len(ids))
         self.seqs = [first]
         self.pre_ops = [w.PreOp(id=first.id, req_id=self.req_id)]
@@ -129,14 +129,14 @@ class Run:
     def _finish(self, seq: Seq, event: str, res: dict | None = None) -> None:
         seq.done = True
         seq.events.append(event)
-        if res is not None and res["error"]:
-            seq.error = res["error"]
+        if res is not None and res.error:
+            seq.error = res.error
         self.freed.append(seq.id)
 
     def _note(self, seq: Seq, res: dict) -> None:
-        seq.logs += res["logs"]
-        seq.storage += res["storage"]
-        self.storage += res["storage"]
+        seq.logs += res.logs
+        seq.storage += res.storage
+        self.storage += res.storage
 
     def step(self) -> bool:
         """One scheduler step; False when no sequence is left."""
@@ -144,27 +144,27 @@ class Run:
         reply = self.rt.post_pre_process(w.PostPreProcess(post_ops=self.post_ops, pre_ops=self.pre_ops,
                                                           freed=self.freed))
         self.post_ops, self.pre_ops, self.freed = [], [], []
-        for sid, res in reply["post_seqs"].items():
+        for sid, res in reply.post_seqs.items():
             seq = by_id[int(sid)]
             self._note(seq, res)
-            if res["error"] or res["result"]["stop"]:
+            if res.error or res.result.stop:
                 self._finish(seq, "post:stop", res)
         ops: list[w.MidOp] = []
-        for sid, res in reply["pre_seqs"].items():
+        for sid, res in reply.pre_seqs.items():
             seq = by_id.get(int(sid))
             if seq is None or seq.done:
                 continue
             self._note(seq, res)
-            pre = res["result"]
-            if res["error"] or pre["num_forks"] == 0:
+            pre = res.result
+            if res.error or pre.num_forks == 0:
                 self._finish(seq, "pre:stop", res)
                 continue
-            seq.tokens += pre["ff_tokens"]
-            if pre["suspend"]:
+            seq.tokens += pre.ff_tokens
+            if pre.suspend:
                 seq.events.append("suspend")
                 continue
             ops.append(w.MidOp(id=seq.id))
-            for _ in range(pre["num_forks"] - 1):
+            for _ in range(pre.num_forks - 1):
                 child = Seq(next(self.host.ids), list(seq.tokens), seq.prompt_len)
                 self.seqs.append(child)
                 by_id[child.id] = child
@@ -174,10 +174,10 @@ class Run:
         data, rows = self.rt.mid_process(w.MidProcess(ops=ops))
         row_bytes = self.host.tok.mask_words * 4
         for i, op in enumerate(ops):
-            seq, res = by_id[op.id], data["seqs"][str(op.id)]
+            seq, res = by_id[op.id], data.seqs[str(op.id)]
             self._note(seq, res)
-            result = res["result"]
-            if res["error"] or result == "Stop":
+            result = res.result
+            if res.error or result == "Stop":
                 self._finish(seq, "mid:stop", res)
                 continue
             if result is None:  # sample under the mask row (the AICI runtime protocol: no specific result)
@@ -187,7 +187,7 @@ class Run:
                 assert tok in set(allowed.tolist()), f"picked {tok} outside the mask"
                 new, bt = [tok], 0
             else:
-                new, bt = result["Splice"]["ff_tokens"], result["Splice"]["backtrack"]
+                new, bt = result.Splice.ff_tokens, result.Splice.backtrack
                 seq.events.append(f"splice:{bt}:{len(new)}")
             if bt:
                 del seq.tokens[len(seq.tokens) - bt:]

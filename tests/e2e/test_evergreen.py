@@ -148,7 +148,7 @@ async def run_session(stack, *messages: eg.SessionMessage | float) -> Result:
         return Result(metadata.get(SESSION_ID_HEADER, ""), received, await call.code(), await call.details() or "")
 
 
-async def stored_fragments(stack, session_id: str) -> list[list]:
+async def stored_fragments(stack, session_id: str) -> list[wire.EvergreenFragment]:
     import zmq.asyncio
 
     dealer = Dealer(zmq.asyncio.Context.instance(), stack.settings.endpoint("session_store"))
@@ -156,8 +156,8 @@ async def stored_fragments(stack, session_id: str) -> list[list]:
         reply, _ = await dealer.request(wire.EvergreenGetNodes(session_id=session_id))
     finally:
         dealer.close()
-    assert isinstance(reply, wire.Ok), reply
-    return reply.data["fragments"]
+    assert isinstance(reply, wire.EvergreenNodes), reply
+    return reply.fragments
 
 
 def expected_greedy(stack, hf_greedy, turns: list[dict[str, str]], max_tokens: int = MAX_TOKENS) -> str:
@@ -312,8 +312,8 @@ async def test_the_store_mirrors_the_live_graph(stack):
         frags = [m async for m in _until_final(call, "r")]
         await asyncio.sleep(0.5)  # the mirror is fire-and-forget
         stored = await stored_fragments(stack, session_id)
-        assert [(n, s) for n, s, _ in stored] == [("p", 0)] + [("r", i) for i in range(len(frags))]
-        assert eg.NodeFragment.FromString(stored[0][2]) == text("p", "Hi")
+        assert [(f.node_id, f.seq) for f in stored] == [("p", 0)] + [("r", i) for i in range(len(frags))]
+        assert eg.NodeFragment.FromString(stored[0].fragment) == text("p", "Hi")
         await queue.put(None)
         assert [m async for m in call] == [] and await call.code() == grpc.StatusCode.OK
     await asyncio.sleep(0.5)

@@ -167,7 +167,7 @@ async def test_session_store_keeps_records_across_a_restart(stack):
                                                            created_at=time.time()))
         assert isinstance(reply, wire.Ok)
         reply, _ = await dealer.request(wire.RecordFeedback(rid=rid, rating=1, text="good", position=3))
-        assert isinstance(reply, wire.Ok) and reply.data["feedback_id"] > 0
+        assert isinstance(reply, wire.FeedbackRecorded) and reply.feedback_id > 0
         reply, _ = await dealer.request(wire.RecordFeedback(rid="unknown-request", rating=1))
         assert isinstance(reply, wire.Error) and reply.code == "not_found"
     finally:
@@ -183,9 +183,9 @@ async def test_session_store_keeps_records_across_a_restart(stack):
                 break
             except asyncio.TimeoutError:
                 continue
-        assert isinstance(reply, wire.Ok)
-        assert reply.data["prompt"] == "hi"
-        assert [(f["rating"], f["text"], f["position"]) for f in reply.data["feedback"]] == [(1.0, "good", 3)]
+        assert isinstance(reply, wire.RequestRecordReply)
+        assert reply.record.prompt == "hi"
+        assert [(f.rating, f.text, f.position) for f in reply.record.feedback] == [(1.0, "good", 3)]
     finally:
         dealer.close()
 

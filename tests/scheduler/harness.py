@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from common import wire
+from common import aici_wire, wire
 from common.config import Controllers, Limits, Sessions
 from common.textstream import TextStream
 from services.scheduler.controlled import Branch, MainReply
@@ -143,5 +143,12 @@ def seqs_of(dispatches: list[Dispatch], rid: str) -> list[wire.SeqStep]:
     return [seq for d in dispatches for owner, seq in d.batch
             if (owner.request.rid if isinstance(owner, Branch) else owner.rid) == rid]
 
-def reply(data: dict[str, object] | None = None, frames: list[bytes] | None = None, error: str = "") -> MainReply:
-    return MainReply(data=data or {}, frames=frames or [], error=error)
+def reply(request: aici_wire.MainRequest | None = None, data: dict[str, object] | None = None,
+          frames: list[bytes] | None = None, error: str = "") -> MainReply:
+    """The channel's answer to ``request``: ``error``, or ``data`` sent as the runtime's ok reply and read
+    back as the scheduler's main channel reads it (typed by the request's op)."""
+    if error:
+        return MainReply(error=error)
+    assert request is not None
+    decoded = aici_wire.decode_main_reply(request, aici_wire.encode(aici_wire.ok(data or {})))
+    return MainReply(data=decoded.data, frames=frames or [])

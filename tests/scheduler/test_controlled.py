@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from common import aici_wire, wire
+from common.errors import WireError
 from common.config import Controllers
 from services.scheduler.controlled import BACKTRACK_MARK, MainReply
 from services.scheduler.core import Dispatch
@@ -30,7 +33,7 @@ class FakeRuntime:
             return reply(error=error)
         bound = {b.seq_id for c in h.core.controlled.requests.values() for b in c.live() if b.assigned}
         bound |= {op.id for op in request.pre_ops}
-        return reply({
+        return reply(request, {
             "pre_seqs": {str(s): {"error": self.pre_error.pop(s)} if s in self.pre_error else {"result": self.pre.pop(s, {})}
                          for s in bound},
             "post_seqs": {str(op.id): {"result": self.post.pop(op.id, {})} for op in request.post_ops},
@@ -39,7 +42,7 @@ class FakeRuntime:
     def mid_process(self, request: aici_wire.MidProcess) -> MainReply:
         self.requests.append(request)
         seqs = {str(op.id): {"result": self.mid.pop(op.id, None), "logs": "hi"} for op in request.ops}
-        return reply({"seqs": seqs}, frames=[b"MASKS"])
+        return reply(request, {"seqs": seqs}, frames=[b"MASKS"])
 
 
 def step(h: Harness, rt: FakeRuntime, tokens: dict[str, int] | None = None
@@ -239,12 +242,14 @@ def test_branches_suspended_too_long_end_in_deadlock():
     assert (final.finish_reason, final.fork_finish) == ("stop", "deadlock")
 
 
-def test_a_reply_that_does_not_match_the_protocol_fails_the_controlled_requests():
+def test_a_reply_that_does_not_match_the_protocol_is_refused_and_fails_the_controlled_requests():
     h, rt = controlled()
     step(h, rt, {"c": HE})
     seq_id = h.core.requests["c"].seq_id
     plan, request = h.core.plan_controlled()
     assert request is not None
-    h.core.controlled_planned(plan, reply({"pre_seqs": {str(seq_id): {"result": {"num_forks": "two"}}}}))
+    with pytest.raises(WireError, match="Expected `int`, got `str` - at `\\$.data.pre_seqs") as bad:
+        reply(request, {"pre_seqs": {str(seq_id): {"result": {"num_forks": "two"}}}})
+    h.core.controlled_planned(plan, reply(error=f"bad reply from the controller runtime: {bad.value}"))
     (failed,) = h.failures("c")
-    assert failed.code == "internal_error" and "controller step failed" in failed.message
+    assert failed.code == "service_unavailable" and "$.data.pre_seqs" in failed.message

@@ -200,7 +200,7 @@ def test_pool_exhaustion_fails_only_that_sequence(loaded, prompts) -> None:
     # Once the first sequence is freed, the long one fits.
     result = driver.step([SeqStep(seq_id=2, tokens=long, sampling=GREEDY)], free=[1])
     assert not result.failures and 2 in result.samples
-    assert engine.stats()["active_seqs"] == 1
+    assert engine.stats().active_seqs == 1
 
 
 def test_bad_input_fails_only_that_sequence(driver: Driver, prompts) -> None:
@@ -219,7 +219,7 @@ def test_bad_input_fails_only_that_sequence(driver: Driver, prompts) -> None:
     driver.engine.free([465])
     assert sorted(f.seq_id for f in result.failures) == [460, 461, 462, 463, 464]
     assert list(result.samples) == [465]
-    assert driver.engine.stats()["active_seqs"] == 0
+    assert driver.engine.stats().active_seqs == 0
 
 
 def test_follow_feeds_the_last_sample_and_matches_generate(driver: Driver, prompts, expected) -> None:
@@ -255,7 +255,7 @@ def test_follow_without_a_sample_to_feed_fails_only_that_sequence(driver: Driver
     second = driver.step([SeqStep(seq_id=481, tokens=[], follow=True)])
     assert not second.failures
     driver.engine.free([481])
-    assert driver.engine.stats()["active_seqs"] == 0
+    assert driver.engine.stats().active_seqs == 0
 
 
 def test_free_only_step_and_unknown_free_ids(driver: Driver) -> None:
@@ -265,11 +265,11 @@ def test_free_only_step_and_unknown_free_ids(driver: Driver) -> None:
 
 def test_free_all_drops_every_sequence_before_the_step(driver: Driver, prompts, expected) -> None:
     driver.step([SeqStep(seq_id=1, tokens=prompts[1], sampling=GREEDY), SeqStep(seq_id=2, tokens=prompts[2], sampling=GREEDY)])
-    assert driver.engine.stats()["active_seqs"] == 2
+    assert driver.engine.stats().active_seqs == 2
     driver.step_id += 1
     result = driver.engine.step(Step(step_id=driver.step_id, seqs=[SeqStep(seq_id=1, tokens=prompts[0], sampling=GREEDY)],
                                      free_all=True))
-    assert driver.engine.stats()["active_seqs"] == 1 and result.samples[1].token_id == expected[0][0]
+    assert driver.engine.stats().active_seqs == 1 and result.samples[1].token_id == expected[0][0]
     driver.engine.free([1])
 
 

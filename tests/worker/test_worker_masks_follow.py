@@ -106,7 +106,7 @@ def test_worker_process_waits_for_masks_and_never_hangs(tmp_path: Path, schedule
         scheduler.send(wire.encode(Step(step_id=1, seqs=seqs, masks_follow=True)))
         # while the worker waits: Health is answered, a Step and a stale StepMasks wait their turn
         health = scheduler.request(wire.Health(mid=5))
-        assert isinstance(health, wire.HealthReply) and health.mid == 5 and health.detail["active_seqs"] == 2
+        assert isinstance(health, wire.HealthReply) and health.mid == 5 and health.worker.engine.active_seqs == 2
         scheduler.send(wire.encode(Step(step_id=2, seqs=[SeqStep(seq_id=3, tokens=prompt, sampling=GREEDY)])))
         scheduler.send(wire.encode(StepMasks(step_id=99)))
         scheduler.send(wire.encode(StepMasks(step_id=1)), _pack([[want[1]]], hello.vocab_size))

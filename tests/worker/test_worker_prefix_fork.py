@@ -67,7 +67,7 @@ def test_prefix_reuse_gives_the_same_greedy_tokens(drv: Driver, long_prefix, tok
     # is served from them, chunk by chunk, with the same output.
     engine.free([1, 2])
     stats = engine.stats()
-    assert stats["kv_blocks_cached"] >= shared // 16 and stats["kv_blocks_used"] == 0
+    assert stats.kv_blocks_cached >= shared // 16 and stats.kv_blocks_used == 0
     for i in range(0, len(second), 20):
         chunk = second[i : i + 20]
         last = i + 20 >= len(second)
@@ -82,7 +82,7 @@ def test_prefix_reuse_gives_the_same_greedy_tokens(drv: Driver, long_prefix, tok
         tokens.append(drv.step([SeqStep(seq_id=3, tokens=[tokens[-1]])]).samples[3].token_id)
     engine.free([3])
     assert tokens == want
-    assert engine.stats()["prefix_hit_rate"] > 0
+    assert engine.stats().prefix_hit_rate > 0
 
 
 def test_fork_continues_like_an_unforked_copy(drv: Driver, long_prefix, reference) -> None:
@@ -94,7 +94,7 @@ def test_fork_continues_like_an_unforked_copy(drv: Driver, long_prefix, referenc
     for _ in range(NEW - 1):
         out.append(drv.step([SeqStep(seq_id=10, tokens=[out[-1]])]).samples[10].token_id)
     # Length 40 + 5 = 45: two full blocks and a partial third, all shared by the fork.
-    used = engine.stats()["kv_blocks_used"]
+    used = engine.stats().kv_blocks_used
     result = drv.step(
         [
             SeqStep(seq_id=11, tokens=[], fork_of=10),  # sample again after the parent's last token
@@ -109,7 +109,7 @@ def test_fork_continues_like_an_unforked_copy(drv: Driver, long_prefix, referenc
     assert parent[:2] == fork[:2] and parent[2] != fork[2]  # the partial tail was copied on write
     assert all(engine.tables.allocator.refcount(b) == 3 for b in parent[:2])
     # 11 recomputed the partial tail's last token (a copy), 12 or 10 copied it: 2 new blocks.
-    assert engine.stats()["kv_blocks_used"] == used + 2
+    assert engine.stats().kv_blocks_used == used + 2
     outs = {10: [result.samples[10].token_id], 12: [result.samples[12].token_id]}
     for _ in range(NEW - 1):
         result = drv.step([SeqStep(seq_id=i, tokens=[outs[i][-1]]) for i in outs])
@@ -228,7 +228,7 @@ def test_fork_of_unknown_or_existing_fails_only_that_sequence(drv: Driver, long_
     result = drv.step([SeqStep(seq_id=63, tokens=[], fork_of=60, sample=False)])  # empty without sampling
     assert [f.seq_id for f in result.failures] == [63]
     engine.free([60])
-    assert engine.stats()["active_seqs"] == 0 and engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().active_seqs == 0 and engine.stats().kv_blocks_used == 0
 
 
 def test_eviction_under_a_tiny_pool_keeps_greedy_output_and_goes_lru(loaded, long_prefix, tokenizer, reference):
@@ -241,13 +241,13 @@ def test_eviction_under_a_tiny_pool_keeps_greedy_output_and_goes_lru(loaded, lon
     assert drv.generate(1, a, n) == want["a"]
     assert drv.generate(2, b, n) == want["b"]
     stats = engine.stats()
-    assert (stats["kv_blocks_cached"], stats["kv_blocks_free"]) == (6, 2)
-    assert (stats["kv_cached_tokens"], stats["kv_free_tokens"], stats["kv_used_tokens"]) == (6 * 16, 2 * 16, 0)
+    assert (stats.kv_blocks_cached, stats.kv_blocks_free) == (6, 2)
+    assert (stats.kv_cached_tokens, stats.kv_free_tokens, stats.kv_used_tokens) == (6 * 16, 2 * 16, 0)
     # c needs 5 blocks: the 2 free, then 3 cached ones, a's (released before b's).
     assert drv.generate(3, c, n) == want["c"]
     assert engine.tables.allocator.lookup(block_hash(ROOT_HASH, a[:16])) is None
     assert engine.tables.allocator.lookup(block_hash(ROOT_HASH, b[:16])) is not None
-    assert engine.stats()["kv_evictions"] == 3
+    assert engine.stats().kv_evictions == 3
     # b is served from what is left of it, a from scratch; both still right.
     result = drv.step([SeqStep(seq_id=4, tokens=b, sampling=GREEDY)])
     assert result.cached_tokens == {4: 32}

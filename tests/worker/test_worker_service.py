@@ -112,7 +112,7 @@ def test_worker_process_serves_steps_and_survives_garbage(
 
         health = scheduler.request(wire.Health(mid=9))
         assert isinstance(health, wire.HealthReply) and health.mid == 9 and health.ready
-        assert health.detail["active_seqs"] == 1
+        assert health.worker.engine.active_seqs == 1
         assert scheduler.wait_for_stage("ready")  # Health makes the worker re-announce itself
 
         result = scheduler.request(wire.Step(step_id=3, seqs=[], free=[1]))
@@ -141,7 +141,7 @@ def test_failed_load_is_reported_and_steps_fail(tmp_path: Path, scheduler: Sched
         assert [f.seq_id for f in result.failures] == [4, 5]
         assert all("no-such-model" in f.message for f in result.failures)
         health = scheduler.request(wire.Health())
-        assert isinstance(health, wire.HealthReply) and not health.ready and health.detail["stage"] == "failed"
+        assert isinstance(health, wire.HealthReply) and not health.ready and health.worker.stage == "failed"
         assert scheduler.wait_for_stage("failed")  # and it keeps announcing the failure
         assert process.poll() is None
     finally:

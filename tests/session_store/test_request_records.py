@@ -1,0 +1,80 @@
+"""The session store's request records, feedback and Evergreen fragments as typed replies (SQLite layer
+and service handler, no sockets)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from common import wire
+from common.config import Settings
+from services.session_store.db import Store
+from services.session_store.service import SessionStore
+
+# The JSON shape ``GET /v1/requests/{rid}`` has always had: the requests table's columns, then feedback.
+RECORD_KEYS = ["rid", "surface", "model", "prompt", "params", "created_at", "generated_text", "finish_reason",
+               "prompt_tokens", "completion_tokens", "error", "finished_at", "feedback"]
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> SessionStore:
+    service = SessionStore(Settings(run_dir=tmp_path))  # binds its socket under tmp_path; nothing connects
+    yield service
+    service.router.close()
+    service.store.close()
+
+
+def over_the_wire(reply: wire.Msg) -> wire.Message:
+    return wire.decode(wire.encode(reply))
+
+
+def test_a_record_before_and_after_its_completion_and_feedback(service: SessionStore):
+    record = wire.RecordRequest(rid="r1", surface="rest", model="m", prompt="Hi ☃", params={"max_tokens": 2},
+                                created_at=5.0)
+    assert isinstance(service.handle(record), wire.Ok)
+    reply = over_the_wire(service.handle(wire.GetRequest(rid="r1")))
+    assert isinstance(reply, wire.RequestRecordReply)
+    shown = msgspec.to_builtins(reply.record)
+    assert list(shown) == RECORD_KEYS
+    assert shown["params"] == {"max_tokens": 2} and shown["prompt"] == "Hi ☃" and shown["created_at"] == 5.0
+    assert shown["generated_text"] is None and shown["finished_at"] is None and shown["feedback"] == []
+
+    done = wire.RecordCompletion(rid="r1", generated_text="Hello", finish_reason="length", prompt_tokens=3,
+                                 completion_tokens=2)
+    assert isinstance(service.handle(done), wire.Ok)
+    first = over_the_wire(service.handle(wire.RecordFeedback(rid="r1", rating=0.5, text="good", position=2)))
+    second = over_the_wire(service.handle(wire.RecordFeedback(rid="r1", rating=-1)))
+    assert isinstance(first, wire.FeedbackRecorded) and second.feedback_id > first.feedback_id
+    record = over_the_wire(service.handle(wire.GetRequest(rid="r1"))).record
+    assert (record.generated_text, record.finish_reason, record.prompt_tokens, record.completion_tokens,
+            record.error) == ("Hello", "length", 3, 2, "")
+    assert record.finished_at is not None and record.finished_at >= 0
+    assert [(f.id, f.rating, f.text, f.position) for f in record.feedback] == [
+        (first.feedback_id, 0.5, "good", 2), (second.feedback_id, -1.0, "", None)]
+    assert list(msgspec.to_builtins(record.feedback[0])) == ["id", "rating", "text", "position", "created_at"]
+
+
+def test_unknown_requests_are_not_found(service: SessionStore):
+    for msg in (wire.GetRequest(rid="nope"), wire.RecordFeedback(rid="nope", rating=1)):
+        reply = service.handle(msg)
+        assert isinstance(reply, wire.Error) and reply.code == "not_found" and reply.rid == "nope"
+
+
+def test_evergreen_nodes_come_back_in_node_and_seq_order(service: SessionStore):
+    frags = [wire.EvergreenFragment(node_id=n, seq=s, fragment=bytes([s])) for n, s in (("b", 1), ("a", 0), ("b", 0))]
+    assert isinstance(service.handle(wire.EvergreenPut(session_id="s", fragments=frags)), wire.Ok)
+    reply = over_the_wire(service.handle(wire.EvergreenGetNodes(session_id="s")))
+    assert isinstance(reply, wire.EvergreenNodes)
+    assert [(f.node_id, f.seq, f.fragment) for f in reply.fragments] == [("a", 0, b"\0"), ("b", 0, b"\0"),
+                                                                         ("b", 1, b"\1")]
+    assert over_the_wire(service.handle(wire.EvergreenGetNodes(session_id="other"))) == wire.EvergreenNodes()
+
+
+def test_store_layer_returns_typed_rows(tmp_path: Path):
+    store = Store(tmp_path / "db.sqlite3")
+    try:
+        assert store.get_request("x") is None and store.evergreen_fragments("s") == []
+    finally:
+        store.close()
