@@ -103,10 +103,12 @@ smoke() {  # the clients import this checkout's common/ (protobuf stubs)
 step "three surfaces"
 smoke
 
-step "kill the $KILL container (SIGKILL); restart: unless-stopped brings it back"
+# `docker kill` counts as a manual stop, which restart policies never undo: kill the container's process
+# from the host instead, as a crash would, and restart: unless-stopped brings it back
+step "kill the $KILL container's process (SIGKILL from the host, as a crash)"
 victim=$("${compose[@]}" ps -q "$KILL")
 before=$(docker inspect -f '{{.RestartCount}} {{.State.StartedAt}}' "$victim")
-docker kill "$victim" >/dev/null
+kill -9 "$(docker inspect -f '{{.State.Pid}}' "$victim")"
 sleep 2
 after=$(docker inspect -f '{{.RestartCount}} {{.State.StartedAt}}' "$victim")
 echo "restart count and start time: before $before, after $after"
