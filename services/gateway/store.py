@@ -163,7 +163,3 @@ class StoreClient:
 
     def evergreen_close(self, session_id: str) -> None:
         self._fire(wire.EvergreenClose(session_id=session_id))
-
-    async def evergreen_fragments(self, session_id: str) -> list[wire.EvergreenFragment]:
-        """Every stored fragment of a session, in (node, seq) order."""
-        return (await self._ask(wire.EvergreenGetNodes(session_id=session_id), wire.EvergreenNodes)).fragments
