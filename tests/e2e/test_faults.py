@@ -6,7 +6,7 @@ Evergreen GENERATE and a controlled ``/v1/run``. Then the service is killed with
 
 - every client the dead process affects is told (an error, or its connection dropping) within 2 s;
   the others go on streaming;
-- the stack serves again soon (the issue says 30 s; see SERVE_AGAIN_S): a plain generation, a Generate on the same Salience
+- the stack serves again within SERVE_AGAIN_S (30 s): a plain generation, a Generate on the same Salience
   session (so the session is not left busy), a controlled run by tag;
 - the Salience session, the uploaded module and its tag are still there.
 """
@@ -39,10 +39,10 @@ from tests.stack import Stack, start_stack
 WASM = Path(__file__).resolve().parents[2] / "controllers" / "wasm" / "constrain.wasm"
 TAG = "faults-digits"
 LONG = 400  # tokens each stream asks for: it is still streaming when its service dies
-TOLD_S = 2.0  # the issue's bound: a client hears of the death this fast
-# The issue's bound is 30 s: a worker reloads in ~15 s on an idle 2-core machine, but took 34 s beside seven
-# other test suites (load average 23); the test allows twice the bound so that it does not flake there.
-SERVE_AGAIN_S = 60.0
+TOLD_S = 2.0  # a client hears of the death this fast
+# The stack serves again this soon: a killed worker reloads in ~10-15 s on an idle 2-core machine (it took 34 s
+# beside seven other test suites at load average 23: this bound assumes the machine is not shared like that).
+SERVE_AGAIN_S = 30.0
 PROMPT = "Once upon a time, in a land far away,"
 
 ALL = ("ws", "sse", "salience", "evergreen", "run")
