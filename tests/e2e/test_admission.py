@@ -14,7 +14,6 @@ import grpc
 import httpx
 import pytest
 import websockets
-from google.protobuf import any_pb2, struct_pb2
 from google.protobuf.message_factory import GetMessageClass
 from starlette.routing import Route, WebSocketRoute
 
@@ -23,6 +22,7 @@ from common.protos.evergreen.v2 import evergreen_pb2_grpc as eg_grpc
 from common.protos.salience.v1 import salience_pb2 as pb
 from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
 from services.gateway.app import ROUTER_MODULES
+from tests.e2e.test_evergreen import config
 from tests.gateway.support import call_status, gateway_process, generate, parse_sse
 from tests.stack import free_port
 
@@ -132,19 +132,11 @@ async def _salience(gw: Guarded, prompt: str, max_tokens: int) -> str:
     return pb.GenerateDone.FinishReason.Name(done[0].finish_reason)
 
 
-def _struct(**fields: object) -> any_pb2.Any:
-    struct = struct_pb2.Struct()
-    struct.update(fields)
-    packed = any_pb2.Any()
-    packed.Pack(struct)
-    return packed
-
-
 async def _evergreen(gw: Guarded, prompt: str, max_tokens: int) -> str:
     chunk = eg.Chunk(data=prompt.encode(), metadata=eg.ChunkMetadata(mimetype="text/plain"))
     action = eg.Action(name="GENERATE", inputs=[eg.NamedParameter(name="prompt", id="p")],
                        outputs=[eg.NamedParameter(name="response", id="r")],
-                       configs=[_struct(max_tokens=max_tokens, temperature=0)])
+                       configs=[config(max_tokens=max_tokens, temperature=0)])
     message = eg.SessionMessage(node_fragments=[eg.NodeFragment(id="p", chunk_fragment=chunk)], actions=[action])
 
     async def requests() -> AsyncIterator[eg.SessionMessage]:
