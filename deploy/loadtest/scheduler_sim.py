@@ -1,27 +1,37 @@
 """The scheduler past this machine: the real scheduler core (no model, no sockets) driving
 simulated workers for simulated clients.
 
-Each client is a session of ``--turns`` turns: a prompt made of one of ``--system-prompts`` shared
-system prompts, the conversation so far and a new user message, then ``--tokens`` generated tokens.
-``--seqs`` clients per worker run at once. Simulated workers keep a prefix cache of 16-token blocks
-(LRU, ``--cache-blocks`` each), report cached tokens and block events as real workers do, and
-"sample" pseudo-random tokens. The core is driven as the service shell drives it (admit, build the
-steps, apply each worker's result, work out the text), one round of steps at a time, the steps and
-results encoded and decoded as on the wire.
+The workload (the same for both placements, from ``--seed``): ``--seqs`` users per worker, each
+holding ``--sessions`` conversations one after another (a new one as soon as the last ends). A
+conversation is a session (Salience-style, its KV parked between turns) of 1 to 2x-1 ``--turns``
+turns; its first prompt is one of ``--system-prompts`` shared system prompts (half to 1.5x
+``--system-tokens`` long) drawn with Zipf(``--zipf``) popularity, as a few applications send most
+requests and many send few; each turn appends a user message (1 to 2x-1 ``--user-tokens``) to the
+conversation so far and generates ``--tokens`` tokens.
+
+Simulated workers hold a paged KV pool of ``--kv-tokens`` (16-token blocks) as real ones do: live
+sequences (parked sessions included) hold their blocks, blocks nobody holds stay cached and the least
+recently released are evicted for room, and they report cached tokens and block events as real
+workers do, and "sample" pseudo-random tokens. The core is driven as the service shell drives it
+(admit, build the steps, apply each worker's result, work out the text), one round of steps at a
+time, the steps and results encoded and decoded as on the wire.
 
 Printed per worker count: the scheduler's own CPU time per round and per step per worker, whether a
 worker with a 5 ms or 20 ms step would wait for it (its next step is prepared while the current one
 runs, so a round's CPU time must fit in one step), the tokens/s it could then sustain, and the
-share of prompt tokens whose KV was reused (a parked session or a cached prefix) under KV-aware
-placement and under random placement (sessions not parked, each turn on a random worker).
+**hit rate**: prompt tokens whose KV was reused (a parked session's, or a cached prefix's) over all
+prompt tokens (each turn's whole prompt, history included, as an API bills cached tokens), under
+KV-aware placement (the service's) and under random placement (each turn on a random worker with
+room, sessions not parked: a turn finds its history only where the worker's cache still has it).
 
-    python deploy/loadtest/scheduler_sim.py                 # 8 and 32 workers x 256 sequences
+    python deploy/loadtest/scheduler_sim.py                 # 8 and 32 workers x 256 users
     python deploy/loadtest/scheduler_sim.py --workers 2 --seqs 16 --turns 2   # a quick look
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import random
 import time
@@ -46,84 +56,141 @@ EOS = 2
 
 
 class SimWorker:
-    """A worker's bookkeeping without the model: sequences' tokens, an LRU prefix cache of block
-    keys with its events, and deterministic pseudo-random samples."""
+    """A worker's bookkeeping without the model, as its paged KV pool with a prefix cache works:
+    ``kv_blocks`` blocks of 16 tokens; a live sequence holds its full blocks (shared blocks held
+    once, by reference count), a block no sequence holds stays cached until the least recently
+    released ones are evicted for room. Reports cached tokens and block events as real workers do,
+    and "samples" deterministic pseudo-random tokens."""
 
-    def __init__(self, identity: bytes, cache_blocks: int) -> None:
+    def __init__(self, identity: bytes, kv_blocks: int) -> None:
         self.identity = identity
-        self.cache_blocks = cache_blocks
-        self.cache: OrderedDict[bytes, None] = OrderedDict()  # block names, least recently used first
+        self.kv_blocks = kv_blocks
+        self.refs: dict[bytes, int] = {}  # blocks live sequences hold -> how many hold them
+        self.cached: OrderedDict[bytes, None] = OrderedDict()  # blocks no sequence holds, least recently released first
         self.seqs: dict[int, list[int]] = {}
+        self.names: dict[int, list[bytes]] = {}  # each sequence's full blocks
         self.last: dict[int, int] = {}
         self.new: list[int] = []
         self.gone: list[int] = []
 
-    def _names(self, tokens: Sequence[int]) -> list[bytes]:
-        names, parent = [], ROOT_HASH
-        for j in range(len(tokens) // BLOCK_SIZE):
-            parent = block_hash(parent, tokens[j * BLOCK_SIZE : (j + 1) * BLOCK_SIZE])
-            names.append(parent)
-        return names
-
-    def _commit(self, tokens: list[int]) -> None:
-        for name in self._names(tokens):
-            if name in self.cache:
-                self.cache.move_to_end(name)
-                continue
-            self.cache[name] = None
+    def _hold(self, name: bytes) -> None:
+        if name in self.refs:
+            self.refs[name] += 1
+            return
+        if name in self.cached:
+            del self.cached[name]
+        else:  # a block new to the cache
             self.new.append(block_key(name))
-            if len(self.cache) > self.cache_blocks:
-                old, _ = self.cache.popitem(last=False)
-                self.gone.append(block_key(old))
+        self.refs[name] = 1
+        while len(self.refs) + len(self.cached) > self.kv_blocks and self.cached:
+            old, _ = self.cached.popitem(last=False)
+            self.gone.append(block_key(old))
+
+    def _release(self, names: list[bytes]) -> None:
+        for name in reversed(names):  # a sequence's last blocks are evicted before its first ones
+            self.refs[name] -= 1
+            if not self.refs[name]:
+                del self.refs[name]
+                self.cached[name] = None
+
+    def _extend(self, seq_id: int, feed: list[int]) -> None:
+        tokens, names = self.seqs[seq_id], self.names[seq_id]
+        tokens += feed
+        for j in range(len(names), len(tokens) // BLOCK_SIZE):
+            names.append(block_hash(names[-1] if names else ROOT_HASH, tokens[j * BLOCK_SIZE : (j + 1) * BLOCK_SIZE]))
+            self._hold(names[-1])
+
+    def _free(self, seq_id: int) -> None:
+        self.seqs.pop(seq_id, None)
+        self._release(self.names.pop(seq_id, []))
 
     def step(self, step: wire.Step) -> wire.StepResult:
         if step.free_all:
-            self.seqs.clear()
+            for seq_id in list(self.seqs):
+                self._free(seq_id)
         for seq_id in step.free:
-            self.seqs.pop(seq_id, None)
+            self._free(seq_id)
         samples, cached = {}, {}
         for s in step.seqs:
-            if s.fork_of is not None:
-                self.seqs[s.seq_id] = list(self.seqs.get(s.fork_of, []))
-            tokens = self.seqs.setdefault(s.seq_id, [])
+            if s.seq_id not in self.seqs:
+                parent = s.fork_of
+                self.seqs[s.seq_id] = list(self.seqs[parent]) if parent is not None else []
+                self.names[s.seq_id] = list(self.names[parent]) if parent is not None else []
+                for name in self.names[s.seq_id]:
+                    self._hold(name)
             if s.backtrack:
+                tokens, names = self.seqs[s.seq_id], self.names[s.seq_id]
                 del tokens[len(tokens) - s.backtrack :]
+                self._release(names[len(tokens) // BLOCK_SIZE :])
+                del names[len(tokens) // BLOCK_SIZE :]
             feed = [self.last[s.seq_id]] if s.follow else s.tokens
-            if not tokens and len(feed) > 1:  # a new sequence: its leading blocks may be cached
-                hits = 0
-                for name in self._names(feed[: len(feed) - 1]):
-                    if name not in self.cache:
+            if not self.seqs[s.seq_id] and len(feed) > 1:  # a new sequence: its leading blocks may be cached
+                parent, hits = ROOT_HASH, 0
+                for j in range((len(feed) - 1) // BLOCK_SIZE):
+                    parent = block_hash(parent, feed[j * BLOCK_SIZE : (j + 1) * BLOCK_SIZE])
+                    if parent not in self.refs and parent not in self.cached:
                         break
                     hits += 1
                 cached[s.seq_id] = hits * BLOCK_SIZE
-            tokens += feed
-            self._commit(tokens)
+            self._extend(s.seq_id, feed)
             if s.sample or s.follow:
-                token = VOCAB_LOW + hash((s.seq_id, len(tokens))) % (VOCAB_HIGH - VOCAB_LOW)
+                token = VOCAB_LOW + hash((s.seq_id, len(self.seqs[s.seq_id]))) % (VOCAB_HIGH - VOCAB_LOW)
                 self.last[s.seq_id] = token
                 samples[s.seq_id] = wire.SampledToken(token_id=token, logprob=-1.0)
         new, gone, self.new, self.gone = self.new, self.gone, [], []
+        free = self.kv_blocks - len(self.refs) - len(self.cached)
         return wire.StepResult(step_id=step.step_id, samples=samples, cached_tokens=cached,
-                               kv_free_tokens=(self.cache_blocks - len(self.cache)) * BLOCK_SIZE,
+                               kv_free_tokens=max(free, 0) * BLOCK_SIZE, kv_cached_tokens=len(self.cached) * BLOCK_SIZE,
                                blocks_new=new, blocks_gone=gone)
+
+
+class Workload:
+    """What the simulated users send (see the module docstring); the same for both placements."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        rng = random.Random(args.seed)
+        self.systems = [[rng.randrange(VOCAB_LOW, VOCAB_HIGH)
+                         for _ in range(rng.randint(args.system_tokens // 2, 3 * args.system_tokens // 2))]
+                        for _ in range(args.system_prompts)]
+        self.popularity = list(itertools.accumulate(1 / (rank + 1) ** args.zipf for rank in range(len(self.systems))))
+
+    def clients(self, n: int) -> list[Client]:
+        return [Client(f"u{i}", random.Random(i), self.args.sessions) for i in range(n)]
 
 
 @dataclass
 class Client:
-    """A session: its turns so far, and the request of the turn in progress."""
+    """A user: conversations one after another, each a session with one of the shared system prompts and
+    a few turns; the request of the turn in progress."""
 
-    key: str
-    system: list[int]
+    name: str
     rng: random.Random
-    turns_left: int
+    sessions_left: int
+    key: str = ""
+    turns_left: int = 0
     history: list[int] = field(default_factory=list)
     rid: str = ""
     prompt: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
 
-    def next_prompt(self, user_tokens: int) -> list[int]:
-        user = [self.rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(user_tokens)]
-        self.prompt = (self.history or list(self.system)) + user
+    @property
+    def done(self) -> bool:
+        return not (self.turns_left or self.sessions_left)
+
+    def next_prompt(self, workload: Workload) -> list[int]:
+        """The next turn's prompt: the conversation so far (a new one: a system prompt, drawn by
+        popularity), then a user message."""
+        args = workload.args
+        if not self.turns_left:
+            self.sessions_left -= 1
+            self.key = f"{self.name}.{self.sessions_left}"
+            self.turns_left = self.rng.randint(1, 2 * args.turns - 1)
+            self.history = self.rng.choices(workload.systems, cum_weights=workload.popularity)[0]
+        self.turns_left -= 1
+        user = [self.rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(self.rng.randint(1, 2 * args.user_tokens - 1))]
+        self.prompt = self.history + user
+        self.rid, self.generated = f"{self.key}-{self.turns_left}", []
         return self.prompt
 
 
@@ -153,27 +220,22 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, tokenizer) 
     sessions = Sessions() if kv_aware else Sessions(kv_tokens_per_session=0)
     place = KVAwarePlacement() if kv_aware else random_placement(args.seed)
     core = SchedulerCore(limits, sessions, Controllers(), lambda stop: TextStream(tokenizer, stop=stop), place=place)
-    capacity = args.cache_blocks * BLOCK_SIZE
     sims = {}
     for i in range(workers):
         identity = f"sim-{i}".encode()
-        sims[identity] = SimWorker(identity, args.cache_blocks)
+        sims[identity] = SimWorker(identity, args.kv_tokens // BLOCK_SIZE)
         core.worker_hello(identity, wire.WorkerHello(worker_id=identity.decode(), stage="ready", vocab_size=49152,
                                                      max_model_len=8192, eos_token_ids=[EOS],
-                                                     kv_capacity_tokens=capacity))
-    rng = random.Random(args.seed)
-    systems = [[rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(args.system_tokens)]
-               for _ in range(args.system_prompts)]
-    clients = [Client(f"s{i}", systems[i % len(systems)], random.Random(i), args.turns) for i in range(workers * args.seqs)]
+                                                     kv_capacity_tokens=args.kv_tokens))
+    workload = Workload(args)
+    clients = workload.clients(workers * args.seqs)
     by_rid: dict[str, Client] = {}
     sampling = wire.SamplingParams(temperature=0.0)
     run = Run()
     encoder, decoder = wire._encoder, wire._decoder
 
     def submit(client: Client) -> None:
-        client.turns_left -= 1
-        client.rid, client.generated = f"{client.key}-{client.turns_left}", []
-        prompt = client.next_prompt(args.user_tokens)
+        prompt = client.next_prompt(workload)
         run.prompt_tokens += len(prompt)
         by_rid[client.rid] = client
         msg = wire.Submit(rid=client.rid, prompt_ids=prompt, sampling=sampling, max_tokens=args.tokens,
@@ -216,7 +278,7 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, tokenizer) 
                     run.reused_tokens += event.cached_tokens
                     del by_rid[event.rid]
                     client.history = client.prompt + client.generated
-                    if client.turns_left:
+                    if not client.done:
                         submit(client)
     return run
 
@@ -224,22 +286,26 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, tokenizer) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--seqs", type=int, default=256, help="concurrent sequences (sessions) per worker")
+    parser.add_argument("--seqs", type=int, default=256, help="users per worker (each one conversation at a time)")
     parser.add_argument("--step-ms", type=float, nargs="+", default=[5.0, 20.0])
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=16, help="generated tokens per turn")
-    parser.add_argument("--system-prompts", type=int, default=16)
-    parser.add_argument("--system-tokens", type=int, default=96)
-    parser.add_argument("--user-tokens", type=int, default=24)
-    parser.add_argument("--cache-blocks", type=int, default=4096, help="prefix-cache blocks of one worker")
+    parser.add_argument("--sessions", type=int, default=2, help="conversations of each user, one after another")
+    parser.add_argument("--turns", type=int, default=4, help="mean turns per session (1 to 2x-1)")
+    parser.add_argument("--tokens", type=int, default=64, help="generated tokens per turn")
+    parser.add_argument("--system-prompts", type=int, default=512, help="distinct shared system prompts")
+    parser.add_argument("--zipf", type=float, default=1.0, help="skew of the system prompts' popularity")
+    parser.add_argument("--system-tokens", type=int, default=512, help="mean system prompt length (half to 1.5x)")
+    parser.add_argument("--user-tokens", type=int, default=48, help="mean new user tokens per turn (1 to 2x-1)")
+    parser.add_argument("--kv-tokens", type=int, default=262144, help="KV pool of one worker (prefix cache included)")
     parser.add_argument("--step-token-budget", type=int, default=Limits().step_token_budget)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     # the core's per-request info lines would swamp the table (and a real scheduler writes them to a file)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     tokenizer = load_tokenizer(Settings())
-    print(f"{args.seqs} sessions per worker, {args.turns} turns of {args.tokens} tokens, prompts: one of "
-          f"{args.system_prompts} system prompts ({args.system_tokens} tokens) + history + {args.user_tokens} new")
+    print(f"{args.seqs} users per worker, {args.sessions} conversations each of ~{args.turns} turns of {args.tokens} "
+          f"tokens; prompts: one of {args.system_prompts} system prompts (~{args.system_tokens} tokens, "
+          f"Zipf {args.zipf:g}) + history + ~{args.user_tokens} new; {args.kv_tokens:,} KV tokens per worker; "
+          "hit rate: prompt tokens reused / prompt tokens")
     header = (f"{'workers':>7} {'rounds':>6} {'core ms/round':>13} {'µs/step/worker':>14} "
               + " ".join(f"{f'waits@{ms:g}ms':>10} {f'tok/s@{ms:g}ms':>12}" for ms in args.step_ms)
               + f" {'reuse kv':>8} {'reuse rnd':>9} {'ratio':>6}")

@@ -91,8 +91,9 @@ class Outbox:
 
 class SchedulerCore:
     """Every live request of one scheduler (see the module docstring). ``text_stream(stop)`` makes a
-    request's detokenizer; ``place`` is the placement policy of new sequences; ``clock`` gives
-    monotonic seconds (deadlines, session TTLs)."""
+    request's detokenizer; ``place`` is the placement policy of new sequences, ``worker_gone`` tells
+    it that a worker was lost (``place`` only sees the workers with room); ``clock`` gives monotonic
+    seconds (deadlines, session TTLs)."""
 
     def __init__(
         self,
@@ -102,11 +103,13 @@ class SchedulerCore:
         text_stream: Callable[[list[str]], TextStream],
         *,
         place: Place = least_loaded,
+        worker_gone: Callable[[bytes], None] = lambda identity: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.limits = limits
         self.text_stream = text_stream
         self.place = place
+        self.worker_gone = worker_gone
         self.clock = clock
         self.pool = WorkerPool(clock)
         self.requests: dict[str, LiveRequest] = {}
@@ -247,6 +250,7 @@ class SchedulerCore:
         """A worker died or stopped answering: its requests fail (retryable), its parked KV is gone."""
         log.warning("scheduler.worker_lost", worker=identity.decode(errors="replace"), reason=reason)
         self.pool.drop(identity)
+        self.worker_gone(identity)
         self.to_free.pop(identity, None)
         self.sessions.drop_worker(identity)
         for request in list(self.running.values()):

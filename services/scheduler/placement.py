@@ -6,9 +6,17 @@ Pure decision logic (no sockets, no clocks). In order of preference:
    is new);
 2. **prefix**: the worker whose prefix cache holds the longest run of the prompt's leading full
    blocks, as the :class:`PrefixIndex` knows it from the workers' block events (the idea of
-   SGLang's cache-aware router and llm-d's KV-aware scheduling), unless that worker already runs
-   more than ``balance`` sequences beyond the least loaded one;
-3. **load**: the worker running the fewest sequences (then the one with the most free KV).
+   SGLang's cache-aware router and llm-d's KV-aware scheduling);
+3. **hash**: a prompt no worker caches goes to the worker its first block ranks highest by
+   rendezvous hashing, so the requests sharing a new prefix (a system prompt seen for the first time,
+   or many at once before any block event is back) gather on one worker instead of each filling
+   another worker's cache with it; ties between equal matches are broken the same way;
+4. **load**: a prompt shorter than a block goes to the worker running the fewest sequences (then the
+   one with the most free KV).
+
+Only workers running at most ``balance`` sequences beyond the least loaded one compete for 2 and 3:
+affinity yields to load there, and as the rendezvous ranking is the same for every request of a
+prefix, its overflow goes to the same next worker rather than anywhere.
 
 A worker qualifies only when its free KV can hold the sequence. Forks and backtracks of a live or
 parked sequence never come here: they stay on their parent's worker.
@@ -16,6 +24,7 @@ parked sequence never come here: they stay on their parent's worker.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +50,7 @@ class Candidate:
 @dataclass(frozen=True)
 class Decision:
     identity: bytes
-    reason: Literal["session", "prefix", "load"]
+    reason: Literal["session", "prefix", "hash", "load"]
     matched_blocks: int = 0  # leading prompt blocks the chosen worker's prefix cache holds
 
 
@@ -69,10 +78,7 @@ class PrefixIndex:
     def forget(self, worker: bytes) -> None:
         """A worker left, or its cache will be reported afresh."""
         self.apply(worker, (), self._keys.get(worker, set()).copy())
-        del self._keys[worker]
-
-    def workers(self) -> set[bytes]:
-        return set(self._keys)
+        self._keys.pop(worker, None)
 
     def blocks(self, worker: bytes) -> int:
         return len(self._keys.get(worker, ()))
@@ -88,6 +94,12 @@ class PrefixIndex:
             for worker in alive:
                 found[worker] = depth
         return found
+
+
+def rendezvous(identity: bytes, key: int) -> bytes:
+    """How highly ``key`` ranks a worker (highest random weight hashing): stable across processes,
+    and a worker leaving or joining only moves the keys it ranked first."""
+    return hashlib.blake2b(key.to_bytes(8, "little", signed=True) + identity, digest_size=8).digest()
 
 
 def choose(
@@ -106,13 +118,15 @@ def choose(
         return None
     if session_worker is not None and any(c.identity == session_worker for c in fits):
         return Decision(session_worker, "session")
-    least = min(fits, key=lambda c: (c.running, -c.free_tokens))
+    if not prompt_keys:
+        return Decision(min(fits, key=lambda c: (c.running, -c.free_tokens)).identity, "load")
     fewest_running = min(c.running for c in fits)
-    matched = index.matches(prompt_keys, [c.identity for c in fits if c.running <= fewest_running + balance])
-    best = max(fits, key=lambda c: (matched.get(c.identity, 0), c.free_tokens, -c.running))
-    if matched.get(best.identity, 0) > 0:
-        return Decision(best.identity, "prefix", matched[best.identity])
-    return Decision(least.identity, "load")
+    balanced = [c.identity for c in fits if c.running <= fewest_running + balance]
+    matched = index.matches(prompt_keys, balanced)
+    best = max(balanced, key=lambda identity: (matched[identity], rendezvous(identity, prompt_keys[0])))
+    if matched[best]:
+        return Decision(best, "prefix", matched[best])
+    return Decision(best, "hash")
 
 
 @dataclass
@@ -134,9 +148,6 @@ class KVAwarePlacement:
         self.figures: dict[bytes, WorkerFigures] = {}
 
     def __call__(self, request: LiveRequest, workers: Sequence[WorkerInfo]) -> bytes | None:
-        for gone in self.index.workers() - {w.identity for w in workers}:  # left since the last call
-            self.index.forget(gone)
-            self.figures.pop(gone, None)
         candidates = [Candidate(w.identity, w.unreserved, w.running) for w in workers if w.suspect_since is None]
         decision = choose(candidates, request.needed_tokens, list(prefix_keys(request.prompt)), self.index,
                           balance=self.balance)
@@ -144,6 +155,11 @@ class KVAwarePlacement:
             return None
         self.figures.setdefault(decision.identity, WorkerFigures()).placed[decision.reason] += 1
         return decision.identity
+
+    def forget(self, worker: bytes) -> None:
+        """A worker was lost (the core's ``worker_gone``): its cache and figures with it."""
+        self.index.forget(worker)
+        self.figures.pop(worker, None)
 
     def observe(self, worker: bytes, step: wire.Step, result: wire.StepResult) -> None:
         """A worker's step result: its block events, and its prefix cache's hits on prompt chunks."""

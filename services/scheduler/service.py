@@ -62,7 +62,8 @@ class Scheduler:
         tokenizer = load_tokenizer(settings)
         self.placement = KVAwarePlacement(settings.distributed.placement_balance)
         self.core = SchedulerCore(settings.limits, settings.sessions, settings.controllers,
-                                  lambda stop: TextStream(tokenizer, stop=stop), place=self.placement)
+                                  lambda stop: TextStream(tokenizer, stop=stop), place=self.placement,
+                                  worker_gone=self.placement.forget)
         ctx = zmq.asyncio.Context.instance()
         self.frontend = Router(ctx, settings.endpoint("scheduler"))
         self.worker_router = Router(ctx, settings.endpoint("worker"), heartbeat_s=(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from common import aici_wire, wire
 from common.config import Controllers, Limits, Sessions
@@ -38,12 +38,13 @@ class Harness:
     """Drives a ``SchedulerCore`` the way the service shell does, with step results made up by the test."""
 
     def __init__(self, *, place: Place = least_loaded, sessions: Sessions | None = None,
-                 controllers: Controllers | None = None, **limits: object) -> None:
+                 controllers: Controllers | None = None, worker_gone: Callable[[bytes], None] = lambda identity: None,
+                 **limits: object) -> None:
         self.clock = Clock()
         self.core = SchedulerCore(
             Limits(**limits), sessions or Sessions(), controllers or Controllers(),
             lambda stop: TextStream(FakeTokenizer(), stop=stop),
-            place=place, clock=self.clock,
+            place=place, worker_gone=worker_gone, clock=self.clock,
         )
         self.sent: list[tuple[bytes, wire.Msg]] = []
 

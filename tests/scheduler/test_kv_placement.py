@@ -1,11 +1,11 @@
 """The KV-aware placement policy driving the scheduler core: prompts go where their prefix is
-cached (as the workers' block events say), else to the least loaded worker; a worker that left
-is forgotten."""
+cached (as the workers' block events say), else where their first block hashes; a worker that left
+is forgotten, a worker with no room for now is not."""
 
 from __future__ import annotations
 
 from common.blocks import prefix_keys
-from services.scheduler.placement import KVAwarePlacement
+from services.scheduler.placement import KVAwarePlacement, rendezvous
 from tests.scheduler.harness import Harness, prompt
 
 SHARED = prompt(64)  # four full blocks
@@ -22,36 +22,58 @@ def _run_prefill(h: Harness, placement: KVAwarePlacement, rid: str) -> bytes:
     return dispatch.worker
 
 
-def test_a_shared_prefix_follows_its_blocks_and_the_rest_spreads() -> None:
+def _hashed(tokens: list[int]) -> bytes:
+    """Where a prompt nobody caches goes (of w1 and w2, both idle)."""
+    first = next(prefix_keys(tokens))
+    return max([b"w1", b"w2"], key=lambda w: rendezvous(w, first))
+
+
+def test_a_shared_prefix_follows_its_blocks() -> None:
     placement = KVAwarePlacement(balance=8)
     h = Harness(place=placement)
     h.worker(b"w1")
     h.worker(b"w2")
     h.submit("a", SHARED + [5, 6], 4)
     holder = _run_prefill(h, placement, "a")
+    assert holder == _hashed(SHARED)
     h.submit("b", SHARED + [7, 8, 9], 4)  # the same 64 leading tokens: where a's blocks are
-    h.submit("c", prompt(40, start=20), 4)  # nothing cached: the less loaded worker
     h.core.admit()
     assert h.core.requests["b"].worker == holder
-    assert h.core.requests["c"].worker != holder
-    assert placement.figures[holder].placed == {"load": 1, "prefix": 1}
+    assert placement.figures[holder].placed == {"hash": 1, "prefix": 1}
     line = placement.worker_figures(h.core.pool.workers[holder])
     assert line.running == 2 and line.prefix_blocks_indexed == 4
 
 
+def test_a_full_worker_keeps_its_index() -> None:
+    placement = KVAwarePlacement(balance=8)
+    h = Harness(place=placement, max_batch_size=1)
+    h.worker(b"w1")
+    h.worker(b"w2")
+    h.submit("a", SHARED + [5, 6], 4)
+    holder = _run_prefill(h, placement, "a")
+    other = ({b"w1", b"w2"} - {holder}).pop()
+    h.submit("c", SHARED + [7], 4)  # the holder is full: the other worker, with nothing cached
+    h.core.admit()
+    assert h.core.requests["c"].worker == other
+    h.core.finish(h.core.requests["a"], "stop")
+    h.submit("b", SHARED + [8], 4)  # the holder has room again, and its cache is still known
+    h.core.admit()
+    assert h.core.requests["b"].worker == holder and placement.figures[holder].placed["prefix"] == 1
+
+
 def test_a_lost_worker_leaves_the_index() -> None:
     placement = KVAwarePlacement()
-    h = Harness(place=placement)
+    h = Harness(place=placement, worker_gone=placement.forget)
     h.worker(b"w1")
     h.worker(b"w2")
     h.submit("a", SHARED + [5], 4)
     holder = _run_prefill(h, placement, "a")
     h.core.worker_lost(holder, "gone")
+    assert placement.index.blocks(holder) == 0 and holder not in placement.figures
     h.submit("b", SHARED + [6], 4)
     h.core.admit()
     other = ({b"w1", b"w2"} - {holder}).pop()
-    assert h.core.requests["b"].worker == other and placement.figures[other].placed == {"load": 1}
-    assert holder not in placement.index.workers()
+    assert h.core.requests["b"].worker == other and placement.figures[other].placed == {"hash": 1}
 
 
 def test_batch_size_and_step_budget_are_per_worker() -> None:

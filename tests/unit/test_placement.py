@@ -1,9 +1,10 @@
-"""Placement of new sequences: session, then longest cached prefix, then least loaded."""
+"""Placement of new sequences: session, then longest cached prefix, then the rendezvous hash of the
+first block (a prompt shorter than a block: least loaded)."""
 
 from __future__ import annotations
 
 from common.blocks import prefix_keys
-from services.scheduler.placement import Candidate, Decision, PrefixIndex, choose
+from services.scheduler.placement import Candidate, Decision, PrefixIndex, choose, rendezvous
 
 A, B, C = b"a", b"b", b"c"
 PROMPT = list(range(100, 180))  # five full blocks
@@ -27,27 +28,52 @@ def test_the_index_follows_block_events() -> None:
     assert index.matches(KEYS, [A, B]) == {A: 0, B: 0} and index.blocks(B) == 0
 
 
-def test_least_loaded_without_any_cached_prefix() -> None:
-    assert choose(workers(free_b=2000), 100, KEYS, PrefixIndex()) == Decision(B, "load")
+def ranked(keys: list[int], among: list[bytes]) -> list[bytes]:
+    """``among`` by how highly the first of ``keys`` ranks them."""
+    return sorted(among, key=lambda w: rendezvous(w, keys[0]), reverse=True)
+
+
+def test_an_uncached_prompt_goes_where_its_first_block_hashes() -> None:
+    first = ranked(KEYS, [A, B, C])[0]
+    assert choose(workers(), 100, KEYS, PrefixIndex()) == Decision(first, "hash")
+    # a prompt sharing only the first block hashes the same way: a new prefix's requests gather
+    other = list(prefix_keys(PROMPT[:16] + list(range(900, 964))))
+    assert choose(workers(), 100, other, PrefixIndex()) == Decision(first, "hash")
+    # prompts with other first blocks spread over the workers
+    firsts = {choose(workers(), 100, list(prefix_keys(list(range(s, s + 16)))), PrefixIndex()).identity
+              for s in range(1000, 1400, 16)}
+    assert firsts == {A, B, C}
+
+
+def test_the_hash_yields_to_load_and_the_overflow_goes_to_the_next_ranked() -> None:
+    first, second, third = ranked(KEYS, [A, B, C])
+    running = {first: 9, second: 0, third: 0}
+    busy = workers(running=(running[A], running[B], running[C]))
+    assert choose(busy, 100, KEYS, PrefixIndex(), balance=8) == Decision(second, "hash")
+    assert choose(busy, 100, KEYS, PrefixIndex(), balance=9) == Decision(first, "hash")
+
+
+def test_least_loaded_for_a_prompt_shorter_than_a_block() -> None:
+    assert choose(workers(free_b=2000), 10, [], PrefixIndex()) == Decision(B, "load")
     # fewer running sequences first, then more room
-    assert choose(workers(free_b=2000, running=(1, 3, 2)), 100, KEYS, PrefixIndex()) == Decision(A, "load")
+    assert choose(workers(free_b=2000, running=(1, 3, 2)), 10, [], PrefixIndex()) == Decision(A, "load")
 
 
-def test_longest_prefix_wins_over_load() -> None:
+def test_longest_prefix_wins_over_load_and_hash() -> None:
     index = PrefixIndex()
     index.apply(A, KEYS[:2], [])
     index.apply(C, KEYS[:4], [])
-    assert choose(workers(free_b=5000), 100, KEYS, index) == Decision(C, "prefix", 4)
-    # another prompt sharing only the first block: the tie goes to the freer of A and C
+    assert choose(workers(free_b=5000, running=(0, 0, 8)), 100, KEYS, index) == Decision(C, "prefix", 4)
+    # another prompt sharing only the first block: the tie between A and C goes the hash's way
     other = list(prefix_keys(PROMPT[:16] + list(range(900, 964))))
-    assert choose(workers(free_a=2000), 100, other, index) == Decision(A, "prefix", 1)
+    assert choose(workers(free_a=2000), 100, other, index) == Decision(ranked(other, [A, C])[0], "prefix", 1)
 
 
 def test_a_prefix_holder_without_room_or_far_busier_is_passed_over() -> None:
     index = PrefixIndex()
     index.apply(C, KEYS, [])
-    assert choose(workers(free_c=50), 100, KEYS, index) == Decision(A, "load")
-    assert choose(workers(running=(0, 0, 9)), 100, KEYS, index, balance=8) == Decision(A, "load")
+    assert choose(workers(free_c=50), 100, KEYS, index).identity != C
+    assert choose(workers(running=(0, 0, 9)), 100, KEYS, index, balance=8).identity != C
     assert choose(workers(running=(0, 0, 8)), 100, KEYS, index, balance=8) == Decision(C, "prefix", 5)
 
 
@@ -60,4 +86,4 @@ def test_session_worker_first_when_it_has_room() -> None:
 
 
 def test_session_worker_that_left_is_not_chosen() -> None:
-    assert choose(workers()[:2], 100, KEYS, PrefixIndex(), session_worker=C).reason == "load"
+    assert choose(workers()[:2], 100, KEYS, PrefixIndex(), session_worker=C).identity != C
