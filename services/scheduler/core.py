@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import structlog
@@ -331,11 +331,16 @@ class SchedulerCore:
         reply to :meth:`controlled_planned`."""
         return self.controlled.begin(self.running.values(), self.limits.step_token_budget)
 
+    def controlled_workers(self) -> set[bytes]:
+        """The workers running controlled requests: a controlled plan needs a step on each of them."""
+        return {r.worker for r in self.running.values() if r.submit.controller and r.worker is not None}
+
     def controlled_planned(self, plan: Plan, reply: MainReply | None) -> Plan:
         return plan if reply is None else self.controlled.planned(plan, reply)
 
-    def build_steps(self, controlled: Plan | None = None) -> list[Dispatch]:
-        """The next step for each worker that has sequences to run or to free."""
+    def build_steps(self, controlled: Plan | None = None, workers: Collection[bytes] | None = None) -> list[Dispatch]:
+        """The next step for each worker (of ``workers``; None: all) that has sequences to run or to
+        free. The workers of a ``controlled`` plan must be among ``workers``."""
         controlled = controlled or Plan()
         per_worker: dict[bytes, list[Item]] = defaultdict(list)
         for identity, items in controlled.per_worker.items():
@@ -347,7 +352,8 @@ class SchedulerCore:
         # decoding sequences first (one token each), then prompt chunks within the token budget
         max_len = self.max_model_len()
         ordered = sorted(
-            (r for r in self.running.values() if not r.paused and not r.submit.controller and self._steppable(r, max_len)),
+            (r for r in self.running.values() if not r.paused and not r.submit.controller
+             and (workers is None or r.worker in workers) and self._steppable(r, max_len)),
             key=lambda r: (r.fed < len(r.prompt), r.sort_key),
         )
         for request in ordered:
@@ -371,7 +377,8 @@ class SchedulerCore:
             request.last_sample = seq.sample
             per_worker[request.worker].append((request, seq))
         steps = []
-        for identity in set(per_worker) | {i for i, seqs in self.to_free.items() if seqs}:
+        for identity in set(per_worker) | {i for i, seqs in self.to_free.items()
+                                           if seqs and (workers is None or i in workers)}:
             worker = self.pool.workers.get(identity)
             if worker is None:
                 continue

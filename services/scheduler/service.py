@@ -5,17 +5,21 @@ announce themselves and execute one batched ``Step`` per message. Every decision
 (``core.py``); this module moves messages between the sockets and the core, times the steps and
 watches peers.
 
-Steps are pipelined: up to ``limits.pipeline_depth`` steps are in flight, so a worker finds its next
-step waiting when it finishes one; the text of the tokens applied last is worked out while they run.
-A step with controlled sequences goes out with ``masks_follow``: their ``mid_process`` runs on the
-main channel while the worker computes the forward pass, and its masks follow in a ``StepMasks``.
+Steps are pipelined per worker: each worker has up to ``limits.pipeline_depth`` steps in flight, so
+it finds its next step waiting when it finishes one, and its next step is built as soon as one of its
+results is applied, whatever the other workers are doing: a slow worker never holds back a fast one.
+The text of the tokens applied last is worked out while the workers compute. Controlled sequences
+are planned for all workers at once (one main-channel call): a plan waits until no controlled step
+is in flight and every worker running controlled requests has room (plain steps stop filling those
+workers meanwhile), and its steps go out together with ``masks_follow``: their ``mid_process`` runs on
+the main channel while the workers compute the forward pass, and its masks follow in a ``StepMasks``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 import structlog
@@ -47,11 +51,11 @@ LIVENESS_DEAD_S = 10.0
 
 @dataclass
 class InFlight:
-    """Steps sent together (one per worker) and their results to come."""
+    """A step sent to its worker, and its result to come."""
 
-    steps: list[Dispatch]
-    results: asyncio.Future[list[wire.StepResult | None]]
-    controlled: bool  # controlled sequences are in it: the next plan waits for its results
+    dispatch: Dispatch
+    result: asyncio.Future[wire.StepResult | None]
+    controlled: bool  # planned with controlled sequences: the next plan waits for its result
 
 
 class Scheduler:
@@ -193,28 +197,13 @@ class Scheduler:
     # the step loop
 
     async def step_loop(self) -> None:
-        in_flight: deque[InFlight] = deque()
+        flights: dict[bytes, deque[InFlight]] = defaultdict(deque)  # worker -> its steps in flight, oldest first
         core = self.core
         while True:
             core.expire()
             core.admit()
-            sent = False
-            if len(in_flight) < self.limits.pipeline_depth:
-                plan, reply = None, None
-                if not any(f.controlled for f in in_flight):
-                    plan, request = core.plan_controlled()
-                    if request is not None:
-                        reply = await self._main_call(request)
-                    plan = core.controlled_planned(plan, reply)
-                steps = core.build_steps(plan)
-                if steps:
-                    mid = core.controlled.mid_request() if any(d.step.masks_follow for d in steps) else None
-                    mid_done = asyncio.ensure_future(self._mid_process(mid)) if mid is not None else None
-                    results = asyncio.gather(*(self._run_step(d, mid_done) for d in steps))
-                    in_flight.append(InFlight(steps, results, controlled=bool(plan and plan.per_worker)))
-                    sent = True
-                    await asyncio.sleep(0)  # one turn of the loop sends them
-            if not in_flight:
+            sent = await self._send_steps(flights)
+            if not any(flights.values()):
                 core.emit_deferred()
                 core.end_step()
                 self._flush()
@@ -224,17 +213,53 @@ class Scheduler:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            if sent and len(in_flight) < self.limits.pipeline_depth:
-                continue  # queue the step after it at once
+            if sent:
+                continue  # queue the steps after them at once, where pipelines have room
             # The text of the tokens applied last is worked out while the workers compute.
             core.emit_deferred()
             self._flush()
-            oldest = in_flight.popleft()
-            for dispatch, result in zip(oldest.steps, await oldest.results):
-                if result is not None:
-                    core.apply(dispatch, result)
+            self.wake.clear()
+            woken = asyncio.ensure_future(self.wake.wait())  # new work may start an idle worker
+            await asyncio.wait([woken, *(f[0].result for f in flights.values() if f)],
+                               return_when=asyncio.FIRST_COMPLETED)
+            woken.cancel()
+            for identity, flight in list(flights.items()):
+                while flight and flight[0].result.done():
+                    done = flight.popleft()
+                    if (result := done.result.result()) is not None:
+                        core.apply(done.dispatch, result)
+                if not flight and identity not in core.pool.workers:
+                    del flights[identity]
             core.end_step()
             self._flush()
+
+    async def _send_steps(self, flights: dict[bytes, deque[InFlight]]) -> bool:
+        """Build and send the next step of every ready worker whose pipeline has room (with the
+        controlled plan when one is due, see the module docstring); whether any went out."""
+        core = self.core
+        roomy = {w.identity for w in core.pool.ready() if len(flights[w.identity]) < self.limits.pipeline_depth}
+        if not roomy:
+            return False
+        plan = None
+        if not any(f.controlled for flight in flights.values() for f in flight):
+            waiting = core.controlled_workers()
+            if waiting <= roomy:
+                plan, request = core.plan_controlled()
+                reply = await self._main_call(request) if request is not None else None
+                plan = core.controlled_planned(plan, reply)
+            else:
+                roomy -= waiting  # let them drain: the controlled step goes out next
+        steps = core.build_steps(plan, roomy)
+        if not steps:
+            return False
+        mid = core.controlled.mid_request() if any(d.step.masks_follow for d in steps) else None
+        mid_done = asyncio.ensure_future(self._mid_process(mid)) if mid is not None else None
+        controlled = bool(plan and plan.per_worker)
+        for dispatch in steps:
+            result = asyncio.ensure_future(self._run_step(dispatch, mid_done))
+            flights[dispatch.worker].append(InFlight(dispatch, result, controlled))
+        await asyncio.sleep(0)  # one turn of the loop sends them
+        return True
 
     async def _main_call(self, request: aici_wire.MainRequest) -> MainReply:
         try:

@@ -85,3 +85,30 @@ def test_batch_size_and_step_budget_are_per_worker() -> None:
     steps = h.build()
     assert sorted(h.core.requests[rid].state.value for rid in "abc").count("queued") == 1
     assert sorted(len(s.tokens) for d in steps for s in d.step.seqs) == [16, 16]  # a full chunk on each worker
+
+
+def test_a_step_is_built_for_the_workers_asked_only() -> None:
+    """The per-worker pipelines: a fast worker's next steps go out while a slow one's is still running."""
+    h = Harness(place=KVAwarePlacement())
+    h.worker(b"w1")
+    h.worker(b"w2")
+    h.submit("a", prompt(5), 8)
+    h.submit("b", prompt(6, start=20), 8)
+    h.core.admit()
+    fast = h.core.requests["a"].worker
+    slow = h.core.requests["b"].worker
+    assert fast != slow
+    (first,) = h.core.build_steps(None, {fast})
+    assert first.worker == fast and h.core.requests["b"].in_flight == 0
+    (slow_step,) = h.core.build_steps(None, {slow})
+    for _ in range(3):  # the fast worker's results come back and its next steps go, the slow one's still out
+        h.apply([first])
+        (first,) = h.core.build_steps(None, {fast})
+        assert [s.seq_id for s in first.step.seqs] == [h.core.requests["a"].seq_id]
+    h.apply([first, slow_step])
+    a, b = h.core.requests["a"], h.core.requests["b"]
+    assert len(a.generated) == 4 and len(b.generated) == 1
+    h.core.finish(b, "cancelled")  # its free waits for the slow worker's next step
+    assert [d.worker for d in h.core.build_steps(None, {fast})] == [fast]
+    (freeing,) = h.core.build_steps(None, {slow})
+    assert freeing.step.free == [b.seq_id]
