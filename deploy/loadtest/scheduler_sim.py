@@ -35,7 +35,7 @@ import itertools
 import logging
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -46,7 +46,7 @@ from common.blocks import BLOCK_SIZE, ROOT_HASH, block_hash, block_key
 from common.config import Controllers, Limits, Sessions, Settings
 from common.model_source import load_tokenizer
 from common.textstream import TextStream
-from services.scheduler.core import SchedulerCore
+from services.scheduler.core import Dispatch, SchedulerCore
 from services.scheduler.placement import KVAwarePlacement
 from services.scheduler.requests import LiveRequest
 from services.scheduler.workers import WorkerInfo
@@ -206,24 +206,29 @@ def random_placement(seed: int):
 
 @dataclass
 class Run:
-    rounds: int = 0
     core_s: float = 0.0  # scheduler CPU time of this thread (core calls, encoding and decoding)
     steps: int = 0  # worker steps sent
     decode_tokens: int = 0
     prompt_tokens: int = 0
     reused_tokens: int = 0
+    elapsed_s: float = 0.0  # simulated time, first step to last result
+    busy_s: dict[float, float] = field(default_factory=lambda: defaultdict(float))  # by worker step time
+    idle_s: dict[float, float] = field(default_factory=lambda: defaultdict(float))  # between steps, waiting
 
 
-def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, tokenizer) -> Run:
+def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: bool, tokenizer) -> Run:
+    """One run of the workload; ``lockstep``: every worker's step goes out together and the next
+    waits for all of their results (the scheduler before per-worker pipelines), as the baseline."""
     limits = Limits(max_batch_size=args.seqs, max_queued=workers * args.seqs * 2,
                     step_token_budget=args.step_token_budget)
     sessions = Sessions() if kv_aware else Sessions(kv_tokens_per_session=0)
     place = KVAwarePlacement() if kv_aware else random_placement(args.seed)
     core = SchedulerCore(limits, sessions, Controllers(), lambda stop: TextStream(tokenizer, stop=stop), place=place)
-    sims = {}
+    sims, step_s = {}, {}
     for i in range(workers):
         identity = f"sim-{i}".encode()
         sims[identity] = SimWorker(identity, args.kv_tokens // BLOCK_SIZE)
+        step_s[identity] = args.step_ms[i % len(args.step_ms)] / 1000
         core.worker_hello(identity, wire.WorkerHello(worker_id=identity.decode(), stage="ready", vocab_size=49152,
                                                      max_model_len=8192, eos_token_ids=[EOS],
                                                      kv_capacity_tokens=args.kv_tokens))
@@ -233,6 +238,17 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, tokenizer) 
     sampling = wire.SamplingParams(temperature=0.0)
     run = Run()
     encoder, decoder = wire._encoder, wire._decoder
+    now = 0.0  # simulated seconds: the scheduler's CPU time moves it, and waiting for workers
+    free_at = dict.fromkeys(sims, 0.0)  # when each worker finishes the steps it was sent
+    flights: dict[bytes, int] = dict.fromkeys(sims, 0)  # steps in flight per worker
+    groups: deque[tuple[float, list[tuple[Dispatch, bytes]]]] = deque()  # results applied together, oldest first
+    waiting: set[bytes] = set()  # workers with nothing in flight but sequences to run
+
+    def scheduler(started: float) -> None:
+        nonlocal now
+        spent = time.thread_time() - started
+        run.core_s += spent
+        now += spent
 
     def submit(client: Client) -> None:
         prompt = client.next_prompt(workload)
@@ -240,34 +256,12 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, tokenizer) 
         by_rid[client.rid] = client
         msg = wire.Submit(rid=client.rid, prompt_ids=prompt, sampling=sampling, max_tokens=args.tokens,
                           ignore_eos=True, session=wire.SessionRef(key=client.key))
-        started = time.thread_time()
         reply = core.submit(b"gw", decoder.decode(encoder.encode(msg)))
-        run.core_s += time.thread_time() - started
         assert isinstance(reply, wire.Queued), reply
 
-    for client in clients:
-        submit(client)
-    while by_rid:
-        started = time.thread_time()
-        core.admit()
-        plan, request = core.plan_controlled()
-        dispatches = core.build_steps(plan)
-        frames = [encoder.encode(d.step) for d in dispatches]
-        run.core_s += time.thread_time() - started
-        results = [sims[d.worker].step(decoder.decode(f)) for d, f in zip(dispatches, frames)]
-        started = time.thread_time()
-        for dispatch, result in zip(dispatches, results):
-            result = decoder.decode(encoder.encode(result))
-            if kv_aware:
-                place.observe(dispatch.worker, dispatch.step, result)
-            core.step_done(dispatch.worker, result)
-            core.apply(dispatch, result)
-        core.end_step()
-        core.emit_deferred()
-        out = core.take_output()
-        run.core_s += time.thread_time() - started
-        run.rounds += 1
-        run.steps += len(dispatches)
+    def deliver(out: list[tuple[bytes, wire.Msg]]) -> bool:
+        """Clients take their events; whether one sent its next turn."""
+        submitted = False
         for _, msg in out:
             assert isinstance(msg, wire.Events), msg
             for event in msg.events:
@@ -280,6 +274,70 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, tokenizer) 
                     client.history = client.prompt + client.generated
                     if not client.done:
                         submit(client)
+                        submitted = True
+        return submitted
+
+    started = time.thread_time()
+    for client in clients:
+        submit(client)
+    scheduler(started)
+    now = 0.0
+    while by_rid:
+        started = time.thread_time()
+        core.admit()
+        roomy = ({w for w in sims if flights[w] < limits.pipeline_depth} if not lockstep
+                 else set(sims) if len(groups) < limits.pipeline_depth else set())
+        dispatches = core.build_steps(None, roomy) if roomy else []
+        frames = [encoder.encode(d.step) for d in dispatches]
+        scheduler(started)
+        group = []
+        for dispatch, frame in zip(dispatches, frames):
+            worker = dispatch.worker
+            if flights[worker]:
+                start = free_at[worker]
+            else:
+                start = max(now, free_at[worker])
+                if worker in waiting:  # it had sequences to run: it waited for the scheduler (or the others)
+                    run.idle_s[step_s[worker]] += start - free_at[worker]
+            free_at[worker] = start + step_s[worker]
+            run.busy_s[step_s[worker]] += step_s[worker]
+            flights[worker] += 1
+            waiting.discard(worker)
+            result = encoder.encode(sims[worker].step(decoder.decode(frame)))
+            if lockstep:
+                group.append((dispatch, result))
+            else:
+                groups.append((free_at[worker], [(dispatch, result)]))
+        if group:
+            groups.append((max(free_at[d.worker] for d, _ in group), group))
+        run.steps += len(dispatches)
+        if dispatches:
+            continue  # queue the steps after them at once, where pipelines have room
+        started = time.thread_time()
+        core.emit_deferred()
+        submitted = deliver(core.take_output())
+        scheduler(started)
+        if submitted and not lockstep:
+            continue  # new work may start a worker with room (the shell's wake)
+        # the next result (the oldest round's, in lockstep): a worker's own results come back in order
+        now = max(now, groups[0][0] if lockstep else min(at for at, _ in groups))
+        ready = [groups.popleft()] if lockstep else sorted((g for g in groups if g[0] <= now), key=lambda g: g[0])
+        groups = deque(g for g in groups if g[0] > now) if not lockstep else groups
+        started = time.thread_time()
+        for _, group in ready:
+            for dispatch, frame in group:
+                flights[dispatch.worker] -= 1
+                result = decoder.decode(frame)
+                if kv_aware:
+                    place.observe(dispatch.worker, dispatch.step, result)
+                core.step_done(dispatch.worker, result)
+                core.apply(dispatch, result)
+                if not flights[dispatch.worker] and core.pool.workers[dispatch.worker].running:
+                    waiting.add(dispatch.worker)
+        core.end_step()
+        deliver(core.take_output())
+        scheduler(started)
+    run.elapsed_s = now
     return run
 
 
@@ -306,24 +364,23 @@ def main() -> None:
           f"tokens; prompts: one of {args.system_prompts} system prompts (~{args.system_tokens} tokens, "
           f"Zipf {args.zipf:g}) + history + ~{args.user_tokens} new; {args.kv_tokens:,} KV tokens per worker; "
           "hit rate: prompt tokens reused / prompt tokens")
-    header = (f"{'workers':>7} {'rounds':>6} {'core ms/round':>13} {'µs/step/worker':>14} "
-              + " ".join(f"{f'waits@{ms:g}ms':>10} {f'tok/s@{ms:g}ms':>12}" for ms in args.step_ms)
-              + f" {'reuse kv':>8} {'reuse rnd':>9} {'ratio':>6}")
-    print(header)
+    speeds = sorted(set(args.step_ms))
+    print(f"workers: step times {', '.join(f'{ms:g} ms' for ms in args.step_ms)} in turn; idle: a worker's time "
+          "between a step and the next while it had sequences to run (waiting for the scheduler, or in lockstep "
+          "for the slower workers) / its time")
+    print(f"{'workers':>7} {'pipelines':>10} {'steps':>7} {'core µs/step':>12} {'tok/s':>8} "
+          + " ".join(f"{f'idle@{ms:g}ms':>10}" for ms in speeds)
+          + f" {'hit kv':>7} {'hit rnd':>7} {'ratio':>6}")
     for workers in args.workers:
-        kv = simulate(args, workers, True, tokenizer)
-        rnd = simulate(args, workers, False, tokenizer)
-        per_round = kv.core_s / kv.rounds
-        cells = []
-        for ms in args.step_ms:
-            step_s = ms / 1000
-            cells.append(f"{'yes' if per_round > step_s else 'no':>10} "
-                         f"{kv.decode_tokens / (kv.rounds * max(step_s, per_round)):>12,.0f}")
-        hit_kv, hit_rnd = kv.reused_tokens / kv.prompt_tokens, rnd.reused_tokens / rnd.prompt_tokens
-        print(f"{workers:>7} {kv.rounds:>6} {per_round * 1000:>13.2f} {kv.core_s / kv.steps * 1e6:>14.1f} "
-              + " ".join(cells)
-              + f" {hit_kv:>8.1%} {hit_rnd:>9.1%} {hit_kv / hit_rnd if hit_rnd else float('inf'):>5.1f}x")
-
+        rnd = simulate(args, workers, False, False, tokenizer)
+        hit_rnd = rnd.reused_tokens / rnd.prompt_tokens
+        for lockstep in (True, False):
+            kv = simulate(args, workers, True, lockstep, tokenizer)
+            hit_kv = kv.reused_tokens / kv.prompt_tokens
+            idle = " ".join(f"{kv.idle_s[s] / (kv.idle_s[s] + kv.busy_s[s]):>10.1%}" for s in (ms / 1000 for ms in speeds))
+            print(f"{workers:>7} {'lockstep' if lockstep else 'per worker':>10} {kv.steps:>7} "
+                  f"{kv.core_s / kv.steps * 1e6:>12.1f} {kv.decode_tokens / kv.elapsed_s:>8,.0f} {idle} "
+                  f"{hit_kv:>7.1%} {hit_rnd:>7.1%} {hit_kv / hit_rnd if hit_rnd else float('inf'):>5.1f}x")
 
 if __name__ == "__main__":
     main()
