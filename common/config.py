@@ -185,8 +185,9 @@ class Distributed(BaseModel):
     port: int = Field(0, ge=0, le=65535, description="the ranks' rendezvous port on 127.0.0.1 (0: any free port)")
     local_workers: int = Field(1, ge=0, description="workers `tiller up` starts on this host (0: only workers "
                                "that join from elsewhere; on the CPU the cores are split between them)")
-    placement_balance: int = Field(8, ge=0, description="a worker whose prefix cache holds a new prompt's leading "
-                                   "blocks gets it unless it runs more than this many sequences beyond the least loaded")
+    placement_balance: int = Field(8, ge=0, description="a new prompt goes to the worker caching its longest prefix "
+                                   "(else the one its first block hashes to) only among workers running at most this "
+                                   "many sequences beyond the least loaded")
     heartbeat_s: float = Field(1.0, gt=0, description="the scheduler and its workers ping each other's connection "
                                "this often (ZeroMQ heartbeats, answered even while a worker computes a step)")
     heartbeat_timeout_s: float = Field(5.0, gt=0, description="a worker connection silent this long is dropped: a "
