@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
@@ -115,6 +115,9 @@ class SchedulerCore:
         self.requests: dict[str, LiveRequest] = {}
         self.queue: list[LiveRequest] = []
         self.running: dict[int, LiveRequest] = {}  # seq_id -> request (running or paused)
+        # the same by worker (a worker's step is built from its own), and its controlled ones' count
+        self.running_on: dict[bytes, dict[int, LiveRequest]] = defaultdict(dict)
+        self.controlled_on: Counter[bytes] = Counter()
         self.to_free: dict[bytes, list[int]] = defaultdict(list)
         self.outbox = Outbox()
         # tokens accepted from the last step whose text is worked out while the next one runs
@@ -253,9 +256,8 @@ class SchedulerCore:
         self.worker_gone(identity)
         self.to_free.pop(identity, None)
         self.sessions.drop_worker(identity)
-        for request in list(self.running.values()):
-            if request.worker == identity:
-                self.fail(request, SERVICE_UNAVAILABLE, f"{reason}; the request was lost, retry it")
+        for request in list(self.running_on.get(identity, {}).values()):
+            self.fail(request, SERVICE_UNAVAILABLE, f"{reason}; the request was lost, retry it")
 
     # ------------------------------------------------------------------------------------------
     # Host: what controlled requests use
@@ -302,7 +304,8 @@ class SchedulerCore:
             request.reserved = request.needed_tokens
             worker.reserved_tokens += request.reserved
             worker.running += 1
-            self.running[request.seq_id] = request
+            self.running[request.seq_id] = self.running_on[worker.identity][request.seq_id] = request
+            self.controlled_on[worker.identity] += bool(request.submit.controller)
             admitted = True
         if admitted:
             self.queue = [r for r in self.queue if r.state is State.QUEUED]
@@ -333,7 +336,7 @@ class SchedulerCore:
 
     def controlled_workers(self) -> set[bytes]:
         """The workers running controlled requests: a controlled plan needs a step on each of them."""
-        return {r.worker for r in self.running.values() if r.submit.controller and r.worker is not None}
+        return {worker for worker, running in self.controlled_on.items() if running}
 
     def controlled_planned(self, plan: Plan, reply: MainReply | None) -> Plan:
         return plan if reply is None else self.controlled.planned(plan, reply)
@@ -351,9 +354,10 @@ class SchedulerCore:
             budget[identity] -= sum(max(len(s.tokens), 1) for _, s in items)
         # decoding sequences first (one token each), then prompt chunks within the token budget
         max_len = self.max_model_len()
+        running = self.running.values() if workers is None else [
+            r for w in workers for r in self.running_on.get(w, {}).values()]
         ordered = sorted(
-            (r for r in self.running.values() if not r.paused and not r.submit.controller
-             and (workers is None or r.worker in workers) and self._steppable(r, max_len)),
+            (r for r in running if not r.paused and not r.submit.controller and self._steppable(r, max_len)),
             key=lambda r: (r.fed < len(r.prompt), r.sort_key),
         )
         for request in ordered:
@@ -540,6 +544,8 @@ class SchedulerCore:
             self.queue.remove(request)
         elif request.seq_id in self.running:
             del self.running[request.seq_id]
+            del self.running_on[request.worker][request.seq_id]
+            self.controlled_on[request.worker] -= bool(request.submit.controller)
             if request.fork_of is not None:  # its fork step was never sent
                 self.sessions.forked(request.fork_of)
             worker = self.pool.workers.get(request.worker)
