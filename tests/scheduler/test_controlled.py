@@ -104,7 +104,9 @@ def test_the_controller_hears_each_sampled_token_in_the_next_post_ops():
 def test_a_controlled_request_ends_with_length_by_the_shared_rule():
     h, rt = controlled(max_tokens=2)
     step(h, rt, {"c": HE})
+    assert h.core.controlled_workers() == {h.core.requests["c"].worker}  # its plans need a step there
     step(h, rt, {"c": LLO})
+    assert h.core.controlled_workers() == set()
     final = h.final("c")
     assert (final.finish_reason, final.fork_finish, final.completion_tokens) == ("length", "length", 2)
     assert h.text("c") == " hello"
