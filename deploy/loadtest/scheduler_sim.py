@@ -11,18 +11,21 @@ conversation so far and generates ``--tokens`` tokens.
 
 Simulated workers hold a paged KV pool of ``--kv-tokens`` (16-token blocks) as real ones do: live
 sequences (parked sessions included) hold their blocks, blocks nobody holds stay cached and the least
-recently released are evicted for room, and they report cached tokens and block events as real
-workers do, and "sample" pseudo-random tokens. The core is driven as the service shell drives it
-(admit, build the steps, apply each worker's result, work out the text), one round of steps at a
-time, the steps and results encoded and decoded as on the wire.
+recently released are evicted for room; they report cached tokens and block events as real workers do,
+and "sample" pseudo-random tokens. Worker i takes ``--step-ms[i % n]`` per step (by
+default half 5 ms, half 20 ms), in simulated time that the scheduler's own CPU time also moves. The
+core is driven as the service shell drives it (admit, build each worker's next step when its pipeline
+of ``limits.pipeline_depth`` has room, apply each result as it comes back, work out the text), the
+steps and results encoded and decoded as on the wire; as the baseline, the lockstep loop the shell had
+before (every worker's step out together, the next round after all results).
 
-Printed per worker count: the scheduler's own CPU time per round and per step per worker, whether a
-worker with a 5 ms or 20 ms step would wait for it (its next step is prepared while the current one
-runs, so a round's CPU time must fit in one step), the tokens/s it could then sustain, and the
-**hit rate**: prompt tokens whose KV was reused (a parked session's, or a cached prefix's) over all
-prompt tokens (each turn's whole prompt, history included, as an API bills cached tokens), under
-KV-aware placement (the service's) and under random placement (each turn on a random worker with
-room, sessions not parked: a turn finds its history only where the worker's cache still has it).
+Printed per worker count and loop: the scheduler's CPU time per worker step, the tokens/s of the
+simulated time, each kind of worker's idle share (time between a step and its next while it had
+sequences to run: waiting for the scheduler, or in lockstep for the slower workers), and the **hit
+rate**: prompt tokens whose KV was reused (a parked session's, or a cached prefix's) over all prompt
+tokens (each turn's whole prompt, history included, as an API bills cached tokens), under KV-aware
+placement (the service's) and under random placement (each turn on a random worker with room,
+sessions not parked: a turn finds its history only where the worker's cache still has it).
 
     python deploy/loadtest/scheduler_sim.py                 # 8 and 32 workers x 256 users
     python deploy/loadtest/scheduler_sim.py --workers 2 --seqs 16 --turns 2   # a quick look
