@@ -29,7 +29,7 @@ import itertools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -62,6 +62,7 @@ class Dispatch:
     worker: bytes
     step: wire.Step
     batch: list[Item]
+    frames: list[bytes] = field(default_factory=list)  # the mask frame, when the masks go with the step
 
 
 class Outbox:
@@ -330,9 +331,21 @@ class SchedulerCore:
     def controlled_planned(self, plan: Plan, reply: MainReply | None) -> Plan:
         return plan if reply is None else self.controlled.planned(plan, reply)
 
+    def mid_first(self) -> aici_wire.MidProcess | None:
+        """The planned ``mid_process`` to run *before* its step is built, when plain sequences are
+        running: a step waiting for its masks would hold them up for as long as the slowest controller
+        takes (its masks then go with the step). None: there is none, or no plain sequence runs and it
+        runs while the worker computes the forward pass (``masks_follow``)."""
+        if not any(not r.submit.controller and not r.paused for r in self.running.values()):
+            return None
+        return self.controlled.mid_request()
+
     def build_steps(self, controlled: Plan | None = None) -> list[Dispatch]:
         """The next step for each worker that has sequences to run or to free."""
-        controlled = controlled or Plan()
+        if controlled is None:
+            controlled = Plan()
+        else:
+            self.controlled.built()
         per_worker: dict[bytes, list[Item]] = defaultdict(list)
         for identity, items in controlled.per_worker.items():
             per_worker[identity] += [(b, s) for b, s in items if b.finished is None and b.request.state is State.RUNNING]
@@ -376,7 +389,7 @@ class SchedulerCore:
                              free_all=worker.fresh)
             step.masks_follow = self.controlled.awaits_masks(step)
             worker.fresh = False
-            steps.append(Dispatch(identity, step, batch))
+            steps.append(Dispatch(identity, step, batch, self.controlled.masks_with(step)))
         return steps
 
     def _steppable(self, request: LiveRequest, max_len: int) -> bool:

@@ -7,8 +7,12 @@ watches peers.
 
 Steps are pipelined: up to ``limits.pipeline_depth`` steps are in flight, so a worker finds its next
 step waiting when it finishes one; the text of the tokens applied last is worked out while they run.
-A step with controlled sequences goes out with ``masks_follow``: their ``mid_process`` runs on the
-main channel while the worker computes the forward pass, and its masks follow in a ``StepMasks``.
+The controlled sequences' main-channel calls never hold up plain ones: the next step's controlled
+part (``post_pre_process``, and ``mid_process`` while plain sequences run) is prepared in the
+background while plain steps go on, and joins the first step built once it is ready, its mask frame
+with it. With no plain sequence running, a step with controlled sequences goes out with
+``masks_follow`` instead: their ``mid_process`` runs while the worker computes the forward pass, and
+its masks follow in a ``StepMasks``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from common.incarnation import process_incarnation
 from common.model_source import load_tokenizer
 from common.sockets import Router, reply_mid
 from common.textstream import TextStream
-from services.scheduler.controlled import MainReply
+from services.scheduler.controlled import MainReply, Plan
 from services.scheduler.core import Dispatch, SchedulerCore
 from services.scheduler.main_channel import MainChannel
 from services.scheduler.placement import KVAwarePlacement
@@ -71,6 +75,7 @@ class Scheduler:
         self.gateways_seen: dict[bytes, float] = {}  # gateways that send heartbeats -> when last heard from
         self.pending: dict[bytes, dict[int, asyncio.Future[wire.StepResult]]] = {}  # worker -> step_id -> result
         self.wake = asyncio.Event()
+        self.preparing: asyncio.Task[Plan] | None = None  # the next step's controlled part, while its calls run
 
     def _flush(self) -> None:
         """Send what the core has for gateways; a state change may let the step loop go on."""
@@ -199,12 +204,7 @@ class Scheduler:
             core.admit()
             sent = False
             if len(in_flight) < self.limits.pipeline_depth:
-                plan, reply = None, None
-                if not any(f.controlled for f in in_flight):
-                    plan, request = core.plan_controlled()
-                    if request is not None:
-                        reply = await self._main_call(request)
-                    plan = core.controlled_planned(plan, reply)
+                plan = self._controlled_part(in_flight)
                 steps = core.build_steps(plan)
                 if steps:
                     mid = core.controlled.mid_request() if any(d.step.masks_follow for d in steps) else None
@@ -235,6 +235,29 @@ class Scheduler:
             core.end_step()
             self._flush()
 
+    def _controlled_part(self, in_flight: deque[InFlight]) -> Plan | None:
+        """The controlled part of the step being built, when it is ready (None: none this step). Its
+        main-channel calls run in the background (:meth:`_prepare`): plain steps do not wait for them."""
+        if any(f.controlled for f in in_flight):
+            return None  # the controlled sequences' results are not in yet
+        if self.preparing is not None:
+            if not self.preparing.done():
+                return None
+            plan, self.preparing = self.preparing.result(), None
+            return plan
+        plan, request = self.core.plan_controlled()
+        if request is None:
+            return plan
+        self.preparing = asyncio.get_running_loop().create_task(self._prepare(plan, request))
+        self.preparing.add_done_callback(lambda _: self.wake.set())
+        return None
+
+    async def _prepare(self, plan: Plan, request: aici_wire.PostPreProcess) -> Plan:
+        plan = self.core.controlled_planned(plan, await self._main_call(request))
+        if (mid := self.core.mid_first()) is not None:
+            await self._mid_process(mid)
+        return plan
+
     async def _main_call(self, request: aici_wire.MainRequest) -> MainReply:
         try:
             return await self.channel.call(request, self.settings.controllers.main_timeout_s)
@@ -251,7 +274,7 @@ class Scheduler:
         done = self.pending.setdefault(identity, {})[step.step_id] = asyncio.get_running_loop().create_future()
         deadline = time.monotonic() + self.limits.worker_step_timeout_s
         try:
-            await self.worker_router.send(identity, step)
+            await self.worker_router.send(identity, step, dispatch.frames)
             if step.masks_follow:  # the controllers' mid_process runs while the worker computes the forward pass
                 assert mid_done is not None
                 await asyncio.shield(mid_done)
