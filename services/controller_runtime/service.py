@@ -22,6 +22,7 @@ import zmq.asyncio
 from common import aici_wire
 from common.config import Settings
 from common.errors import WireError
+from common.incarnation import process_incarnation
 from common.model_source import resolve_model
 from common.sockets import bind
 from controllers.native import load_native_controllers
@@ -40,6 +41,7 @@ class ControllerRuntime:
         self.settings = settings
         cfg = settings.controllers
         lower_priority(cfg.nice)  # first: the threads started below (epoch ticker, ZeroMQ, to_thread) inherit it
+        self.incarnation = process_incarnation()  # in every main-channel reply
         self.tokenizer = TokenizerInfo.from_directory(resolve_model(settings).directory)
         self.vocab_size = self.tokenizer.vocab_size
         self.engine = WasmEngine(cfg, self.tokenizer)
@@ -126,6 +128,7 @@ class ControllerRuntime:
             if len(parts) < 2:
                 continue
             reply, binary = self.handle_main(parts[1])
+            reply.incarnation = self.incarnation
             await self.main.send_multipart([parts[0], aici_wire.encode(reply), *binary])
 
     async def _serve_side(self) -> None:

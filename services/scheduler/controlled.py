@@ -60,6 +60,7 @@ class MainReply:
     data: Any = None
     frames: list[bytes] = field(default_factory=list)
     error: str = ""
+    incarnation: str = ""  # the runtime's life that answered ("": no answer)
 
 
 class Host(Protocol):
@@ -203,11 +204,27 @@ class ControlledSteps:
         self.seq_steps = 0  # controlled sequence-steps (mid_process ops) run so far
         self.mid: PendingMid | None = None  # this step's mid_process, once the step went out
         self.runtime_fresh = True  # the first post_pre_process resets the runtime (seqs of a previous scheduler)
+        self.runtime_incarnation = ""  # the runtime's life the bound controllers live in ("": none heard yet)
         self._assign: list[Branch] = []  # roots bound to their controller by the post_pre_process under way
         # a step's controlled part is being planned: ended forks' worker frees wait until it is built
         # (a fork it makes may copy one of them)
         self.planning = False
         self._post_ops: list[aici_wire.PostOp] = []
+
+    def runtime_heard(self, incarnation: str) -> None:
+        """A main-channel reply named the runtime's ``incarnation``. A new one is a restarted runtime:
+        the controllers bound to the old one are gone, and their requests fail at once (retryable).
+        Controllers not bound yet are left alone: their requests may have been instantiated on the
+        new one (one that was not fails at its binding)."""
+        previous, self.runtime_incarnation = self.runtime_incarnation, incarnation or self.runtime_incarnation
+        if not previous or not incarnation or incarnation == previous:
+            return
+        log.warning("scheduler.controller_runtime_restarted", previous=previous, incarnation=incarnation)
+        message = (f"the controller runtime restarted (incarnation {previous} -> {incarnation}), its controllers "
+                   "with it; this request was lost, retry it")
+        for controlled in list(self.requests.values()):
+            if any(b.assigned for b in controlled.branches):
+                self.host.fail(controlled.request, SERVICE_UNAVAILABLE, message)
 
     def _channel_failed(self, error: str) -> None:
         """The runtime failed a main-channel call: every controlled request fails with the reason."""

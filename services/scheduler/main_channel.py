@@ -30,6 +30,7 @@ class MainChannel:
         self.lock = asyncio.Lock()
         self.sock = self._connect()
         self.busy_s = 0.0  # wall time of answered post_pre_process/mid_process calls, IPC included
+        self.incarnation = ""  # the runtime's, as its last reply named it
 
     def _connect(self) -> zmq.asyncio.Socket:
         ensure_ipc_dir(self.endpoint)
@@ -79,9 +80,10 @@ class MainChannel:
             return MainReply(error=f"bad reply from the controller runtime to {op}: {exc}")
         if not isinstance(request, aici_wire.Ping):
             self.busy_s += time.perf_counter() - started
+        self.incarnation = reply.incarnation or self.incarnation
         if isinstance(reply, aici_wire.MainError):
-            return MainReply(error=f"the controller runtime refused {op}: {reply.error}")
-        return MainReply(data=reply.data, frames=parts[1:])
+            return MainReply(error=f"the controller runtime refused {op}: {reply.error}", incarnation=reply.incarnation)
+        return MainReply(data=reply.data, frames=parts[1:], incarnation=reply.incarnation)
 
     async def ping(self) -> str:
         """"ok", or what is wrong with the runtime (for health replies)."""

@@ -117,6 +117,7 @@ class Scheduler:
 
     async def _health(self) -> wire.HealthReply:
         controller = await self.channel.ping()
+        self.core.controlled.runtime_heard(self.channel.incarnation)
         seq_steps = self.core.controlled.seq_steps
         main_s = self.channel.busy_s
         facts = self.core.facts()
@@ -260,10 +261,22 @@ class Scheduler:
 
     async def _main_call(self, request: aici_wire.MainRequest) -> MainReply:
         try:
-            return await self.channel.call(request, self.settings.controllers.main_timeout_s)
+            reply = await self.channel.call(request, self.settings.controllers.main_timeout_s)
         except Exception as exc:  # a bug must fail the controlled requests, not the step loop
             log.exception("scheduler.main_call_failed")
             return MainReply(error=f"controller step failed: {exc}")
+        self.core.controlled.runtime_heard(reply.incarnation)  # before the reply is applied
+        return reply
+
+    async def watch_runtime(self) -> None:
+        """While controlled requests are live, ping the controller runtime every heartbeat: a restart
+        between two steps (its connection's drop unseen) is known by its new incarnation at once."""
+        while True:
+            await asyncio.sleep(self.settings.distributed.heartbeat_s)
+            if self.core.controlled.requests:
+                await self.channel.ping()
+                self.core.controlled.runtime_heard(self.channel.incarnation)
+                self._flush()
 
     async def _mid_process(self, request: aici_wire.MidProcess) -> None:
         self.core.controlled.mid_done(await self._main_call(request))
@@ -303,5 +316,6 @@ class Scheduler:
             self.step_loop(),
             self.check_liveness(),
             self.watch_worker_disconnects(),
+            self.watch_runtime(),
         )
 

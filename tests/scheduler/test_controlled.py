@@ -234,6 +234,24 @@ def test_an_ended_forks_worker_free_waits_while_the_next_controlled_part_is_plan
     assert fork in h.core.to_free[b"w1"]
 
 
+def test_a_new_runtime_incarnation_fails_the_requests_bound_to_the_old_one_at_once():
+    h, rt = controlled()
+    h.submit("plain", prompt(3), 8)
+    step(h, rt, {"c": HE})
+    h.core.controlled.runtime_heard("100-aaaa")  # the first one heard: nothing is lost
+    h.core.controlled.runtime_heard("100-aaaa")
+    assert "c" in h.core.requests and not h.failures("c")
+    h.submit("d", prompt(3), 4, controller="ctl-2")  # instantiated on the new runtime, not bound yet
+    h.core.admit()
+    h.core.plan_controlled()
+    h.core.controlled.runtime_heard("")  # a reply that names none (an older runtime) changes nothing
+    h.core.controlled.runtime_heard("200-bbbb")
+    (failed,) = h.failures("c")
+    assert failed.code == "service_unavailable" and failed.recoverable
+    assert "restarted (incarnation 100-aaaa -> 200-bbbb)" in failed.message
+    assert "d" in h.core.requests and "plain" in h.core.requests and not h.failures("d")
+
+
 def test_a_stop_from_mid_process_ends_the_request():
     h, rt = controlled()
     seq_id = next_seq_id(h)
