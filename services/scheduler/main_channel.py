@@ -37,7 +37,9 @@ class MainChannel:
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self.down = False  # the connection dropped and has not come back
+        # no connection yet, or it dropped and has not come back (a socket replaced after a drop must not
+        # wait out a call's timeout on a runtime that is not there: another call may have seen the drop)
+        self.down = True
         sock.connect(self.endpoint)
         return sock
 
@@ -55,12 +57,19 @@ class MainChannel:
             dropped = dropped or self.down
         return dropped
 
+    async def _up(self) -> bool:
+        """Whether the connection is up, waiting a moment for a new socket's to be made."""
+        await self._dropped()
+        if self.down and await self.monitor.poll(DROP_CHECK_MS):
+            await self._dropped()
+        return not self.down
+
     async def call(self, request: aici_wire.MainRequest, timeout_s: float) -> MainReply:
         """Send one request; its ok reply's data (typed by the op) and frames, or why there is none."""
         op = type(request).__struct_config__.tag
         started = time.perf_counter()
         async with self.lock:
-            if await self._dropped() and self.down:  # the runtime died between two calls
+            if not await self._up():  # the runtime died between two calls (or is not up yet)
                 return MainReply(error=f"the controller runtime's connection dropped (it died or is restarting, its "
                                        f"controllers with it); {op} was not sent")
             await self.sock.send(aici_wire.encode(request))
