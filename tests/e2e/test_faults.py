@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -324,9 +325,14 @@ async def test_a_submit_sent_while_the_scheduler_is_down_never_reaches_the_next_
     """A request sent just after the scheduler died (the gateway's view of it still fresh) fails with a
     retryable error, and the restarted scheduler never gets it: it would generate it for nobody."""
     await retry("plain generation", lambda: plain_generation(fstack), time.monotonic() + SERVE_AGAIN_S)
-    fstack.kill("scheduler", signal.SIGKILL)
-    killed = time.monotonic()
+    pid = fstack.pid("scheduler")
     async with http(fstack) as client:
+        assert (await client.get("/health")).status_code == 200  # the gateway's view of the scheduler is fresh
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        # the gateway noticed the drop (a message it sends now waits for the next scheduler, unless the
+        # gateway gives it up), and its scheduler is not judged lost yet (limits.peer_suspect_grace_s)
+        await asyncio.sleep(0.2)
         r = await client.post("/v1/completions", json={"model": fstack.settings.served_model_name, "prompt": PROMPT,
                                                        "max_tokens": LONG, "ignore_eos": True, "temperature": 0})
     assert r.status_code == 503 and "retry" in r.text, r.text
