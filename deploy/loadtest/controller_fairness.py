@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import sys
 import tempfile
 import time
@@ -101,8 +102,9 @@ async def looper(http: httpx.AsyncClient, module_id: str, stop: asyncio.Event, o
             outcomes["ended at its deadline"] += 1
         elif "controller CPU time" in text:
             outcomes["failed by the CPU budget"] += 1
-        else:
-            outcomes["other"] += 1
+        else:  # name it by its error, if it has one
+            error = re.search(r'"error":\s*"([^"]{1,60})', text)
+            outcomes[f"other ({error.group(1)}...)" if error else "other"] += 1
 
 
 async def bench(url: str, tokens: int, phases: Phases | None) -> None:

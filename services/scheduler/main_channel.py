@@ -95,7 +95,11 @@ class MainChannel:
         return MainReply(data=reply.data, frames=parts[1:], incarnation=reply.incarnation)
 
     async def ping(self) -> str:
-        """"ok", or what is wrong with the runtime (for health replies)."""
+        """"ok", or what is wrong with the runtime (for health replies). With a call under way (a step's
+        controllers may take their deadlines) it answers from the connection's state at once: the
+        scheduler's health, and every gateway message behind it, never waits for controllers."""
+        if self.lock.locked():
+            return "unreachable" if self.down else "ok"
         reply = await self.call(aici_wire.Ping(), timeout_s=1.0)
         if "did not answer" in reply.error or "dropped" in reply.error:
             return "unreachable"
