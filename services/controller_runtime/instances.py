@@ -62,12 +62,12 @@ class WasmInstance:
     def pre_process(self) -> aici_wire.PreProcessResult:
         return self._invoke("aici_pre_process", b"{}", self.d.pre_deadline_ms, _pre_decoder)
 
-    def mid_process(self, fork_group: list[int], mask_address: int) -> aici_wire.MidProcessResult:
+    def mid_process(self, fork_group: list[int], mask_address: int, deadline_ms: float) -> aici_wire.MidProcessResult:
         if len(fork_group) == 1:  # no fork this step: the common case
             arg = b'{"fork_group":[%d]}' % fork_group[0]
         else:
             arg = b'{"fork_group":[%s]}' % b",".join(b"%d" % i for i in fork_group)
-        result = self._invoke("aici_mid_process", arg, self.d.mid_deadline_ms, _mid_decoder, mask_address)
+        result = self._invoke("aici_mid_process", arg, deadline_ms, _mid_decoder, mask_address)
         try:
             return _check_mid(result, self.host)
         except ControllerError as exc:
@@ -135,8 +135,8 @@ class NativeInstance:
         r = self._run("pre_process", self.d.pre_deadline_ms, self.obj.pre_process)
         return self._convert("pre_process", r, aici_wire.PreProcessResult)
 
-    def mid_process(self, fork_group: list[int], mask_address: int) -> aici_wire.MidProcessResult:
-        r = self._run("mid_process", self.d.mid_deadline_ms, lambda: self.obj.mid_process(fork_group), mask_address)
+    def mid_process(self, fork_group: list[int], mask_address: int, deadline_ms: float) -> aici_wire.MidProcessResult:
+        r = self._run("mid_process", deadline_ms, lambda: self.obj.mid_process(fork_group), mask_address)
         try:
             return _check_mid(self._convert("mid_process", r, aici_wire.MidProcessResult), self.host)
         except ControllerError as exc:

@@ -9,6 +9,7 @@ its error until the scheduler frees it.
 from __future__ import annotations
 
 import ctypes
+import math
 import time
 from typing import Any, TypeVar
 
@@ -226,8 +227,19 @@ class Runtime:
         return aici_wire.PreOutcome(result=result, storage=storage, logs="".join(logs),
                                     micros=self._charge(host, start))
 
+    def _mid_deadline_ms(self, used_ms: float) -> float:
+        """What is left of a user's ``mid_deadline_ms`` in this step after ``used_ms``, in whole epoch ticks;
+        at least a short call's deadline (``pre_deadline_ms``), so that their well-behaved controllers
+        still run."""
+        s = self.settings
+        left = max(s.mid_deadline_ms - used_ms, min(s.pre_deadline_ms, s.mid_deadline_ms))
+        return math.ceil(left / s.epoch_tick_ms) * s.epoch_tick_ms
+
     def mid_process(self, req: aici_wire.MidProcess) -> tuple[aici_wire.MidProcessReply, bytearray]:
-        """Fork the clones, then run mid_process for every op in order; returns (reply, mask rows)."""
+        """Fork the clones, then run mid_process for every op in order; returns (reply, mask rows).
+        ``mid_deadline_ms`` bounds each user's sequences of the step together (the step waits for the
+        masks): once they used it, the user's next ones get a short call's deadline, so a user whose
+        controllers loop holds the step up by about one deadline, not one per sequence."""
         rows = bytearray(len(req.ops) * self._row_bytes)
         base = ctypes.addressof(ctypes.c_char.from_buffer(rows)) if rows else 0
         seqs: dict[str, aici_wire.MidOutcome] = {}
@@ -254,6 +266,7 @@ class Runtime:
             parent.host.request.live_seqs += 1
             groups.setdefault(op.clone_id, [op.clone_id]).append(op.id)
             groups[op.id] = groups[op.clone_id]
+        used_ms: dict[str, float] = {}  # user -> mid_process time of their sequences so far in this step
         for i, op in enumerate(req.ops):
             instance = self.seqs.get(op.id)
             if op.id in failed or instance is None:
@@ -263,15 +276,19 @@ class Runtime:
             if (refused := self._over_budget(aici_wire.MidOutcome, instance.host)) is not None:
                 seqs[str(op.id)] = refused
                 continue
+            user = instance.host.request.user
             start = time.perf_counter()
             try:
-                result = instance.mid_process(groups.get(op.id) or [op.id], base + i * self._row_bytes)
+                result = instance.mid_process(groups.get(op.id) or [op.id], base + i * self._row_bytes,
+                                              self._mid_deadline_ms(used_ms.get(user, 0.0)))
             except ControllerError as exc:
-                seqs[str(op.id)] = seq_result(aici_wire.MidOutcome, instance.host, self._charge(instance.host, start),
-                                              error=str(exc))
-                continue
-            seqs[str(op.id)] = seq_result(aici_wire.MidOutcome, instance.host, self._charge(instance.host, start),
-                                          result=_as_replied(result))
+                result, error = None, str(exc)
+            else:
+                error = ""
+            micros = self._charge(instance.host, start)
+            used_ms[user] = used_ms.get(user, 0.0) + micros / 1000
+            seqs[str(op.id)] = seq_result(aici_wire.MidOutcome, instance.host, micros, error=error,
+                                          result=None if error else _as_replied(result))
         return aici_wire.MidProcessReply(seqs=seqs, num_seqs=len(req.ops)), rows
 
 

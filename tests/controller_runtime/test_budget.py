@@ -67,6 +67,19 @@ def test_a_looping_controller_is_charged_to_its_owner_only(strict: Runtime):
     bind(strict, fine, 4, "alice")
 
 
+def test_one_users_sequences_share_one_mid_process_deadline_per_step(strict: Runtime):
+    spin = strict.registry.create(controller(mid="(loop $l (br $l))"), "mallory")["module_id"]
+    fine = strict.registry.create(controller(), "alice")["module_id"]
+    bind(strict, spin, 1, "mallory")
+    bind(strict, fine, 2, "alice")
+    bind(strict, spin, 3, "mallory")
+    data, _ = strict.mid_process(aici_wire.MidProcess(ops=[aici_wire.MidOp(id=i) for i in (1, 2, 3)]))
+    assert "deadline of 50 ms exceeded" in data["seqs"]["1"]["error"]
+    assert data["seqs"]["2"]["error"] == ""  # alice's deadline is her own
+    # mallory's second looping sequence does not hold the step up by another whole deadline
+    assert f"deadline of {strict.settings.pre_deadline_ms:g} ms exceeded" in data["seqs"]["3"]["error"]
+
+
 def test_live_controlled_requests_per_user_are_capped(strict: Runtime):
     fine = strict.registry.create(controller(), "alice")["module_id"]
     for seq_id in (1, 2, 3):
