@@ -50,9 +50,14 @@ def bind(runtime: Runtime, module_id: str, seq_id: int, user: str) -> None:
     runtime.post_pre_process(aici_wire.PostPreProcess(pre_ops=[aici_wire.PreOp(id=seq_id, req_id=f"r{seq_id}")]))
 
 
+def spin_and_fine(runtime: Runtime) -> tuple[str, str]:
+    """Module ids: a controller of mallory's that loops in mid_process, a well-behaved one of alice's."""
+    spin = runtime.registry.create(controller(mid="(loop $l (br $l))"), "mallory")["module_id"]
+    return spin, runtime.registry.create(controller(), "alice")["module_id"]
+
+
 def test_a_looping_controller_is_charged_to_its_owner_only(strict: Runtime):
-    spin = strict.registry.create(controller(mid="(loop $l (br $l))"), "mallory")["module_id"]
-    fine = strict.registry.create(controller(), "alice")["module_id"]
+    spin, fine = spin_and_fine(strict)
     bind(strict, spin, 1, "mallory")
     bind(strict, spin, 2, "mallory")
     bind(strict, fine, 3, "alice")
@@ -68,8 +73,7 @@ def test_a_looping_controller_is_charged_to_its_owner_only(strict: Runtime):
 
 
 def test_one_users_sequences_share_one_mid_process_deadline_per_step(strict: Runtime):
-    spin = strict.registry.create(controller(mid="(loop $l (br $l))"), "mallory")["module_id"]
-    fine = strict.registry.create(controller(), "alice")["module_id"]
+    spin, fine = spin_and_fine(strict)
     bind(strict, spin, 1, "mallory")
     bind(strict, fine, 2, "alice")
     bind(strict, spin, 3, "mallory")
