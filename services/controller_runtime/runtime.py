@@ -20,7 +20,7 @@ from common.config import Controllers
 from controllers.native.base import NativeController
 from services.controller_runtime.budget import UserBudgets
 from services.controller_runtime.host import RequestState, SeqHost
-from services.controller_runtime.instances import Instance, NativeInstance, WasmInstance
+from services.controller_runtime.instances import SAMPLE, Instance, NativeInstance, WasmInstance
 from services.controller_runtime.registry import ModuleRegistry, RegistryError
 from services.controller_runtime.tokenizer import TokenizerInfo
 from services.controller_runtime.wasm import ControllerError, WasmController, WasmEngine
@@ -65,14 +65,16 @@ class CallLedger:
         self.spent: dict[str, float] = {}
         self.credit: dict[str, float] = {}  # each user's credit when first seen in this call (inf: no limit)
 
-    def refusal(self, user: str) -> str:
-        """Why ``user``'s next callback may not run ("": it may)."""
+    def allows(self, user: str) -> bool:
+        """Whether ``user``'s next callback may run (else :meth:`refusal` says why)."""
         credit = self.credit.get(user)
         if credit is None:
             budgets = self.budgets
             credit = self.credit[user] = budgets.credit_s(user, time.monotonic()) if budgets.share else math.inf
-        if self.spent.get(user, 0.0) < credit:
-            return ""
+        return self.spent.get(user, 0.0) < credit
+
+    def refusal(self, user: str) -> str:
+        """Why ``user``'s next callback may not run: their credit is spent (from now on they are refused)."""
         now = time.monotonic()
         self.budgets.charge(user, self.spent.pop(user, 0.0), now)
         self.credit[user] = -math.inf
@@ -230,8 +232,8 @@ class Runtime:
         it asks for are fed straight back to post_process (up to max_ff_rounds times), as AICI v0.0.x does,
         so the scheduler never reports them in post_ops."""
         host = instance.host
-        if refusal := ledger.refusal(host.request.user):
-            return seq_result(aici_wire.PreOutcome, host, 0, error=refusal)
+        if not ledger.allows(host.request.user):
+            return seq_result(aici_wire.PreOutcome, host, 0, error=ledger.refusal(host.request.user))
         start = time.perf_counter()
         logs, storage, ff = [], [], []
         try:
@@ -303,8 +305,8 @@ class Runtime:
                     continue
                 host = instance.host
                 user = host.request.user
-                if refusal := ledger.refusal(user):
-                    seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, 0, error=refusal)
+                if not ledger.allows(user):
+                    seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, 0, error=ledger.refusal(user))
                     continue
                 start = time.perf_counter()
                 try:
@@ -313,7 +315,7 @@ class Runtime:
                     seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, ledger.spend(user, start), error=str(exc))
                     continue
                 seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, ledger.spend(user, start),
-                                               result=_as_replied(result))
+                                               result=None if result is SAMPLE else _as_replied(result))
         finally:
             ledger.settle()
         return aici_wire.MidProcessReply(seqs=seqs, num_seqs=len(req.ops)), rows

@@ -84,8 +84,11 @@ class Ticker:
         self.in_call[get_ident()] = True
         self.calls += 1
         if not self.awake:
-            self.awake = True
-            self._wake.set()
+            self.wake()
+
+    def wake(self) -> None:
+        self.awake = True
+        self._wake.set()
 
     def leave(self) -> None:
         self.in_call[get_ident()] = False
@@ -236,7 +239,11 @@ class WasmController:
         """Run an export under the deadline; returns its i32 result (0 if none); raises ControllerError."""
         engine = self.engine
         ticker = engine.ticker
-        ticker.enter()
+        in_call, thread = ticker.in_call, get_ident()
+        in_call[thread] = True  # Ticker.enter, inlined
+        ticker.calls += 1
+        if not ticker.awake:
+            ticker.wake()
         ctx = self._ctx_addr
         _set_epoch_deadline(ctx, engine.ticks(deadline_ms))
         self._args[0].i32 = self.handle if with_handle else 0
@@ -245,7 +252,7 @@ class WasmController:
             error = _call_unchecked(ctx, self._funcs[export], self._args_addr, 1, self._trap_addr)
         finally:
             _tls.inst = None
-            ticker.leave()
+            in_call[thread] = False
         if error:  # a host function failed (its trap comes back as an error)
             err = wasmtime.WasmtimeError._from_ptr(ctypes.cast(error, ctypes.POINTER(ffi.wasmtime_error_t)))
             raise ControllerError(self._failure(export, str(err), None, deadline_ms))
