@@ -214,6 +214,7 @@ class WasmController:
         self._panic = byref(ex["aici_panic"]._func) if module.has_panic else None
         self._args = (ffi.wasmtime_val_raw * 1)()
         self._args_addr = ctypes.addressof(self._args)
+        self._arg = self._args[0]  # a view of the one argument (and result) slot
         self._trap = ctypes.POINTER(ffi.wasm_trap_t)()
         self._trap_addr = ctypes.addressof(self._trap)
         self.blob_process_arg = self.blob_tokenize = self.blob_storage = b""
@@ -246,7 +247,7 @@ class WasmController:
             ticker.wake()
         ctx = self._ctx_addr
         _set_epoch_deadline(ctx, engine.ticks(deadline_ms))
-        self._args[0].i32 = self.handle if with_handle else 0
+        self._arg.i32 = self.handle if with_handle else 0
         _tls.inst = self
         try:
             error = _call_unchecked(ctx, self._funcs[export], self._args_addr, 1, self._trap_addr)
@@ -261,7 +262,7 @@ class WasmController:
             self._trap = ctypes.POINTER(ffi.wasm_trap_t)()
             self._trap_addr = ctypes.addressof(self._trap)
             raise ControllerError(self._failure(export, t.message, t.trap_code, deadline_ms))
-        return self._args[0].i32
+        return self._arg.i32
 
     def _failure(self, export: str, text: str, code: wasmtime.TrapCode | None, deadline_ms: float) -> str:
         if self.host.error:
