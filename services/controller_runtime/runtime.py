@@ -237,8 +237,12 @@ class Runtime:
         start = time.perf_counter()
         logs, storage, ff = [], [], []
         try:
-            for _ in range(self.settings.max_ff_rounds):
-                result = instance.pre_process()
+            result = instance.pre_process()
+            if result.num_forks == 1 and not result.ff_tokens:  # the usual step: no fork, nothing to fast-forward
+                return seq_result(aici_wire.PreOutcome, host, ledger.spend(host.request.user, start), result=result)
+            for round_ in range(self.settings.max_ff_rounds):
+                if round_:
+                    result = instance.pre_process()
                 logs.append(host.logs_text())
                 storage += host.storage_log
                 if result.num_forks != 1 or result.suspend or not result.ff_tokens:
