@@ -5,7 +5,8 @@ then pre_process) and ``mid_process`` (mask into the reply frame), including msg
 request and encoding of the reply, in-process (no socket). Controllers: a trivial Wasm controller
 (all-ones mask), the shipped Wasm ``constrain`` controller with a JSON schema (llguidance mask + commit
 every step), and the native ``constrained`` controller with the same schema. Each figure is wall time and,
-beside it, the process's CPU time (all threads, the epoch ticker included), which a busy machine inflates less.
+beside it, the process's CPU time (all threads, the epoch ticker included), which a busy machine inflates less;
+each the best of ``--repeats`` runs in fresh processes.
 
 ``--baseline DIR`` measures another checkout (e.g. ``git worktree add /tmp/base main``) beside this one: each
 repeat runs this script once under each tree's ``PYTHONPATH``, alternately, and the medians are printed with
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -119,8 +119,9 @@ def child_run(tree: Path, steps: int, levels: str) -> dict[str, list[list[float]
     return json.loads(out.splitlines()[-1])
 
 
-def medians(runs: list[dict[str, list[list[float]]]]) -> dict[str, list[list[float]]]:
-    return {name: [[statistics.median(r[name][li][k] for r in runs) for k in (0, 1)]
+def best(runs: list[dict[str, list[list[float]]]]) -> dict[str, list[list[float]]]:
+    """The fastest of the runs, wall and CPU each: a busy machine only ever adds time."""
+    return {name: [[min(r[name][li][k] for r in runs) for k in (0, 1)]
                    for li in range(len(runs[0][name]))] for name in runs[0]}
 
 
@@ -141,20 +142,20 @@ def main() -> None:
     for _ in range(args.repeats):
         for label, tree in trees.items():
             runs[label].append(child_run(tree, args.steps, args.levels))
-    figures = {label: medians(r) for label, r in runs.items()}
+    figures = {label: best(r) for label, r in runs.items()}
     print(f"controller runtime overhead, µs per sequence per step (post_pre_process + mid_process, msgpack "
-          f"included), wall / process CPU, median of {args.repeats} runs; {args.steps} steps at most; "
+          f"included), wall / process CPU, best of {args.repeats} runs; {args.steps} steps at most; "
           f"target {TARGET_US:g} µs")
     print(f"{'controller':58} " + " ".join(f"{f'n={n}':>13}" for n in levels) + f"   wall vs target at n={levels[-1]}")
     for label, table in figures.items():
         for name, per_level in table.items():
             row = " ".join(f"{wall:6.1f} /{cpu:5.1f}" for wall, cpu in per_level)
-            print(f"{(name if len(trees) == 1 else f'{label}: {name}'):48} {row}   {per_level[-1][0] / TARGET_US:.2f}x")
+            print(f"{(name if len(trees) == 1 else f'{label}: {name}'):58} {row}   {per_level[-1][0] / TARGET_US:.2f}x")
     if args.baseline is not None:
         base, this = figures["baseline"], figures["this tree"]
         for name in this:
             row = " ".join(f"{t[0] / b[0]:6.2f} /{t[1] / b[1]:5.2f}" for t, b in zip(this[name], base[name]))
-            print(f"{f'this tree / baseline: {name}':48} {row}")
+            print(f"{f'this tree / baseline: {name}':58} {row}")
 
 
 if __name__ == "__main__":
