@@ -74,11 +74,14 @@ class CallLedger:
         return self.spent.get(user, 0.0) < credit
 
     def refusal(self, user: str) -> str:
-        """Why ``user``'s next callback may not run: their credit is spent (from now on they are refused)."""
+        """After :meth:`allows` said no: why ``user``'s next callback may not run, with what they spent so far
+        charged ("": the bucket refilled meanwhile, it may run)."""
         now = time.monotonic()
-        self.budgets.charge(user, self.spent.pop(user, 0.0), now)
-        self.credit[user] = -math.inf
-        return self.budgets.exhausted(user, now)
+        budgets = self.budgets
+        budgets.charge(user, self.spent.pop(user, 0.0), now)
+        refusal = budgets.exhausted(user, now)
+        self.credit[user] = -math.inf if refusal else budgets.credit_s(user, now)
+        return refusal
 
     def spend(self, user: str, start: float) -> int:
         """Book the time since ``start`` to ``user``; returns it in µs."""
@@ -232,8 +235,8 @@ class Runtime:
         it asks for are fed straight back to post_process (up to max_ff_rounds times), as AICI v0.0.x does,
         so the scheduler never reports them in post_ops."""
         host = instance.host
-        if not ledger.allows(host.request.user):
-            return seq_result(aici_wire.PreOutcome, host, 0, error=ledger.refusal(host.request.user))
+        if not ledger.allows(host.request.user) and (refusal := ledger.refusal(host.request.user)):
+            return seq_result(aici_wire.PreOutcome, host, 0, error=refusal)
         start = time.perf_counter()
         logs, storage, ff = [], [], []
         try:
@@ -309,8 +312,8 @@ class Runtime:
                     continue
                 host = instance.host
                 user = host.request.user
-                if not ledger.allows(user):
-                    seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, 0, error=ledger.refusal(user))
+                if not ledger.allows(user) and (refusal := ledger.refusal(user)):
+                    seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, 0, error=refusal)
                     continue
                 start = time.perf_counter()
                 try:
