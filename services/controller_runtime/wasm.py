@@ -51,7 +51,6 @@ _define_unchecked = ctypes.CFUNCTYPE(c_void_p, c_void_p, ctypes.c_char_p, ctypes
 _no_finalizer = ctypes.CFUNCTYPE(None, c_void_p)(lambda _: None)
 _io_words = struct.Struct("<II")
 _io_none = _io_words.pack(IO_NONE, IO_NONE)
-_u32 = struct.Struct("<I")
 _tls = threading.local()  # .inst: the WasmController whose export is running on this thread
 
 # export name -> (params, results) every module must have (aici_panic is optional)
@@ -291,7 +290,7 @@ class WasmController:
         try:
             self._call(export, deadline_ms, with_handle=True)
             if self.host.result is None and io is not None:
-                self._io_result(export, io)
+                self._io_result(export)
             if self.host.result is None:
                 raise ControllerError(f"{export}: aici_host_return_process_result not called")
         except ControllerError as exc:
@@ -300,13 +299,13 @@ class WasmController:
             raise
         return self.host.result
 
-    def _io_result(self, export: str, io: memoryview) -> None:
-        n, = _u32.unpack_from(io, 12)
+    def _io_result(self, export: str) -> None:
+        n = self._io_result_len.value
         if n == IO_NONE:
             return
         if n > self._io_cap:
             raise ControllerError(f"{export}: result_len {n} is beyond the I/O area's capacity {self._io_cap}")
-        self.host.result = bytes(io[IO_HEADER:IO_HEADER + n])
+        self.host.result = ctypes.string_at(self._io_data, n)
 
     @property
     def pre_default(self) -> bool:
@@ -349,6 +348,8 @@ class WasmController:
             raise ControllerError(f"tiller_io: the I/O area is not in the guest's memory: {exc}") from exc
         self._io = memoryview((ctypes.c_char * (IO_HEADER + cap)).from_address(address)).cast("B")
         self._io_flags = ctypes.c_uint32.from_address(address + 4)
+        self._io_result_len = ctypes.c_uint32.from_address(address + 12)
+        self._io_data = address + IO_HEADER
         self._io_offset, self._io_cap = offset, cap
 
     def fork(self, seq_id: int) -> WasmController:
