@@ -3,14 +3,15 @@
 One step = what the scheduler asks each step: ``post_pre_process`` (post_process of the sampled token,
 then pre_process) and ``mid_process`` (mask into the reply frame), including msgpack decoding of the
 request and encoding of the reply, in-process (no socket). Controllers: a trivial Wasm controller
-(all-ones mask), the shipped Wasm ``constrain`` controller with a JSON schema (llguidance mask + commit
+(all-ones mask), the same through the I/O area (the ABI's fast path, as the C SDK uses it: the floor of a
+Wasm controller), the shipped Wasm ``constrain`` controller with a JSON schema (llguidance mask + commit
 every step), and the native ``constrained`` controller with the same schema. Each figure is wall time and,
-beside it, the process's CPU time (all threads, the epoch ticker included), which a busy machine inflates less;
-each the best of ``--repeats`` runs in fresh processes.
+beside it, the process's CPU time (all threads, the epoch ticker included), which a busy machine inflates
+less; each the best of ``--repeats`` runs in fresh processes.
 
 ``--baseline DIR`` measures another checkout (e.g. ``git worktree add /tmp/base main``) beside this one: each
-repeat runs this script once under each tree's ``PYTHONPATH``, alternately, and the medians are printed with
-their ratio (this tree / the baseline).
+repeat runs this script once under each tree's ``PYTHONPATH``, alternately, and both are printed with their
+ratio (this tree / the baseline).
 
     .venv/bin/python deploy/loadtest/controller_runtime_bench.py [--steps 64] [--repeats 3] [--baseline DIR]
 """
@@ -61,6 +62,30 @@ TRIVIAL_WAT = """(module
   (func (export "aici_mid_process") (param i32) (call $bias (i32.const 4096)) (call $ret (i32.const 1300) (i32.const 21)))
   (func (export "aici_post_process") (param i32) (call $ret (i32.const 1200) (i32.const 14))))""" % ("\\ff" * 8192)
 
+# the same through the I/O area (ABI.md "Fast path"), as the C SDK does it: results written in guest memory,
+# pre_process flagged as the default (not called): one guest call a step for post_process, one for
+# mid_process with its one host call for the mask
+TRIVIAL_IO_WAT = """(module
+  (import "env" "aici_host_return_process_result" (func $ret (param i32 i32)))
+  (import "env" "aici_host_return_logit_bias" (func $bias (param i32)))
+  (memory (export "memory") 2)
+  (data (i32.const 1024) "{}")
+  (data (i32.const 1100) "{\\"num_forks\\":1,\\"suspend\\":false,\\"ff_tokens\\":[]}")
+  (data (i32.const 1200) "{\\"stop\\":false}")
+  (data (i32.const 1300) "{\\"SampleWithBias\\":{}}")
+  (data (i32.const 4096) "%s")
+  (data (i32.const 32768) "\\00\\10\\00\\00\\01\\00\\00\\00")
+  (func (export "aici_init"))
+  (func (export "aici_create") (result i32) (i32.const 1))
+  (func (export "tiller_io") (result i32) (i32.const 32768))
+  (func (export "aici_init_prompt") (param i32) (call $ret (i32.const 1024) (i32.const 2)))
+  (func (export "aici_pre_process") (param i32) (call $ret (i32.const 1100) (i32.const 46)))
+  (func (export "aici_mid_process") (param i32) (call $bias (i32.const 4096))
+    (memory.copy (i32.const 32784) (i32.const 1300) (i32.const 21)) (i32.store (i32.const 32780) (i32.const 21)))
+  (func (export "aici_post_process") (param i32)
+    (memory.copy (i32.const 32784) (i32.const 1200) (i32.const 14)) (i32.store (i32.const 32780) (i32.const 14))))""" % (
+    "\\ff" * 8192)
+
 
 def run_case(runtime: Runtime, ref: str, arg: object, n: int, tokens: list[int]) -> tuple[float, float]:
     """(wall, CPU) µs per sequence per step for ``n`` sequences of controller ``ref`` fed ``tokens``."""
@@ -98,10 +123,12 @@ def measure(steps: int, levels: list[int]) -> dict[str, list[list[float]]]:
     registry = ModuleRegistry(Path(tempfile.mkdtemp(prefix="crt-bench-")), engine)
     runtime = Runtime(limits, tokenizer, engine, registry, load_native_controllers(limits.native))
     trivial = registry.create(wasmtime.wat2wasm(TRIVIAL_WAT), "bench")["module_id"]
+    trivial_io = registry.create(wasmtime.wat2wasm(TRIVIAL_IO_WAT), "bench")["module_id"]
     constrain = registry.create((ROOT / "controllers/wasm/constrain.wasm").read_bytes(), "bench")["module_id"]
     doc_tokens = tokenizer.tokenize(DOCUMENT.encode())[:steps]
     cases = [
         ("trivial wasm", trivial, "", [42] * len(doc_tokens)),
+        ("trivial wasm, I/O area", trivial_io, "", [42] * len(doc_tokens)),
         ("json-schema wasm (constrain.wasm)", constrain, {"json_schema": SCHEMA}, doc_tokens),
         ("json-schema native:constrained", "native:constrained", {"json_schema": SCHEMA, "max_tokens": 10_000},
          doc_tokens),
