@@ -46,7 +46,18 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 DOCUMENT = ('{"name":"Ada Lovelace","age":36,"tags":["math","poetry","engines","notes","analysis","bernoulli",'
             '"babbage","london","countess","programs","music","looms","numbers","cards","mill","store","tables"]}')
 
-TRIVIAL_WAT = """(module
+def trivial_wat(io_area: bool) -> str:
+    """A controller that allows every token. With ``io_area`` it works as the C SDK does through the I/O area
+    (ABI.md "Fast path"): results written in guest memory and pre_process flagged as the default (not called),
+    so a step is one guest call for post_process and one for mid_process with its one host call (the mask);
+    without, three guest calls, each returning its result through the host, and the mask."""
+    if io_area:  # the area at 32768: cap 4096, flags 1; its data at 32784, result_len at 32780
+        io = '(data (i32.const 32768) "\\00\\10\\00\\00\\01\\00\\00\\00")\n  (func (export "tiller_io") (result i32) (i32.const 32768))'
+        mid_ret = "(memory.copy (i32.const 32784) (i32.const 1300) (i32.const 21)) (i32.store (i32.const 32780) (i32.const 21))"
+        post_ret = "(memory.copy (i32.const 32784) (i32.const 1200) (i32.const 14)) (i32.store (i32.const 32780) (i32.const 14))"
+    else:
+        io, mid_ret, post_ret = "", "(call $ret (i32.const 1300) (i32.const 21))", "(call $ret (i32.const 1200) (i32.const 14))"
+    return """(module
   (import "env" "aici_host_return_process_result" (func $ret (param i32 i32)))
   (import "env" "aici_host_return_logit_bias" (func $bias (param i32)))
   (memory (export "memory") 2)
@@ -55,37 +66,13 @@ TRIVIAL_WAT = """(module
   (data (i32.const 1200) "{\\"stop\\":false}")
   (data (i32.const 1300) "{\\"SampleWithBias\\":{}}")
   (data (i32.const 4096) "%s")
+  %s
   (func (export "aici_init"))
   (func (export "aici_create") (result i32) (i32.const 1))
   (func (export "aici_init_prompt") (param i32) (call $ret (i32.const 1024) (i32.const 2)))
   (func (export "aici_pre_process") (param i32) (call $ret (i32.const 1100) (i32.const 46)))
-  (func (export "aici_mid_process") (param i32) (call $bias (i32.const 4096)) (call $ret (i32.const 1300) (i32.const 21)))
-  (func (export "aici_post_process") (param i32) (call $ret (i32.const 1200) (i32.const 14))))""" % ("\\ff" * 8192)
-
-# the same through the I/O area (ABI.md "Fast path"), as the C SDK does it: results written in guest memory,
-# pre_process flagged as the default (not called): one guest call a step for post_process, one for
-# mid_process with its one host call for the mask
-TRIVIAL_IO_WAT = """(module
-  (import "env" "aici_host_return_process_result" (func $ret (param i32 i32)))
-  (import "env" "aici_host_return_logit_bias" (func $bias (param i32)))
-  (memory (export "memory") 2)
-  (data (i32.const 1024) "{}")
-  (data (i32.const 1100) "{\\"num_forks\\":1,\\"suspend\\":false,\\"ff_tokens\\":[]}")
-  (data (i32.const 1200) "{\\"stop\\":false}")
-  (data (i32.const 1300) "{\\"SampleWithBias\\":{}}")
-  (data (i32.const 4096) "%s")
-  (data (i32.const 32768) "\\00\\10\\00\\00\\01\\00\\00\\00")
-  (func (export "aici_init"))
-  (func (export "aici_create") (result i32) (i32.const 1))
-  (func (export "tiller_io") (result i32) (i32.const 32768))
-  (func (export "aici_init_prompt") (param i32) (call $ret (i32.const 1024) (i32.const 2)))
-  (func (export "aici_pre_process") (param i32) (call $ret (i32.const 1100) (i32.const 46)))
-  (func (export "aici_mid_process") (param i32) (call $bias (i32.const 4096))
-    (memory.copy (i32.const 32784) (i32.const 1300) (i32.const 21)) (i32.store (i32.const 32780) (i32.const 21)))
-  (func (export "aici_post_process") (param i32)
-    (memory.copy (i32.const 32784) (i32.const 1200) (i32.const 14)) (i32.store (i32.const 32780) (i32.const 14))))""" % (
-    "\\ff" * 8192)
-
+  (func (export "aici_mid_process") (param i32) (call $bias (i32.const 4096)) %s)
+  (func (export "aici_post_process") (param i32) %s))""" % ("\\ff" * 8192, io, mid_ret, post_ret)
 
 def run_case(runtime: Runtime, ref: str, arg: object, n: int, tokens: list[int]) -> tuple[float, float]:
     """(wall, CPU) µs per sequence per step for ``n`` sequences of controller ``ref`` fed ``tokens``."""
@@ -122,8 +109,8 @@ def measure(steps: int, levels: list[int]) -> dict[str, list[list[float]]]:
     engine = WasmEngine(limits, tokenizer)
     registry = ModuleRegistry(Path(tempfile.mkdtemp(prefix="crt-bench-")), engine)
     runtime = Runtime(limits, tokenizer, engine, registry, load_native_controllers(limits.native))
-    trivial = registry.create(wasmtime.wat2wasm(TRIVIAL_WAT), "bench")["module_id"]
-    trivial_io = registry.create(wasmtime.wat2wasm(TRIVIAL_IO_WAT), "bench")["module_id"]
+    trivial = registry.create(wasmtime.wat2wasm(trivial_wat(io_area=False)), "bench")["module_id"]
+    trivial_io = registry.create(wasmtime.wat2wasm(trivial_wat(io_area=True)), "bench")["module_id"]
     constrain = registry.create((ROOT / "controllers/wasm/constrain.wasm").read_bytes(), "bench")["module_id"]
     doc_tokens = tokenizer.tokenize(DOCUMENT.encode())[:steps]
     cases = [
