@@ -9,7 +9,7 @@ import pytest
 from common import aici_wire
 from common.config import Controllers
 from services.controller_runtime.budget import UserBudgets
-from services.controller_runtime.runtime import Runtime, UserError
+from services.controller_runtime.runtime import CallLedger, Runtime, UserError
 from tests.controller_runtime.conftest import wire_runtime
 from tests.controller_runtime.wat import controller
 
@@ -35,6 +35,24 @@ def test_the_cap_on_live_requests_and_a_share_of_zero_limits_nothing():
     assert "already has 2 controlled requests running" in b.refusal("u", 0.0)
     b.ended("u", 1.0)
     assert b.refusal("u", 1.0) == ""
+
+
+def test_a_call_ledger_refuses_a_user_once_their_credit_is_spent_and_charges_them_at_its_end():
+    b = UserBudgets(share=1e-6, burst_s=1.0, max_live=8)
+    ledger = CallLedger(b)
+    assert ledger.allows("mallory") and ledger.allows("alice")
+    ledger.spend("mallory", time.perf_counter() - 0.6)  # two callbacks that ran 0.6 s each
+    assert ledger.allows("mallory")  # 0.6 of 1.0 spent
+    assert b.credit_s("mallory", time.monotonic()) == pytest.approx(1.0, abs=1e-3)  # not charged yet
+    ledger.spend("mallory", time.perf_counter() - 0.6)
+    assert not ledger.allows("mallory")
+    assert "used up their controller CPU time" in ledger.refusal("mallory")
+    assert b.credit_s("mallory", time.monotonic()) == pytest.approx(-0.2, abs=1e-2)  # charged when refused
+    assert not ledger.allows("mallory") and ledger.refusal("mallory")
+    assert ledger.spend("alice", time.perf_counter() - 0.1) >= 100_000 and ledger.allows("alice")
+    ledger.settle()
+    assert b.credit_s("alice", time.monotonic()) == pytest.approx(0.9, abs=1e-2)
+    assert b.credit_s("mallory", time.monotonic()) == pytest.approx(-0.2, abs=1e-2)  # charged once
 
 
 @pytest.fixture
