@@ -181,7 +181,7 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, tokenizer) 
         started = time.thread_time()
         reply = core.submit(b"gw", decoder.decode(encoder.encode(msg)))
         run.core_s += time.thread_time() - started
-        assert isinstance(reply, wire.Ok), reply
+        assert isinstance(reply, wire.Queued), reply
 
     for client in clients:
         submit(client)
