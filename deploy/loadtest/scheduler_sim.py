@@ -35,6 +35,7 @@ from common import wire
 from common.blocks import BLOCK_SIZE, ROOT_HASH, block_hash, block_key
 from common.config import Controllers, Limits, Sessions, Settings
 from common.model_source import load_tokenizer
+from common.service import freeze_startup_heap
 from common.textstream import TextStream
 from services.scheduler.core import SchedulerCore
 from services.scheduler.placement import KVAwarePlacement
@@ -181,7 +182,7 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, tokenizer) 
         started = time.thread_time()
         reply = core.submit(b"gw", decoder.decode(encoder.encode(msg)))
         run.core_s += time.thread_time() - started
-        assert isinstance(reply, wire.Ok), reply
+        assert isinstance(reply, wire.Queued), reply
 
     for client in clients:
         submit(client)
@@ -238,6 +239,7 @@ def main() -> None:
     # the core's per-request info lines would swamp the table (and a real scheduler writes them to a file)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     tokenizer = load_tokenizer(Settings())
+    freeze_startup_heap()  # as the scheduler service does once it started
     print(f"{args.seqs} sessions per worker, {args.turns} turns of {args.tokens} tokens, prompts: one of "
           f"{args.system_prompts} system prompts ({args.system_tokens} tokens) + history + {args.user_tokens} new")
     header = (f"{'workers':>7} {'rounds':>6} {'core ms/round':>13} {'µs/step/worker':>14} "

@@ -155,7 +155,7 @@ class SchedulerCore:
         stage = self.pool.summary()
         if facts is None and stage.stage == "failed":
             return refuse(MODEL_LOADING_ERROR, f"the model failed to load: {stage.message}")
-        if facts is not None and not all(0 <= t < facts.vocab_size for t in submit.prompt_ids):
+        if facts is not None and not (min(submit.prompt_ids) >= 0 and max(submit.prompt_ids) < facts.vocab_size):
             return refuse(INVALID_REQUEST, f"prompt token ids must lie in [0, {facts.vocab_size})")
         if submit.max_tokens < 0:
             return refuse(INVALID_REQUEST, "max_tokens must be >= 0 (0: prefill only)")
@@ -464,6 +464,7 @@ class SchedulerCore:
             # step is on its way. A stop string found then ends the request, and the token that
             # step samples for it is dropped.
             self.deferred.append((request, event))
+            request.deferred_texts += 1
 
     def _emit_text(self, request: LiveRequest, event: wire.TokenEvent, last: bool) -> None:
         """The text of a token event; finish on a completed stop string, or when it was the ``last``."""
@@ -479,14 +480,18 @@ class SchedulerCore:
         """Work out the text of the tokens applied last (the shell calls it while a step runs)."""
         deferred, self.deferred = self.deferred, []
         for request, event in deferred:
+            request.deferred_texts -= 1
             if request.state is not State.FINISHED:  # it may have been cancelled or failed since
                 self._emit_text(request, event, last=False)
 
     def _emit_deferred_of(self, request: LiveRequest) -> None:
         """Work out a request's deferred token text now (before it ends for another reason)."""
+        if not request.deferred_texts:
+            return
         for i, (deferred, event) in enumerate(self.deferred):
             if deferred is request:
                 del self.deferred[i]
+                request.deferred_texts -= 1
                 self._emit_text(request, event, last=False)
                 return
 
@@ -603,6 +608,8 @@ class SchedulerCore:
     def _decoded_readouts(self, request: LiveRequest, seq: wire.SeqStep, result: wire.StepResult) -> None:
         """The readout of a decoded token, computed by the step that fed it (the one after its sampling),
         as an event of its own (a ``PositionOutput`` past the prompt)."""
+        if not result.readouts:
+            return
         outputs = [wire.PositionOutput(position=r.position, token_id=seq.tokens[0], readout=r.values)
                    for r in result.readouts.get(seq.seq_id, [])]
         if outputs:
