@@ -147,15 +147,18 @@ D = TypeVar("D")
 
 
 class MainOk(msgspec.Struct, Generic[D], tag_field="type", tag="ok"):
-    """A main-channel ok reply; ``data`` is the reply type of the request's op (:data:`REPLY_DATA`)."""
+    """A main-channel ok reply; ``data`` is the reply type of the request's op (:data:`REPLY_DATA`).
+    ``incarnation``: the runtime process's life (common.incarnation; a restarted one bound nothing)."""
 
     data: D
+    incarnation: str = ""
 
 
 class MainError(msgspec.Struct, tag_field="type", tag="error"):
     error: str
     is_user_error: bool = False
     data: dict[str, Any] = {}
+    incarnation: str = ""
 
 
 REPLY_DATA: dict[type[MainOp], type] = {Ping: Pong, Tokens: TokensReply, PostPreProcess: PostPreProcessReply,

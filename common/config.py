@@ -125,7 +125,9 @@ class Controllers(BaseModel):
 
     init_deadline_ms: float = Field(1000.0, gt=0, description="instantiate: aici_init + aici_create + init_prompt")
     pre_deadline_ms: float = Field(10.0, gt=0, description="pre_process (plus the post_process of its ff_tokens)")
-    mid_deadline_ms: float = Field(150.0, gt=0, description="mid_process")
+    mid_deadline_ms: float = Field(150.0, gt=0, description="mid_process, for all of one user's sequences in a step "
+                                   "together (the step waits for their masks; once used up, each of the user's "
+                                   "next ones in the step gets pre_deadline_ms)")
     post_deadline_ms: float = Field(10.0, gt=0, description="post_process")
     epoch_tick_ms: float = Field(1.0, gt=0, description="deadline resolution: the epoch ticker's period")
     max_memory_bytes: int = Field(64 << 20, ge=1 << 17, description="linear memory of one controller instance")
@@ -143,6 +145,8 @@ class Controllers(BaseModel):
                                   "0: no limit)")
     user_cpu_burst_s: float = Field(5.0, gt=0, description="controller CPU seconds one user may take in a burst")
     max_controlled_per_user: int = Field(64, ge=1, description="controlled requests one user may have live at once")
+    nice: int = Field(10, ge=0, le=19, description="the runtime's CPU priority (Unix nice, applied at start): "
+                      "controller code yields the CPU to the worker's forward pass on a shared host (0: as started)")
     module_dir: Path | None = Field(None, description="modules, compiled cache and tags (default: <run_dir>/controllers)")
     native: dict[str, str] = Field(
         default_factory=lambda: {"constrained": "controllers.native.constrained:ConstrainedController"},

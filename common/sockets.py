@@ -117,6 +117,11 @@ class Dealer:
 
     Replies (messages with a ``mid``) resolve their pending request's future, or are dropped when it
     timed out; unsolicited messages (``mid`` 0) go to ``on_message`` if given, else are dropped.
+
+    ``immediate``: a message is only queued on a live connection (``ZMQ_IMMEDIATE``): while the peer
+    is down a send waits, and a request that timed out or was abandoned meanwhile is never sent, so a
+    restarted peer does not get work its sender already gave up (ZeroMQ otherwise keeps it queued and
+    delivers it on reconnecting).
     """
 
     def __init__(
@@ -126,10 +131,12 @@ class Dealer:
         *,
         identity: bytes | None = None,
         on_message: Callable[[wire.Message, list[bytes]], Awaitable[None]] | None = None,
+        immediate: bool = False,
     ) -> None:
         self.endpoint = endpoint
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IMMEDIATE, int(immediate))
         if identity is not None:
             self.sock.setsockopt(zmq.IDENTITY, identity)
         self.sock.connect(endpoint)
@@ -173,11 +180,17 @@ class Dealer:
         msg.mid = next(self._mids)
         future: asyncio.Future[tuple[wire.Message, list[bytes]]] = asyncio.get_running_loop().create_future()
         self._pending[msg.mid] = future
+        sending = asyncio.ensure_future(self.send(msg, binary))
         try:
             async with asyncio.timeout(timeout):  # the send too: it waits while the peer's queue is full
-                await self.send(msg, binary)
+                await asyncio.wait((sending, future), return_when=asyncio.FIRST_COMPLETED)
+                if future.done() and not sending.done():  # abandoned while the send waited: never send it
+                    sending.cancel()
+                else:
+                    await sending
                 return await future
         finally:
+            sending.cancel()  # a send cut short by the timeout is not sent later either
             self._pending.pop(msg.mid, None)
 
     def abandon(self, reason: str) -> None:

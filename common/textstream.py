@@ -7,9 +7,29 @@ stop string completes, the text before it is released and the rest is dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 REPLACEMENT_CHAR = "\ufffd"
+
+
+def decoder(tokenizer: object) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)``; for a
+    transformers fast tokenizer whose class keeps the stock decode, its Rust backend's decode, which
+    is all that call does once the wrapper has checked its arguments (the wrapper costs several times
+    the decoding itself, and a stream decodes twice per token)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and _stock_decode(type(tokenizer)):
+        return partial(backend.decode, skip_special_tokens=True)
+    return partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # type: ignore[attr-defined]
+
+
+def _stock_decode(cls: type) -> bool:
+    import transformers
+
+    return (cls.decode is transformers.PreTrainedTokenizerBase.decode  # type: ignore[attr-defined]
+            and cls._decode is transformers.TokenizersBackend._decode)  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -25,8 +45,8 @@ class TextStream:
     _prefix_offset: int = 0
     _read_offset: int = 0
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    def __post_init__(self) -> None:
+        self._decode = decoder(self.tokenizer)
 
     def _append_token(self, token_id: int) -> None:
         self.ids.append(token_id)

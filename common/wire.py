@@ -57,12 +57,12 @@ class SamplingPatch(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop: list[str] | None = None
 
 
-class TokenLogprob(msgspec.Struct, array_like=True):
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
     token_id: int
     logprob: float
 
 
-class SampledToken(msgspec.Struct, array_like=True):
+class SampledToken(msgspec.Struct, array_like=True, gc=False):
     """One generated token with its logprob and top alternatives (empty when not requested)."""
 
     token_id: int
@@ -323,7 +323,7 @@ class RequestState(Msg, tag="request_state"):
     paused: bool
 
 
-class PositionOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+class PositionOutput(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """What was asked of one prompt position: the logprob of its token given the tokens before it
     (``logprob`` None when not asked or at position 0), top alternatives, and the concept readout
     (float32 ``[layers][concepts]``, little-endian bytes; empty when not asked)."""
@@ -335,7 +335,7 @@ class PositionOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     readout: bytes = b""
 
 
-class TokenEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
+class TokenEvent(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """What one step produced for one request.
 
     ``text`` is the newly releasable text: it never contains a partial stop string nor a partial
@@ -366,7 +366,7 @@ class TokenEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
     cached_tokens: int = 0  # on the last event: prompt tokens whose KV was reused, not computed
 
 
-class Events(Msg, tag="events"):
+class Events(Msg, tag="events", gc=False):
     """All token events of one step for one gateway: one message per step, never one per token."""
 
     events: list[TokenEvent]
@@ -386,24 +386,24 @@ class RequestFailed(Msg, tag="request_failed"):
 # scheduler <-> worker
 
 
-class ScoreQuery(msgspec.Struct, array_like=True):
+class ScoreQuery(msgspec.Struct, array_like=True, gc=False):
     position: int
     target: int
 
 
-class ScoreResult(msgspec.Struct, array_like=True):
+class ScoreResult(msgspec.Struct, array_like=True, gc=False):
     position: int
     target: int
     logprob: float
     top: list[TokenLogprob] = []
 
 
-class ReadoutResult(msgspec.Struct, array_like=True):
+class ReadoutResult(msgspec.Struct, array_like=True, gc=False):
     position: int
     values: bytes  # float32 [layers][concepts], little-endian
 
 
-class SeqStep(msgspec.Struct, kw_only=True, omit_defaults=True):
+class SeqStep(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """One sequence's part of a step, applied in this order:
 
     1. ``fork_of`` (only on a sequence's first SeqStep): start as a copy of that live sequence as it
@@ -438,7 +438,7 @@ class SeqStep(msgspec.Struct, kw_only=True, omit_defaults=True):
     readouts: list[int] = []
 
 
-class Step(Msg, tag="step"):
+class Step(Msg, tag="step", gc=False):
     """One batched forward pass. ``free`` lists sequences to drop before it runs; ``free_all`` drops
     every sequence first (a scheduler's first step to a worker: what the worker holds belongs to
     requests of a scheduler that is gone, and its sequence ids will be reused).
@@ -456,7 +456,7 @@ class Step(Msg, tag="step"):
     masks_follow: bool = False
 
 
-class SeqFailure(msgspec.Struct, kw_only=True):
+class SeqFailure(msgspec.Struct, kw_only=True, gc=False):
     seq_id: int
     message: str
 
@@ -478,7 +478,7 @@ class StepAbandon(Msg, tag="step_abandon"):
     reason: str
 
 
-class StepResult(Msg, tag="step_result"):
+class StepResult(Msg, tag="step_result", gc=False):
     step_id: int
     samples: dict[int, SampledToken]  # seq_id -> sampled token (only for seqs with sample=True)
     failures: list[SeqFailure] = []

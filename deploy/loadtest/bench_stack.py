@@ -4,7 +4,9 @@ Prints tokens/s of plain generate on one prompt, of one Tiller stream, and the a
 concurrent Tiller streams, with time-to-first-token and inter-token latency p50/p99, and the ratios
 against the baselines measured in the same run: plain generate and the worker engine alone at batch 1
 (the stack's overhead is what one stream loses against the engine). Starts its own stack, with the
-caller's TILLER_* settings (model, device, ...), unless ``--url`` is given.
+caller's TILLER_* settings (model, device, ...), unless ``--url`` is given; then it also prints the CPU
+time each service process spent per generated token in each phase (from ``/proc``, Linux), a figure
+that survives a busy machine far better than tokens/s.
 
     python deploy/loadtest/bench_stack.py [--tokens 128] [--streams 16] [--url ws://127.0.0.1:8080/generate]
 
@@ -30,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from common.cli import SERVICES  # noqa: E402
 from common.config import get_settings  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
@@ -168,6 +171,37 @@ async def streams(url: str, n: int, tokens: int) -> tuple[float, list[StreamStat
     return sum(r.tokens for r in results) / elapsed, results
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time of process ``pid``'s live threads so far, in nanoseconds' precision (``/proc/<pid>/stat``
+    counts 10 ms ticks, a third of a stream's 256 tokens' cost on the scheduler)."""
+    total = 0
+    for schedstat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(schedstat.read_text().split()[0])  # time on a CPU, user and system
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            pass
+    return total / 1e9
+
+
+class CpuPerToken:
+    """CPU seconds per generated token of each service process over a phase: ``start()`` then ``stop(tokens)``."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.before: dict[str, float] = {}
+
+    def start(self) -> None:
+        self.before = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+
+    def stop(self, tokens: int) -> dict[str, float]:
+        return {name: (cpu_seconds(pid) - self.before[name]) / tokens for name, pid in self.pids.items()}
+
+
+def describe_cpu(per_token: dict[str, float]) -> str:
+    parts = "  ".join(f"{name} {seconds * 1e6:6.0f}" for name, seconds in per_token.items())
+    return f"{'':28s} CPU us/token: {parts}  (total {sum(per_token.values()) * 1e6:.0f})"
+
+
 def describe(label: str, tok_s: float, results: list[StreamStats], baseline: float) -> str:
     ttft = [r.ttft_s * 1000 for r in results]
     gaps = [g * 1000 for r in results for g in r.gaps_s]
@@ -196,16 +230,22 @@ def measure(tokens: int, n_streams: int, url: str | None = None) -> StackFigures
     baseline, engine_alone = in_process_baselines(tokens)
     release_accelerator_memory()  # the model measured in-process is gone: leave the GPU to the stack
     stack = None
+    cpu = CpuPerToken({})
     if url is None:
         from tests.stack import start_stack
 
         configured = {k: v for k, v in os.environ.items() if k.startswith("TILLER_")}
         stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-bench-")), **configured)
         url = stack.ws_url
+        cpu = CpuPerToken({name: stack.pid(name) for name in SERVICES})
     try:
         asyncio.run(one_stream(url, tokens))  # warm-up
+        cpu.start()
         single_tok_s, single = asyncio.run(streams(url, 1, tokens))
+        single_cpu = cpu.stop(sum(r.tokens for r in single))
+        cpu.start()
         many_tok_s, many = asyncio.run(streams(url, n_streams, tokens))
+        many_cpu = cpu.stop(sum(r.tokens for r in many))
     finally:
         if stack is not None:
             stack.down()
@@ -215,7 +255,11 @@ def measure(tokens: int, n_streams: int, url: str | None = None) -> StackFigures
     print(f"{'plain transformers.generate':28s} {baseline:8.1f} tok/s")
     print(f"{'worker engine alone, batch 1':28s} {engine_alone:8.1f} tok/s  ({engine_alone / baseline:5.2f}x plain)")
     print(describe("tiller, 1 stream", single_tok_s, single, baseline))
+    if cpu.pids:
+        print(describe_cpu(single_cpu))
     print(describe(f"tiller, {n_streams} streams (aggregate)", many_tok_s, many, baseline))
+    if cpu.pids:
+        print(describe_cpu(many_cpu))
     print(f"per-stream median {statistics.median(r.tokens / r.total_s for r in many):.1f} tok/s")
     print(f"one stream through the whole stack keeps {figures.single_vs_engine:.0%} of the engine's own batch-1 speed")
     return figures

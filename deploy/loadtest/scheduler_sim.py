@@ -48,6 +48,7 @@ from common import wire
 from common.blocks import BLOCK_SIZE, ROOT_HASH, block_hash, block_key
 from common.config import Controllers, Limits, Sessions, Settings
 from common.model_source import load_tokenizer
+from common.service import freeze_startup_heap
 from common.textstream import TextStream
 from services.scheduler.core import Dispatch, SchedulerCore
 from services.scheduler.placement import KVAwarePlacement
@@ -363,6 +364,7 @@ def main() -> None:
     # the core's per-request info lines would swamp the table (and a real scheduler writes them to a file)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     tokenizer = load_tokenizer(Settings())
+    freeze_startup_heap()  # as the scheduler service does once it started
     print(f"{args.seqs} users per worker, {args.sessions} conversations each of ~{args.turns} turns of {args.tokens} "
           f"tokens; prompts: one of {args.system_prompts} system prompts (~{args.system_tokens} tokens, "
           f"Zipf {args.zipf:g}) + history + ~{args.user_tokens} new; {args.kv_tokens:,} KV tokens per worker; "

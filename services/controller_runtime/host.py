@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from services.controller_runtime.constraints import Constraint, ConstraintError
 from services.controller_runtime.tokenizer import TokenizerInfo
 
+# ctypes.memmove without releasing the GIL: the copies are a few KB, and a release hands the GIL to the
+# epoch ticker's thread, which costs more than the copy
+memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(ctypes._memmove_addr)
+
 
 class HostError(Exception):
     """A controller misused the host (bad pointer, bad JSON, wrong phase); ends that sequence."""
@@ -84,12 +88,16 @@ class SeqHost:
         self.seq_id = 0
         self.constraints: dict[int, Constraint] = {}
         self._next_handle = 1
+        self.logs = bytearray()
+        self.storage_log: list[dict] = []
         self.begin_call(None)
 
     # -- per call -------------------------------------------------------------------------------------
     def begin_call(self, mask_address: int | None) -> None:
-        self.logs = bytearray()
-        self.storage_log: list[dict] = []
+        if self.logs:  # fresh ones only when used: the last call's may have been handed on
+            self.logs = bytearray()
+        if self.storage_log:
+            self.storage_log = []
         self.result: bytes | None = None
         self.mask_address = mask_address
         self.mask_set = False
@@ -152,12 +160,12 @@ class SeqHost:
 
     def return_logit_bias_from(self, address: int) -> None:
         """Copy ceil(vocab/32) u32 words from ``address`` into this op's mask row."""
-        ctypes.memmove(self._mask_target(), address, self.tokenizer.mask_words * 4)
+        memmove(self._mask_target(), address, self.tokenizer.mask_words * 4)
 
     def return_logit_bias(self, bitset: bytes) -> None:
         if len(bitset) != self.tokenizer.mask_words * 4:
             raise HostError(f"logit bias must be {self.tokenizer.mask_words * 4} bytes, got {len(bitset)}")
-        ctypes.memmove(self._mask_target(), bitset, len(bitset))
+        memmove(self._mask_target(), bitset, len(bitset))
 
     # -- constraints -----------------------------------------------------------------------------------
     def constraint_new(self, kind: int, source: str) -> int:

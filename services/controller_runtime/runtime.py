@@ -9,6 +9,7 @@ its error until the scheduler frees it.
 from __future__ import annotations
 
 import ctypes
+import math
 import time
 from typing import Any, TypeVar
 
@@ -19,7 +20,7 @@ from common.config import Controllers
 from controllers.native.base import NativeController
 from services.controller_runtime.budget import UserBudgets
 from services.controller_runtime.host import RequestState, SeqHost
-from services.controller_runtime.instances import Instance, NativeInstance, WasmInstance
+from services.controller_runtime.instances import SAMPLE, Instance, NativeInstance, WasmInstance
 from services.controller_runtime.registry import ModuleRegistry, RegistryError
 from services.controller_runtime.tokenizer import TokenizerInfo
 from services.controller_runtime.wasm import ControllerError, WasmController, WasmEngine
@@ -47,7 +48,52 @@ def seq_result(outcome: type[O], host: SeqHost, micros: int, result: Any = None,
     """A sequence's outcome of one callback, with what it logged and stored."""
     if error and not error.startswith("controller already failed"):
         log.info("controller_runtime.seq_failed", req_id=host.request.req_id, seq_id=host.seq_id, error=error[:500])
+    if not host.logs and not host.storage_log:  # the usual step (the host's empty list stays its own)
+        return outcome(error=error, result=result, micros=micros)
     return outcome(error=error, result=result, storage=host.storage_log, logs=host.logs_text(), micros=micros)
+
+
+class CallLedger:
+    """The controller time of one main-channel call per user, charged to the budgets once at its end. Refusals
+    are those of charging every callback as it ends: a user's callbacks are refused from the first one after
+    their credit (as of the call's start) is spent, this call's spending included."""
+
+    __slots__ = ("budgets", "spent", "credit")
+
+    def __init__(self, budgets: UserBudgets) -> None:
+        self.budgets = budgets
+        self.spent: dict[str, float] = {}
+        self.credit: dict[str, float] = {}  # each user's credit when first seen in this call (inf: no limit)
+
+    def allows(self, user: str) -> bool:
+        """Whether ``user``'s next callback may run (else :meth:`refusal` says why)."""
+        credit = self.credit.get(user)
+        if credit is None:
+            budgets = self.budgets
+            credit = self.credit[user] = budgets.credit_s(user, time.monotonic()) if budgets.share else math.inf
+        return self.spent.get(user, 0.0) < credit
+
+    def refusal(self, user: str) -> str:
+        """After :meth:`allows` said no: why ``user``'s next callback may not run, with what they spent so far
+        charged ("": the bucket refilled meanwhile, it may run)."""
+        now = time.monotonic()
+        budgets = self.budgets
+        budgets.charge(user, self.spent.pop(user, 0.0), now)
+        refusal = budgets.exhausted(user, now)
+        self.credit[user] = -math.inf if refusal else budgets.credit_s(user, now)
+        return refusal
+
+    def spend(self, user: str, start: float) -> int:
+        """Book the time since ``start`` to ``user``; returns it in µs."""
+        elapsed = time.perf_counter() - start
+        self.spent[user] = self.spent.get(user, 0.0) + elapsed
+        return int(elapsed * 1e6)
+
+    def settle(self) -> None:
+        now = time.monotonic()
+        for user, seconds in self.spent.items():
+            self.budgets.charge(user, seconds, now)
+        self.spent.clear()
 
 
 class Runtime:
@@ -101,11 +147,6 @@ class Runtime:
         self.budgets.charge(host.request.user, micros / 1e6, time.monotonic())
         return micros
 
-    def _over_budget(self, outcome: type[O], host: SeqHost) -> O | None:
-        """The failed result of a call a user whose controller time is used up may not make."""
-        refusal = self.budgets.exhausted(host.request.user, time.monotonic())
-        return seq_result(outcome, host, 0, error=refusal) if refusal else None
-
     def _ended(self, instance: Instance) -> None:
         request = instance.host.request
         request.live_seqs -= 1
@@ -147,17 +188,20 @@ class Runtime:
         if req.reset:  # a restarted scheduler: the sequences bound so far belong to requests that are gone
             self.free(list(self.seqs))
         self.free(req.freed)
-        post_seqs: dict[str, aici_wire.PostOutcome] = {}
-        for op in req.post_ops:
-            post_seqs[str(op.id)] = self._post(op.id, op.tokens, op.backtrack)
-        pre_seqs: dict[str, aici_wire.PreOutcome] = {}
-        for op in req.pre_ops:
-            error = self._bind(op)
-            if error:
-                pre_seqs[str(op.id)] = aici_wire.PreOutcome(error=error)
-        for seq_id in self.seqs:
-            if str(seq_id) not in pre_seqs:
-                pre_seqs[str(seq_id)] = self._pre(seq_id)
+        ledger = CallLedger(self.budgets)
+        try:
+            post_seqs = {str(op.id): self._post(op.id, op.tokens, op.backtrack, ledger) for op in req.post_ops}
+            pre_seqs: dict[str, aici_wire.PreOutcome] = {}
+            for op in req.pre_ops:
+                error = self._bind(op)
+                if error:
+                    pre_seqs[str(op.id)] = aici_wire.PreOutcome(error=error)
+            for seq_id, instance in self.seqs.items():
+                key = str(seq_id)
+                if key not in pre_seqs:
+                    pre_seqs[key] = PRE_DEFAULT_REPLY if instance.pre_default else self._pre(instance, ledger)
+        finally:
+            ledger.settle()
         return aici_wire.PostPreProcessReply(post_seqs=post_seqs, pre_seqs=pre_seqs)
 
     def _bind(self, op: aici_wire.PreOp) -> str:
@@ -174,31 +218,34 @@ class Runtime:
         self.seqs[op.id] = instance
         return ""
 
-    def _post(self, seq_id: int, tokens: list[int], backtrack: int) -> aici_wire.PostOutcome:
+    def _post(self, seq_id: int, tokens: list[int], backtrack: int, ledger: CallLedger) -> aici_wire.PostOutcome:
         instance = self.seqs.get(seq_id)
         if instance is None:
             return aici_wire.PostOutcome(error=f"unknown sequence {seq_id}")
+        host = instance.host
         start = time.perf_counter()
         try:
             result = instance.post_process(tokens, backtrack)
         except ControllerError as exc:
-            return seq_result(aici_wire.PostOutcome, instance.host, self._charge(instance.host, start), error=str(exc))
-        return seq_result(aici_wire.PostOutcome, instance.host, self._charge(instance.host, start), result=result)
+            return seq_result(aici_wire.PostOutcome, host, ledger.spend(host.request.user, start), error=str(exc))
+        return seq_result(aici_wire.PostOutcome, host, ledger.spend(host.request.user, start), result=result)
 
-    def _pre(self, seq_id: int) -> aici_wire.PreOutcome:
-        """pre_process; ff_tokens it asks for are fed straight back to post_process (up to max_ff_rounds
-        times), as AICI v0.0.x does, so the scheduler never reports them in post_ops."""
-        instance = self.seqs[seq_id]
+    def _pre(self, instance: Instance, ledger: CallLedger) -> aici_wire.PreOutcome:
+        """pre_process (one the guest flags as the default is not called: the caller answers it); ff_tokens
+        it asks for are fed straight back to post_process (up to max_ff_rounds times), as AICI v0.0.x does,
+        so the scheduler never reports them in post_ops."""
         host = instance.host
-        if instance.pre_default:
-            return PRE_DEFAULT_REPLY
-        if (refused := self._over_budget(aici_wire.PreOutcome, host)) is not None:
-            return refused
+        if not ledger.allows(host.request.user) and (refusal := ledger.refusal(host.request.user)):
+            return seq_result(aici_wire.PreOutcome, host, 0, error=refusal)
         start = time.perf_counter()
         logs, storage, ff = [], [], []
         try:
-            for _ in range(self.settings.max_ff_rounds):
-                result = instance.pre_process()
+            result = instance.pre_process()
+            if result.num_forks == 1 and not result.ff_tokens:  # the usual step: no fork, nothing to fast-forward
+                return seq_result(aici_wire.PreOutcome, host, ledger.spend(host.request.user, start), result=result)
+            for round_ in range(self.settings.max_ff_rounds):
+                if round_:
+                    result = instance.pre_process()
                 logs.append(host.logs_text())
                 storage += host.storage_log
                 if result.num_forks != 1 or result.suspend or not result.ff_tokens:
@@ -217,17 +264,28 @@ class Runtime:
                                           f"request, more than max_forks {self.settings.max_forks}")
         except ControllerError as exc:
             logs.append(host.logs_text())
-            failed = seq_result(aici_wire.PreOutcome, host, self._charge(host, start), error=str(exc))
+            failed = seq_result(aici_wire.PreOutcome, host, ledger.spend(host.request.user, start), error=str(exc))
             failed.storage, failed.logs = storage + host.storage_log, "".join(logs)
             return failed
         if ff:
             result = aici_wire.PreProcessResult(num_forks=result.num_forks, suspend=result.suspend,
                                                 ff_tokens=ff + result.ff_tokens)
         return aici_wire.PreOutcome(result=result, storage=storage, logs="".join(logs),
-                                    micros=self._charge(host, start))
+                                    micros=ledger.spend(host.request.user, start))
+
+    def _mid_deadline_ms(self, used_ms: float) -> float:
+        """What is left of a user's ``mid_deadline_ms`` in this step after ``used_ms``, in whole epoch ticks;
+        at least a short call's deadline (``pre_deadline_ms``), so that their well-behaved controllers
+        still run."""
+        s = self.settings
+        left = max(s.mid_deadline_ms - used_ms, min(s.pre_deadline_ms, s.mid_deadline_ms))
+        return math.ceil(left / s.epoch_tick_ms) * s.epoch_tick_ms
 
     def mid_process(self, req: aici_wire.MidProcess) -> tuple[aici_wire.MidProcessReply, bytearray]:
-        """Fork the clones, then run mid_process for every op in order; returns (reply, mask rows)."""
+        """Fork the clones, then run mid_process for every op in order; returns (reply, mask rows).
+        ``mid_deadline_ms`` bounds each user's sequences of the step together (the step waits for the
+        masks): once they used it, the user's next ones get a short call's deadline, so a user whose
+        controllers loop holds the step up by about one deadline, not one per sequence."""
         rows = bytearray(len(req.ops) * self._row_bytes)
         base = ctypes.addressof(ctypes.c_char.from_buffer(rows)) if rows else 0
         seqs: dict[str, aici_wire.MidOutcome] = {}
@@ -254,24 +312,36 @@ class Runtime:
             parent.host.request.live_seqs += 1
             groups.setdefault(op.clone_id, [op.clone_id]).append(op.id)
             groups[op.id] = groups[op.clone_id]
-        for i, op in enumerate(req.ops):
-            instance = self.seqs.get(op.id)
-            if op.id in failed or instance is None:
-                error = failed.get(op.id, f"unknown sequence {op.id}")
-                seqs[str(op.id)] = aici_wire.MidOutcome(error=error)
-                continue
-            if (refused := self._over_budget(aici_wire.MidOutcome, instance.host)) is not None:
-                seqs[str(op.id)] = refused
-                continue
-            start = time.perf_counter()
-            try:
-                result = instance.mid_process(groups.get(op.id) or [op.id], base + i * self._row_bytes)
-            except ControllerError as exc:
-                seqs[str(op.id)] = seq_result(aici_wire.MidOutcome, instance.host, self._charge(instance.host, start),
-                                              error=str(exc))
-                continue
-            seqs[str(op.id)] = seq_result(aici_wire.MidOutcome, instance.host, self._charge(instance.host, start),
-                                          result=_as_replied(result))
+        ledger = CallLedger(self.budgets)
+        used_ms: dict[str, float] = {}  # user -> mid_process time of their sequences so far in this step
+        row_bytes, live = self._row_bytes, self.seqs
+        try:
+            for i, op in enumerate(req.ops):
+                seq_id = op.id
+                instance = live.get(seq_id)
+                if instance is None or (failed and seq_id in failed):
+                    seqs[str(seq_id)] = aici_wire.MidOutcome(error=failed.get(seq_id, f"unknown sequence {seq_id}"))
+                    continue
+                host = instance.host
+                user = host.request.user
+                if not ledger.allows(user) and (refusal := ledger.refusal(user)):
+                    seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, 0, error=refusal)
+                    continue
+                start = time.perf_counter()
+                deadline_ms = self._mid_deadline_ms(used_ms.get(user, 0.0))
+                try:
+                    result = instance.mid_process(groups.get(seq_id) if groups else None, base + i * row_bytes,
+                                                  deadline_ms)
+                except ControllerError as exc:
+                    result, error = None, str(exc)
+                else:
+                    error = ""
+                micros = ledger.spend(user, start)
+                used_ms[user] = used_ms.get(user, 0.0) + micros / 1000
+                seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, micros, error=error,
+                                               result=None if error or result is SAMPLE else _as_replied(result))
+        finally:
+            ledger.settle()
         return aici_wire.MidProcessReply(seqs=seqs, num_seqs=len(req.ops)), rows
 
 

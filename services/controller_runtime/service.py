@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import os
 from typing import Any
 
 import structlog
@@ -21,6 +22,7 @@ import zmq.asyncio
 from common import aici_wire
 from common.config import Settings
 from common.errors import WireError
+from common.incarnation import process_incarnation
 from common.model_source import resolve_model
 from common.sockets import bind
 from controllers.native import load_native_controllers
@@ -38,6 +40,8 @@ class ControllerRuntime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         cfg = settings.controllers
+        lower_priority(cfg.nice)  # first: the threads started below (epoch ticker, ZeroMQ, to_thread) inherit it
+        self.incarnation = process_incarnation()  # in every main-channel reply
         self.tokenizer = TokenizerInfo.from_directory(resolve_model(settings).directory)
         self.vocab_size = self.tokenizer.vocab_size
         self.engine = WasmEngine(cfg, self.tokenizer)
@@ -124,6 +128,7 @@ class ControllerRuntime:
             if len(parts) < 2:
                 continue
             reply, binary = self.handle_main(parts[1])
+            reply.incarnation = self.incarnation
             await self.main.send_multipart([parts[0], aici_wire.encode(reply), *binary])
 
     async def _serve_side(self) -> None:
@@ -145,6 +150,14 @@ class ControllerRuntime:
                  side=self.settings.endpoint("controller_side"), vocab_size=self.vocab_size,
                  natives=sorted(self.runtime.natives), module_dir=str(self.settings.controller_module_dir))
         await asyncio.gather(self._serve_main(), self._serve_side())
+
+
+def lower_priority(nice: int) -> None:
+    """Run at Unix priority ``nice`` at least (Linux keeps it per thread: call before starting any)."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice > current:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        log.info("controller_runtime.nice", nice=nice)
 
 
 def _binary(request: dict[str, Any]) -> bytes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +26,10 @@ class TokenizerInfo:
     eos_token: int
     token_bytes: list[bytes]  # b"" for special tokens (they are not in the trie)
     trie_blob: bytes
+    mask_words: int = field(init=False)  # u32 words of a mask row
 
-    @property
-    def mask_words(self) -> int:
-        return (self.vocab_size + 31) // 32
+    def __post_init__(self) -> None:
+        self.mask_words = (self.vocab_size + 31) // 32
 
     def tokenize(self, data: bytes) -> list[int]:
         """HF tokenizer on the valid UTF-8 prefix, greedy trie tokenization of an invalid tail (AICI HEAD)."""

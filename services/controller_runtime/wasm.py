@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from ctypes import byref, c_void_p
+from threading import get_ident
 from dataclasses import dataclass
 from importlib.metadata import version
 
@@ -24,7 +25,7 @@ import wasmtime
 from wasmtime import _ffi as ffi
 
 from common.config import Controllers
-from services.controller_runtime.host import HostError, SeqHost
+from services.controller_runtime.host import HostError, SeqHost, memmove
 from services.controller_runtime.tokenizer import TokenizerInfo
 
 I32, I64 = wasmtime.ValType.i32(), wasmtime.ValType.i64()
@@ -32,12 +33,16 @@ BLOB_MODULE_ARG, BLOB_TOKENIZE, BLOB_PROCESS_ARG, BLOB_STORAGE, BLOB_TRIE = 1, 2
 WASI_BADF, WASI_PERM = 8, 63
 IO_HEADER, IO_NONE, IO_PRE_DEFAULT = 16, 0xFFFFFFFF, 1  # the optional I/O area (ABI.md "Fast path")
 
-_memory_data = ctypes.CFUNCTYPE(c_void_p, c_void_p, c_void_p)(("wasmtime_memory_data", ffi.dll))
-_memory_size = ctypes.CFUNCTYPE(ctypes.c_size_t, c_void_p, c_void_p)(("wasmtime_memory_data_size", ffi.dll))
-# the hot path with plain-address prototypes: no per-call argument conversion
+# The hot path with plain-address prototypes: no per-call argument conversion. Only the call into the guest
+# releases the GIL (so that the epoch ticker can interrupt it); the quick getters and setters keep it
+# (PYFUNCTYPE), which saves a GIL hand-over to the ticker thread per call.
+_memory_data = ctypes.PYFUNCTYPE(c_void_p, c_void_p, c_void_p)(("wasmtime_memory_data", ffi.dll))
+_memory_size = ctypes.PYFUNCTYPE(ctypes.c_size_t, c_void_p, c_void_p)(("wasmtime_memory_data_size", ffi.dll))
 _call_unchecked = ctypes.CFUNCTYPE(c_void_p, c_void_p, c_void_p, c_void_p, ctypes.c_size_t, c_void_p)(
     ("wasmtime_func_call_unchecked", ffi.dll))
-_set_epoch_deadline = ctypes.CFUNCTYPE(None, c_void_p, ctypes.c_uint64)(("wasmtime_context_set_epoch_deadline", ffi.dll))
+_set_epoch_deadline = ctypes.PYFUNCTYPE(None, c_void_p, ctypes.c_uint64)(
+    ("wasmtime_context_set_epoch_deadline", ffi.dll))
+_increment_epoch = ctypes.PYFUNCTYPE(None, c_void_p)(("wasmtime_engine_increment_epoch", ffi.dll))
 # host functions: the raw value slots arrive as int32s; argument k is v[4*k] (wasmtime_val_raw is 16 bytes)
 _callback_t = ctypes.CFUNCTYPE(ctypes.c_size_t, c_void_p, c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t)
 _define_unchecked = ctypes.CFUNCTYPE(c_void_p, c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p,
@@ -46,7 +51,6 @@ _define_unchecked = ctypes.CFUNCTYPE(c_void_p, c_void_p, ctypes.c_char_p, ctypes
 _no_finalizer = ctypes.CFUNCTYPE(None, c_void_p)(lambda _: None)
 _io_words = struct.Struct("<II")
 _io_none = _io_words.pack(IO_NONE, IO_NONE)
-_u32 = struct.Struct("<I")
 _tls = threading.local()  # .inst: the WasmController whose export is running on this thread
 
 # export name -> (params, results) every module must have (aici_panic is optional)
@@ -68,31 +72,42 @@ class Ticker:
 
     def __init__(self, engine: wasmtime.Engine, period: float) -> None:
         self.engine, self.period = engine, period
+        self._engine_addr = ctypes.cast(engine.ptr(), c_void_p).value
         self.calls = 0
         self.in_call: dict[int, bool] = {}  # thread id -> running an export now
+        self.awake = False
         self._wake = threading.Event()
         threading.Thread(target=self._run, name="epoch-ticker", daemon=True).start()
 
     def enter(self) -> None:
-        self.in_call[threading.get_ident()] = True
+        self.in_call[get_ident()] = True
         self.calls += 1
-        if not self._wake.is_set():
-            self._wake.set()
+        if not self.awake:
+            self.wake()
+
+    def wake(self) -> None:
+        self.awake = True
+        self._wake.set()
 
     def leave(self) -> None:
-        self.in_call[threading.get_ident()] = False
+        self.in_call[get_ident()] = False
 
     def _run(self) -> None:
         seen, idle = -1, 0
+        engine, period, increment = self._engine_addr, self.period, _increment_epoch
         while True:
             self._wake.wait()
-            time.sleep(self.period)
-            self.engine.increment_epoch()
+            time.sleep(period)
+            increment(engine)  # one GIL hold per tick: the increment keeps it
             idle = idle + 1 if self.calls == seen else 0
             seen = self.calls
             if idle > self.IDLE_TICKS and not any(self.in_call.values()):
+                self.awake = False
                 self._wake.clear()
                 idle = 0
+                if self.calls != seen or any(self.in_call.values()):  # a call began meanwhile: stay awake
+                    self.awake = True
+                    self._wake.set()
 
 
 @dataclass
@@ -193,10 +208,12 @@ class WasmController:
         self._func_structs = [ex[name]._func for name in names]  # keep alive
         self._funcs = {name: ctypes.addressof(f) for name, f in zip(names, self._func_structs)}
         self._io: memoryview | None = None  # the guest's I/O area (header + cap bytes), once set up
+        self._io_flags: ctypes.c_uint32 | None = None  # its flags word
         self._io_offset = self._io_cap = 0
         self._panic = byref(ex["aici_panic"]._func) if module.has_panic else None
         self._args = (ffi.wasmtime_val_raw * 1)()
         self._args_addr = ctypes.addressof(self._args)
+        self._arg = self._args[0]  # a view of the one argument (and result) slot
         self._trap = ctypes.POINTER(ffi.wasm_trap_t)()
         self._trap_addr = ctypes.addressof(self._trap)
         self.blob_process_arg = self.blob_tokenize = self.blob_storage = b""
@@ -215,22 +232,27 @@ class WasmController:
         return ctypes.string_at(self.guest_address(ptr, length), length & 0xFFFFFFFF)
 
     def write(self, ptr: int, data: bytes) -> None:
-        ctypes.memmove(self.guest_address(ptr, len(data)), data, len(data))
+        memmove(self.guest_address(ptr, len(data)), data, len(data))
 
     # -- calls -----------------------------------------------------------------------------------------
     def _call(self, export: str, deadline_ms: float, with_handle: bool) -> int:
         """Run an export under the deadline; returns its i32 result (0 if none); raises ControllerError."""
-        ticker = self.engine.ticker
-        ticker.enter()
-        _set_epoch_deadline(self._ctx_addr, self.engine.ticks(deadline_ms))
-        args = self._args
-        args[0].i32 = self.handle if with_handle else 0
+        engine = self.engine
+        ticker = engine.ticker
+        in_call, thread = ticker.in_call, get_ident()
+        in_call[thread] = True  # Ticker.enter, inlined
+        ticker.calls += 1
+        if not ticker.awake:
+            ticker.wake()
+        ctx = self._ctx_addr
+        _set_epoch_deadline(ctx, engine.ticks(deadline_ms))
+        self._arg.i32 = self.handle if with_handle else 0
         _tls.inst = self
         try:
-            error = _call_unchecked(self._ctx_addr, self._funcs[export], self._args_addr, 1, self._trap_addr)
+            error = _call_unchecked(ctx, self._funcs[export], self._args_addr, 1, self._trap_addr)
         finally:
             _tls.inst = None
-            ticker.leave()
+            in_call[thread] = False
         if error:  # a host function failed (its trap comes back as an error)
             err = wasmtime.WasmtimeError._from_ptr(ctypes.cast(error, ctypes.POINTER(ffi.wasmtime_error_t)))
             raise ControllerError(self._failure(export, str(err), None, deadline_ms))
@@ -239,7 +261,7 @@ class WasmController:
             self._trap = ctypes.POINTER(ffi.wasm_trap_t)()
             self._trap_addr = ctypes.addressof(self._trap)
             raise ControllerError(self._failure(export, t.message, t.trap_code, deadline_ms))
-        return args[0].i32
+        return self._arg.i32
 
     def _failure(self, export: str, text: str, code: wasmtime.TrapCode | None, deadline_ms: float) -> str:
         if self.host.error:
@@ -259,15 +281,16 @@ class WasmController:
         self.blob_process_arg = arg
         io = self._io
         if io is not None:  # arg_len + arg (or NONE: read the blob), result_len = NONE: "write your result here"
-            if len(arg) <= self._io_cap:
-                io[8:16] = _io_words.pack(len(arg), IO_NONE)
-                io[16:16 + len(arg)] = arg
+            n = len(arg)
+            if n <= self._io_cap:
+                _io_words.pack_into(io, 8, n, IO_NONE)
+                io[IO_HEADER:IO_HEADER + n] = arg
             else:
                 io[8:16] = _io_none
         try:
             self._call(export, deadline_ms, with_handle=True)
             if self.host.result is None and io is not None:
-                self._io_result(export, io)
+                self._io_result(export)
             if self.host.result is None:
                 raise ControllerError(f"{export}: aici_host_return_process_result not called")
         except ControllerError as exc:
@@ -276,18 +299,18 @@ class WasmController:
             raise
         return self.host.result
 
-    def _io_result(self, export: str, io: memoryview) -> None:
-        n, = _u32.unpack_from(io, 12)
+    def _io_result(self, export: str) -> None:
+        n = self._io_result_len.value
         if n == IO_NONE:
             return
         if n > self._io_cap:
             raise ControllerError(f"{export}: result_len {n} is beyond the I/O area's capacity {self._io_cap}")
-        self.host.result = bytes(io[IO_HEADER:IO_HEADER + n])
+        self.host.result = ctypes.string_at(self._io_data, n)
 
     @property
     def pre_default(self) -> bool:
         """The guest says its pre_process always continues with no effects (the host may skip calling it)."""
-        return self._io is not None and bool(_u32.unpack_from(self._io, 4)[0] & IO_PRE_DEFAULT)
+        return self._io_flags is not None and bool(self._io_flags.value & IO_PRE_DEFAULT)
 
     def _call_panic(self) -> None:
         if self._panic is None:
@@ -324,6 +347,9 @@ class WasmController:
         except HostError as exc:
             raise ControllerError(f"tiller_io: the I/O area is not in the guest's memory: {exc}") from exc
         self._io = memoryview((ctypes.c_char * (IO_HEADER + cap)).from_address(address)).cast("B")
+        self._io_flags = ctypes.c_uint32.from_address(address + 4)
+        self._io_result_len = ctypes.c_uint32.from_address(address + 12)
+        self._io_data = address + IO_HEADER
         self._io_offset, self._io_cap = offset, cap
 
     def fork(self, seq_id: int) -> WasmController:
@@ -403,7 +429,7 @@ def _define_imports(engine: WasmEngine) -> None:
             raise HostError(f"unknown blob id {blob_id}")
         n = min(size, len(data))
         if n:
-            ctypes.memmove(inst.guest_address(dst, n), data, n)
+            memmove(inst.guest_address(dst, n), data, n)
         return len(data)
 
     def tokenize(inst: WasmController, v) -> int:

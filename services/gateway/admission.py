@@ -46,6 +46,7 @@ class Admission:
         self._recorded = False
         self._ended = False
         gw.metrics.active_streams.labels(surface).inc()
+        self._generated = gw.metrics.generation_tokens.labels(surface)  # counted per event: looked up once
 
     def admit(self, written: str, param: str = "prompt") -> None:
         """Count the request against its client's rate limit, then screen what the client wrote (for
@@ -73,7 +74,7 @@ class Admission:
         if count and self._first_token_at is None:
             self._first_token_at = self._clock()
             self.gw.metrics.time_to_first_token.labels(self.surface).observe(self._first_token_at - self.started_at)
-        self.gw.metrics.generation_tokens.labels(self.surface).inc(count)
+        self._generated.inc(count)
 
     def end(self, outcome: str, *, text: str = "", prompt_tokens: int = 0, completion_tokens: int = 0) -> float:
         """The request ended with ``outcome`` (a finish reason or an error code); the seconds it took.

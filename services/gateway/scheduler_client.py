@@ -4,7 +4,8 @@ events the scheduler pushes (one ``Events`` message per step) to per-request que
 Heartbeats (``GatewayAlive``, answered with the scheduler's incarnation) and the connection's drops
 feed a :class:`common.incarnation.PeerWatch`: when the scheduler restarted, or dropped its connection
 and did not answer within ``limits.peer_suspect_grace_s``, or stayed silent ``limits.peer_silence_s``,
-every live request ends at once with ``service_unavailable`` (retryable). Nothing is resubmitted.
+every live request ends at once with ``service_unavailable`` (retryable). Nothing is resubmitted,
+and nothing sent while the scheduler was down reaches the next one (the Dealer's ``immediate``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ class SchedulerClient:
     """The gateway's client of the scheduler: commands, health, and the token events routed per request."""
 
     def __init__(self, settings: Settings, ctx: zmq.asyncio.Context) -> None:
-        self._dealer = Dealer(ctx, settings.endpoint("scheduler"), on_message=self._on_message)
+        # immediate: a Submit that waited while the scheduler was down, and was failed here meanwhile,
+        # must not reach the next scheduler (it would generate it for nobody)
+        self._dealer = Dealer(ctx, settings.endpoint("scheduler"), on_message=self._on_message, immediate=True)
         limits = settings.limits
         self._heartbeat_s = limits.gateway_heartbeat_s
         self._watch = PeerWatch(silence_s=limits.peer_silence_s, suspect_grace_s=limits.peer_suspect_grace_s)

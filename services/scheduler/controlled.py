@@ -8,7 +8,7 @@ Each step, for the controlled sequences only (the AICI runtime protocol's main c
    ended sequences. Results: stop, suspend (sit this step out), ff_tokens (appended now, prefilled in
    this step; the runtime already fed them to post_process), num_forks (k > 1: k-1 new sequences,
    branches of the same request, the worker copies the parent's KV copy-on-write).
-2. The worker step goes out at once, with ``Step.masks_follow``: each sequence that runs this step
+2. The worker step goes out, with ``Step.masks_follow``: each sequence that runs this step
    is fed what the worker does not hold yet (after a backtrack that reaches into the worker's KV,
    ``SeqStep.backtrack`` truncates it) and is to be sampled under mask row i, its place in the
    ``mid_process`` ops.
@@ -17,6 +17,8 @@ Each step, for the controlled sequences only (the AICI runtime protocol's main c
    ``Splice``. Then a ``StepMasks`` carries the reply's mask frame as is to the worker, listing as
    failures (fed, not sampled) the sequences that stopped, spliced or failed; a Splice's backtrack
    and ff_tokens are applied once the step's result is in, and fed on the branch's next step.
+   Beside plain sequences, which must not wait for controllers, ``mid_process`` runs before the step
+   is built instead, and its mask frame goes with the step (:meth:`ControlledSteps.masks_with`).
 
 This module is pure: it talks to the scheduler core through :class:`Host` and to the runtime through
 the requests it returns and the replies it is given; the service shell does the I/O.
@@ -58,6 +60,7 @@ class MainReply:
     data: Any = None
     frames: list[bytes] = field(default_factory=list)
     error: str = ""
+    incarnation: str = ""  # the runtime's life that answered ("": no answer)
 
 
 class Host(Protocol):
@@ -201,8 +204,27 @@ class ControlledSteps:
         self.seq_steps = 0  # controlled sequence-steps (mid_process ops) run so far
         self.mid: PendingMid | None = None  # this step's mid_process, once the step went out
         self.runtime_fresh = True  # the first post_pre_process resets the runtime (seqs of a previous scheduler)
+        self.runtime_incarnation = ""  # the runtime's life the bound controllers live in ("": none heard yet)
         self._assign: list[Branch] = []  # roots bound to their controller by the post_pre_process under way
+        # a step's controlled part is being planned: ended forks' worker frees wait until it is built
+        # (a fork it makes may copy one of them)
+        self.planning = False
         self._post_ops: list[aici_wire.PostOp] = []
+
+    def runtime_heard(self, incarnation: str) -> None:
+        """A main-channel reply named the runtime's ``incarnation``. A new one is a restarted runtime:
+        the controllers bound to the old one are gone, and their requests fail at once (retryable).
+        Controllers not bound yet are left alone: their requests may have been instantiated on the
+        new one (one that was not fails at its binding)."""
+        previous, self.runtime_incarnation = self.runtime_incarnation, incarnation or self.runtime_incarnation
+        if not previous or not incarnation or incarnation == previous:
+            return
+        log.warning("scheduler.controller_runtime_restarted", previous=previous, incarnation=incarnation)
+        message = (f"the controller runtime restarted (incarnation {previous} -> {incarnation}), its controllers "
+                   "with it; this request was lost, retry it")
+        for controlled in list(self.requests.values()):
+            if any(b.assigned for b in controlled.branches):
+                self.host.fail(controlled.request, SERVICE_UNAVAILABLE, message)
 
     def _channel_failed(self, error: str) -> None:
         """The runtime failed a main-channel call: every controlled request fails with the reason."""
@@ -256,6 +278,7 @@ class ControlledSteps:
         if not (post_ops or pre_ops or assigned_any or freed):
             return plan, None
         self._assign, self._post_ops = assign, post_ops
+        self.planning = True
         return plan, aici_wire.PostPreProcess(post_ops=post_ops, pre_ops=pre_ops, freed=freed, reset=self.runtime_fresh)
 
     def planned(self, plan: Plan, reply: MainReply) -> Plan:
@@ -296,8 +319,21 @@ class ControlledSteps:
         self._add(plan, branch, branch.unfed, sample=True, mask_row=row)
 
     def awaits_masks(self, step: wire.Step) -> bool:
-        """Whether ``step`` samples a sequence whose mask comes from this step's mid_process."""
-        return self.mid is not None and any(s.sample and s.seq_id in self.mid.seq_ids for s in step.seqs)
+        """Whether ``step`` samples a sequence whose mask comes from this step's mid_process, which has
+        not run yet (``masks_follow``)."""
+        mid = self.mid
+        return mid is not None and not mid.done and any(s.sample and s.seq_id in mid.seq_ids for s in step.seqs)
+
+    def masks_with(self, step: wire.Step) -> list[bytes]:
+        """The mask frame to send with ``step`` when its mid_process ran before it was built: the
+        sequences that are not to sample (a Splice) are only fed."""
+        mid = self.mid
+        if mid is None or not mid.done:
+            return []
+        for s in step.seqs:
+            if s.seq_id in mid.skip:
+                s.sample, s.mask_row = False, -1
+        return [mid.frame] if mid.frame is not None and any(s.mask_row >= 0 for s in step.seqs) else []
 
     def mid_request(self) -> aici_wire.MidProcess | None:
         """This step's ``mid_process`` to send once its worker steps went out; None when it was handed
@@ -579,7 +615,13 @@ class ControlledSteps:
         self.by_seq.pop(controlled.branches[0].seq_id, None)
         self._release_frees()
 
+    def built(self) -> None:
+        """The planned controlled part went into a step: frees held back go with the next one."""
+        self.planning = False
+
     def _release_frees(self) -> None:
+        if self.planning:
+            return
         for identity, seq_ids in self.free_later.items():
             for seq_id in seq_ids:
                 self.host.free_seq(identity, seq_id)

@@ -29,7 +29,7 @@ import itertools
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -62,6 +62,7 @@ class Dispatch:
     worker: bytes
     step: wire.Step
     batch: list[Item]
+    frames: list[bytes] = field(default_factory=list)  # the mask frame, when the masks go with the step
 
 
 class Outbox:
@@ -160,7 +161,7 @@ class SchedulerCore:
         stage = self.pool.summary()
         if facts is None and stage.stage == "failed":
             return refuse(MODEL_LOADING_ERROR, f"the model failed to load: {stage.message}")
-        if facts is not None and not all(0 <= t < facts.vocab_size for t in submit.prompt_ids):
+        if facts is not None and not (min(submit.prompt_ids) >= 0 and max(submit.prompt_ids) < facts.vocab_size):
             return refuse(INVALID_REQUEST, f"prompt token ids must lie in [0, {facts.vocab_size})")
         if submit.max_tokens < 0:
             return refuse(INVALID_REQUEST, "max_tokens must be >= 0 (0: prefill only)")
@@ -341,10 +342,22 @@ class SchedulerCore:
     def controlled_planned(self, plan: Plan, reply: MainReply | None) -> Plan:
         return plan if reply is None else self.controlled.planned(plan, reply)
 
+    def mid_first(self) -> aici_wire.MidProcess | None:
+        """The planned ``mid_process`` to run *before* its step is built, when plain sequences are
+        running: a step waiting for its masks would hold them up for as long as the slowest controller
+        takes (its masks then go with the step). None: there is none, or no plain sequence runs and it
+        runs while the worker computes the forward pass (``masks_follow``)."""
+        if not any(not r.submit.controller and not r.paused for r in self.running.values()):
+            return None
+        return self.controlled.mid_request()
+
     def build_steps(self, controlled: Plan | None = None, workers: Collection[bytes] | None = None) -> list[Dispatch]:
         """The next step for each worker (of ``workers``; None: all) that has sequences to run or to
         free. The workers of a ``controlled`` plan must be among ``workers``."""
-        controlled = controlled or Plan()
+        if controlled is None:
+            controlled = Plan()
+        else:
+            self.controlled.built()
         per_worker: dict[bytes, list[Item]] = defaultdict(list)
         for identity, items in controlled.per_worker.items():
             per_worker[identity] += [(b, s) for b, s in items if b.finished is None and b.request.state is State.RUNNING]
@@ -391,7 +404,7 @@ class SchedulerCore:
                              free_all=worker.fresh)
             step.masks_follow = self.controlled.awaits_masks(step)
             worker.fresh = False
-            steps.append(Dispatch(identity, step, batch))
+            steps.append(Dispatch(identity, step, batch, self.controlled.masks_with(step)))
         return steps
 
     def _steppable(self, request: LiveRequest, max_len: int) -> bool:
@@ -466,6 +479,7 @@ class SchedulerCore:
             # step is on its way. A stop string found then ends the request, and the token that
             # step samples for it is dropped.
             self.deferred.append((request, event))
+            request.deferred_texts += 1
 
     def _emit_text(self, request: LiveRequest, event: wire.TokenEvent, last: bool) -> None:
         """The text of a token event; finish on a completed stop string, or when it was the ``last``."""
@@ -481,14 +495,18 @@ class SchedulerCore:
         """Work out the text of the tokens applied last (the shell calls it while a step runs)."""
         deferred, self.deferred = self.deferred, []
         for request, event in deferred:
+            request.deferred_texts -= 1
             if request.state is not State.FINISHED:  # it may have been cancelled or failed since
                 self._emit_text(request, event, last=False)
 
     def _emit_deferred_of(self, request: LiveRequest) -> None:
         """Work out a request's deferred token text now (before it ends for another reason)."""
+        if not request.deferred_texts:
+            return
         for i, (deferred, event) in enumerate(self.deferred):
             if deferred is request:
                 del self.deferred[i]
+                request.deferred_texts -= 1
                 self._emit_text(request, event, last=False)
                 return
 
@@ -607,6 +625,8 @@ class SchedulerCore:
     def _decoded_readouts(self, request: LiveRequest, seq: wire.SeqStep, result: wire.StepResult) -> None:
         """The readout of a decoded token, computed by the step that fed it (the one after its sampling),
         as an event of its own (a ``PositionOutput`` past the prompt)."""
+        if not result.readouts:
+            return
         outputs = [wire.PositionOutput(position=r.position, token_id=seq.tokens[0], readout=r.values)
                    for r in result.readouts.get(seq.seq_id, [])]
         if outputs:

@@ -46,6 +46,7 @@ class LiveRequest:
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # the last sampled token, fed on the next step
     in_flight: int = 0  # steps sent with this request whose results are not applied yet
+    deferred_texts: int = 0  # its token events in the core's ``deferred`` (their text not worked out yet)
     last_sample: bool = False  # whether the last step sent samples it (its next step can ``follow``)
     sampling_dirty: bool = True  # send SamplingParams with the next SeqStep
     # Session turns (Salience): the first SeqStep forks ``fork_of`` and/or drops ``backtrack``
@@ -114,6 +115,8 @@ class LiveRequest:
 
     def images_in(self, tokens: list[int]) -> list[wire.ImageInput]:
         """The images whose blocks lie in ``tokens``, the prompt chunk about to be fed."""
+        if not self.submit.images:
+            return []
         end = self.fed + len(tokens)
         return [image for image in self.submit.images if image.start < end and image.end > self.fed]
 

@@ -8,11 +8,14 @@ watches peers.
 Steps are pipelined per worker: each worker has up to ``limits.pipeline_depth`` steps in flight, so
 it finds its next step waiting when it finishes one, and its next step is built as soon as one of its
 results is applied, whatever the other workers are doing: a slow worker never holds back a fast one.
-The text of the tokens applied last is worked out while the workers compute. Controlled sequences
-are planned for all workers at once (one main-channel call): a plan waits until no controlled step
-is in flight and every worker running controlled requests has room (plain steps stop filling those
-workers meanwhile), and its steps go out together with ``masks_follow``: their ``mid_process`` runs on
-the main channel while the workers compute the forward pass, and its masks follow in a ``StepMasks``.
+The text of the tokens applied last is worked out while the workers compute. The controlled
+sequences' main-channel calls never hold up plain ones: the next step's controlled part (one
+``post_pre_process`` for all workers, and ``mid_process`` while plain sequences run) is prepared in
+the background while plain steps go on, and joins the first steps built once it is ready and every
+worker running controlled requests has room in its pipeline (those workers get no plain steps until
+then), its mask frame with it. With no plain sequence running, a step with controlled sequences goes
+out with ``masks_follow`` instead: their ``mid_process`` runs while the worker computes the forward
+pass, and its masks follow in a ``StepMasks``.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from common.incarnation import process_incarnation
 from common.model_source import load_tokenizer
 from common.sockets import Router, reply_mid
 from common.textstream import TextStream
-from services.scheduler.controlled import MainReply
+from services.scheduler.controlled import MainReply, Plan
 from services.scheduler.core import Dispatch, SchedulerCore
 from services.scheduler.main_channel import MainChannel
 from services.scheduler.placement import KVAwarePlacement
@@ -76,6 +79,7 @@ class Scheduler:
         self.gateways_seen: dict[bytes, float] = {}  # gateways that send heartbeats -> when last heard from
         self.pending: dict[bytes, dict[int, asyncio.Future[wire.StepResult]]] = {}  # worker -> step_id -> result
         self.wake = asyncio.Event()
+        self.preparing: asyncio.Task[Plan] | None = None  # the next step's controlled part, while its calls run
 
     def _flush(self) -> None:
         """Send what the core has for gateways; a state change may let the step loop go on."""
@@ -117,6 +121,7 @@ class Scheduler:
 
     async def _health(self) -> wire.HealthReply:
         controller = await self.channel.ping()
+        self.core.controlled.runtime_heard(self.channel.incarnation)
         seq_steps = self.core.controlled.seq_steps
         main_s = self.channel.busy_s
         facts = self.core.facts()
@@ -235,20 +240,12 @@ class Scheduler:
 
     async def _send_steps(self, flights: dict[bytes, deque[InFlight]]) -> bool:
         """Build and send the next step of every ready worker whose pipeline has room (with the
-        controlled plan when one is due, see the module docstring); whether any went out."""
+        controlled part when it is ready, see the module docstring); whether any went out."""
         core = self.core
         roomy = {w.identity for w in core.pool.ready() if len(flights[w.identity]) < self.limits.pipeline_depth}
         if not roomy:
             return False
-        plan = None
-        if not any(f.controlled for flight in flights.values() for f in flight):
-            waiting = core.controlled_workers()
-            if waiting <= roomy:
-                plan, request = core.plan_controlled()
-                reply = await self._main_call(request) if request is not None else None
-                plan = core.controlled_planned(plan, reply)
-            else:
-                roomy -= waiting  # let them drain: the controlled step goes out next
+        plan = self._controlled_part(flights, roomy)
         steps = core.build_steps(plan, roomy)
         if not steps:
             return False
@@ -261,12 +258,53 @@ class Scheduler:
         await asyncio.sleep(0)  # one turn of the loop sends them
         return True
 
+    def _controlled_part(self, flights: dict[bytes, deque[InFlight]], roomy: set[bytes]) -> Plan | None:
+        """The controlled part of the steps being built, when it is ready (None: none this time). Its
+        main-channel calls run in the background (:meth:`_prepare`): plain steps do not wait for them.
+        It is planned and taken only when every worker running controlled requests is in ``roomy``;
+        until then those leave ``roomy``, so that they drain."""
+        if any(f.controlled for flight in flights.values() for f in flight):
+            return None  # the controlled sequences' results are not in yet
+        if self.preparing is not None and not self.preparing.done():
+            return None
+        waiting = self.core.controlled_workers()
+        if not waiting <= roomy:
+            roomy -= waiting
+            return None
+        if self.preparing is not None:
+            plan, self.preparing = self.preparing.result(), None
+            return plan
+        plan, request = self.core.plan_controlled()
+        if request is None:
+            return plan
+        self.preparing = asyncio.get_running_loop().create_task(self._prepare(plan, request))
+        self.preparing.add_done_callback(lambda _: self.wake.set())
+        return None
+
+    async def _prepare(self, plan: Plan, request: aici_wire.PostPreProcess) -> Plan:
+        plan = self.core.controlled_planned(plan, await self._main_call(request))
+        if (mid := self.core.mid_first()) is not None:
+            await self._mid_process(mid)
+        return plan
+
     async def _main_call(self, request: aici_wire.MainRequest) -> MainReply:
         try:
-            return await self.channel.call(request, self.settings.controllers.main_timeout_s)
+            reply = await self.channel.call(request, self.settings.controllers.main_timeout_s)
         except Exception as exc:  # a bug must fail the controlled requests, not the step loop
             log.exception("scheduler.main_call_failed")
             return MainReply(error=f"controller step failed: {exc}")
+        self.core.controlled.runtime_heard(reply.incarnation)  # before the reply is applied
+        return reply
+
+    async def watch_runtime(self) -> None:
+        """While controlled requests are live, ping the controller runtime every heartbeat: a restart
+        between two steps (its connection's drop unseen) is known by its new incarnation at once."""
+        while True:
+            await asyncio.sleep(self.settings.distributed.heartbeat_s)
+            if self.core.controlled.requests:
+                await self.channel.ping()
+                self.core.controlled.runtime_heard(self.channel.incarnation)
+                self._flush()
 
     async def _mid_process(self, request: aici_wire.MidProcess) -> None:
         self.core.controlled.mid_done(await self._main_call(request))
@@ -277,7 +315,7 @@ class Scheduler:
         done = self.pending.setdefault(identity, {})[step.step_id] = asyncio.get_running_loop().create_future()
         deadline = time.monotonic() + self.limits.worker_step_timeout_s
         try:
-            await self.worker_router.send(identity, step)
+            await self.worker_router.send(identity, step, dispatch.frames)
             if step.masks_follow:  # the controllers' mid_process runs while the worker computes the forward pass
                 assert mid_done is not None
                 await asyncio.shield(mid_done)
@@ -306,5 +344,6 @@ class Scheduler:
             self.step_loop(),
             self.check_liveness(),
             self.watch_worker_disconnects(),
+            self.watch_runtime(),
         )
 

@@ -9,7 +9,7 @@ import pytest
 from common import aici_wire
 from common.config import Controllers
 from services.controller_runtime.budget import UserBudgets
-from services.controller_runtime.runtime import Runtime, UserError
+from services.controller_runtime.runtime import CallLedger, Runtime, UserError
 from tests.controller_runtime.conftest import wire_runtime
 from tests.controller_runtime.wat import controller
 
@@ -37,6 +37,24 @@ def test_the_cap_on_live_requests_and_a_share_of_zero_limits_nothing():
     assert b.refusal("u", 1.0) == ""
 
 
+def test_a_call_ledger_refuses_a_user_once_their_credit_is_spent_and_charges_them_at_its_end():
+    b = UserBudgets(share=1e-6, burst_s=1.0, max_live=8)
+    ledger = CallLedger(b)
+    assert ledger.allows("mallory") and ledger.allows("alice")
+    ledger.spend("mallory", time.perf_counter() - 0.6)  # two callbacks that ran 0.6 s each
+    assert ledger.allows("mallory")  # 0.6 of 1.0 spent
+    assert b.credit_s("mallory", time.monotonic()) == pytest.approx(1.0, abs=1e-3)  # not charged yet
+    ledger.spend("mallory", time.perf_counter() - 0.6)
+    assert not ledger.allows("mallory")
+    assert "used up their controller CPU time" in ledger.refusal("mallory")
+    assert b.credit_s("mallory", time.monotonic()) == pytest.approx(-0.2, abs=1e-2)  # charged when refused
+    assert not ledger.allows("mallory") and ledger.refusal("mallory")
+    assert ledger.spend("alice", time.perf_counter() - 0.1) >= 100_000 and ledger.allows("alice")
+    ledger.settle()
+    assert b.credit_s("alice", time.monotonic()) == pytest.approx(0.9, abs=1e-2)
+    assert b.credit_s("mallory", time.monotonic()) == pytest.approx(-0.2, abs=1e-2)  # charged once
+
+
 @pytest.fixture
 def strict(tmp_path, engine, tokenizer) -> Runtime:
     limits = Controllers(max_memory_bytes=4 << 20, mid_deadline_ms=50.0, user_cpu_share=1e-6, user_cpu_burst_s=1.0,
@@ -50,9 +68,14 @@ def bind(runtime: Runtime, module_id: str, seq_id: int, user: str) -> None:
     runtime.post_pre_process(aici_wire.PostPreProcess(pre_ops=[aici_wire.PreOp(id=seq_id, req_id=f"r{seq_id}")]))
 
 
+def spin_and_fine(runtime: Runtime) -> tuple[str, str]:
+    """Module ids: a controller of mallory's that loops in mid_process, a well-behaved one of alice's."""
+    spin = runtime.registry.create(controller(mid="(loop $l (br $l))"), "mallory")["module_id"]
+    return spin, runtime.registry.create(controller(), "alice")["module_id"]
+
+
 def test_a_looping_controller_is_charged_to_its_owner_only(strict: Runtime):
-    spin = strict.registry.create(controller(mid="(loop $l (br $l))"), "mallory")["module_id"]
-    fine = strict.registry.create(controller(), "alice")["module_id"]
+    spin, fine = spin_and_fine(strict)
     bind(strict, spin, 1, "mallory")
     bind(strict, spin, 2, "mallory")
     bind(strict, fine, 3, "alice")
@@ -65,6 +88,18 @@ def test_a_looping_controller_is_charged_to_its_owner_only(strict: Runtime):
     with pytest.raises(UserError, match="used up their controller CPU time"):
         strict.instantiate("r9", [1], spin, "", "mallory")
     bind(strict, fine, 4, "alice")
+
+
+def test_one_users_sequences_share_one_mid_process_deadline_per_step(strict: Runtime):
+    spin, fine = spin_and_fine(strict)
+    bind(strict, spin, 1, "mallory")
+    bind(strict, fine, 2, "alice")
+    bind(strict, spin, 3, "mallory")
+    data, _ = strict.mid_process(aici_wire.MidProcess(ops=[aici_wire.MidOp(id=i) for i in (1, 2, 3)]))
+    assert "deadline of 50 ms exceeded" in data["seqs"]["1"]["error"]
+    assert data["seqs"]["2"]["error"] == ""  # alice's deadline is her own
+    # mallory's second looping sequence does not hold the step up by another whole deadline
+    assert f"deadline of {strict.settings.pre_deadline_ms:g} ms exceeded" in data["seqs"]["3"]["error"]
 
 
 def test_live_controlled_requests_per_user_are_capped(strict: Runtime):

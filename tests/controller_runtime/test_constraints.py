@@ -11,6 +11,7 @@ import pytest
 
 from common import aici_wire
 from controllers.native import NativeLoadError, load_native_controllers
+from controllers.native.base import NativeController
 from services.controller_runtime.constraints import FINISHED, OK, REJECTED, Constraint, ConstraintError
 from services.controller_runtime.runtime import UserError
 from services.controller_runtime.yacc_lark import YaccError, yacc_to_lark
@@ -149,3 +150,31 @@ def test_native_controller_fork_and_errors(runtime):
         load_native_controllers({"x": "json:loads"})
     with pytest.raises(NativeLoadError):
         load_native_controllers({"x": "no_such_module:Thing"})
+
+
+class ScriptedMid(NativeController):
+    """A native controller whose mid_process returns what its module_arg (JSON) says, after an all-ones mask."""
+
+    def mid_process(self, fork_group: list[int]) -> object:
+        self.host.return_logit_bias(b"\xff" * (4 * ((self.host.vocab_size + 31) // 32)))
+        return json.loads(self.module_arg)
+
+
+@pytest.mark.parametrize("returned, error", [
+    ({"SampleWithBias": {}}, ""),
+    ("Stop", ""),
+    ({"Splice": {"ff_tokens": [5]}}, ""),
+    ("Go", "mid_process returned an invalid result"),
+    (3, "mid_process returned an invalid result"),
+    ({"Sample": {}}, "mid_process returned an invalid result"),
+    ({"SampleWithBias": {}, "Splice": {}}, "exactly one of SampleWithBias, Splice"),
+])
+def test_native_mid_process_results_are_checked(runtime, returned, error):
+    runtime.natives["scripted"] = ScriptedMid
+    start(runtime, "native:scripted", 1, arg=json.dumps(returned))  # a string module_arg is passed as is
+    data, _ = mid(runtime, (1, None))
+    outcome = data["seqs"]["1"]
+    assert error in outcome["error"] if error else outcome["error"] == ""
+    if not error:  # the reply's result: null samples, else "Stop" or the Splice as given
+        assert outcome["result"] == (None if returned == {"SampleWithBias": {}} else
+                                     returned if returned == "Stop" else {"Splice": {"backtrack": 0, "ff_tokens": [5]}})

@@ -17,6 +17,7 @@ import zmq.asyncio
 from common import aici_wire
 from common.config import Settings
 from common.model_source import load_tokenizer
+from services.scheduler.main_channel import MainChannel
 from tests.controller_runtime.wat import controller, ret_const
 from tests.gateway.support import base_env, service
 
@@ -27,6 +28,7 @@ _rids = itertools.count(1)
 class Client:
     def __init__(self, settings: Settings) -> None:
         ctx = zmq.asyncio.Context.instance()
+        self.incarnation = ""
         self.main = ctx.socket(zmq.DEALER)
         self.side = ctx.socket(zmq.DEALER)
         for sock, name in ((self.main, "controller_main"), (self.side, "controller_side")):
@@ -73,7 +75,8 @@ async def runtime_process(run_dir: Path):
                 client.close()  # drop the unanswered request; a fresh DEALER starts clean
                 client = Client(settings)
                 assert time.monotonic() < deadline, "controller runtime did not answer ping"
-        assert reply == {"type": "ok", "data": {"pong": 1}}
+        assert reply["type"] == "ok" and reply["data"] == {"pong": 1} and reply["incarnation"]
+        client.incarnation = reply["incarnation"]  # the runtime's life, named in every main-channel reply
         try:
             yield client
         finally:
@@ -97,6 +100,7 @@ async def test_channels_faults_and_restart(tmp_path):
                       aici_wire.encode({"op": "mid_process", "ops": [{"id": "x"}]})):
             reply, frames = await rt.main_raw(frame)
             assert reply["type"] == "error" and reply["is_user_error"] and not frames
+            assert reply["incarnation"] == rt.incarnation
         assert (await rt.call({"op": "ping"}))[0]["data"] == {"pong": 1}
 
         # side channel: bad requests
@@ -162,9 +166,18 @@ async def test_channels_faults_and_restart(tmp_path):
                                   "pre_ops": [], "freed": [2]})
         assert reply["data"]["post_seqs"]["1"]["result"] == {"stop": False}
         assert set(reply["data"]["pre_seqs"]) == {"1", "3", "5"}
+        channel = MainChannel(Settings(run_dir=tmp_path).endpoint("controller_main"))  # the scheduler's end
+        assert await channel.ping() == "ok" and channel.incarnation == rt.incarnation
+        first = rt.incarnation
 
-    # modules and tags survive a restart
+    # modules and tags survive a restart; the restarted runtime names a new incarnation
     async with runtime_process(tmp_path) as rt:
+        assert rt.incarnation != first
+        async with asyncio.timeout(10):
+            while await channel.ping() != "ok":  # the first call after the drop is refused
+                await asyncio.sleep(0.1)
+        assert channel.incarnation == rt.incarnation
+        channel.sock.close(0)
         listed = (await rt.side_call("get_tags"))["data"]["tags"]
         assert [t["tag"] for t in listed] == ["trapper", "alice.good"]
         reply = await rt.side_call("instantiate", req_id="again", prompt=[1], module_id="alice.good", module_arg="")
@@ -189,7 +202,7 @@ async def test_wire_details_as_aici(tmp_path):
     eos = load_tokenizer(Settings()).eos_token_id
     async with runtime_process(tmp_path) as rt:
         reply, _ = await rt.call({"op": "tokens"})
-        assert reply == {"type": "ok", "data": {"vocab_size": 49152, "eos_token_id": eos}}
+        assert reply == {"type": "ok", "data": {"vocab_size": 49152, "eos_token_id": eos}, "incarnation": rt.incarnation}
 
         for rid in (7, ["a"]):
             reply = await rt.side_raw(aici_wire.encode({"$rid": rid, "op": "get_tags"}))

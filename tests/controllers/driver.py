@@ -75,7 +75,7 @@ class Host:
         """mid_process of a lone instance; returns (result, allowed token ids or None)."""
         addr = ctypes.addressof(self._mask)
         ctypes.memset(addr, 0, ctypes.sizeof(self._mask))
-        res = inst.mid_process(fork_group, addr)
+        res = inst.mid_process(fork_group, addr, self.settings.controllers.mid_deadline_ms)
         if res != "Stop" and res.SampleWithBias is not None:
             return res, self.allowed(bytes(self._mask))
         return res, None

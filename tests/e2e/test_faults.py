@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,6 +29,7 @@ import pytest
 import websockets
 
 from common.model_source import load_tokenizer
+from common.sockets import probe_health
 from common.protos.evergreen.v2 import evergreen_pb2_grpc as eg_grpc
 from common.protos.salience.v1 import salience_pb2 as pb
 from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
@@ -317,6 +319,35 @@ async def test_kill_mid_stream(fstack: Stack, setup: dict[str, Any], service: st
         assert committed == clients["salience"].tokens, "the committed tokens are not those the client was sent"
     if service == "gateway" and evergreen_ids:  # its live Evergreen session's rows go with it
         await wait_for(lambda: _no_rows(fstack, evergreen_ids[0]), 15.0, "the dead gateway's Evergreen rows to go")
+
+
+async def test_a_submit_sent_while_the_scheduler_is_down_never_reaches_the_next_one(fstack: Stack):
+    """A request sent just after the scheduler died (the gateway's view of it still fresh) fails with a
+    retryable error, and the restarted scheduler never gets it: it would generate it for nobody."""
+    await retry("plain generation", lambda: plain_generation(fstack), time.monotonic() + SERVE_AGAIN_S)
+    pid = fstack.pid("scheduler")
+    async with http(fstack) as client:
+        assert (await client.get("/health")).status_code == 200  # the gateway's view of the scheduler is fresh
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        # the gateway noticed the drop (a message it sends now waits for the next scheduler, unless the
+        # gateway gives it up), and its scheduler is not judged lost yet (limits.peer_suspect_grace_s)
+        await asyncio.sleep(0.2)
+        r = await client.post("/v1/completions", json={"model": fstack.settings.served_model_name, "prompt": PROMPT,
+                                                       "max_tokens": LONG, "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 503 and "retry" in r.text, r.text
+    endpoint = fstack.settings.endpoint("scheduler")
+
+    async def serving() -> bool:
+        reply = await probe_health(endpoint)
+        return reply is not None and reply.facts is not None and reply.facts.worker.stage == "ready"
+
+    await retry("the restarted scheduler with its worker", serving, killed + SERVE_AGAIN_S)
+    for _ in range(10):  # a stale Submit arrives as soon as the gateway reconnects: it would be running by now
+        reply = await probe_health(endpoint)
+        assert reply is not None and reply.facts is not None
+        assert (reply.facts.queued, reply.facts.running) == (0, 0), "the new scheduler got the failed request"
+        await asyncio.sleep(0.3)
 
 
 async def _no_rows(stack: Stack, session_id: str) -> bool:

@@ -74,9 +74,11 @@ class EventCollector:
 async def test_controller_runtime_main_channel(stack):
     endpoint = stack.settings.endpoint("controller_main")
     reply = msgspec.msgpack.decode((await raw_request(endpoint, aici_wire.encode({"op": "ping"})))[0])
-    assert reply == {"type": "ok", "data": {"pong": 1}}
+    incarnation = reply.pop("incarnation")  # Tiller's addition: the runtime process's life
+    assert reply == {"type": "ok", "data": {"pong": 1}} and incarnation
     reply = msgspec.msgpack.decode((await raw_request(endpoint, aici_wire.encode({"op": "tokens"})))[0])
-    assert reply == {"type": "ok", "data": {"vocab_size": len(stack.tokenizer), "eos_token_id": stack.tokenizer.eos_token_id}}
+    assert reply == {"type": "ok", "data": {"vocab_size": len(stack.tokenizer), "eos_token_id": stack.tokenizer.eos_token_id},
+                     "incarnation": incarnation}
 
 
 @pytest.mark.parametrize(

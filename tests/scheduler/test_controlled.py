@@ -51,6 +51,8 @@ def step(h: Harness, rt: FakeRuntime, tokens: dict[str, int] | None = None
     h.core.admit()
     plan, request = h.core.plan_controlled()
     plan = h.core.controlled_planned(plan, None if request is None else rt.post_pre_process(h, request))
+    if (first := h.core.mid_first()) is not None:  # plain sequences run: the masks go with the step
+        h.core.controlled.mid_done(rt.mid_process(first))
     steps = h.core.build_steps(plan)
     masks = []
     if any(d.step.masks_follow for d in steps):
@@ -188,6 +190,68 @@ def test_a_splice_backtracks_after_the_step_and_feeds_its_tokens_next():
     post = [r for r in rt.requests if isinstance(r, aici_wire.PostPreProcess)][-1]
     assert post.post_ops == [aici_wire.PostOp(id=seq_id, tokens=[WOR], backtrack=1)]
     assert h.text("c") == " hello" + BACKTRACK_MARK + " world"
+
+
+def test_beside_plain_sequences_mid_process_runs_first_and_its_masks_go_with_the_step():
+    h, rt = controlled()
+    h.submit("p", prompt(3), 8)
+    steps, masks = step(h, rt, {"c": HE, "p": LLO})
+    (dispatch,) = steps
+    (seq,) = seqs_of(steps, "c")
+    assert not dispatch.step.masks_follow and not masks and dispatch.frames == [b"MASKS"]
+    assert seq.sample and seq.mask_row == 0 and seqs_of(steps, "p")[0].sample
+    assert h.text("c") == " he" and h.generated("p") == [LLO]
+    h.core.control(b"gw", wire.Cancel(rid="p"))
+    steps, masks = step(h, rt, {"c": LLO})  # alone again: mid_process overlaps the forward pass
+    assert steps[0].step.masks_follow and not steps[0].frames and masks[0][1] == [b"MASKS"]
+
+
+def test_beside_plain_sequences_a_spliced_sequence_is_fed_not_sampled():
+    h, rt = controlled()
+    h.submit("p", prompt(3), 8)
+    step(h, rt, {"c": HE})
+    seq_id = h.core.requests["c"].seq_id
+    rt.mid[seq_id] = {"Splice": {"backtrack": 1, "ff_tokens": [WOR]}}
+    steps, _ = step(h, rt, {"c": BANG})
+    (seq,) = seqs_of(steps, "c")
+    assert not seq.sample and seq.mask_row == -1 and steps[0].frames == []
+    nxt, _ = step(h, rt, {"c": LD})
+    (seq,) = seqs_of(nxt, "c")
+    assert seq.backtrack == 1 and seq.tokens == [WOR] and h.text("c") == " he" + BACKTRACK_MARK + " world"
+
+
+def test_an_ended_forks_worker_free_waits_while_the_next_controlled_part_is_planned():
+    h, rt = controlled()
+    parent = next_seq_id(h)
+    rt.pre[parent] = {"num_forks": 2}
+    step(h, rt, {"c": HE, "c/1": LLO})
+    fork = h.core.controlled.requests["c"].branches[1].seq_id
+    h.core.admit()
+    plan, request = h.core.plan_controlled()  # its calls run in the background meanwhile
+    h.core.controlled._end(h.core.controlled.by_seq[fork], "aici-stop")
+    h.core.end_step()  # a plain step's results came in
+    assert fork not in h.core.to_free.get(b"w1", [])
+    h.core.build_steps(h.core.controlled_planned(plan, rt.post_pre_process(h, request)))
+    h.core.end_step()
+    assert fork in h.core.to_free[b"w1"]
+
+
+def test_a_new_runtime_incarnation_fails_the_requests_bound_to_the_old_one_at_once():
+    h, rt = controlled()
+    h.submit("plain", prompt(3), 8)
+    step(h, rt, {"c": HE})
+    h.core.controlled.runtime_heard("100-aaaa")  # the first one heard: nothing is lost
+    h.core.controlled.runtime_heard("100-aaaa")
+    assert "c" in h.core.requests and not h.failures("c")
+    h.submit("d", prompt(3), 4, controller="ctl-2")  # instantiated on the new runtime, not bound yet
+    h.core.admit()
+    h.core.plan_controlled()
+    h.core.controlled.runtime_heard("")  # a reply that names none (an older runtime) changes nothing
+    h.core.controlled.runtime_heard("200-bbbb")
+    (failed,) = h.failures("c")
+    assert failed.code == "service_unavailable" and failed.recoverable
+    assert "restarted (incarnation 100-aaaa -> 200-bbbb)" in failed.message
+    assert "d" in h.core.requests and "plain" in h.core.requests and not h.failures("d")
 
 
 def test_a_stop_from_mid_process_ends_the_request():

@@ -4,7 +4,7 @@ import pytest
 
 from common.config import Settings
 from common.model_source import load_tokenizer
-from common.textstream import TextStream
+from common.textstream import TextStream, decoder
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +49,13 @@ def test_held_back_prefix_released_when_it_does_not_complete(tokenizer):
     stream, deltas = stream_all(tokenizer, ids, stop=["THE END."])
     assert stream.stopped_by is None
     assert "".join(deltas) == "the THE ENDING? no: THE EN"
+
+
+def test_fast_decoder_is_the_tokenizers_decode(tokenizer):
+    """The stream decodes with the Rust backend directly: same text as transformers' decode, specials skipped."""
+    ids = tokenizer("<|im_start|>user\nHéllo 🙂 wörld<|im_end|>").input_ids + [tokenizer.eos_token_id]
+    decode = decoder(tokenizer)
+    assert decode.func == tokenizer.backend_tokenizer.decode
+    for end in range(len(ids) + 1):
+        assert decode(ids[:end]) == tokenizer.decode(ids[:end], skip_special_tokens=True,
+                                                     clean_up_tokenization_spaces=False)
