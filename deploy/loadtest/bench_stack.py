@@ -197,10 +197,9 @@ def measure(tokens: int, n_streams: int, url: str | None = None) -> StackFigures
     release_accelerator_memory()  # the model measured in-process is gone: leave the GPU to the stack
     stack = None
     if url is None:
-        from tests.stack import start_stack
+        from tests.stack import served_settings, start_stack
 
-        configured = {k: v for k, v in os.environ.items() if k.startswith("TILLER_")}
-        stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-bench-")), **configured)
+        stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-bench-")), **served_settings())
         url = stack.ws_url
     try:
         asyncio.run(one_stream(url, tokens))  # warm-up
