@@ -129,6 +129,7 @@ def main() -> None:
                 finally:
                     spinner.kill()
                     spinner.wait()
+                print(f"  {c.config}: alone {c.alone[-1]:.2f} s, busy {c.busy[-1]:.2f} s", flush=True)
     finally:
         for c in configs:
             c.close()
