@@ -240,8 +240,8 @@ class WorkerService:
         if self.engine is None:
             reason = self.loader.error or "model is still loading"
             return _fail_all(step, f"model not available: {reason}")
+        self.govern_threads()
         try:
-            self.govern_threads()
             self._to_ranks(step, mask_frame)
             if not step.masks_follow:
                 return self.engine.step(step, mask_frame)

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
+import structlog
+
 from common.config import Settings
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -123,12 +125,18 @@ def read_cpu_sample(cpus: set[int] | None = None) -> CpuSample:
 def thread_governor(settings: Settings, threads: int) -> Callable[[], None]:
     """What the step loop calls before each step: it samples the CPU every
     ``worker_threads_interval_s`` and sets torch's thread count to the governor's (a no-op when the
-    interval is 0 or there is one thread)."""
+    interval is 0, there is one thread, or ``/proc`` cannot be read)."""
     if settings.worker_threads_interval_s <= 0 or threads <= 1:
         return lambda: None
     import torch
 
     cpus = os.sched_getaffinity(0)
+    log = structlog.get_logger()
+    try:
+        read_cpu_sample(cpus)
+    except (OSError, ValueError) as exc:  # no /proc: the thread count stays as it started
+        log.warning("worker.threads_not_governed", reason=str(exc))
+        return lambda: None
     governor = ThreadGovernor(threads, len(cpus))
     interval_s, next_at = settings.worker_threads_interval_s, 0.0
 
@@ -141,5 +149,6 @@ def thread_governor(settings: Settings, threads: int) -> Callable[[], None]:
         changed = governor.observe(read_cpu_sample(cpus))
         if changed is not None:
             torch.set_num_threads(changed)
+            log.debug("worker.threads", threads=changed)
 
     return tick
