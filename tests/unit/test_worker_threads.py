@@ -69,7 +69,7 @@ def test_a_cpu_sample_counts_this_process_in_the_machine() -> None:
         pass
     second = read_cpu_sample()
     assert second.at_s > first.at_s
-    assert second.own_s - first.own_s >= 0.05
+    assert second.own_s - first.own_s >= 0.049  # clock ticks, in float seconds
     assert second.busy_s - first.busy_s >= 0.04  # our own seconds are among everything's (tick rounding)
 
 
