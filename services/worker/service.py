@@ -34,6 +34,7 @@ from common.sockets import heartbeat
 from services.worker.engine import Engine
 from services.worker.model_loader import load_model
 from services.worker.tensor_parallel import Ranks, start_followers
+from services.worker.threads import thread_governor
 
 LOADING_HELLO_INTERVAL_S = 1.0
 FAILED_HELLO_INTERVAL_S = 2.0
@@ -83,8 +84,10 @@ class _Loader(threading.Thread):
 class WorkerService:
     """One worker process: the socket loop around an :class:`Engine` (see the module docstring)."""
 
-    def __init__(self, settings: Settings, log: Any | None = None) -> None:
+    def __init__(self, settings: Settings, log: Any | None = None, threads: int = 1) -> None:
+        """``threads``: the CPU threads the worker started with (see threads.py)."""
         self.settings = settings
+        self.govern_threads = thread_governor(settings, threads)
         self.log = log or structlog.get_logger()
         self.worker_id = f"worker-{socket.gethostname()}-{os.getpid()}"  # unique across the hosts that join
         self.incarnation = process_incarnation()
@@ -237,6 +240,7 @@ class WorkerService:
         if self.engine is None:
             reason = self.loader.error or "model is still loading"
             return _fail_all(step, f"model not available: {reason}")
+        self.govern_threads()
         try:
             self._to_ranks(step, mask_frame)
             if not step.masks_follow:

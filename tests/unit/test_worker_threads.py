@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from common.config import Settings
-from services.worker.threads import apply_cpu_threads, plan_threads
+from services.worker.threads import CpuSample, ThreadGovernor, apply_cpu_threads, plan_threads, read_cpu_sample
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,18 +23,54 @@ def test_the_setting_wins_then_omp_num_threads_then_the_cores_left() -> None:
     assert plan_threads(None, 4, cores=2, environ={}) == 1  # never none
 
 
-def test_torch_in_the_worker_starts_with_the_planned_threads_and_passive_waiting() -> None:
+def test_torch_in_the_worker_starts_with_the_planned_threads_and_wait() -> None:
     script = (
         "from common.config import Settings\n"
         "from services.worker.threads import apply_cpu_threads\n"
         "n = apply_cpu_threads(Settings())\n"
         "import os, torch\n"
-        "print(n, torch.get_num_threads(), os.environ['OMP_WAIT_POLICY'])\n"
+        "print(n, torch.get_num_threads(), os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'])\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TILLER_", "OMP_"))}
-    env.update(PYTHONPATH=str(ROOT), TILLER_WORKER_THREADS="1")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TILLER_", "OMP_", "GOMP_"))}
+    env.update(PYTHONPATH=str(ROOT), TILLER_WORKER_THREADS="1", TILLER_WORKER_WAIT_POLICY="PASSIVE",
+               TILLER_WORKER_SPIN_COUNT="2000")
     out = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["1", "1", "PASSIVE"]
+    assert out.stdout.split() == ["1", "1", "PASSIVE", "2000"]
+
+
+def _samples(*others_per_s: float, own_per_s: float = 1.5, interval_s: float = 0.25) -> list[CpuSample]:
+    """Samples ``interval_s`` apart in which the other processes take ``others_per_s`` cores each."""
+    samples, busy, own = [CpuSample(0.0, 0.0, 0.0)], 0.0, 0.0
+    for i, others in enumerate(others_per_s, start=1):
+        own += own_per_s * interval_s
+        busy += (own_per_s + others) * interval_s
+        samples.append(CpuSample(i * interval_s, busy, own))
+    return samples
+
+
+def test_the_governor_yields_a_core_to_a_busy_process_and_takes_it_back() -> None:
+    governor = ThreadGovernor(max_threads=2, cores=2)
+    # alone, then the stack's other services' few percent, then a busy process (beside two spinning
+    # threads it gets 2/3 of a core, then a whole one), then it stops
+    changes = [governor.observe(s) for s in _samples(0.0, 0.2, 0.67, 1.0, 1.0, 0.3, 0.0)]
+    assert changes == [None, None, None, 1, None, None, None, 2]
+    assert governor.threads == 2
+
+
+def test_the_governor_keeps_at_least_one_thread_and_at_most_its_maximum() -> None:
+    governor = ThreadGovernor(max_threads=3, cores=4)
+    assert [governor.observe(s) for s in _samples(4.0, 4.0, 0.0)] == [None, 1, None, 3]
+
+
+def test_a_cpu_sample_counts_this_process_in_the_machine() -> None:
+    first = read_cpu_sample()
+    deadline = first.own_s + 0.05
+    while read_cpu_sample().own_s < deadline:  # burn some CPU of our own
+        pass
+    second = read_cpu_sample()
+    assert second.at_s > first.at_s
+    assert second.own_s - first.own_s >= 0.049  # clock ticks, in float seconds
+    assert second.busy_s - first.busy_s >= 0.04  # our own seconds are among everything's (tick rounding)
 
 
 def test_applying_after_torch_loaded_is_refused() -> None:
