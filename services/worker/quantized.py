@@ -49,6 +49,15 @@ class LinearFactory(Protocol):
         ...
 
 
+def _release(modules: list[nn.Linear], keep: torch.Tensor) -> None:
+    """Swap each module's dense weight for a storage-less (meta) tensor of its shape, once packed:
+    the packed layer holds all the forward needs. ``keep`` (the token embedding, which may be tied
+    to the output projection) stays."""
+    for m in modules:
+        if m.weight is not keep:
+            m.weight = nn.Parameter(torch.empty_like(m.weight, device="meta"), requires_grad=False)
+
+
 def _bias(modules: list[nn.Linear]) -> torch.Tensor | None:
     has_bias = [m.bias is not None for m in modules]
     if any(has_bias) and not all(has_bias):
@@ -189,9 +198,11 @@ class GgufLinears:
     """Packed 4-bit layers from a GGUF's blocks, keyed by the transformers module they replace;
     a module the GGUF holds no blocks for (a float tensor there) stays dense."""
 
-    def __init__(self, model: nn.Module, blocks: dict[str, Blocks], parts: int = 2) -> None:
-        """``parts``: bfloat16 parts per scale (see :class:`Int4Packed`; 2 is exact)."""
+    def __init__(self, model: nn.Module, blocks: dict[str, Blocks], parts: int = 2, release: bool = False) -> None:
+        """``parts``: bfloat16 parts per scale (see :class:`Int4Packed`; 2 is exact). ``release``:
+        drop each packed module's dense weight (the transformers model cannot run afterwards)."""
         self.parts = parts
+        self.keep = model.get_input_embeddings().weight if release else None  # type: ignore[operator]
         modules = dict(model.named_modules())
         self.blocks = {modules[name.removesuffix(".weight")]: b for name, b in blocks.items()
                        if name.removesuffix(".weight") in modules}
@@ -203,22 +214,36 @@ class GgufLinears:
     def layer(self, modules: list[nn.Linear]) -> Linear:
         if not all(m in self.blocks for m in modules):
             return self.dense.layer(modules)
-        return Int4Packed.of(Blocks.cat([self.blocks[m] for m in modules]), _bias(modules), self.parts)
+        return self._released(modules, Int4Packed.of(Blocks.cat([self.blocks[m] for m in modules]),
+                                                     _bias(modules), self.parts))
 
     def head(self, module: nn.Linear) -> Linear:
         if module not in self.blocks:
             return self.dense.head(module)
-        return Int4Packed.of(self.blocks[module], _bias([module]), self.parts)
+        return self._released([module], Int4Packed.of(self.blocks[module], _bias([module]), self.parts))
+
+    def _released(self, modules: list[nn.Linear], packed: Linear) -> Linear:
+        if self.keep is not None:
+            _release(modules, self.keep)
+        return packed
 
 
 class Int8Linears:
     """Every layer's weights rounded to int8 per output row (the output projection included)."""
 
+    def __init__(self, release_from: nn.Module | None = None) -> None:
+        """``release_from``: the model whose packed modules' dense weights are dropped once packed
+        (the transformers model cannot run afterwards); None keeps them."""
+        self.keep = None if release_from is None else release_from.get_input_embeddings().weight  # type: ignore[operator]
+
     def layer(self, modules: list[nn.Linear]) -> Linear:
-        return Int8Packed(torch.cat([m.weight.detach() for m in modules]), _bias(modules))
+        packed = Int8Packed(torch.cat([m.weight.detach() for m in modules]), _bias(modules))
+        if self.keep is not None:
+            _release(modules, self.keep)
+        return packed
 
     def head(self, module: nn.Linear) -> Linear:
-        return Int8Packed(module.weight.detach(), _bias([module]))
+        return self.layer([module])
 
 
 def weights_mode(setting: str, device: str, has_gguf: bool, pretrained: bool, sharded: bool = False) -> str:
@@ -238,12 +263,13 @@ def weights_mode(setting: str, device: str, has_gguf: bool, pretrained: bool, sh
 
 
 def linear_factory(mode: str, model: nn.Module, gguf: Path | None) -> LinearFactory:
-    """The factory for a resolved ``mode`` (see :func:`weights_mode`)."""
+    """The factory for a resolved ``mode`` (see :func:`weights_mode`); a quantized one drops the
+    model's dense weights as it packs them (only the native forward runs such a model)."""
     if mode.startswith("gguf"):
         assert gguf is not None
         config = model.config.get_text_config()  # type: ignore[operator, union-attr]
         blocks = read_blocks(gguf, config.num_attention_heads, config.num_key_value_heads)
-        return GgufLinears(model, blocks, parts=2 if mode == "gguf" else 1)
+        return GgufLinears(model, blocks, parts=2 if mode == "gguf" else 1, release=True)
     if mode == "int8":
-        return Int8Linears()
+        return Int8Linears(release_from=model)
     return DenseLinears()

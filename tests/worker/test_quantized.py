@@ -19,7 +19,8 @@ import torch
 from common.model_source import resolve_model
 from services.worker.engine import Engine
 from services.worker.gguf_blocks import Blocks, read_blocks
-from services.worker.quantized import GgufLinears, Int4Packed, Int8Packed, bf16_parts, weights_mode
+from services.worker.model_loader import load_model
+from services.worker.quantized import GgufLinears, Int4Packed, Int8Linears, Int8Packed, bf16_parts, weights_mode
 from tests.worker.conftest import Driver
 
 NEW_TOKENS = 32
@@ -126,3 +127,24 @@ def test_the_quantized_engine_decodes_greedily_as_the_dense_model(mode, loaded, 
         message = f"{mode}: prompt {i} parts from the dense model at token {at} where its top-2 logit gap is {gap:.4f}"
         assert gap < NEAR_TIE[mode], message
         warnings.warn(message, stacklevel=1)
+
+
+@pytest.mark.parametrize("mode", ["gguf-bf16", "int8"])
+def test_a_quantized_worker_keeps_no_dense_copy_of_what_it_packed(mode, worker_settings, loaded, blocks, prompts) -> None:
+    """The loader's quantized model, once its engine is built, holds dense storage only for what the
+    packed layers do not replace (the token embedding and the norms), and decodes as a packed engine
+    over a model that kept its dense weights."""
+    released = load_model(worker_settings.model_copy(update={"weights": mode}), lambda progress, message: None)
+    assert released.weights == mode
+    quantized = Driver(Engine(released, num_blocks=64))
+    embedding = released.model.get_input_embeddings().weight  # tied to the output projection: kept
+    projections = [m for m in released.model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not embedding]
+    assert len(projections) == 7 * loaded.config.num_hidden_layers
+    assert all(m.weight.device.type == "meta" for m in projections)
+    dense = sum(p.numel() * p.element_size() for p in released.model.parameters() if p.device.type != "meta")
+    layers = loaded.config.num_hidden_layers
+    norms = (2 * layers + 1) * loaded.config.hidden_size * 4
+    assert embedding.device.type == "cpu" and dense <= embedding.numel() * embedding.element_size() + norms
+    kept = GgufLinears(loaded.model, blocks, 1) if mode == "gguf-bf16" else Int8Linears()
+    reference = Driver(Engine(dataclasses.replace(loaded, weights=mode, linears=kept), num_blocks=64))
+    assert quantized.generate(0, prompts[0], 8) == reference.generate(1, prompts[0], 8)
