@@ -209,6 +209,7 @@ class GgufLinears:
         embedding = model.get_input_embeddings()  # type: ignore[operator]
         if embedding in self.blocks and model.get_output_embeddings().weight is embedding.weight:  # type: ignore[operator]
             self.blocks[model.get_output_embeddings()] = self.blocks[embedding]  # type: ignore[operator]
+        self.blocks.pop(embedding, None)  # the embedding itself is read dense (a gather), never packed
         self.dense = DenseLinears()
 
     def layer(self, modules: list[nn.Linear]) -> Linear:
@@ -223,8 +224,10 @@ class GgufLinears:
         return self._released([module], Int4Packed.of(self.blocks[module], _bias([module]), self.parts))
 
     def _released(self, modules: list[nn.Linear], packed: Linear) -> Linear:
-        if self.keep is not None:
+        if self.keep is not None:  # the blocks too: their codes are one byte per weight
             _release(modules, self.keep)
+            for m in modules:
+                del self.blocks[m]
         return packed
 
 

@@ -32,7 +32,7 @@ from common.errors import WireError
 from common.incarnation import process_incarnation
 from common.sockets import heartbeat
 from services.worker.engine import Engine
-from services.worker.model_loader import load_model
+from services.worker.model_loader import load_model, return_freed_memory
 from services.worker.tensor_parallel import Ranks, start_followers
 from services.worker.threads import thread_governor
 
@@ -73,6 +73,7 @@ class _Loader(threading.Thread):
             if engine.backend.endswith("cuda_graphs"):
                 self._report(95, "capturing CUDA graphs of decode steps")
                 engine.capture_graphs()
+            return_freed_memory()
         except Exception as exc:  # any load failure is reported, never raised
             structlog.get_logger().exception("worker.load_failed")
             self.error = f"{type(exc).__name__}: {exc}"

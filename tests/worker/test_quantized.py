@@ -141,6 +141,8 @@ def test_a_quantized_worker_keeps_no_dense_copy_of_what_it_packed(mode, worker_s
     projections = [m for m in released.model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not embedding]
     assert len(projections) == 7 * loaded.config.num_hidden_layers
     assert all(m.weight.device.type == "meta" for m in projections)
+    if mode == "gguf-bf16":
+        assert isinstance(released.linears, GgufLinears) and not released.linears.blocks  # the codes, packed, let go
     dense = sum(p.numel() * p.element_size() for p in released.model.parameters() if p.device.type != "meta")
     layers = loaded.config.num_hidden_layers
     norms = (2 * layers + 1) * loaded.config.hidden_size * 4
