@@ -10,6 +10,7 @@ from pathlib import Path
 
 import structlog
 import torch
+from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -87,15 +88,19 @@ def eos_token_ids(directory: Path, config: PretrainedConfig) -> list[int]:
     return sorted(set(ids))
 
 
-def _own_weights(model: PreTrainedModel) -> None:
+def _own_weights(model: PreTrainedModel, skip_projections: bool = False) -> None:
     """Copy the weights out of the memory-mapped checkpoint into fresh, 64-byte aligned memory.
 
     safetensors tensors sit at arbitrary file offsets; CPU matmuls over them measured ~25% slower.
-    Tied weights stay tied: each Parameter object is visited once.
+    Tied weights stay tied: each Parameter object is visited once. ``skip_projections``: leave the
+    linear layers' weights (but the token embedding's) mapped, unread: GGUF blocks replace them.
     """
+    embedding = model.get_input_embeddings().weight
+    skipped = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and m.weight is not embedding}
     with torch.no_grad():
         for param in model.parameters():
-            param.data = param.data.clone()
+            if not (skip_projections and id(param) in skipped):
+                param.data = param.data.clone()
 
 
 def return_freed_memory() -> None:
@@ -134,10 +139,10 @@ def load_model(settings: Settings, progress: Progress) -> LoadedModel:
         model = model_class(config).from_config(config, dtype=dtype)
     progress(70, f"moving weights to {device}")
     model = model.to(device).eval()
-    if device.type == "cpu" and source.pretrained_weights:
-        _own_weights(model)
     mode = weights_mode(settings.weights, device.type, source.gguf is not None, source.pretrained_weights,
                         sharded=settings.distributed.tensor_parallel > 1)
+    if device.type == "cpu" and source.pretrained_weights:
+        _own_weights(model, skip_projections=mode.startswith("gguf"))
     linears = None
     if mode != "fp32":
         progress(75, f"packing {mode} weights")
