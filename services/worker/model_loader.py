@@ -22,9 +22,11 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from common import model_cache
 from common.config import Settings
 from common.model_source import resolve_model
 from common.vision import VisionSpec
+from services.worker.packed_cache import PackedStore, cache_key, cache_path
 from services.worker.quantized import LinearFactory, linear_factory, weights_mode
 
 log = structlog.get_logger()
@@ -115,6 +117,14 @@ def return_freed_memory() -> None:
         trim(0)
 
 
+def packed_store(settings: Settings, directory: Path, gguf: Path | None, mode: str) -> PackedStore | None:
+    """Where a GGUF model's packed layers are kept between starts: beside its conversion."""
+    if gguf is None or not mode.startswith("gguf"):
+        return None
+    key = cache_key(model_cache.content_digest(gguf, settings.cache_dir), mode)
+    return PackedStore.open(cache_path(directory, key), key)
+
+
 def model_class(config: PretrainedConfig) -> type:
     """The auto class that builds ``config``: vision-language configs (a ``vision_config``) are not
     causal-LM classes in transformers, but their models are used the same way for text."""
@@ -146,7 +156,7 @@ def load_model(settings: Settings, progress: Progress) -> LoadedModel:
     linears = None
     if mode != "fp32":
         progress(75, f"packing {mode} weights")
-        linears = linear_factory(mode, model, source.gguf)
+        linears = linear_factory(mode, model, source.gguf, packed_store(settings, source.directory, source.gguf, mode))
     progress(80, "reading tokenizer and generation config")
     eos = eos_token_ids(source.directory, config)
     limit = settings.limits.max_model_len

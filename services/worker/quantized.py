@@ -18,6 +18,7 @@ fused q|k|v and gate|up projections):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from services.worker.gguf_blocks import GROUP, Blocks, read_blocks
+from services.worker.packed_cache import PackedStore
 
 
 class Linear(Protocol):
@@ -119,17 +121,34 @@ class Int4Packed(_Quantized):
     Activations are rounded to bfloat16 on the way in, and the output is bfloat16, widened back.
     """
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
-                 in_features: int, parts: int = 2) -> None:
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, repeat: int, bias: torch.Tensor | None) -> None:
+        """``packed``: the kernel's layout of the codes (see :meth:`pack`); ``scales_zeros``
+        ``[groups, out, 2]`` bfloat16; ``repeat``: copies of the input the codes hold side by side."""
+        self.packed = packed
+        self.scales_zeros = scales_zeros
+        self.repeat = repeat
+        self.bias = bias
+        self.out_features = scales_zeros.shape[1]
+
+    @classmethod
+    def pack(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
+             in_features: int, parts: int = 2) -> Int4Packed:
         """``codes`` ``[out, n * in_features]`` 0..15 (``n`` copies of the input side by side);
         ``scale`` and ``zero`` float32, one per 32 codes."""
         codes = codes.to(torch.int32).repeat(1, parts).contiguous()
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         scales, zeros = torch.cat(bf16_parts(scale, parts), dim=1), torch.cat(bf16_parts(zero, parts), dim=1)
-        self.scales_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()  # [groups, out, 2]
-        self.repeat = codes.shape[1] // in_features
-        self.bias = bias
-        self.out_features = codes.shape[0]
+        scales_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()  # [groups, out, 2]
+        return cls(packed, scales_zeros, codes.shape[1] // in_features, bias)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What :meth:`from_tensors` makes this layer again from (the bias is the model's own)."""
+        return {"packed": self.packed, "scales_zeros": self.scales_zeros,
+                "repeat": torch.tensor(self.repeat, dtype=torch.int32)}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None) -> Int4Packed:
+        return cls(tensors["packed"], tensors["scales_zeros"], int(tensors["repeat"]), bias)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         x = x.bfloat16()
@@ -142,15 +161,15 @@ class Int4Packed(_Quantized):
         """The packed form of GGUF blocks (see the module docstring); exact with 2 parts."""
         d, in_features = blocks.scale, blocks.shape[1]
         if blocks.kind == "Q4_0":
-            return cls(blocks.q, d, torch.zeros_like(d), bias, in_features, parts)
+            return cls.pack(blocks.q, d, torch.zeros_like(d), bias, in_features, parts)
         if blocks.kind == "Q4_1":
             assert blocks.minimum is not None
-            return cls(blocks.q, d, blocks.minimum + 8 * d, bias, in_features, parts)
+            return cls.pack(blocks.q, d, blocks.minimum + 8 * d, bias, in_features, parts)
         if blocks.kind == "Q8_0":
             u = blocks.q.to(torch.int32) + 128
             codes = torch.cat([u >> 4, u & 15], dim=1)
             zero = torch.cat([torch.zeros_like(d), 8 * d], dim=1)
-            return cls(codes, torch.cat([16 * d, d], dim=1), zero, bias, in_features, parts)
+            return cls.pack(codes, torch.cat([16 * d, d], dim=1), zero, bias, in_features, parts)
         raise ValueError(f"no packed kernel for {blocks.kind} blocks")
 
 
@@ -196,38 +215,78 @@ class DenseLinears:
 
 class GgufLinears:
     """Packed 4-bit layers from a GGUF's blocks, keyed by the transformers module they replace;
-    a module the GGUF holds no blocks for (a float tensor there) stays dense."""
+    a module the GGUF holds no blocks for (a float tensor there) stays dense.
 
-    def __init__(self, model: nn.Module, blocks: dict[str, Blocks], parts: int = 2, release: bool = False) -> None:
-        """``parts``: bfloat16 parts per scale (see :class:`Int4Packed`; 2 is exact). ``release``:
-        drop each packed module's dense weight (the transformers model cannot run afterwards)."""
+    With a :class:`PackedStore`, a layer packed at an earlier start is taken from it; the blocks
+    are read only when a layer is missing there, and once every block is packed the store is saved.
+    """
+
+    def __init__(self, model: nn.Module, blocks: dict[str, Blocks] | Callable[[], dict[str, Blocks]], parts: int = 2,
+                 release: bool = False, store: PackedStore | None = None) -> None:
+        """``blocks``: by parameter name, or what reads them when first needed. ``parts``: bfloat16
+        parts per scale (see :class:`Int4Packed`; 2 is exact). ``release``: drop each packed
+        module's dense weight (the transformers model cannot run afterwards)."""
         self.parts = parts
+        self.model = model
         self.keep = model.get_input_embeddings().weight if release else None  # type: ignore[operator]
-        modules = dict(model.named_modules())
-        self.blocks = {modules[name.removesuffix(".weight")]: b for name, b in blocks.items()
-                       if name.removesuffix(".weight") in modules}
-        embedding = model.get_input_embeddings()  # type: ignore[operator]
-        if embedding in self.blocks and model.get_output_embeddings().weight is embedding.weight:  # type: ignore[operator]
-            self.blocks[model.get_output_embeddings()] = self.blocks[embedding]  # type: ignore[operator]
-        self.blocks.pop(embedding, None)  # the embedding itself is read dense (a gather), never packed
+        self.names = {m: name for name, m in model.named_modules()}
+        self._read = blocks if callable(blocks) else lambda: blocks
+        self.blocks: dict[nn.Module, Blocks] | None = None  # read at the first layer the store lacks
+        self.unpacked: set[nn.Module] = set()  # modules with blocks no layer holds yet
+        self.served: set[nn.Module] = set()  # modules whose layer came from the store
+        self.store = store
         self.dense = DenseLinears()
 
     def layer(self, modules: list[nn.Linear]) -> Linear:
-        if not all(m in self.blocks for m in modules):
-            return self.dense.layer(modules)
-        return self._released(modules, Int4Packed.of(Blocks.cat([self.blocks[m] for m in modules]),
-                                                     _bias(modules), self.parts))
+        return self._make(modules, lambda: self.dense.layer(modules))
 
     def head(self, module: nn.Linear) -> Linear:
-        if module not in self.blocks:
-            return self.dense.head(module)
-        return self._released([module], Int4Packed.of(self.blocks[module], _bias([module]), self.parts))
+        return self._make([module], lambda: self.dense.head(module))
+
+    def _make(self, modules: list[nn.Linear], dense: Callable[[], Linear]) -> Linear:
+        name = ",".join(self.names[m] for m in modules)
+        stored = None if self.store is None else self.store.get(name)
+        if stored is not None:
+            self.served.update(modules)
+            made = self._released(modules, Int4Packed.from_tensors(stored, _bias(modules)))
+        elif self.store is not None and self.store.is_dense(name):
+            made = dense()
+        else:
+            blocks = self._blocks()
+            if all(m in blocks for m in modules):
+                packed = Int4Packed.of(Blocks.cat([blocks[m] for m in modules]), _bias(modules), self.parts)
+                made = self._released(modules, packed)
+                tensors: dict[str, torch.Tensor] | None = packed.tensors()
+            else:
+                made, tensors = dense(), None
+            if self.store is not None:
+                self.store.put(name, tensors)
+        self.unpacked.difference_update(modules)
+        if self.store is not None and not self.unpacked:
+            self.store.save()
+        return made
+
+    def _blocks(self) -> dict[nn.Module, Blocks]:
+        """The blocks by module (the tied output projection's are the embedding's), read once."""
+        if self.blocks is None:
+            modules = {name: m for m, name in self.names.items()}
+            blocks = {modules[name.removesuffix(".weight")]: b for name, b in self._read().items()
+                      if name.removesuffix(".weight") in modules}
+            embedding = self.model.get_input_embeddings()  # type: ignore[operator]
+            output = self.model.get_output_embeddings()  # type: ignore[operator]
+            if embedding in blocks and output.weight is embedding.weight:
+                blocks[output] = blocks[embedding]
+            blocks.pop(embedding, None)  # the embedding itself is read dense (a gather), never packed
+            self.blocks = {m: b for m, b in blocks.items() if m not in self.served}
+            self.unpacked = set(self.blocks)
+        return self.blocks
 
     def _released(self, modules: list[nn.Linear], packed: Linear) -> Linear:
         if self.keep is not None:  # the blocks too: their codes are one byte per weight
             _release(modules, self.keep)
             for m in modules:
-                del self.blocks[m]
+                if self.blocks:
+                    self.blocks.pop(m, None)
         return packed
 
 
@@ -265,14 +324,16 @@ def weights_mode(setting: str, device: str, has_gguf: bool, pretrained: bool, sh
     return setting
 
 
-def linear_factory(mode: str, model: nn.Module, gguf: Path | None) -> LinearFactory:
+def linear_factory(mode: str, model: nn.Module, gguf: Path | None, store: PackedStore | None = None) -> LinearFactory:
     """The factory for a resolved ``mode`` (see :func:`weights_mode`); a quantized one drops the
-    model's dense weights as it packs them (only the native forward runs such a model)."""
+    model's dense weights as it packs them (only the native forward runs such a model). ``store``:
+    the GGUF's layers as packed at an earlier start (see :class:`GgufLinears`)."""
     if mode.startswith("gguf"):
         assert gguf is not None
         config = model.config.get_text_config()  # type: ignore[operator, union-attr]
-        blocks = read_blocks(gguf, config.num_attention_heads, config.num_key_value_heads)
-        return GgufLinears(model, blocks, parts=2 if mode == "gguf" else 1, release=True)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        return GgufLinears(model, lambda: read_blocks(gguf, heads, kv_heads), parts=2 if mode == "gguf" else 1,
+                           release=True, store=store)
     if mode == "int8":
         return Int8Linears(release_from=model)
     return DenseLinears()
