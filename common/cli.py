@@ -27,6 +27,8 @@ from common.supervisor import (
 
 __all__ = ["main", "supervisorctl"]
 
+READY_POLL_S = 0.2  # how often `tiller up` asks whether the services are ready (each ask costs ~ms of CPU)
+
 
 def worker(settings: Settings, scheduler: str) -> int:
     """``tiller worker``: one worker in the foreground, joining the scheduler at ``scheduler``
@@ -91,7 +93,7 @@ async def _wait_ready(settings: Settings) -> tuple[bool, str]:
             return False, fatal
         if store and store.ready and scheduler and scheduler.ready and gateway_ready:
             return True, ""
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(READY_POLL_S)
     return False, f"not ready after {settings.ready_timeout_s:.0f} s (see {settings.run_dir}/logs/)"
 
 

@@ -12,7 +12,10 @@ import os
 import re
 import subprocess
 import sys
+import xmlrpc.client
 from pathlib import Path
+
+from supervisor.xmlrpc import SupervisorTransport
 
 from common.config import Settings
 
@@ -93,21 +96,22 @@ def supervisorctl(
     )
 
 
-def parse_status(out: str) -> dict[str, tuple[str, int | None, str]]:
-    """``supervisorctl status`` lines -> {service: (state, pid or None, the rest of the line)}."""
-    programs: dict[str, tuple[str, int | None, str]] = {}
-    for line in out.splitlines():
-        parts = line.split(None, 2)
-        if len(parts) < 2 or not parts[0].startswith("tiller:"):
-            continue
-        rest = parts[2] if len(parts) > 2 else ""
-        pid = re.match(r"pid (\d+),", rest)
-        programs[parts[0].split(":", 1)[1]] = (parts[1], int(pid.group(1)) if pid else None, rest)
-    return programs
-
-
 def program_status(settings: Settings) -> dict[str, tuple[str, int | None, str]]:
-    return parse_status(supervisorctl(settings, "status").stdout)
+    """{service: (state, pid or None, supervisord's description)} of this run directory's
+    supervisord, {} when none runs. Asked over its socket from this process: ``tiller up`` polls
+    this while the services start, and a ``supervisorctl`` process per poll took ~0.1 CPU seconds
+    from them each time."""
+    socket_file = settings.run_dir.resolve() / "supervisor.sock"
+    if not conf_path(settings).is_file() or not socket_file.exists():
+        return {}
+    transport = SupervisorTransport(None, None, f"unix://{socket_file}")
+    try:
+        infos = xmlrpc.client.ServerProxy("http://localhost", transport=transport).supervisor.getAllProcessInfo()
+    except (OSError, xmlrpc.client.Error):  # not running, or going away
+        return {}
+    finally:
+        transport.close()
+    return {i["name"]: (i["statename"], i["pid"] or None, i["description"]) for i in infos if i["group"] == "tiller"}
 
 
 def program_states(settings: Settings) -> dict[str, str]:

@@ -8,6 +8,7 @@ sum over a stack is what the stack really holds.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,3 +90,10 @@ def memory(pid: int) -> Memory:
         return 0
 
     return Memory(kb("status", "VmRSS") / 1024, kb("smaps_rollup", "Pss") / 1024)
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has taken since it started, threads that ended
+    included (``/proc/<pid>/stat``, in clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
