@@ -221,7 +221,7 @@ class Engine:
             settings.sessions,
             num_layers=loaded.config.get_text_config().num_hidden_layers,
             unembedding=loaded.model.get_output_embeddings().weight.detach(),
-            tokenizer=load_tokenizer(settings),
+            tokenizer=loaded.tokenizer if loaded.tokenizer is not None else load_tokenizer(settings),
         )
         return cls(loaded, num_blocks=num_blocks, cuda_graph_batch=graphs, readouts=readouts, ranks=ranks)
 

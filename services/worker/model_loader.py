@@ -7,6 +7,7 @@ import ctypes.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -15,7 +16,6 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
-    AutoTokenizer,
     GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
@@ -24,7 +24,7 @@ from transformers.utils import logging as hf_logging
 
 from common import model_cache
 from common.config import Settings
-from common.model_source import resolve_model
+from common.model_source import resolve_model, tokenizer_class
 from common.vision import VisionSpec
 from services.worker.packed_cache import PackedStore, cache_key, cache_path
 from services.worker.quantized import LinearFactory, linear_factory, weights_mode
@@ -48,6 +48,7 @@ class LoadedModel:
     vision: VisionSpec | None = None  # a vision-language model's image facts and processor
     weights: str = "fp32"  # the resolved weights setting
     linears: LinearFactory | None = None  # the native forward's projections (None: dense)
+    tokenizer: Any = None  # the model's tokenizer (a transformers tokenizer; None: the model has none)
 
     @property
     def vocab_size(self) -> int:
@@ -76,17 +77,25 @@ def _ids(value: object) -> list[int]:
     return [int(v) for v in value]  # type: ignore[union-attr]
 
 
-def eos_token_ids(directory: Path, config: PretrainedConfig) -> list[int]:
+def read_tokenizer(directory: Path) -> Any:
+    """The model's tokenizer (transformers'), through the class its config names (see :func:`tokenizer_class`:
+    a fraction of ``AutoTokenizer``'s cost); None for a model directory without tokenizer files."""
+    try:
+        return tokenizer_class(directory).from_pretrained(directory)
+    except (OSError, ValueError) as exc:
+        log.warning("worker.no_tokenizer", directory=str(directory), error=str(exc))
+        return None
+
+
+def eos_token_ids(directory: Path, config: PretrainedConfig, tokenizer: Any) -> list[int]:
     """Union of the end-of-sequence ids named by generation_config.json, config.json and the tokenizer."""
     ids = _ids(getattr(config, "eos_token_id", None))
     try:
         ids += _ids(GenerationConfig.from_pretrained(directory).eos_token_id)
     except OSError:  # no generation_config.json
         pass
-    try:
-        ids += _ids(AutoTokenizer.from_pretrained(directory).eos_token_id)
-    except (OSError, ValueError) as exc:  # a model directory without tokenizer files
-        log.warning("worker.no_tokenizer", directory=str(directory), error=str(exc))
+    if tokenizer is not None:
+        ids += _ids(tokenizer.eos_token_id)
     return sorted(set(ids))
 
 
@@ -158,7 +167,8 @@ def load_model(settings: Settings, progress: Progress) -> LoadedModel:
         progress(75, f"packing {mode} weights")
         linears = linear_factory(mode, model, source.gguf, packed_store(settings, source.directory, source.gguf, mode))
     progress(80, "reading tokenizer and generation config")
-    eos = eos_token_ids(source.directory, config)
+    tokenizer = read_tokenizer(source.directory)
+    eos = eos_token_ids(source.directory, config, tokenizer)
     limit = settings.limits.max_model_len
     max_len = min(int(getattr(config.get_text_config(), "max_position_embeddings", limit)), limit)
     return LoadedModel(
@@ -172,4 +182,5 @@ def load_model(settings: Settings, progress: Progress) -> LoadedModel:
         vision=VisionSpec.load(source.directory, settings.images.max_image_pixels),
         weights=mode,
         linears=linears,
+        tokenizer=tokenizer,
     )
