@@ -126,7 +126,7 @@ class PackedStore:
         try:
             save_file(flat, str(tmp), metadata=meta)
             tmp.replace(self.path)
-        except OSError as exc:
+        except (OSError, SafetensorError) as exc:
             log.warning("worker.packed_cache_unwritable", path=str(self.path), error=str(exc))
             tmp.unlink(missing_ok=True)
             return

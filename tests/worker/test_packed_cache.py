@@ -149,3 +149,10 @@ def test_the_key_names_what_the_packed_layout_depends_on(tmp_path: Path) -> None
     assert {"gguf_sha256", "weights", "torch", "cpu_capability", "format"} <= set(KEY)
     paths = {cache_path(tmp_path, {**KEY, field: "other"}) for field in KEY}
     assert len(paths | {cache_path(tmp_path, KEY)}) == len(KEY) + 1  # every field changes the file's name
+
+
+def test_a_store_that_cannot_be_written_costs_only_the_next_starts_packing(tmp_path: Path) -> None:
+    with capture_logs() as logs:
+        start = Start(tmp_path / "not-a-directory")
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["worker.packed_cache_unwritable"]
+    assert start.reads == 1 and start.store.dirty and start.generate() == Start(tmp_path).generate()
