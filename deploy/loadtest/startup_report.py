@@ -7,8 +7,9 @@ first served token, the worker's model load (``load_s`` of its ``worker.ready`` 
 the converted cache, the engine built), each process's RSS and PSS after the request, and the CPU
 seconds each took from launch to the first token (with ``tiller up``'s own readiness polling): on a
 shared machine the wall-clock figures stretch with the load, the CPU seconds much less. Then it judges
-the targets: every process but the worker at most 150 MB RSS, first token within 10 s of launch, the worker's load within 3 s. The stack serves what ``make up``
-serves (the default weights, not the tests' fp32); the caller's TILLER_* settings reach it.
+the targets: every process but the worker at most 150 MB RSS, first token within 10 s of launch, the
+worker's load within 3 s. The stack serves what ``make up`` serves (the default weights, not the tests'
+fp32); the caller's TILLER_* settings reach it.
 
     python deploy/loadtest/startup_report.py [--runs 2]
 """

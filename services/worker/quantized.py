@@ -121,7 +121,8 @@ class Int4Packed(_Quantized):
     Activations are rounded to bfloat16 on the way in, and the output is bfloat16, widened back.
     """
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, repeat: int, bias: torch.Tensor | None) -> None:
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, repeat: int,
+                 bias: torch.Tensor | None) -> None:
         """``packed``: the kernel's layout of the codes (see :meth:`pack`); ``scales_zeros``
         ``[groups, out, 2]`` bfloat16; ``repeat``: copies of the input the codes hold side by side."""
         self.packed = packed
