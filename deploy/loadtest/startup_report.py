@@ -46,15 +46,17 @@ class Startup:
     up_s: float  # launch to `tiller up` returning (every service ready)
     first_token_s: float  # launch to the first streamed token of the first request
     worker_load_s: float
+    packed: bool  # the worker packed the GGUF's layers this start (none kept from an earlier one)
     memory: dict[str, Memory]
     cpu_s: dict[str, float]  # launch to first token, by process ("tiller up": it and its supervisorctl calls)
 
 
-def worker_load_s(stack: Stack) -> float:
-    """``load_s`` of the worker's ``worker.ready`` log line."""
-    for line in (stack.run_dir / "logs" / "worker.log").read_text(errors="replace").splitlines():
+def worker_load(stack: Stack) -> tuple[float, bool]:
+    """``load_s`` of the worker's ``worker.ready`` log line, and whether it wrote packed layers."""
+    log = (stack.run_dir / "logs" / "worker.log").read_text(errors="replace")
+    for line in log.splitlines():
         if '"worker.ready"' in line:
-            return float(json.loads(line)["load_s"])
+            return float(json.loads(line)["load_s"]), '"worker.packed_cache_written"' in log
     raise RuntimeError("the worker's log has no worker.ready line")
 
 
@@ -70,15 +72,16 @@ def start_once() -> Startup:
         pids = {name: stack.pid(name) for name in SERVICES}
         cpu = {name: process_cpu_s(pid) for name, pid in pids.items()}
         cpu["tiller up"] = waited.ru_utime + waited.ru_stime - children.ru_utime - children.ru_stime
-        return Startup(up_s, up_s + first.ttft_s, worker_load_s(stack), {n: memory(p) for n, p in pids.items()}, cpu)
+        return Startup(up_s, up_s + first.ttft_s, *worker_load(stack), {n: memory(p) for n, p in pids.items()}, cpu)
     finally:
         stack.down()
 
 
 def report(run: int, s: Startup) -> list[str]:
     """Prints one run; returns the targets it misses."""
+    packed = " (packing the GGUF's layers, kept for later starts)" if s.packed else ""
     print(f"run {run}: `tiller up` returned after {s.up_s:.1f} s; first token {s.first_token_s:.1f} s after launch; "
-          f"worker load {s.worker_load_s:.2f} s")
+          f"worker load {s.worker_load_s:.2f} s{packed}")
     print(f"  {'process':20s} {'RSS MB':>8s} {'PSS MB':>8s} {'CPU s':>7s}")
     for name, mem in s.memory.items():
         print(f"  {name:20s} {mem.rss_mb:8.0f} {mem.pss_mb:8.0f} {s.cpu_s[name]:7.2f}")
