@@ -3,11 +3,14 @@ reading the GGUF's blocks and packing them again (seconds of CPU at every start)
 
 One safetensors file per key: what the packing depends on — the GGUF's content digest, the weights
 mode, torch's version and its CPU capability (the packed 4-bit layout is the kernel's own, which may
-change with either), and this file's format. Its metadata repeats the key and holds a CRC-32 of every
-tensor. A file whose key, layout or any checksum does not match, or that cannot be parsed, is
-reported and ignored (the layers are packed from the blocks again and the file is rewritten).
+change with either), and the code that reads, packs and stores the blocks (a digest of its source
+files: a change there packs again rather than trusting an old layout). Its metadata repeats the key
+and holds a CRC-32 of every tensor. A file whose key or any checksum does not match, or that cannot be
+parsed, is reported and ignored (the layers are packed from the blocks again and the file is rewritten).
 Writes go to a temporary file renamed over the old one, so a reader never sees half a file and two
-workers starting at once each write a whole one.
+workers starting at once each write a whole one. One file per weights mode is kept: writing one removes
+that mode's files of other keys (another torch, older code), which would otherwise pile up ~100 MB each;
+a worker still mapping one keeps its pages, and a checkout with the other key packs again next start.
 """
 
 from __future__ import annotations
@@ -23,16 +26,23 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-FORMAT = 1
+PACKING_CODE = ("gguf_blocks.py", "quantized.py", "packed_cache.py")  # beside this file: what the bytes depend on
 log = structlog.get_logger()
 
 Tensors = dict[str, torch.Tensor]
 
 
+def _code_digest() -> str:
+    sha = hashlib.sha256()
+    for name in PACKING_CODE:
+        sha.update((Path(__file__).with_name(name)).read_bytes())
+    return sha.hexdigest()[:16]
+
+
 def cache_key(gguf_digest: str, mode: str) -> dict[str, str]:
-    """What packed layers depend on besides the GGUF's bytes (named by ``gguf_digest``)."""
+    """What packed layers depend on: the GGUF's bytes (named by ``gguf_digest``) and the rest."""
     return {
-        "format": str(FORMAT),
+        "code": _code_digest(),
         "gguf_sha256": gguf_digest,
         "weights": mode,
         "torch": torch.__version__,
@@ -40,9 +50,13 @@ def cache_key(gguf_digest: str, mode: str) -> dict[str, str]:
     }
 
 
+def _prefix(key: dict[str, str]) -> str:
+    return f"packed-{key['weights']}-"
+
+
 def cache_path(directory: Path, key: dict[str, str]) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return directory / f"packed-{key['weights']}-{digest}.safetensors"
+    return directory / f"{_prefix(key)}{digest}.safetensors"
 
 
 def _crc(tensor: torch.Tensor) -> int:
@@ -131,4 +145,7 @@ class PackedStore:
             tmp.unlink(missing_ok=True)
             return
         self.dirty = False
+        for other in self.path.parent.glob(f"{_prefix(self.key)}*.safetensors"):
+            if other != self.path:
+                other.unlink(missing_ok=True)
         log.info("worker.packed_cache_written", path=str(self.path), layers=len(self.used))

@@ -146,7 +146,7 @@ def test_a_layer_the_store_lacks_is_packed_from_the_blocks_and_the_file_complete
 
 
 def test_the_key_names_what_the_packed_layout_depends_on(tmp_path: Path) -> None:
-    assert {"gguf_sha256", "weights", "torch", "cpu_capability", "format"} <= set(KEY)
+    assert {"gguf_sha256", "weights", "torch", "cpu_capability", "code"} <= set(KEY)
     paths = {cache_path(tmp_path, {**KEY, field: "other"}) for field in KEY}
     assert len(paths | {cache_path(tmp_path, KEY)}) == len(KEY) + 1  # every field changes the file's name
 
@@ -156,3 +156,11 @@ def test_a_store_that_cannot_be_written_costs_only_the_next_starts_packing(tmp_p
         start = Start(tmp_path / "not-a-directory")
     assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["worker.packed_cache_unwritable"]
     assert start.reads == 1 and start.store.dirty and start.generate() == Start(tmp_path).generate()
+
+
+def test_writing_a_key_removes_the_same_modes_files_of_other_keys(tmp_path: Path, cold: Start) -> None:
+    other_torch, other_mode = {**KEY, "torch": "0.0.0"}, {**KEY, "weights": "gguf"}
+    Start(tmp_path, key=other_mode)
+    Start(tmp_path, key=other_torch)
+    assert not cache_path(tmp_path, KEY).exists()  # replaced by the other torch's file
+    assert cache_path(tmp_path, other_torch).is_file() and cache_path(tmp_path, other_mode).is_file()
