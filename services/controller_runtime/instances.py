@@ -12,6 +12,7 @@ import msgspec
 from common import aici_wire
 from common.config import Controllers
 from controllers.native.base import NativeController
+from services.controller_runtime.constraints import OK as CONSTRAINT_OK
 from services.controller_runtime.host import HostError, SeqHost
 from services.controller_runtime.wasm import ControllerError, WasmController
 
@@ -93,6 +94,9 @@ class WasmInstance:
         """``fork_group`` None: the sequence alone (no fork this step, the common case)."""
         seq_id = self.host.seq_id
         if fork_group is None or fork_group == [seq_id]:
+            handle = self.ctrl.mid_constraint
+            if handle and self._mask_from(handle, mask_address):
+                return SAMPLE
             if self._alone[0] != seq_id:
                 self._alone = (seq_id, b'{"fork_group":[%d]}' % seq_id)
             arg = self._alone[1]
@@ -106,6 +110,19 @@ class WasmInstance:
         except ControllerError as exc:
             self.ctrl.dead = str(exc)
             raise
+
+    def _mask_from(self, handle: int, mask_address: int) -> bool:
+        """mid_process as the guest declared it (the mask of constraint ``handle``), without calling it; False
+        (nothing returned) when the constraint is unknown or not OK: then the guest's own mid_process decides."""
+        host = self.host
+        constraint = host.constraints.get(handle)
+        if constraint is None:
+            return False
+        host.begin_call(mask_address)
+        if constraint.fill_mask(mask_address, host.tokenizer.mask_words * 4) != CONSTRAINT_OK:
+            return False
+        host.mask_set = True
+        return True
 
     def post_process(self, tokens: list[int], backtrack: int) -> aici_wire.PostProcessResult:
         if len(tokens) == 1:

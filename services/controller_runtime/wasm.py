@@ -31,7 +31,9 @@ from services.controller_runtime.tokenizer import TokenizerInfo
 I32, I64 = wasmtime.ValType.i32(), wasmtime.ValType.i64()
 BLOB_MODULE_ARG, BLOB_TOKENIZE, BLOB_PROCESS_ARG, BLOB_STORAGE, BLOB_TRIE = 1, 2, 4, 5, 100
 WASI_BADF, WASI_PERM = 8, 63
-IO_HEADER, IO_NONE, IO_PRE_DEFAULT = 16, 0xFFFFFFFF, 1  # the optional I/O area (ABI.md "Fast path")
+# the optional I/O area (ABI.md "Fast path"): its flags say pre_process is the default / mid_process is the mask
+# of constraint flags >> 8
+IO_HEADER, IO_NONE, IO_PRE_DEFAULT, IO_MID_CONSTRAINT = 16, 0xFFFFFFFF, 1, 2
 
 # The hot path with plain-address prototypes: no per-call argument conversion. Only the call into the guest
 # releases the GIL (so that the epoch ticker can interrupt it); the quick getters and setters keep it
@@ -311,6 +313,13 @@ class WasmController:
     def pre_default(self) -> bool:
         """The guest says its pre_process always continues with no effects (the host may skip calling it)."""
         return self._io_flags is not None and bool(self._io_flags.value & IO_PRE_DEFAULT)
+
+    @property
+    def mid_constraint(self) -> int:
+        """The handle of the constraint whose mask the guest says its mid_process would return (sampling
+        when the constraint is OK, no other effect); 0: none, call mid_process."""
+        flags = self._io_flags.value if self._io_flags is not None else 0
+        return flags >> 8 if flags & IO_MID_CONSTRAINT and not self.dead else 0
 
     def _call_panic(self) -> None:
         if self._panic is None:
