@@ -292,7 +292,8 @@ class WasmController:
         """Set the process arg, call ``export``, return the JSON bytes the guest returned."""
         if self.dead:
             raise ControllerError(f"controller already failed: {self.dead}")
-        self.host.begin_call(mask_address)
+        host = self.host
+        host.begin_call(mask_address)
         self.blob_process_arg = arg
         io = self._io
         if io is not None:  # arg_len + arg (or NONE: read the blob), result_len = NONE: "write your result here"
@@ -303,24 +304,26 @@ class WasmController:
             else:
                 io[8:16] = _io_none
         try:
-            self._call(export, deadline_ms, with_handle=True)
-            if self.host.result is None and io is not None:
-                self._io_result(export)
-            if self.host.result is None:
+            self._call(export, deadline_ms, True)
+            result = host.result
+            if result is None and io is not None:
+                result = host.result = self._io_result(export)
+            if result is None:
                 raise ControllerError(f"{export}: aici_host_return_process_result not called")
         except ControllerError as exc:
             self.dead = str(exc)
             self._call_panic()
             raise
-        return self.host.result
+        return result
 
-    def _io_result(self, export: str) -> None:
+    def _io_result(self, export: str) -> bytes | None:
+        """The result the guest wrote in its I/O area, if it did."""
         n = self._io_result_len.value
         if n == IO_NONE:
-            return
+            return None
         if n > self._io_cap:
             raise ControllerError(f"{export}: result_len {n} is beyond the I/O area's capacity {self._io_cap}")
-        self.host.result = self._io[IO_HEADER:IO_HEADER + n].tobytes()
+        return self._io[IO_HEADER:IO_HEADER + n].tobytes()
 
     @property
     def pre_default(self) -> bool:
