@@ -116,6 +116,13 @@ class Constraint:
         m.unsafe_compute_mask_ptr(address, nbytes)
         return FINISHED if m.is_stopped() else OK
 
+    def fill_mask_going(self, address: int, nbytes: int) -> bool:
+        """:meth:`fill_mask` when it returns OK; False where it would not (the mask written may then be
+        anything): a matcher in error is also stopped, and computing a mask leaves both as they were."""
+        m = self.matcher
+        m.unsafe_compute_mask_ptr(address, nbytes)
+        return not m.is_stopped()
+
     @property
     def error(self) -> str:
         return self.matcher.get_error() if self.matcher.is_error() else ""

@@ -12,7 +12,6 @@ import msgspec
 from common import aici_wire
 from common.config import Controllers
 from controllers.native.base import NativeController
-from services.controller_runtime.constraints import OK as CONSTRAINT_OK
 from services.controller_runtime.host import HostError, SeqHost
 from services.controller_runtime.wasm import ControllerError, WasmController
 
@@ -61,6 +60,7 @@ class WasmInstance:
         self.host = ctrl.host
         self.d = deadlines
         self._alone: tuple[int, bytes] = (-1, b"")  # (seq_id, mid_process's argument while it has no fork)
+        self._mask_bytes = ctrl.host.tokenizer.mask_words * 4
 
     def _invoke(self, export: str, arg: bytes, deadline: float, decoder: ResultDecoder,
                 mask_address: int | None = None) -> Any:
@@ -84,7 +84,7 @@ class WasmInstance:
     def pre_default(self) -> bool:
         """pre_process would continue with no effect (the guest says so through its I/O area): the runtime
         skips the call."""
-        return not self.ctrl.dead and self.ctrl.pre_default
+        return self.ctrl.pre_default
 
     def pre_process(self) -> aici_wire.PreProcessResult:
         return self._invoke("aici_pre_process", b"{}", self.d.pre_deadline_ms, _pre_decoder)
@@ -119,10 +119,8 @@ class WasmInstance:
         if constraint is None:
             return False
         host.begin_call(mask_address)
-        if constraint.fill_mask(mask_address, host.tokenizer.mask_words * 4) != CONSTRAINT_OK:
-            return False
-        host.mask_set = True
-        return True
+        host.mask_set = constraint.fill_mask_going(mask_address, self._mask_bytes)
+        return host.mask_set
 
     def post_process(self, tokens: list[int], backtrack: int) -> aici_wire.PostProcessResult:
         if len(tokens) == 1:

@@ -327,8 +327,9 @@ class WasmController:
 
     @property
     def pre_default(self) -> bool:
-        """The guest says its pre_process always continues with no effects (the host may skip calling it)."""
-        return self._io_flags is not None and bool(self._io_flags.value & IO_PRE_DEFAULT)
+        """The guest says its pre_process always continues with no effects (the host may skip calling it);
+        never once it failed."""
+        return self._io_flags is not None and bool(self._io_flags.value & IO_PRE_DEFAULT) and not self.dead
 
     @property
     def mid_constraint(self) -> int:
