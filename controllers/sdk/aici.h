@@ -241,6 +241,11 @@ static inline int32_t aici_constraint_commit(int32_t h, const uint32_t *toks, ui
 }
 /* Mask straight to the host for this mid_process (marks the SDK's mask as given). */
 int32_t aici_constraint_return_bias(int32_t h);
+/* Declares, until called again, that mid_process for this sequence alone (no fork this step) would only call
+ * aici_constraint_return_bias(h) and sample when it returns AICI_C_OK: the host then computes that mask itself
+ * and skips the call (it still calls mid_process whenever the constraint says anything else). h <= 0 withdraws
+ * the declaration. ABI.md "Fast path", flags bit 1. */
+void aici_mid_from_constraint(int32_t h);
 static inline int32_t aici_constraint_mask(int32_t h, uint32_t *dst) { return tiller_constraint_mask(h, dst); }
 static inline int32_t aici_constraint_rollback(int32_t h, uint32_t n) { return tiller_constraint_rollback(h, n); }
 static inline void aici_constraint_free(int32_t h) { tiller_constraint_free(h); }

@@ -284,12 +284,18 @@ static void tokens_push(const uint32_t *t, uint32_t n) {
 #define TILLER_IO_CAP 4096
 #define TILLER_IO_NONE 0xFFFFFFFFu
 #define TILLER_IO_PRE_DEFAULT 1u   /* flags: pre_process always continues, with no effects: the host may skip it */
+#define TILLER_IO_MID_CONSTRAINT 2u /* flags: mid_process alone is the mask of constraint flags >> 8 (see below) */
 static struct {
     uint32_t cap, flags, arg_len, result_len;
     uint8_t data[TILLER_IO_CAP];
 } io;
 
 EXPORT(tiller_io) uint32_t tiller_io(void) { return (uint32_t)&io; }
+
+void aici_mid_from_constraint(int32_t h) {
+    io.flags &= TILLER_IO_PRE_DEFAULT;
+    if (h > 0 && h < (1 << 24)) io.flags |= TILLER_IO_MID_CONSTRAINT | (uint32_t)h << 8;
+}
 
 static void reply(aici_buf *b) {
     if (io.result_len == TILLER_IO_NONE && b->n <= TILLER_IO_CAP) {

@@ -8,6 +8,9 @@
 static aici_gen gen;
 static int failed;
 
+/* mid_process is the constraint's mask while the generation goes on: the host may compute it without calling */
+static void declare_mid(void) { aici_mid_from_constraint(gen.done ? 0 : gen.constraint); }
+
 static const char *const KEYS[] = {"regex", "rx", "json_schema", "yacc", "lark", "grammar", "syntax", "choices",
                                    "options", "stop", "stop_at", "max_tokens", NULL};
 
@@ -45,14 +48,19 @@ static void init_prompt(const uint32_t *prompt, uint32_t n) {
     }
     /* gen keeps spans into arg only during init; the strings it needs were copied */
     free(arg);
+    declare_mid();
 }
 
 static aici_mid_result mid_process(const uint32_t *fork_group, uint32_t n) {
-    return aici_gen_mid(&gen) ? aici_mid_sample() : aici_mid_stop();
+    int sample = aici_gen_mid(&gen);
+    declare_mid();
+    return sample ? aici_mid_sample() : aici_mid_stop();
 }
 
 static int post_process(const uint32_t *tokens, uint32_t n, uint32_t backtrack) {
-    return aici_gen_post(&gen, tokens, n);
+    int stop = aici_gen_post(&gen, tokens, n);
+    declare_mid();
+    return stop;
 }
 
 static const aici_ctrl ctrl = {init_prompt, NULL, mid_process, post_process};

@@ -8,7 +8,7 @@
 2. JSON-schema-constrained generation (the shipped ``constrain`` controller) against unconstrained generation
    of the same prompts and the same token counts: aggregate tokens/s and their ratio.
 
-Starts its own stack with the caller's TILLER_* settings unless ``--url`` names a running gateway.
+Starts its own stack serving the default weights (the caller's TILLER_* settings win) unless ``--url`` names a running gateway.
 
     python deploy/loadtest/controller_bench.py [--tokens 32] [--levels 1,16,64]
                                                [--url http://127.0.0.1:8080 --scheduler ipc://run/scheduler.sock]
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -225,16 +224,16 @@ def main() -> None:
     stack = None
     url, scheduler = args.url, args.scheduler
     if url is None:
-        from tests.stack import start_stack
+        from tests.stack import served_settings, start_stack
 
-        configured = {k: v for k, v in os.environ.items() if k.startswith("TILLER_")}
-        stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-ctrl-bench-")), **configured)
+        stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-ctrl-bench-")), **served_settings())
         url, scheduler = stack.http_url, stack.settings.endpoint("scheduler")
     try:
         from common.config import get_settings
 
-        settings = get_settings()
-        print(f"model {settings.model} on {settings.device}, {args.tokens} tokens per sequence, greedy")
+        settings = stack.settings if stack is not None else get_settings()
+        print(f"model {settings.model} ({settings.weights} weights) on {settings.device}, {args.tokens} tokens per "
+              f"sequence, greedy")
         asyncio.run(bench(url, SchedulerStats(scheduler), levels, args.tokens, args.repeat))
     finally:
         if stack is not None:

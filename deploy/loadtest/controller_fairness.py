@@ -9,7 +9,7 @@ where the time went in each phase: every service's CPU seconds (when this script
 the scheduler's main-channel wall time (post_pre_process/mid_process calls, which hold up the steps
 that share a forward pass with controlled sequences).
 
-    python deploy/loadtest/controller_fairness.py            # starts a stack with the TILLER_* environment
+    python deploy/loadtest/controller_fairness.py            # starts a stack serving the default weights (TILLER_* settings win)
     python deploy/loadtest/controller_fairness.py --url http://127.0.0.1:8080
 """
 
@@ -151,10 +151,9 @@ def main() -> None:
     stack, phases = None, None
     url = args.url
     if url is None:
-        from tests.stack import start_stack
+        from tests.stack import served_settings, start_stack
 
-        configured = {k: v for k, v in os.environ.items() if k.startswith("TILLER_")}
-        stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-fairness-")), **configured)
+        stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-fairness-")), **served_settings())
         url = stack.http_url
         phases = Phases({name: stack.pid(name) for name in SERVICES}, stack.settings.endpoint("scheduler"))
     try:

@@ -67,11 +67,12 @@ def _compile(tokenizer: TokenizerInfo, kind: int, source: str) -> llguidance.LLM
 class Constraint:
     """One llguidance matcher; all methods return the ABI's codes instead of raising."""
 
-    __slots__ = ("matcher", "tokenizer")
+    __slots__ = ("matcher", "tokenizer", "eos")
 
     def __init__(self, matcher: llguidance.LLMatcher, tokenizer: TokenizerInfo) -> None:
         self.matcher = matcher
         self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token
 
     @classmethod
     def create(cls, tokenizer: TokenizerInfo, kind: int, source: str) -> Constraint:
@@ -93,7 +94,7 @@ class Constraint:
     def commit(self, tokens: list[int]) -> int:
         """Advance by ``tokens``: OK, FINISHED (nothing but EOS may follow) or REJECTED (state unchanged)."""
         m = self.matcher
-        eos = bool(tokens) and tokens[-1] == self.tokenizer.eos_token
+        eos = bool(tokens) and tokens[-1] == self.eos
         body = tokens[:-1] if eos else tokens
         consumed = m.try_consume_tokens(body)
         if consumed != len(body):
@@ -114,6 +115,13 @@ class Constraint:
             return REJECTED
         m.unsafe_compute_mask_ptr(address, nbytes)
         return FINISHED if m.is_stopped() else OK
+
+    def fill_mask_going(self, address: int, nbytes: int) -> bool:
+        """:meth:`fill_mask` when it returns OK; False where it would not (the mask written may then be
+        anything): a matcher in error is also stopped, and computing a mask leaves both as they were."""
+        m = self.matcher
+        m.unsafe_compute_mask_ptr(address, nbytes)
+        return not m.is_stopped()
 
     @property
     def error(self) -> str:

@@ -60,6 +60,7 @@ class WasmInstance:
         self.host = ctrl.host
         self.d = deadlines
         self._alone: tuple[int, bytes] = (-1, b"")  # (seq_id, mid_process's argument while it has no fork)
+        self._mask_bytes = ctrl.host.tokenizer.mask_words * 4
 
     def _invoke(self, export: str, arg: bytes, deadline: float, decoder: ResultDecoder,
                 mask_address: int | None = None) -> Any:
@@ -83,7 +84,7 @@ class WasmInstance:
     def pre_default(self) -> bool:
         """pre_process would continue with no effect (the guest says so through its I/O area): the runtime
         skips the call."""
-        return not self.ctrl.dead and self.ctrl.pre_default
+        return self.ctrl.pre_default
 
     def pre_process(self) -> aici_wire.PreProcessResult:
         return self._invoke("aici_pre_process", b"{}", self.d.pre_deadline_ms, _pre_decoder)
@@ -93,6 +94,9 @@ class WasmInstance:
         """``fork_group`` None: the sequence alone (no fork this step, the common case)."""
         seq_id = self.host.seq_id
         if fork_group is None or fork_group == [seq_id]:
+            handle = self.ctrl.mid_constraint
+            if handle and self._mask_from(handle, mask_address):
+                return SAMPLE
             if self._alone[0] != seq_id:
                 self._alone = (seq_id, b'{"fork_group":[%d]}' % seq_id)
             arg = self._alone[1]
@@ -106,6 +110,17 @@ class WasmInstance:
         except ControllerError as exc:
             self.ctrl.dead = str(exc)
             raise
+
+    def _mask_from(self, handle: int, mask_address: int) -> bool:
+        """mid_process as the guest declared it (the mask of constraint ``handle``), without calling it; False
+        (nothing returned) when the constraint is unknown or not OK: then the guest's own mid_process decides."""
+        host = self.host
+        constraint = host.constraints.get(handle)
+        if constraint is None:
+            return False
+        host.begin_call(mask_address)
+        host.mask_set = constraint.fill_mask_going(mask_address, self._mask_bytes)
+        return host.mask_set
 
     def post_process(self, tokens: list[int], backtrack: int) -> aici_wire.PostProcessResult:
         if len(tokens) == 1:

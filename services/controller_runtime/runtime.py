@@ -107,6 +107,9 @@ class Runtime:
         self.pending: dict[str, tuple[float, Instance]] = {}  # req_id -> (created, instance) not yet bound
         self.seqs: dict[int, Instance] = {}
         self._row_bytes = tokenizer.mask_words * 4
+        # a user's whole mid deadline, which is what they get while they used less than the slack of this step
+        self._mid_full_ms = self._mid_deadline_ms(0.0)
+        self._mid_slack_ms = settings.mid_deadline_ms - self._mid_full_ms + settings.epoch_tick_ms
         self.budgets = UserBudgets(settings.user_cpu_share, settings.user_cpu_burst_s, settings.max_controlled_per_user)
 
     # -- side channel: instantiate (runs in a worker thread) ----------------------------------------------
@@ -314,7 +317,7 @@ class Runtime:
             groups[op.id] = groups[op.clone_id]
         ledger = CallLedger(self.budgets)
         used_ms: dict[str, float] = {}  # user -> mid_process time of their sequences so far in this step
-        row_bytes, live = self._row_bytes, self.seqs
+        row_bytes, live, full_ms, slack_ms = self._row_bytes, self.seqs, self._mid_full_ms, self._mid_slack_ms
         try:
             for i, op in enumerate(req.ops):
                 seq_id = op.id
@@ -328,7 +331,8 @@ class Runtime:
                     seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, 0, error=refusal)
                     continue
                 start = time.perf_counter()
-                deadline_ms = self._mid_deadline_ms(used_ms.get(user, 0.0))
+                used = used_ms.get(user, 0.0)
+                deadline_ms = full_ms if used < slack_ms else self._mid_deadline_ms(used)
                 try:
                     result = instance.mid_process(groups.get(seq_id) if groups else None, base + i * row_bytes,
                                                   deadline_ms)

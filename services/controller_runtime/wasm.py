@@ -31,7 +31,9 @@ from services.controller_runtime.tokenizer import TokenizerInfo
 I32, I64 = wasmtime.ValType.i32(), wasmtime.ValType.i64()
 BLOB_MODULE_ARG, BLOB_TOKENIZE, BLOB_PROCESS_ARG, BLOB_STORAGE, BLOB_TRIE = 1, 2, 4, 5, 100
 WASI_BADF, WASI_PERM = 8, 63
-IO_HEADER, IO_NONE, IO_PRE_DEFAULT = 16, 0xFFFFFFFF, 1  # the optional I/O area (ABI.md "Fast path")
+# the optional I/O area (ABI.md "Fast path"): its flags say pre_process is the default / mid_process is the mask
+# of constraint flags >> 8
+IO_HEADER, IO_NONE, IO_PRE_DEFAULT, IO_MID_CONSTRAINT = 16, 0xFFFFFFFF, 1, 2
 
 # The hot path with plain-address prototypes: no per-call argument conversion. Only the call into the guest
 # releases the GIL (so that the epoch ticker can interrupt it); the quick getters and setters keep it
@@ -51,7 +53,6 @@ _define_unchecked = ctypes.CFUNCTYPE(c_void_p, c_void_p, ctypes.c_char_p, ctypes
 _no_finalizer = ctypes.CFUNCTYPE(None, c_void_p)(lambda _: None)
 _io_words = struct.Struct("<II")
 _io_none = _io_words.pack(IO_NONE, IO_NONE)
-_tls = threading.local()  # .inst: the WasmController whose export is running on this thread
 
 # export name -> (params, results) every module must have (aici_panic is optional)
 REQUIRED_EXPORTS = {
@@ -74,13 +75,14 @@ class Ticker:
         self.engine, self.period = engine, period
         self._engine_addr = ctypes.cast(engine.ptr(), c_void_p).value
         self.calls = 0
-        self.in_call: dict[int, bool] = {}  # thread id -> running an export now
+        # thread id -> the controller whose export runs on it now (None: none); host functions find theirs here
+        self.running: dict[int, WasmController | None] = {}
         self.awake = False
         self._wake = threading.Event()
         threading.Thread(target=self._run, name="epoch-ticker", daemon=True).start()
 
-    def enter(self) -> None:
-        self.in_call[get_ident()] = True
+    def enter(self, inst: WasmController) -> None:
+        self.running[get_ident()] = inst
         self.calls += 1
         if not self.awake:
             self.wake()
@@ -90,7 +92,7 @@ class Ticker:
         self._wake.set()
 
     def leave(self) -> None:
-        self.in_call[get_ident()] = False
+        self.running[get_ident()] = None
 
     def _run(self) -> None:
         seen, idle = -1, 0
@@ -101,11 +103,11 @@ class Ticker:
             increment(engine)  # one GIL hold per tick: the increment keeps it
             idle = idle + 1 if self.calls == seen else 0
             seen = self.calls
-            if idle > self.IDLE_TICKS and not any(self.in_call.values()):
+            if idle > self.IDLE_TICKS and not any(self.running.values()):
                 self.awake = False
                 self._wake.clear()
                 idle = 0
-                if self.calls != seen or any(self.in_call.values()):  # a call began meanwhile: stay awake
+                if self.calls != seen or any(self.running.values()):  # a call began meanwhile: stay awake
                     self.awake = True
                     self._wake.set()
 
@@ -134,8 +136,8 @@ class WasmEngine:
         self.cache_key = f"wasmtime-{version('wasmtime')}-epoch"  # compiled artifacts depend on both
         self.linker = wasmtime.Linker(self.engine)
         self._callbacks: list = []  # keep ctypes callbacks alive
-        _define_imports(self)
         self.ticker = Ticker(self.engine, settings.epoch_tick_ms / 1000)
+        _define_imports(self)
         self._ticks: dict[float, int] = {}
 
     def ticks(self, deadline_ms: float) -> int:
@@ -203,7 +205,9 @@ class WasmController:
         self._ctx_addr = ctypes.cast(self._ctx, c_void_p).value
         self._mem_addr = ctypes.addressof(self.memory._memory)
         self._base = _memory_data(self._ctx_addr, self._mem_addr)
-        self._size = _memory_size(self._ctx_addr, self._mem_addr)  # grows only; re-read when exceeded
+        self._size = 0  # grows only; re-read when exceeded
+        self._view = memoryview(b"")  # the guest's memory up to _size (it never moves: valid until it grows)
+        self._grown(0, 0)
         names = [*REQUIRED_EXPORTS, "tiller_io"] if module.has_io else list(REQUIRED_EXPORTS)
         self._func_structs = [ex[name]._func for name in names]  # keep alive
         self._funcs = {name: ctypes.addressof(f) for name, f in zip(names, self._func_structs)}
@@ -219,17 +223,30 @@ class WasmController:
         self.blob_process_arg = self.blob_tokenize = self.blob_storage = b""
 
     # -- guest memory ----------------------------------------------------------------------------------
+    def _grown(self, ptr: int, end: int) -> None:
+        """Re-read the memory's size after an access to [ptr, end) went beyond what was known."""
+        self._size = _memory_size(self._ctx_addr, self._mem_addr)
+        self._view = memoryview((ctypes.c_char * self._size).from_address(self._base)).cast("B")
+        if end > self._size:
+            raise HostError(f"guest pointer {ptr}+{end - ptr} is outside its memory ({self._size} bytes)")
+
     def guest_address(self, ptr: int, length: int) -> int:
         ptr &= 0xFFFFFFFF
         end = ptr + (length & 0xFFFFFFFF)
         if end > self._size:
-            self._size = _memory_size(self._ctx_addr, self._mem_addr)
-            if end > self._size:
-                raise HostError(f"guest pointer {ptr}+{length & 0xFFFFFFFF} is outside its memory ({self._size} bytes)")
+            self._grown(ptr, end)
         return self._base + ptr
 
+    def view(self, ptr: int, length: int) -> memoryview:
+        """The guest's bytes [ptr, ptr + length), bounds-checked; valid until the next guest call."""
+        ptr &= 0xFFFFFFFF
+        end = ptr + (length & 0xFFFFFFFF)
+        if end > self._size:
+            self._grown(ptr, end)
+        return self._view[ptr:end]
+
     def read(self, ptr: int, length: int) -> bytes:
-        return ctypes.string_at(self.guest_address(ptr, length), length & 0xFFFFFFFF)
+        return self.view(ptr, length).tobytes()
 
     def write(self, ptr: int, data: bytes) -> None:
         memmove(self.guest_address(ptr, len(data)), data, len(data))
@@ -239,20 +256,18 @@ class WasmController:
         """Run an export under the deadline; returns its i32 result (0 if none); raises ControllerError."""
         engine = self.engine
         ticker = engine.ticker
-        in_call, thread = ticker.in_call, get_ident()
-        in_call[thread] = True  # Ticker.enter, inlined
+        running, thread = ticker.running, get_ident()
+        running[thread] = self  # Ticker.enter, inlined
         ticker.calls += 1
         if not ticker.awake:
             ticker.wake()
         ctx = self._ctx_addr
         _set_epoch_deadline(ctx, engine.ticks(deadline_ms))
         self._arg.i32 = self.handle if with_handle else 0
-        _tls.inst = self
         try:
             error = _call_unchecked(ctx, self._funcs[export], self._args_addr, 1, self._trap_addr)
         finally:
-            _tls.inst = None
-            in_call[thread] = False
+            running[thread] = None
         if error:  # a host function failed (its trap comes back as an error)
             err = wasmtime.WasmtimeError._from_ptr(ctypes.cast(error, ctypes.POINTER(ffi.wasmtime_error_t)))
             raise ControllerError(self._failure(export, str(err), None, deadline_ms))
@@ -277,7 +292,8 @@ class WasmController:
         """Set the process arg, call ``export``, return the JSON bytes the guest returned."""
         if self.dead:
             raise ControllerError(f"controller already failed: {self.dead}")
-        self.host.begin_call(mask_address)
+        host = self.host
+        host.begin_call(mask_address)
         self.blob_process_arg = arg
         io = self._io
         if io is not None:  # arg_len + arg (or NONE: read the blob), result_len = NONE: "write your result here"
@@ -288,41 +304,49 @@ class WasmController:
             else:
                 io[8:16] = _io_none
         try:
-            self._call(export, deadline_ms, with_handle=True)
-            if self.host.result is None and io is not None:
-                self._io_result(export)
-            if self.host.result is None:
+            self._call(export, deadline_ms, True)
+            result = host.result
+            if result is None and io is not None:
+                result = host.result = self._io_result(export)
+            if result is None:
                 raise ControllerError(f"{export}: aici_host_return_process_result not called")
         except ControllerError as exc:
             self.dead = str(exc)
             self._call_panic()
             raise
-        return self.host.result
+        return result
 
-    def _io_result(self, export: str) -> None:
+    def _io_result(self, export: str) -> bytes | None:
+        """The result the guest wrote in its I/O area, if it did."""
         n = self._io_result_len.value
         if n == IO_NONE:
-            return
+            return None
         if n > self._io_cap:
             raise ControllerError(f"{export}: result_len {n} is beyond the I/O area's capacity {self._io_cap}")
-        self.host.result = ctypes.string_at(self._io_data, n)
+        return self._io[IO_HEADER:IO_HEADER + n].tobytes()
 
     @property
     def pre_default(self) -> bool:
-        """The guest says its pre_process always continues with no effects (the host may skip calling it)."""
-        return self._io_flags is not None and bool(self._io_flags.value & IO_PRE_DEFAULT)
+        """The guest says its pre_process always continues with no effects (the host may skip calling it);
+        never once it failed."""
+        return self._io_flags is not None and bool(self._io_flags.value & IO_PRE_DEFAULT) and not self.dead
+
+    @property
+    def mid_constraint(self) -> int:
+        """The handle of the constraint whose mask the guest says its mid_process would return (sampling
+        when the constraint is OK, no other effect); 0: none, call mid_process."""
+        flags = self._io_flags.value if self._io_flags is not None else 0
+        return flags >> 8 if flags & IO_MID_CONSTRAINT and not self.dead else 0
 
     def _call_panic(self) -> None:
         if self._panic is None:
             return
         trap = ctypes.POINTER(ffi.wasm_trap_t)()
         _set_epoch_deadline(self._ctx_addr, self.engine.ticks(self.engine.settings.pre_deadline_ms))
-        self.engine.ticker.enter()
-        _tls.inst = self
+        self.engine.ticker.enter(self)
         try:
             ffi.wasmtime_func_call_unchecked(self._ctx, self._panic, self._args, 1, byref(trap))
         finally:
-            _tls.inst = None
             self.engine.ticker.leave()
 
     def setup(self, deadline_ms: float) -> None:
@@ -349,7 +373,6 @@ class WasmController:
         self._io = memoryview((ctypes.c_char * (IO_HEADER + cap)).from_address(address)).cast("B")
         self._io_flags = ctypes.c_uint32.from_address(address + 4)
         self._io_result_len = ctypes.c_uint32.from_address(address + 12)
-        self._io_data = address + IO_HEADER
         self._io_offset, self._io_cap = offset, cap
 
     def fork(self, seq_id: int) -> WasmController:
@@ -384,12 +407,14 @@ def _define_imports(engine: WasmEngine) -> None:
     tok = engine.tokenizer
     settings = engine.settings
 
+    running = engine.ticker.running
+
     def define(module: str, name: str, params: list, results: list, fn: Callable) -> None:
         ty = wasmtime.FuncType(params, results)
         has_result = bool(results)
 
         def callback(_env, _caller, vals, _n):
-            inst: WasmController | None = getattr(_tls, "inst", None)
+            inst = running.get(get_ident())
             try:
                 if inst is None:
                     raise HostError("host function called outside a controller call")
@@ -458,8 +483,8 @@ def _define_imports(engine: WasmEngine) -> None:
         return inst.host.constraint_new(v[0], source)
 
     def constraint_commit(inst: WasmController, v) -> int:
-        raw = inst.read(v[4], 4 * (v[8] & 0xFFFFFFFF))
-        return inst.host.constraint(v[0]).commit(memoryview(raw).cast("I").tolist())
+        tokens = inst.view(v[4], 4 * (v[8] & 0xFFFFFFFF)).cast("I").tolist()
+        return inst.host.constraint(v[0]).commit(tokens)
 
     def constraint_return_bias(inst: WasmController, v) -> int:
         return inst.host.constraint_return_bias(v[0])

@@ -110,3 +110,13 @@ def test_live_controlled_requests_per_user_are_capped(strict: Runtime):
         strict.instantiate("r4", [1], fine, "", "alice")
     strict.free([2])
     bind(strict, fine, 4, "alice")
+
+
+@pytest.mark.parametrize("mid, pre, tick", [(50.0, 10.0, 1.0), (7.5, 20.0, 2.0), (10.0, 9.5, 3.0), (4.0, 1.0, 0.3)])
+def test_a_users_mid_deadline_is_the_whole_one_exactly_while_they_used_less_than_the_slack(tmp_path, engine, tokenizer,
+                                                                                          mid, pre, tick):
+    runtime = wire_runtime(Controllers(mid_deadline_ms=mid, pre_deadline_ms=pre, epoch_tick_ms=tick), tmp_path, engine,
+                           tokenizer)
+    for used in [i * 0.01 for i in range(int(mid * 120))]:
+        exact = runtime._mid_deadline_ms(used)
+        assert (runtime._mid_full_ms if used < runtime._mid_slack_ms else exact) == exact, used

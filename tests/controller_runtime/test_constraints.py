@@ -116,6 +116,21 @@ def test_json_schema_constraint_and_eos(tokenizer):
     assert fork.commit(tokenizer.tokenize(b'"x"')) == REJECTED
 
 
+@pytest.mark.parametrize("state", ["going", "finished", "in error"])
+def test_the_mask_of_a_going_constraint_is_fill_masks_ok_case(tokenizer, state):
+    c, reference = (Constraint.create(tokenizer, 0, "ab") for _ in range(2))
+    for constraint in (c, reference):
+        assert constraint.commit(tokenizer.tokenize(b"ab" if state == "finished" else b"a")) in (OK, FINISHED)
+        if state == "in error":
+            constraint.matcher.consume_token(tokenizer.tokenize(b"z")[0])
+    got, expected = ((ctypes.c_uint32 * tokenizer.mask_words)() for _ in range(2))
+    code = reference.fill_mask(ctypes.addressof(expected), len(expected) * 4)
+    assert code == {"going": OK, "finished": FINISHED, "in error": REJECTED}[state]
+    assert c.fill_mask_going(ctypes.addressof(got), len(got) * 4) == (code == OK)
+    if code == OK:
+        assert bytes(got) == bytes(expected)
+
+
 def test_constraint_errors(tokenizer):
     for kind, source in ((0, "(unclosed"), (1, "{not json"), (2, "start: undefined_rule"), (3, "a: b ;"), (9, "x")):
         with pytest.raises(ConstraintError):

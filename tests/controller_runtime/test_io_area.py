@@ -1,13 +1,17 @@
 """The optional I/O area (ABI.md "Fast path"): process args written into guest memory, results read from
-it, pre_process skipped when the guest flags it as the default, and every misuse a clean error."""
+it, pre_process skipped when the guest flags it as the default, mid_process computed by the host when the guest
+declares it the mask of one of its constraints, and every misuse a clean error."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 
 from common import aici_wire
+from services.controller_runtime.constraints import Constraint, ConstraintKind
 from services.controller_runtime.registry import RegistryError
-from tests.controller_runtime.conftest import mid, start
+from tests.controller_runtime.conftest import mid, row, start
 from tests.controller_runtime.wat import POST_OK, controller
 
 IO = 20000  # header: cap, flags, arg_len, result_len; data from IO + 16
@@ -94,3 +98,47 @@ def test_a_tiller_io_export_of_the_wrong_type_is_rejected_at_upload(runtime):
     wasm = controller(extra='(func (export "tiller_io") (param i32) (result i32) (i32.const 0))')
     with pytest.raises(RegistryError, match="tiller_io"):
         runtime.registry.create(wasm, "test")
+
+
+REGEX = "ab"  # the constraint of the guests below: OK after "a", finished after "ab"
+
+
+def declaring_guest(tokens: list[int], flags: str) -> bytes:
+    """init_prompt creates a regex constraint, commits ``tokens`` to it and stores ``flags`` (a WAT expression of
+    the constraint's handle $c) in its I/O area; mid_process traps, so any call of it shows."""
+    words = "".join("\\%02x" % b for t in tokens for b in t.to_bytes(4, "little"))
+    init = f"""(local $c i32)
+      (local.set $c (call $c_new (i32.const 0) (i32.const 17000) (i32.const {len(REGEX)})))
+      (drop (call $c_commit (local.get $c) (i32.const 17100) (i32.const {len(tokens)})))
+      (i32.store (i32.const {IO + 4}) {flags})
+      (call $ret (i32.const 1024) (i32.const 2))"""
+    return controller(init_prompt=init, mid="unreachable", extra=io_export(),
+                      data=f'{io_header()} (data (i32.const 17000) "{REGEX}") (data (i32.const 17100) "{words}")')
+
+
+MID_FROM_C = "(i32.or (i32.const 2) (i32.shl (local.get $c) (i32.const 8)))"
+
+
+def test_mid_process_declared_as_a_constraints_mask_is_not_called(runtime, tokenizer):
+    a = tokenizer.tokenize(b"a")
+    start(runtime, declaring_guest(a, MID_FROM_C), 1)
+    start(runtime, controller(), 2)
+    data, rows = mid(runtime, (1, None), (2, None))
+    assert data["seqs"]["1"] | {"micros": 0} == {"error": "", "result": None, "storage": [], "logs": "", "micros": 0}
+    expected = Constraint.create(tokenizer, ConstraintKind.REGEX, REGEX)
+    assert expected.commit(a) == 0
+    buf = bytearray(tokenizer.mask_words * 4)
+    expected.fill_mask(ctypes.addressof(ctypes.c_char.from_buffer(buf)), len(buf))
+    assert row(rows, 0, tokenizer) == bytes(buf) and any(buf)
+    assert row(rows, 1, tokenizer) == b"\xff" * len(buf)
+
+
+@pytest.mark.parametrize("case", ["no flag bit", "unknown handle", "finished constraint", "fork"])
+def test_mid_process_is_called_when_the_declaration_does_not_hold(runtime, tokenizer, case):
+    tokens = tokenizer.tokenize(b"ab" if case == "finished constraint" else b"a")
+    flags = {"no flag bit": "(i32.shl (local.get $c) (i32.const 8))",
+             "unknown handle": "(i32.const 0x6302)"}.get(case, MID_FROM_C)
+    start(runtime, declaring_guest(tokens, flags), 1)
+    data, _ = mid(runtime, (1, None), *([(2, 1)] if case == "fork" else []))
+    assert "aici_mid_process: trap: " in data["seqs"]["1"]["error"]
+    assert "unreachable" in data["seqs"]["1"]["error"]
