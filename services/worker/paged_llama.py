@@ -167,7 +167,9 @@ class PagedLlama:
         wanted = [last_row[i] for i, item in enumerate(inputs) if item.logits]
         if not wanted:
             return torch.empty(0, self.head.out_features, dtype=torch.float32, device=device)
-        return self._logits(x[to_device(wanted, device)])
+        if wanted != list(range(len(ids))):  # a decode step wants every row, in order: no gather
+            x = x[to_device(wanted, device)]
+        return self._logits(x)
 
     def _layers(
         self, ids: torch.Tensor, positions: torch.Tensor, step: StepPlan, taps: dict[int, torch.Tensor] | None = None
@@ -182,7 +184,7 @@ class PagedLlama:
             if taps is not None and index - 1 in self.tap_layers:
                 taps[index - 1] = x[taps[-1]]
             x = self._attention(layer, x, kv_slots, kv_blocks, step)
-            h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
+            h = torch.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
             gate_up = layer.gate_up(h)
             h = self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
             x = layer.down.add_to(x, h)
@@ -191,11 +193,11 @@ class PagedLlama:
         return x
 
     def final_norm_of(self, h: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
+        return torch.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states."""
-        h = F.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
+        h = torch.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
         return self.head(h).float()
 
     def _rotary_tables(self, rotary: nn.Module, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,17 +222,24 @@ class PagedLlama:
         sin = torch.cat((sin.expand(tokens, rotated, -1), sin.new_zeros(shape)), dim=1)
         return cos, sin
 
-    def _plan_decode(self, decode: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _plan_decode(self, decode: list[SeqInput]) -> tuple[torch.Tensor | slice, torch.Tensor]:
         """The block tables of the decode inputs, padded to the longest with the (zeroed) null
-        block, flattened for one gather; and the key mask ``[n, 1, 1, blocks * block_size]``."""
+        block, flattened for one gather; and the key mask ``[n, 1, 1, blocks * block_size]``.
+        A lone input whose blocks are consecutive in the pool (usually: the allocator hands runs
+        out and takes them back in order) gets them as a slice instead, read in place: the same
+        keys and values, without a copy of them per layer."""
         tables = self.cache.tables
         bs = tables.block_size
         width = -(-max(d.start + 1 for d in decode) // bs)
         rows = [tables.seqs[d.seq_id][:width] for d in decode]
-        blocks = to_device([r + [NULL_BLOCK] * (width - len(r)) for r in rows], self.device)
         lengths = to_device([d.start + 1 for d in decode], self.device)
         valid = torch.arange(width * bs, device=self.device) < lengths.unsqueeze(-1)
-        return blocks.view(-1), valid.view(len(decode), 1, 1, width * bs)
+        mask = valid.view(len(decode), 1, 1, width * bs)
+        first = rows[0][0]
+        if len(rows) == 1 and rows[0] == list(range(first, first + width)):
+            return slice(first, first + width), mask
+        blocks = to_device([r + [NULL_BLOCK] * (width - len(r)) for r in rows], self.device)
+        return blocks.view(-1), mask
 
     def _plan_prefill(self, item: SeqInput, row: int) -> Prefill:
         n = len(item.tokens)
@@ -250,18 +259,20 @@ class PagedLlama:
         values into the layer's pool (``kv_slots`` and ``kv_blocks`` are two views of it)."""
         tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        h = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
+        h = torch.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
         qkv = layer.qkv(h).view(tokens, heads + 2 * kv_heads, dim)
         qkv = torch.addcmul(qkv * step.cos, qkv.roll(dim // 2, -1), step.sin)
         kv_slots.index_copy_(0, step.slots, qkv[:, heads:])
 
         outs: list[torch.Tensor] = []
         if step.decode is not None:
-            blocks, mask = step.decode
             n = step.num_decode
             # Grouped-query attention without repeating keys: [n, kv_heads, heads/kv_heads, dim].
             q = qkv[:n, :heads].reshape(n, kv_heads, heads // kv_heads, dim)
-            kv = kv_blocks.index_select(0, blocks).view(n, mask.shape[-1], 2 * kv_heads, dim)
+            assert step.decode is not None
+            blocks, mask = step.decode
+            kv = kv_blocks[blocks] if isinstance(blocks, slice) else kv_blocks.index_select(0, blocks)
+            kv = kv.view(n, mask.shape[-1], 2 * kv_heads, dim)
             k, v = kv[:, :, :kv_heads].transpose(1, 2), kv[:, :, kv_heads:].transpose(1, 2)
             outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(n, heads * dim))
         for p in step.prefills:
