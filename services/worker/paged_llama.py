@@ -222,24 +222,17 @@ class PagedLlama:
         sin = torch.cat((sin.expand(tokens, rotated, -1), sin.new_zeros(shape)), dim=1)
         return cos, sin
 
-    def _plan_decode(self, decode: list[SeqInput]) -> tuple[torch.Tensor | slice, torch.Tensor]:
+    def _plan_decode(self, decode: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor]:
         """The block tables of the decode inputs, padded to the longest with the (zeroed) null
-        block, flattened for one gather; and the key mask ``[n, 1, 1, blocks * block_size]``.
-        A lone input whose blocks are consecutive in the pool (usually: the allocator hands runs
-        out and takes them back in order) gets them as a slice instead, read in place: the same
-        keys and values, without a copy of them per layer."""
+        block, flattened for one gather; and the key mask ``[n, 1, 1, blocks * block_size]``."""
         tables = self.cache.tables
         bs = tables.block_size
         width = -(-max(d.start + 1 for d in decode) // bs)
         rows = [tables.seqs[d.seq_id][:width] for d in decode]
+        blocks = to_device([r + [NULL_BLOCK] * (width - len(r)) for r in rows], self.device)
         lengths = to_device([d.start + 1 for d in decode], self.device)
         valid = torch.arange(width * bs, device=self.device) < lengths.unsqueeze(-1)
-        mask = valid.view(len(decode), 1, 1, width * bs)
-        first = rows[0][0]
-        if len(rows) == 1 and rows[0] == list(range(first, first + width)):
-            return slice(first, first + width), mask
-        blocks = to_device([r + [NULL_BLOCK] * (width - len(r)) for r in rows], self.device)
-        return blocks.view(-1), mask
+        return blocks.view(-1), valid.view(len(decode), 1, 1, width * bs)
 
     def _plan_prefill(self, item: SeqInput, row: int) -> Prefill:
         n = len(item.tokens)
@@ -266,13 +259,11 @@ class PagedLlama:
 
         outs: list[torch.Tensor] = []
         if step.decode is not None:
+            blocks, mask = step.decode
             n = step.num_decode
             # Grouped-query attention without repeating keys: [n, kv_heads, heads/kv_heads, dim].
             q = qkv[:n, :heads].reshape(n, kv_heads, heads // kv_heads, dim)
-            assert step.decode is not None
-            blocks, mask = step.decode
-            kv = kv_blocks[blocks] if isinstance(blocks, slice) else kv_blocks.index_select(0, blocks)
-            kv = kv.view(n, mask.shape[-1], 2 * kv_heads, dim)
+            kv = kv_blocks.index_select(0, blocks).view(n, mask.shape[-1], 2 * kv_heads, dim)
             k, v = kv[:, :, :kv_heads].transpose(1, 2), kv[:, :, kv_heads:].transpose(1, 2)
             outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(n, heads * dim))
         for p in step.prefills:

@@ -27,8 +27,7 @@ class StepPlan:
     """Everything about one step that all layers share."""
 
     slots: torch.Tensor  # where each row's keys and values go
-    # (blocks [n * width], or a slice of consecutive blocks; mask [n, 1, 1, width * block_size])
-    decode: tuple[torch.Tensor | slice, torch.Tensor] | None
+    decode: tuple[torch.Tensor, torch.Tensor] | None  # (blocks [n * width], mask [n, 1, 1, width * block_size])
     num_decode: int
     prefills: list[Prefill]
     cos: torch.Tensor = field(init=False)
