@@ -8,10 +8,11 @@
 Reads the usual settings (TILLER_MODEL, TILLER_DEVICE, ...); ``--models`` runs several models in
 one go: each is a model setting (``smollm2``, ``random:<dir>``, a model directory) or ``llama-1b``
 (random weights shaped like Llama-3.2-1B). For each batch size it prints, for both, the prefill
-time (prompt to first token), the median ms per decode step and the decode tokens/s it gives, and
-end-to-end tokens/s. Engine runs start with an empty prefix cache (cold prefill, comparable with
-generate); the ``engine+pc`` row repeats them with the prompt's full blocks already cached, as a
-second request sharing the prompt would find them. Each figure is the best of ``--repeats`` runs,
+time (prompt to first token), the median ms per decode step and the decode tokens/s it gives, the
+process's CPU ms per decode step (the figure a shared machine skews least), and end-to-end
+tokens/s. Engine runs start with an empty prefix cache (cold prefill, comparable with generate);
+the ``engine+pc`` row repeats them with the prompt's full blocks already cached, as a second
+request sharing the prompt would find them. Each figure is the best of ``--repeats`` runs,
 and steps are timed one by one (generate through a stopping criterion), so a busy machine skews
 the medians less than the totals. It also prints whether the engine's greedy tokens equal
 generate's for the first sequence of each batch. ``--weights`` runs the engine once per weights
@@ -53,6 +54,7 @@ class Run:
     prefill_s: float  # from the start to the first token
     step_s: list[float]  # each later decode step
     tokens: list[int]  # the first sequence's generated tokens
+    step_cpu_s: float  # CPU time of this process per later decode step (mean): what a busy machine skews least
 
     @property
     def total_s(self) -> float:
@@ -70,10 +72,12 @@ class _StepClock(StoppingCriteria):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stamps: list[float] = []
+        self.cpu_stamps: list[float] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
         _sync(self.device)
         self.stamps.append(time.perf_counter())
+        self.cpu_stamps.append(time.process_time())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
@@ -94,8 +98,9 @@ def bench_generate(model, prompt: list[int], batch: int, new_tokens: int, device
         )
     assert out.shape[1] == len(prompt) + new_tokens
     stamps = [started, *clock.stamps]
+    cpu = clock.cpu_stamps
     return Run(prefill_s=stamps[1] - stamps[0], step_s=[b - a for a, b in zip(stamps[1:], stamps[2:])],
-               tokens=out[0, len(prompt):].tolist())
+               tokens=out[0, len(prompt):].tolist(), step_cpu_s=(cpu[-1] - cpu[0]) / max(1, len(cpu) - 1))
 
 
 def bench_engine(engine: Engine, prompt: list[int], batch: int, new_tokens: int, run: int, warm: bool = False) -> Run:
@@ -112,6 +117,7 @@ def bench_engine(engine: Engine, prompt: list[int], batch: int, new_tokens: int,
     assert not result.failures, result.failures
     steps = []
     tokens = [result.samples[seq_ids[0]].token_id]
+    cpu_started = time.process_time()
     for step_id in range(1, new_tokens):
         started = time.perf_counter()
         seqs = [SeqStep(seq_id=s, tokens=[result.samples[s].token_id]) for s in seq_ids]
@@ -119,8 +125,9 @@ def bench_engine(engine: Engine, prompt: list[int], batch: int, new_tokens: int,
         _sync(engine.device)
         steps.append(time.perf_counter() - started)
         tokens.append(result.samples[seq_ids[0]].token_id)
+    step_cpu_s = (time.process_time() - cpu_started) / max(1, len(steps))
     engine.free(seq_ids)
-    return Run(prefill_s=prefill, step_s=steps, tokens=tokens)
+    return Run(prefill_s=prefill, step_s=steps, tokens=tokens, step_cpu_s=step_cpu_s)
 
 
 def load(spec: str, settings: Settings) -> tuple[LoadedModel, list[int]]:
@@ -156,6 +163,7 @@ class Figures:
     batch: int
     prefill_ms: float
     step_ms: float  # median decode step
+    cpu_ms: float  # CPU time per decode step
     e2e_tok_s: float  # prompt to last token
     greedy: str  # the engine's first sequence against generate's ("" for generate itself)
 
@@ -178,21 +186,29 @@ def bench_model(spec: str, settings: Settings, batches: list[int], new_tokens: i
         f"threads={torch.get_num_threads()} "
         f"backend={engine.backend} prompt={len(prompt)} tokens new={n} repeats={repeats}"
     )
+    # Packed weights drop the dense projections they replace: generate would run on empty (meta)
+    # weights and give NaN logits, so it runs only beside dense weights.
+    dense = loaded.weights == "fp32"
+    if not dense:
+        print(f"(weights={loaded.weights}: the transformers model lost its dense projections; no generate rows)")
     # Warm both paths up once (allocator, kernels, lazy pages of the KV pool, CUDA graphs).
     for batch in batches:
         bench_engine(engine, prompt, batch, n, run=0)
-    bench_generate(loaded.model, prompt, 1, 2, loaded.device)
+    if dense:
+        bench_generate(loaded.model, prompt, 1, 2, loaded.device)
 
-    print(f"{'impl':<10}{'batch':>6}{'prefill ms':>12}{'ms/step':>10}{'decode tok/s':>14}{'e2e tok/s':>11}"
-          f"  greedy vs generate")
+    print(f"{'impl':<10}{'batch':>6}{'prefill ms':>12}{'ms/step':>10}{'cpu ms/step':>13}{'decode tok/s':>14}"
+          f"{'e2e tok/s':>11}  greedy vs generate")
     rows: list[Figures] = []
     for batch in batches:
-        runs: dict[str, list[Run]] = {"generate": [], "engine": [], "engine+pc": []}
+        runs: dict[str, list[Run]] = {"generate": [], "engine": [], "engine+pc": []} if dense else {
+            "engine": [], "engine+pc": []}
         for r in range(repeats):  # interleaved, so a busy spell hits both alike
-            runs["generate"].append(bench_generate(loaded.model, prompt, batch, n, loaded.device))
+            if dense:
+                runs["generate"].append(bench_generate(loaded.model, prompt, batch, n, loaded.device))
             runs["engine"].append(bench_engine(engine, prompt, batch, n, run=r + 1))
             runs["engine+pc"].append(bench_engine(engine, prompt, batch, n, run=r + 101, warm=True))
-        want = runs["generate"][0].tokens
+        want = runs["generate"][0].tokens if dense else None
         for impl, results in runs.items():
             step = min(statistics.median(run.step_s) for run in results)
             row = Figures(
@@ -200,16 +216,17 @@ def bench_model(spec: str, settings: Settings, batches: list[int], new_tokens: i
                 batch=batch,
                 prefill_ms=min(run.prefill_s for run in results) * 1000,
                 step_ms=step * 1000,
+                cpu_ms=min(run.step_cpu_s for run in results) * 1000,
                 e2e_tok_s=batch * n / min(run.total_s for run in results),
-                greedy="" if impl == "generate" else _first_difference(results[0].tokens, want),
+                greedy="" if want is None or impl == "generate" else _first_difference(results[0].tokens, want),
             )
             rows.append(row)
             print(
-                f"{impl:<10}{batch:>6}{row.prefill_ms:>12.1f}{row.step_ms:>10.2f}{row.decode_tok_s:>14.1f}"
-                f"{row.e2e_tok_s:>11.1f}  {row.greedy}"
+                f"{impl:<10}{batch:>6}{row.prefill_ms:>12.1f}{row.step_ms:>10.2f}{row.cpu_ms:>13.2f}"
+                f"{row.decode_tok_s:>14.1f}{row.e2e_tok_s:>11.1f}  {row.greedy}"
             )
     by = {(row.impl, row.batch): row for row in rows}
-    for batch in batches:
+    for batch in batches if dense else []:
         ratio = by[("engine", batch)].decode_tok_s / by[("generate", batch)].decode_tok_s
         print(f"{spec} batch {batch}: engine decode {ratio:.1f}x generate's")
     if 1 in batches:

@@ -167,7 +167,9 @@ class PagedLlama:
         wanted = [last_row[i] for i, item in enumerate(inputs) if item.logits]
         if not wanted:
             return torch.empty(0, self.head.out_features, dtype=torch.float32, device=device)
-        return self._logits(x[to_device(wanted, device)])
+        if wanted != list(range(len(ids))):  # a decode step wants every row, in order: no gather
+            x = x[to_device(wanted, device)]
+        return self._logits(x)
 
     def _layers(
         self, ids: torch.Tensor, positions: torch.Tensor, step: StepPlan, taps: dict[int, torch.Tensor] | None = None
@@ -182,7 +184,7 @@ class PagedLlama:
             if taps is not None and index - 1 in self.tap_layers:
                 taps[index - 1] = x[taps[-1]]
             x = self._attention(layer, x, kv_slots, kv_blocks, step)
-            h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
+            h = torch.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
             gate_up = layer.gate_up(h)
             h = self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
             x = layer.down.add_to(x, h)
@@ -191,11 +193,11 @@ class PagedLlama:
         return x
 
     def final_norm_of(self, h: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
+        return torch.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states."""
-        h = F.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
+        h = torch.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
         return self.head(h).float()
 
     def _rotary_tables(self, rotary: nn.Module, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,7 +252,7 @@ class PagedLlama:
         values into the layer's pool (``kv_slots`` and ``kv_blocks`` are two views of it)."""
         tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        h = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
+        h = torch.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
         qkv = layer.qkv(h).view(tokens, heads + 2 * kv_heads, dim)
         qkv = torch.addcmul(qkv * step.cos, qkv.roll(dim // 2, -1), step.sin)
         kv_slots.index_copy_(0, step.slots, qkv[:, heads:])
