@@ -363,8 +363,9 @@ def main() -> None:
     args = parser.parse_args()
     # the core's per-request info lines would swamp the table (and a real scheduler writes them to a file)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    tokenizer = load_tokenizer(Settings())
-    freeze_startup_heap()  # as the scheduler service does once it started
+    settings = Settings()
+    tokenizer = load_tokenizer(settings)
+    freeze_startup_heap(settings.gc_young_threshold)  # as the scheduler service does once it started
     print(f"{args.seqs} users per worker, {args.sessions} conversations each of ~{args.turns} turns of {args.tokens} "
           f"tokens; prompts: one of {args.system_prompts} system prompts (~{args.system_tokens} tokens, "
           f"Zipf {args.zipf:g}) + history + ~{args.user_tokens} new; {args.kv_tokens:,} KV tokens per worker; "
