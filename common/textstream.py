@@ -107,16 +107,20 @@ class TextStream:
 
     def push(self, token_ids: list[int]) -> str:
         """Add tokens; return the newly releasable text. Sets ``stopped_by`` when a stop string ends it."""
-        out: list[str] = []
-        for token_id in token_ids:
-            if self.stopped_by is not None:
-                break
-            self._append_token(token_id)
-            out.append(self._release())
-        return "".join(out)
+        return "".join([self.push_one(token_id) for token_id in token_ids])
+
+    def push_one(self, token_id: int) -> str:
+        """``push([token_id])``."""
+        if self.stopped_by is not None:
+            return ""
+        self._append_token(token_id)
+        return self._release()
 
     def _release(self) -> str:
         start = self.released
+        if not self.stop:
+            self.released = len(self.text)
+            return self.text[start:]
         earliest: tuple[int, str] | None = None
         for stop in self.stop:
             index = self.text.find(stop, max(0, start - len(stop) + 1))

@@ -492,7 +492,7 @@ class SchedulerCore:
 
     def _emit_text(self, request: LiveRequest, event: wire.TokenEvent, last: bool) -> None:
         """The text of a token event; finish on a completed stop string, or when it was the ``last``."""
-        event.text = request.text.push([event.tokens[0].token_id])
+        event.text = request.text.push_one(event.tokens[0].token_id)
         if request.text.stopped_by is not None:
             self.finish(request, "stop", event, stop_reason=request.text.stopped_by)
         elif last:
