@@ -425,9 +425,10 @@ class SchedulerCore:
             return False
         if not request.last_sample:
             return True
+        if request.submit.session is not None:
+            return False
         after = len(request.generated) + 1  # tokens once the step in flight is applied
-        return request.submit.session is None and not length_reached(
-            request.submit, after, len(request.prompt) + after, max_len)
+        return not length_reached(request.submit, after, len(request.prompt) + after, max_len)
 
     def step_done(self, worker: bytes, result: wire.StepResult) -> None:
         """Note what a step result says about its worker (before :meth:`apply`)."""
