@@ -90,7 +90,8 @@ class TextStream:
 
     def _append_token(self, token_id: int) -> None:
         if self._bytes is not None:  # the same text as below, without the tokenizer
-            self._pending += self._bytes[token_id]
+            # an id past the tokenizer's vocabulary (a model's padded embedding) has no text, as in decode
+            self._pending += self._bytes[token_id] if token_id < len(self._bytes) else b""
             text = self._pending.decode("utf-8", "replace")
             if text and not text.endswith(REPLACEMENT_CHAR):
                 self.text += text
