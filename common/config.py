@@ -266,6 +266,12 @@ class Settings(BaseSettings):
     api_auth: ApiAuth = Field(default_factory=ApiAuth)
     distributed: Distributed = Field(default_factory=Distributed)
     log_level: str = "info"
+    gc_young_threshold: int = Field(
+        10_000, ge=1, description="allocations (less deallocations) of tracked objects between two collections of "
+        "the cyclic garbage collector's youngest generation in every service (Python's default is 700: a "
+        "scheduler stepping hundreds of sequences then spends a third of its time collecting; the objects "
+        "alive after start-up are frozen out of its reach anyway)",
+    )
     ready_timeout_s: float = Field(600.0, description="how long `tiller up` waits for every service")
 
     @classmethod

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -32,6 +32,44 @@ def _stock_decode(cls: type) -> bool:
             and cls._decode is transformers.TokenizersBackend._decode)  # type: ignore[attr-defined]
 
 
+@cache
+def byte_table(tokenizer: object) -> list[bytes] | None:
+    """Each token's bytes, special tokens' empty, for a tokenizer whose decoding is byte-level BPE's
+    (GPT-2, Llama 3, Qwen, SmolLM): its decode of any ids is then the UTF-8 decoding, invalid bytes
+    replaced, of their bytes joined, which a stream can do one token at a time without the tokenizer.
+    None for any other tokenizer (or when a token's bytes do not decode to the tokenizer's own text)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel" or not _stock_decode(type(tokenizer)):
+        return None
+    to_byte = str.maketrans(_BYTE_LEVEL_CHARS)
+    table = [b""] * backend.get_vocab_size(with_added_tokens=True)
+    for token, i in backend.get_vocab(with_added_tokens=True).items():
+        try:
+            table[i] = token.translate(to_byte).encode("latin-1")
+        except UnicodeEncodeError:  # a character byte-level BPE never makes: an added token, kept as it is
+            table[i] = token.encode()
+    added = backend.get_added_tokens_decoder()
+    for i, added_token in added.items():
+        if added_token.special:
+            table[i] = b""
+        elif table[i].decode("utf-8", "replace") != backend.decode([i], skip_special_tokens=True):
+            return None
+    return table
+
+
+def _byte_level_chars() -> dict[str, str]:
+    """Byte-level BPE's alphabet: the printable character standing for each byte, to that byte (as a
+    latin-1 character)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {chr(b): chr(b) for b in printable}
+    chars.update({chr(256 + n): chr(b) for n, b in enumerate(others)})
+    return chars
+
+
+_BYTE_LEVEL_CHARS = _byte_level_chars()
+
+
 @dataclass
 class TextStream:
     """Per-request detokenizer; ``tokenizer`` is a transformers tokenizer."""
@@ -47,8 +85,18 @@ class TextStream:
 
     def __post_init__(self) -> None:
         self._decode = decoder(self.tokenizer)
+        self._bytes = byte_table(self.tokenizer)
+        self._pending = b""  # with a byte table: the bytes after the last complete character
 
     def _append_token(self, token_id: int) -> None:
+        if self._bytes is not None:  # the same text as below, without the tokenizer
+            # an id past the tokenizer's vocabulary (a model's padded embedding) has no text, as in decode
+            self._pending += self._bytes[token_id] if token_id < len(self._bytes) else b""
+            text = self._pending.decode("utf-8", "replace")
+            if text and not text.endswith(REPLACEMENT_CHAR):
+                self.text += text
+                self._pending = b""
+            return
         self.ids.append(token_id)
         prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self.ids[self._prefix_offset :])
@@ -60,16 +108,20 @@ class TextStream:
 
     def push(self, token_ids: list[int]) -> str:
         """Add tokens; return the newly releasable text. Sets ``stopped_by`` when a stop string ends it."""
-        out: list[str] = []
-        for token_id in token_ids:
-            if self.stopped_by is not None:
-                break
-            self._append_token(token_id)
-            out.append(self._release())
-        return "".join(out)
+        return "".join([self.push_one(token_id) for token_id in token_ids])
+
+    def push_one(self, token_id: int) -> str:
+        """``push([token_id])``."""
+        if self.stopped_by is not None:
+            return ""
+        self._append_token(token_id)
+        return self._release()
 
     def _release(self) -> str:
         start = self.released
+        if not self.stop:
+            self.released = len(self.text)
+            return self.text[start:]
         earliest: tuple[int, str] | None = None
         for stop in self.stop:
             index = self.text.find(stop, max(0, start - len(stop) + 1))

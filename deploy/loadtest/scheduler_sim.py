@@ -19,7 +19,9 @@ of ``limits.pipeline_depth`` has room, apply each result as it comes back, work 
 steps and results encoded and decoded as on the wire; as the baseline, the lockstep loop the shell had
 before (every worker's step out together, the next round after all results).
 
-Printed per worker count and loop: the scheduler's CPU time per worker step, the tokens/s of the
+Printed per worker count and loop: the scheduler's CPU time (decoding submits and results, the core's
+calls, encoding steps, replies and events; not the simulated clients' or workers' work) per worker step
+and per sequence in a step, the tokens/s of the
 simulated time, each kind of worker's idle share (time between a step and its next while it had
 sequences to run: waiting for the scheduler, or in lockstep for the slower workers), and the **hit
 rate**: prompt tokens whose KV was reused (a parked session's, or a cached prefix's) over all prompt
@@ -212,6 +214,7 @@ def random_placement(seed: int):
 class Run:
     core_s: float = 0.0  # scheduler CPU time of this thread (core calls, encoding and decoding)
     steps: int = 0  # worker steps sent
+    seq_steps: int = 0  # sequences in them
     decode_tokens: int = 0
     prompt_tokens: int = 0
     reused_tokens: int = 0
@@ -258,15 +261,22 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
         prompt = client.next_prompt(workload)
         run.prompt_tokens += len(prompt)
         by_rid[client.rid] = client
-        msg = wire.Submit(rid=client.rid, prompt_ids=prompt, sampling=sampling, max_tokens=args.tokens,
-                          ignore_eos=True, session=wire.SessionRef(key=client.key))
-        reply = core.submit(b"gw", decoder.decode(encoder.encode(msg)))
-        assert isinstance(reply, wire.Queued), reply
+        frame = encoder.encode(wire.Submit(rid=client.rid, prompt_ids=prompt, sampling=sampling, max_tokens=args.tokens,
+                                           ignore_eos=True, session=wire.SessionRef(key=client.key)))
+        started = time.thread_time()
+        reply = encoder.encode(core.submit(b"gw", decoder.decode(frame)))
+        scheduler(started)
+        assert isinstance(decoder.decode(reply), wire.Queued), reply
 
-    def deliver(out: list[tuple[bytes, wire.Msg]]) -> bool:
+    def output() -> list[bytes]:
+        """The messages for the gateway, encoded (the scheduler's work; the clients' is not timed)."""
+        return [encoder.encode(msg) for _, msg in core.take_output()]
+
+    def deliver(out: list[bytes]) -> bool:
         """Clients take their events; whether one sent its next turn."""
         submitted = False
-        for _, msg in out:
+        for frame in out:
+            msg = decoder.decode(frame)
             assert isinstance(msg, wire.Events), msg
             for event in msg.events:
                 client = by_rid[event.rid]
@@ -281,10 +291,8 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
                         submitted = True
         return submitted
 
-    started = time.thread_time()
     for client in clients:
         submit(client)
-    scheduler(started)
     now = 0.0
     while by_rid:
         started = time.thread_time()
@@ -315,12 +323,14 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
         if group:
             groups.append((max(free_at[d.worker] for d, _ in group), group))
         run.steps += len(dispatches)
+        run.seq_steps += sum(len(d.step.seqs) for d in dispatches)
         if dispatches:
             continue  # queue the steps after them at once, where pipelines have room
         started = time.thread_time()
         core.emit_deferred()
-        submitted = deliver(core.take_output())
+        out = output()
         scheduler(started)
+        submitted = deliver(out)
         if submitted and not lockstep:
             continue  # new work may start a worker with room (the shell's wake)
         # the next result (the oldest round's, in lockstep): a worker's own results come back in order
@@ -339,8 +349,9 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
                 if not flights[dispatch.worker] and core.pool.workers[dispatch.worker].running:
                     waiting.add(dispatch.worker)
         core.end_step()
-        deliver(core.take_output())
+        out = output()
         scheduler(started)
+        deliver(out)
     run.elapsed_s = now
     return run
 
@@ -363,8 +374,9 @@ def main() -> None:
     args = parser.parse_args()
     # the core's per-request info lines would swamp the table (and a real scheduler writes them to a file)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    tokenizer = load_tokenizer(Settings())
-    freeze_startup_heap()  # as the scheduler service does once it started
+    settings = Settings()
+    tokenizer = load_tokenizer(settings)
+    freeze_startup_heap(settings.gc_young_threshold)  # as the scheduler service does once it started
     print(f"{args.seqs} users per worker, {args.sessions} conversations each of ~{args.turns} turns of {args.tokens} "
           f"tokens; prompts: one of {args.system_prompts} system prompts (~{args.system_tokens} tokens, "
           f"Zipf {args.zipf:g}) + history + ~{args.user_tokens} new; {args.kv_tokens:,} KV tokens per worker; "
@@ -373,7 +385,7 @@ def main() -> None:
     print(f"workers: step times {', '.join(f'{ms:g} ms' for ms in args.step_ms)} in turn; idle: a worker's time "
           "between a step and the next while it had sequences to run (waiting for the scheduler, or in lockstep "
           "for the slower workers) / its time")
-    print(f"{'workers':>7} {'pipelines':>10} {'steps':>7} {'core µs/step':>12} {'tok/s':>8} "
+    print(f"{'workers':>7} {'pipelines':>10} {'steps':>7} {'core µs/step':>12} {'µs/seq':>6} {'tok/s':>8} "
           + " ".join(f"{f'idle@{ms:g}ms':>10}" for ms in speeds)
           + f" {'hit kv':>7} {'hit rnd':>7} {'ratio':>6}")
     for workers in args.workers:
@@ -384,7 +396,7 @@ def main() -> None:
             hit_kv = kv.reused_tokens / kv.prompt_tokens
             idle = " ".join(f"{kv.idle_s[s] / (kv.idle_s[s] + kv.busy_s[s]):>10.1%}" for s in (ms / 1000 for ms in speeds))
             print(f"{workers:>7} {'lockstep' if lockstep else 'per worker':>10} {kv.steps:>7} "
-                  f"{kv.core_s / kv.steps * 1e6:>12.1f} {kv.decode_tokens / kv.elapsed_s:>8,.0f} {idle} "
+                  f"{kv.core_s / kv.steps * 1e6:>12.1f} {kv.core_s / kv.seq_steps * 1e6:>6.1f} {kv.decode_tokens / kv.elapsed_s:>8,.0f} {idle} "
                   f"{hit_kv:>7.1%} {hit_rnd:>7.1%} {hit_kv / hit_rnd if hit_rnd else float('inf'):>5.1f}x")
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ Plain and controlled requests share one set of finish rules (``requests.stop_tok
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable
@@ -53,6 +54,7 @@ from services.scheduler.workers import Place, WorkerPool, least_loaded
 log = structlog.get_logger()
 
 Item = tuple[LiveRequest | Branch, wire.SeqStep]
+_sort_key = operator.attrgetter("sort_key")
 
 
 @dataclass
@@ -369,24 +371,30 @@ class SchedulerCore:
         max_len = self.max_model_len()
         running = self.running.values() if workers is None else [
             r for w in workers for r in self.running_on.get(w, {}).values()]
-        ordered = sorted(
-            (r for r in running if not r.paused and not r.submit.controller and self._steppable(r, max_len)),
-            key=lambda r: (r.fed < len(r.prompt), r.sort_key),
-        )
-        for request in ordered:
-            if budget[request.worker] <= 0:
+        decoding: list[LiveRequest] = []
+        prefilling: list[LiveRequest] = []
+        for r in running:
+            if not (r.paused or r.submit.controller or (r.in_flight and not self._steppable(r, max_len))):
+                (decoding if r.fed >= len(r.prompt) else prefilling).append(r)
+        decoding.sort(key=_sort_key)
+        prefilling.sort(key=_sort_key)
+        for request in itertools.chain(decoding, prefilling):
+            left = budget[request.worker]
+            if left <= 0:
                 continue
             if request.in_flight and request.last_sample:  # decoding in the step before: feed its sample
                 seq = wire.SeqStep(seq_id=request.seq_id, tokens=[], follow=True)
-                budget[request.worker] -= 1
+                budget[request.worker] = left - 1
+            elif request.fed >= len(request.prompt):  # decoding: feed the token sampled last
+                seq = wire.SeqStep(seq_id=request.seq_id, tokens=[request.pending])
+                budget[request.worker] = left - 1
+                self._session_feed(request, seq)
             else:
-                prefill = request.fed < len(request.prompt)
-                tokens, sample = request.next_feed(min(self.limits.prefill_chunk_tokens, budget[request.worker]))
-                budget[request.worker] -= len(tokens)
+                tokens, sample = request.next_feed(min(self.limits.prefill_chunk_tokens, left))
+                budget[request.worker] = left - len(tokens)
                 seq = wire.SeqStep(seq_id=request.seq_id, tokens=tokens, sample=sample, images=request.images_in(tokens))
                 self._session_feed(request, seq)
-                if prefill:
-                    request.fed += len(tokens)
+                request.fed += len(tokens)
             if request.sampling_dirty:
                 seq.sampling = request.submit.sampling
                 request.sampling_dirty = False
@@ -417,9 +425,10 @@ class SchedulerCore:
             return False
         if not request.last_sample:
             return True
+        if request.submit.session is not None:
+            return False
         after = len(request.generated) + 1  # tokens once the step in flight is applied
-        return request.submit.session is None and not length_reached(
-            request.submit, after, len(request.prompt) + after, max_len)
+        return not length_reached(request.submit, after, len(request.prompt) + after, max_len)
 
     def step_done(self, worker: bytes, result: wire.StepResult) -> None:
         """Note what a step result says about its worker (before :meth:`apply`)."""
@@ -456,7 +465,8 @@ class SchedulerCore:
                     self.finish(request, "length")
             else:
                 request.pending = None
-                self._decoded_readouts(request, seq, result)
+                if result.readouts:
+                    self._decoded_readouts(request, seq, result)
             if not seq.sample:
                 continue
             sampled = result.samples.get(seq.seq_id)
@@ -483,7 +493,7 @@ class SchedulerCore:
 
     def _emit_text(self, request: LiveRequest, event: wire.TokenEvent, last: bool) -> None:
         """The text of a token event; finish on a completed stop string, or when it was the ``last``."""
-        event.text = request.text.push([event.tokens[0].token_id])
+        event.text = request.text.push_one(event.tokens[0].token_id)
         if request.text.stopped_by is not None:
             self.finish(request, "stop", event, stop_reason=request.text.stopped_by)
         elif last:
@@ -586,12 +596,15 @@ class SchedulerCore:
         if request.fork_of is not None or request.backtrack:
             seq.fork_of, seq.backtrack = request.fork_of, request.backtrack
             request.fork_of, request.backtrack = None, 0
-        del request.kv_tokens[len(request.kv_tokens) - seq.backtrack :]
+        if seq.backtrack:
+            del request.kv_tokens[len(request.kv_tokens) - seq.backtrack :]
         request.kv_tokens += seq.tokens
         request.on_worker = True
         if request.fed >= len(request.prompt):  # decoding: the token fed is the last one sampled
-            position = len(request.prompt) + len(request.generated) - 1
-            seq.readouts = [position] if position in request.readout_positions else []
+            if request.readout_positions:
+                position = len(request.prompt) + len(request.generated) - 1
+                if position in request.readout_positions:
+                    seq.readouts = [position]
             return
         if not (request.logprob_positions or request.readout_positions):
             return
@@ -625,8 +638,6 @@ class SchedulerCore:
     def _decoded_readouts(self, request: LiveRequest, seq: wire.SeqStep, result: wire.StepResult) -> None:
         """The readout of a decoded token, computed by the step that fed it (the one after its sampling),
         as an event of its own (a ``PositionOutput`` past the prompt)."""
-        if not result.readouts:
-            return
         outputs = [wire.PositionOutput(position=r.position, token_id=seq.tokens[0], readout=r.values)
                    for r in result.readouts.get(seq.seq_id, [])]
         if outputs:

@@ -62,8 +62,14 @@ class LiveRequest:
     readout_positions: set[int] = field(default_factory=set)
     scored: dict[int, wire.ScoreResult] = field(default_factory=dict)
     cached_tokens: int = 0  # prompt tokens whose KV was reused (a parked sequence, the prefix cache)
+    # the submit's fields read for every sequence in every step, as attributes of their own
+    rid: str = field(init=False)
+    prompt: list[int] = field(init=False)
+    sort_key: tuple[int, int] = field(init=False)  # priority, then arrival order
 
     def __post_init__(self) -> None:
+        self.rid, self.prompt = self.submit.rid, self.submit.prompt_ids
+        self.sort_key = (self.submit.priority, self.order)
         outputs = self.submit.outputs
         if outputs is None:
             return
@@ -79,18 +85,6 @@ class LiveRequest:
         n = len(self.prompt)
         return min([p - 1 for p in self.logprob_positions if p > 0] + [p for p in self.readout_positions if p < n],
                    default=n)
-
-    @property
-    def rid(self) -> str:
-        return self.submit.rid
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.submit.prompt_ids
-
-    @property
-    def sort_key(self) -> tuple[int, int]:
-        return (self.submit.priority, self.order)
 
     @property
     def needed_tokens(self) -> int:

@@ -1,10 +1,12 @@
 """TextStream: deltas concatenate to the tokenizer's decode, stop strings never leak."""
 
+import random
+
 import pytest
 
 from common.config import Settings
 from common.model_source import load_tokenizer
-from common.textstream import TextStream, decoder
+from common.textstream import TextStream, byte_table, decoder
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +61,24 @@ def test_fast_decoder_is_the_tokenizers_decode(tokenizer):
     for end in range(len(ids) + 1):
         assert decode(ids[:end]) == tokenizer.decode(ids[:end], skip_special_tokens=True,
                                                      clean_up_tokenization_spaces=False)
+
+
+def test_byte_table_decodes_as_the_tokenizer(tokenizer):
+    """The byte-level fast path: every token's bytes decode to the tokenizer's text of it (specials
+    empty), and random streams, half of them stray UTF-8 bytes, give the same deltas as the stream
+    that decodes with the tokenizer."""
+    table = byte_table(tokenizer)
+    assert table is not None
+    backend = tokenizer.backend_tokenizer
+    assert [t.decode("utf-8", "replace") for t in table] == [
+        backend.decode([i], skip_special_tokens=True) for i in range(len(table))]
+    rng = random.Random(0)
+    stray = [i for i, t in enumerate(table) if len(t) == 1 and t[0] >= 0x80]
+    past = range(len(table), len(table) + 64)  # ids of a padded embedding, which the tokenizer has not
+    for _ in range(500):
+        ids = [rng.choice(stray) if rng.random() < 0.5 else rng.randrange(len(table)) for _ in range(rng.randint(1, 40))]
+        ids.insert(rng.randrange(len(ids) + 1), rng.choice(past))
+        fast, slow = TextStream(tokenizer), TextStream(tokenizer)
+        slow._bytes = None
+        assert [fast.push([i]) for i in ids] + [fast.flush()] == [slow.push([i]) for i in ids] + [slow.flush()]
+        assert fast.text == slow.text
