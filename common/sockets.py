@@ -105,8 +105,12 @@ class Router:
                 await self.send(identity, wire.Error(code="invalid_request", message=str(exc)))
 
     async def send(self, identity: bytes, msg: wire.Msg, binary: Frames = ()) -> None:
-        frames = [identity, wire.encode(msg), *binary]
-        await self.sock.send_multipart(frames, copy=_copy_flag(binary))
+        await self.post(identity, msg, binary)
+
+    def post(self, identity: bytes, msg: wire.Msg, binary: Frames = ()) -> Awaitable[Any]:
+        """Send without waiting: a ROUTER never blocks (a message to a peer that is gone, or whose
+        queue is full, is dropped), so the send is done on return, in order with the others."""
+        return self.sock.send_multipart([identity, wire.encode(msg), *binary], copy=_copy_flag(binary))
 
     def close(self) -> None:
         self.sock.close(0)
