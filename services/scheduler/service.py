@@ -160,29 +160,27 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------
     # workers
 
-    async def serve_workers(self) -> None:
-        while True:
-            identity, msg, _ = await self.worker_router.recv()
-            self.core.pool.touch(identity)
-            if isinstance(msg, wire.WorkerHello):
-                if self.core.worker_hello(identity, msg):
-                    log.info("scheduler.worker", worker=identity.decode(errors="replace"), stage=msg.stage,
-                             progress=msg.progress, message=msg.message)
-                if msg.stage == "ready":
-                    self.wake()
-            elif isinstance(msg, wire.StepResult):
-                self.core.step_done(identity, msg)
-                for flight in self.flights.get(identity, ()):
-                    if flight.dispatch.step.step_id == msg.step_id:
-                        if not flight.done:
-                            flight.done, flight.result = True, msg
-                            self.placement.observe(identity, flight.dispatch.step, msg)
-                            self.wake()
-                        break
-            elif isinstance(msg, wire.HealthReply):
-                pass  # touch() above was the point
-            else:
-                log.warning("scheduler.worker_unexpected", type=type(msg).__name__)
+    def on_worker_message(self, identity: bytes, msg: wire.Message, _binary: list[bytes]) -> None:
+        self.core.pool.touch(identity)
+        if isinstance(msg, wire.StepResult):
+            self.core.step_done(identity, msg)
+            for flight in self.flights.get(identity, ()):
+                if flight.dispatch.step.step_id == msg.step_id:
+                    if not flight.done:
+                        flight.done, flight.result = True, msg
+                        self.placement.observe(identity, flight.dispatch.step, msg)
+                        self.wake()
+                    break
+        elif isinstance(msg, wire.WorkerHello):
+            if self.core.worker_hello(identity, msg):
+                log.info("scheduler.worker", worker=identity.decode(errors="replace"), stage=msg.stage,
+                         progress=msg.progress, message=msg.message)
+            if msg.stage == "ready":
+                self.wake()
+        elif isinstance(msg, wire.HealthReply):
+            pass  # touch() above was the point
+        else:
+            log.warning("scheduler.worker_unexpected", type=type(msg).__name__)
 
     async def watch_worker_disconnects(self) -> None:
         """A dropped worker connection makes every worker suspect until it answers again."""
@@ -375,9 +373,9 @@ class Scheduler:
 
     async def run(self) -> None:
         log.info("scheduler.listening", frontend=self.frontend.endpoint, workers=self.worker_router.endpoint)
+        self.worker_router.serve(self.on_worker_message)
         await asyncio.gather(
             self.serve_frontend(),
-            self.serve_workers(),
             self.step_loop(),
             self.check_liveness(),
             self.watch_worker_disconnects(),
