@@ -114,25 +114,37 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------
     # frontend
 
-    async def serve_frontend(self) -> None:
-        while True:
-            gateway, msg, _ = await self.frontend.recv()
-            if gateway in self.gateways_seen or isinstance(msg, wire.GatewayAlive):
-                self.gateways_seen[gateway] = time.monotonic()
-            try:
-                reply = await self._handle_frontend(gateway, msg)
-            except Exception as exc:  # a bug handling one message must not stop the scheduler
-                log.exception("scheduler.frontend_failed", type=type(msg).__name__)
-                reply = wire.Error(code=INTERNAL_ERROR, message=f"scheduler failed: {exc}")
-            reply.mid = reply_mid(msg)
-            await self.frontend.send(gateway, reply)
-            self._flush()
+    def on_frontend_message(self, gateway: bytes, msg: wire.Message, _binary: list[bytes]) -> None:
+        if gateway in self.gateways_seen or isinstance(msg, wire.GatewayAlive):
+            self.gateways_seen[gateway] = time.monotonic()
+        if isinstance(msg, wire.Health):  # it waits for the controller runtime: the other messages do not
+            self._spawn(self._answer_health(gateway, msg))
+            return
+        try:
+            reply = self._handle_frontend(gateway, msg)
+        except Exception as exc:  # a bug handling one message must not stop the scheduler
+            reply = self._failed(msg, exc)
+        self._reply(gateway, msg, reply)
 
-    async def _handle_frontend(self, gateway: bytes, msg: wire.Message) -> wire.Msg:
+    async def _answer_health(self, gateway: bytes, msg: wire.Health) -> None:
+        try:
+            reply: wire.Msg = await self._health()
+        except Exception as exc:
+            reply = self._failed(msg, exc)
+        self._reply(gateway, msg, reply)
+
+    def _failed(self, msg: wire.Message, exc: Exception) -> wire.Error:
+        log.error("scheduler.frontend_failed", type=type(msg).__name__, exc_info=exc)
+        return wire.Error(code=INTERNAL_ERROR, message=f"scheduler failed: {exc}")
+
+    def _reply(self, gateway: bytes, request: wire.Message, reply: wire.Msg) -> None:
+        reply.mid = reply_mid(request)
+        self.frontend.post(gateway, reply)
+        self._flush()
+
+    def _handle_frontend(self, gateway: bytes, msg: wire.Message) -> wire.Msg:
         if isinstance(msg, wire.Submit):
             return self.core.submit(gateway, msg)
-        if isinstance(msg, wire.Health):
-            return await self._health()
         if isinstance(msg, wire.GatewayAlive):
             return wire.Alive(service="scheduler", incarnation=self.incarnation)
         if isinstance(msg, wire.SessionDrop):
@@ -373,9 +385,9 @@ class Scheduler:
 
     async def run(self) -> None:
         log.info("scheduler.listening", frontend=self.frontend.endpoint, workers=self.worker_router.endpoint)
+        self.frontend.serve(self.on_frontend_message)
         self.worker_router.serve(self.on_worker_message)
         await asyncio.gather(
-            self.serve_frontend(),
             self.step_loop(),
             self.check_liveness(),
             self.watch_worker_disconnects(),
