@@ -24,7 +24,7 @@ log = structlog.get_logger()
 
 Frames = Sequence[bytes | memoryview]
 _ZERO_COPY_MIN = 64 * 1024
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: no enum arithmetic
 
 
 class PeerLost(Exception):
@@ -125,7 +125,7 @@ class Router:
             # ZeroMQ's descriptor only says that its state may have changed: read until EVENTS says
             # nothing is left (that also re-arms it)
             while sync.getsockopt(_EVENTS) & _POLLIN:
-                if (message := self._parse(sync.recv_multipart(zmq.NOBLOCK))) is None:
+                if (message := self._parse(sync.recv_multipart(_NOBLOCK))) is None:
                     continue
                 try:
                     handle(*message)
@@ -147,7 +147,7 @@ class Router:
         if self._sync is None:
             self.sock.send_multipart(frames, copy=_copy_flag(binary))
             return
-        self._sync.send_multipart(frames, zmq.NOBLOCK, copy=_copy_flag(binary))
+        self._sync.send_multipart(frames, _NOBLOCK, copy=_copy_flag(binary))
         if self._sync.getsockopt(_EVENTS) & _POLLIN:  # a send may take the descriptor's wake-up: read
             asyncio.get_running_loop().call_soon(self._drain)
 
