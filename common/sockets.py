@@ -24,6 +24,7 @@ log = structlog.get_logger()
 
 Frames = Sequence[bytes | memoryview]
 _ZERO_COPY_MIN = 64 * 1024
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: no enum arithmetic
 
 
 class PeerLost(Exception):
@@ -86,6 +87,9 @@ class Router:
         if heartbeat_s is not None:
             heartbeat(self.sock, *heartbeat_s)
         bind(self.sock, endpoint)
+        self._sync: zmq.Socket | None = None  # with serve(): the socket, read and written without futures
+        self._drain: Callable[[], None] = lambda: None
+        self._reading: asyncio.AbstractEventLoop | None = None  # with serve(): the loop that reads it
 
     async def recv(self) -> tuple[bytes, wire.Message, list[bytes]]:
         """Next well-formed message as (peer identity, header, binary frames).
@@ -94,21 +98,62 @@ class Router:
         """
         while True:
             parts = await self.sock.recv_multipart()
-            if len(parts) < 2:
-                log.warning("wire.short_frame", endpoint=self.endpoint, parts=len(parts))
-                continue
-            identity, header, binary = parts[0], parts[1], parts[2:]
-            try:
-                return identity, wire.decode(header), binary
-            except WireError as exc:
-                log.warning("wire.malformed", endpoint=self.endpoint, error=str(exc))
-                await self.send(identity, wire.Error(code="invalid_request", message=str(exc)))
+            if (message := self._parse(parts)) is not None:
+                return message
+
+    def _parse(self, parts: list[bytes]) -> tuple[bytes, wire.Message, list[bytes]] | None:
+        """A well-formed message's (identity, header, binary frames); None for a malformed one,
+        which is logged and answered with an ``Error``."""
+        if len(parts) < 2:
+            log.warning("wire.short_frame", endpoint=self.endpoint, parts=len(parts))
+            return None
+        try:
+            return parts[0], wire.decode(parts[1]), parts[2:]
+        except WireError as exc:
+            log.warning("wire.malformed", endpoint=self.endpoint, error=str(exc))
+            self.post(parts[0], wire.Error(code="invalid_request", message=str(exc)))
+            return None
+
+    def serve(self, handle: Callable[[bytes, wire.Message, list[bytes]], None]) -> None:
+        """Hand every well-formed message to ``handle(identity, header, binary)`` as it arrives, from
+        the event loop's reader callback: no future, task or coroutine switch per message (for a socket
+        as busy as the workers' step results). Use it instead of :meth:`recv`, not with it."""
+        sync = zmq.Socket.shadow(self.sock.underlying)
+        loop = asyncio.get_running_loop()
+
+        def drain() -> None:
+            # ZeroMQ's descriptor only says that its state may have changed: read until EVENTS says
+            # nothing is left (that also re-arms it)
+            while sync.getsockopt(_EVENTS) & _POLLIN:
+                if (message := self._parse(sync.recv_multipart(_NOBLOCK))) is None:
+                    continue
+                try:
+                    handle(*message)
+                except Exception:  # a bug handling one message must not stop the others
+                    log.exception("router.handler_failed", endpoint=self.endpoint, type=type(message[1]).__name__)
+
+        self._sync, self._drain = sync, drain
+        loop.add_reader(sync.getsockopt(zmq.FD), drain)
+        self._reading = loop
+        loop.call_soon(drain)
 
     async def send(self, identity: bytes, msg: wire.Msg, binary: Frames = ()) -> None:
+        self.post(identity, msg, binary)
+
+    def post(self, identity: bytes, msg: wire.Msg, binary: Frames = ()) -> None:
+        """Send now: a ROUTER never waits (a message to a peer that is gone, or whose queue is full, is
+        dropped), so the message is on its way, in order with the others, when this returns."""
         frames = [identity, wire.encode(msg), *binary]
-        await self.sock.send_multipart(frames, copy=_copy_flag(binary))
+        if self._sync is None:
+            self.sock.send_multipart(frames, copy=_copy_flag(binary))
+            return
+        self._sync.send_multipart(frames, _NOBLOCK, copy=_copy_flag(binary))
+        if self._sync.getsockopt(_EVENTS) & _POLLIN:  # a send may take the descriptor's wake-up: read
+            asyncio.get_running_loop().call_soon(self._drain)
 
     def close(self) -> None:
+        if self._reading is not None and self._sync is not None and not self._reading.is_closed():
+            self._reading.remove_reader(self._sync.getsockopt(zmq.FD))
         self.sock.close(0)
 
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict, deque
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import zmq
@@ -45,20 +47,30 @@ from services.scheduler.workers import WorkerInfo
 
 log = structlog.get_logger()
 
-# How often a step waiting for its worker's result checks that the worker is still there.
+# How often the step loop checks that the workers of the steps in flight are still there (and
+# times out requests past their deadline); how long it sleeps with no step in flight.
 STEP_CHECK_S = 0.1
+IDLE_WAIT_S = 0.25
 # How often idle workers are pinged, and after how long without an answer they are dropped.
 LIVENESS_PING_S = 2.0
 LIVENESS_DEAD_S = 10.0
 
 
-@dataclass
+@dataclass(eq=False)
 class InFlight:
-    """A step sent to its worker, and its result to come."""
+    """A step sent to its worker, and its result once it is back."""
 
     dispatch: Dispatch
-    result: asyncio.Future[wire.StepResult | None]
+    worker: WorkerInfo | None  # this life of it: a restart under the same identity is another
+    deadline: float  # when the worker counts as lost if it has not answered
     controlled: bool  # planned with controlled sequences: the next plan waits for its result
+    done: bool = False
+    result: wire.StepResult | None = None  # None when done: the worker was lost, nothing to apply
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class Scheduler:
@@ -78,39 +90,62 @@ class Scheduler:
             settings.distributed.heartbeat_s, settings.distributed.heartbeat_timeout_s))
         self.channel = MainChannel(settings.endpoint("controller_main"))
         self.gateways_seen: dict[bytes, float] = {}  # gateways that send heartbeats -> when last heard from
-        self.pending: dict[bytes, dict[int, asyncio.Future[wire.StepResult]]] = {}  # worker -> step_id -> result
-        self.wake = asyncio.Event()
+        self.flights: dict[bytes, deque[InFlight]] = defaultdict(deque)  # worker -> its steps in flight, oldest first
+        self.waiter: asyncio.Future[None] | None = None  # the step loop's sleep, while it sleeps
+        self.next_check = 0.0  # when the step loop next checks the workers in flight and the deadlines
+        self.background: set[asyncio.Task[None]] = set()
         self.preparing: asyncio.Task[Plan] | None = None  # the next step's controlled part, while its calls run
 
     def _flush(self) -> None:
         """Send what the core has for gateways; a state change may let the step loop go on."""
-        loop = asyncio.get_running_loop()
         for gateway, msg in self.core.take_output():
-            loop.create_task(self.frontend.send(gateway, msg))
-        self.wake.set()
+            self.frontend.post(gateway, msg)
+        self.wake()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    def wake(self) -> None:
+        """Let the step loop go on now if it sleeps (new work, a result back, a worker ready)."""
+        if self.waiter is not None:
+            _wake(self.waiter)
 
     # ------------------------------------------------------------------------------------------
     # frontend
 
-    async def serve_frontend(self) -> None:
-        while True:
-            gateway, msg, _ = await self.frontend.recv()
-            if gateway in self.gateways_seen or isinstance(msg, wire.GatewayAlive):
-                self.gateways_seen[gateway] = time.monotonic()
-            try:
-                reply = await self._handle_frontend(gateway, msg)
-            except Exception as exc:  # a bug handling one message must not stop the scheduler
-                log.exception("scheduler.frontend_failed", type=type(msg).__name__)
-                reply = wire.Error(code=INTERNAL_ERROR, message=f"scheduler failed: {exc}")
-            reply.mid = reply_mid(msg)
-            await self.frontend.send(gateway, reply)
-            self._flush()
+    def on_frontend_message(self, gateway: bytes, msg: wire.Message, _binary: list[bytes]) -> None:
+        if gateway in self.gateways_seen or isinstance(msg, wire.GatewayAlive):
+            self.gateways_seen[gateway] = time.monotonic()
+        if isinstance(msg, wire.Health):  # it waits for the controller runtime: the other messages do not
+            self._spawn(self._answer_health(gateway, msg))
+            return
+        try:
+            reply = self._handle_frontend(gateway, msg)
+        except Exception as exc:  # a bug handling one message must not stop the scheduler
+            reply = self._failed(msg, exc)
+        self._reply(gateway, msg, reply)
 
-    async def _handle_frontend(self, gateway: bytes, msg: wire.Message) -> wire.Msg:
+    async def _answer_health(self, gateway: bytes, msg: wire.Health) -> None:
+        try:
+            reply: wire.Msg = await self._health()
+        except Exception as exc:
+            reply = self._failed(msg, exc)
+        self._reply(gateway, msg, reply)
+
+    def _failed(self, msg: wire.Message, exc: Exception) -> wire.Error:
+        log.error("scheduler.frontend_failed", type=type(msg).__name__, exc_info=exc)
+        return wire.Error(code=INTERNAL_ERROR, message=f"scheduler failed: {exc}")
+
+    def _reply(self, gateway: bytes, request: wire.Message, reply: wire.Msg) -> None:
+        reply.mid = reply_mid(request)
+        self.frontend.post(gateway, reply)
+        self._flush()
+
+    def _handle_frontend(self, gateway: bytes, msg: wire.Message) -> wire.Msg:
         if isinstance(msg, wire.Submit):
             return self.core.submit(gateway, msg)
-        if isinstance(msg, wire.Health):
-            return await self._health()
         if isinstance(msg, wire.GatewayAlive):
             return wire.Alive(service="scheduler", incarnation=self.incarnation)
         if isinstance(msg, wire.SessionDrop):
@@ -138,25 +173,27 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------
     # workers
 
-    async def serve_workers(self) -> None:
-        while True:
-            identity, msg, _ = await self.worker_router.recv()
-            self.core.pool.touch(identity)
-            if isinstance(msg, wire.WorkerHello):
-                if self.core.worker_hello(identity, msg):
-                    log.info("scheduler.worker", worker=identity.decode(errors="replace"), stage=msg.stage,
-                             progress=msg.progress, message=msg.message)
-                if msg.stage == "ready":
-                    self.wake.set()
-            elif isinstance(msg, wire.StepResult):
-                self.core.step_done(identity, msg)
-                waiting = self.pending.get(identity, {}).get(msg.step_id)
-                if waiting is not None and not waiting.done():
-                    waiting.set_result(msg)
-            elif isinstance(msg, wire.HealthReply):
-                pass  # touch() above was the point
-            else:
-                log.warning("scheduler.worker_unexpected", type=type(msg).__name__)
+    def on_worker_message(self, identity: bytes, msg: wire.Message, _binary: list[bytes]) -> None:
+        self.core.pool.touch(identity)
+        if isinstance(msg, wire.StepResult):
+            self.core.step_done(identity, msg)
+            for flight in self.flights.get(identity, ()):
+                if flight.dispatch.step.step_id == msg.step_id:
+                    if not flight.done:
+                        flight.done, flight.result = True, msg
+                        self.placement.observe(identity, flight.dispatch.step, msg)
+                        self.wake()
+                    break
+        elif isinstance(msg, wire.WorkerHello):
+            if self.core.worker_hello(identity, msg):
+                log.info("scheduler.worker", worker=identity.decode(errors="replace"), stage=msg.stage,
+                         progress=msg.progress, message=msg.message)
+            if msg.stage == "ready":
+                self.wake()
+        elif isinstance(msg, wire.HealthReply):
+            pass  # touch() above was the point
+        else:
+            log.warning("scheduler.worker_unexpected", type=type(msg).__name__)
 
     async def watch_worker_disconnects(self) -> None:
         """A dropped worker connection makes every worker suspect until it answers again."""
@@ -166,7 +203,7 @@ class Scheduler:
             now = time.monotonic()
             for worker in self.core.pool.workers.values():
                 worker.suspect_since = now
-                if not self.pending.get(worker.identity):
+                if not self.flights.get(worker.identity):
                     await self.worker_router.send(worker.identity, wire.Health())
 
     def _suspect_expired(self, worker: WorkerInfo, now: float) -> bool:
@@ -178,8 +215,8 @@ class Scheduler:
             await asyncio.sleep(LIVENESS_PING_S / 4)
             now = time.monotonic()
             for worker in list(self.core.pool.workers.values()):
-                if self.pending.get(worker.identity):
-                    continue
+                if self.flights.get(worker.identity):
+                    continue  # the step loop watches it
                 silent = now - worker.last_seen
                 if self._suspect_expired(worker, now) or silent > LIVENESS_DEAD_S:
                     self.core.worker_lost(worker.identity, "the worker stopped answering")
@@ -203,68 +240,97 @@ class Scheduler:
     # the step loop
 
     async def step_loop(self) -> None:
-        flights: dict[bytes, deque[InFlight]] = defaultdict(deque)  # worker -> its steps in flight, oldest first
         core = self.core
         while True:
-            core.expire()
+            self._check(time.monotonic())
             core.admit()
-            sent = await self._send_steps(flights)
-            if not any(flights.values()):
+            if self._send_steps():
+                continue  # queue the steps after them at once, where pipelines have room
+            if not any(self.flights.values()):
                 core.emit_deferred()
                 core.end_step()
                 self._flush()
-                self.wake.clear()
-                try:
-                    await asyncio.wait_for(self.wake.wait(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    pass
+                await self._sleep(IDLE_WAIT_S)
                 continue
-            if sent:
-                continue  # queue the steps after them at once, where pipelines have room
             # The text of the tokens applied last is worked out while the workers compute.
             core.emit_deferred()
             self._flush()
-            self.wake.clear()
-            woken = asyncio.ensure_future(self.wake.wait())  # new work may start an idle worker
-            await asyncio.wait([woken, *(f[0].result for f in flights.values() if f)],
-                               return_when=asyncio.FIRST_COMPLETED)
-            woken.cancel()
-            for identity, flight in list(flights.items()):
-                while flight and flight[0].result.done():
+            if not any(flight[0].done for flight in self.flights.values() if flight):
+                await self._sleep(max(self.next_check - time.monotonic(), 0.0))
+                self._check(time.monotonic())
+            for identity, flight in list(self.flights.items()):
+                while flight and flight[0].done:
                     done = flight.popleft()
-                    if (result := done.result.result()) is not None:
-                        core.apply(done.dispatch, result)
+                    if done.result is not None:
+                        core.apply(done.dispatch, done.result)
                 if not flight and identity not in core.pool.workers:
-                    del flights[identity]
+                    del self.flights[identity]
             core.end_step()
             self._flush()
 
-    async def _send_steps(self, flights: dict[bytes, deque[InFlight]]) -> bool:
+    async def _sleep(self, timeout: float) -> None:
+        """Until :meth:`wake` or ``timeout`` seconds, whichever comes first."""
+        loop = asyncio.get_running_loop()
+        self.waiter = waiter = loop.create_future()
+        timer = loop.call_later(timeout, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self.waiter = None
+
+    def _check(self, now: float) -> None:
+        """Every ``STEP_CHECK_S``: requests past their deadline time out, and a step whose worker was
+        lost (or restarted) meanwhile is done with nothing to apply (its requests have failed already);
+        a worker that is past its step's deadline, or stayed silent after its connection dropped, is
+        lost."""
+        if now < self.next_check:
+            return
+        self.next_check = now + STEP_CHECK_S
+        self.core.expire()
+        for identity, flight in self.flights.items():
+            for sent in flight:
+                if sent.done:
+                    continue
+                worker = sent.worker
+                if worker is None or self.core.pool.workers.get(identity) is not worker:
+                    sent.done = True
+                elif now > sent.deadline or self._suspect_expired(worker, now):
+                    self.core.worker_lost(identity, "the worker died or did not finish its step in time")
+                    self._flush()
+                    sent.done = True
+
+    def _send_steps(self) -> bool:
         """Build and send the next step of every ready worker whose pipeline has room (with the
         controlled part when it is ready, see the module docstring); whether any went out."""
         core = self.core
-        roomy = {w.identity for w in core.pool.ready() if len(flights[w.identity]) < self.limits.pipeline_depth}
+        depth = self.limits.pipeline_depth
+        roomy = {w.identity for w in core.pool.ready() if len(self.flights[w.identity]) < depth}
         if not roomy:
             return False
-        plan = self._controlled_part(flights, roomy)
+        plan = self._controlled_part(roomy)
         steps = core.build_steps(plan, roomy)
         if not steps:
             return False
         mid = core.controlled.mid_request() if any(d.step.masks_follow for d in steps) else None
         mid_done = asyncio.ensure_future(self._mid_process(mid)) if mid is not None else None
         controlled = bool(plan and plan.per_worker)
+        deadline = time.monotonic() + self.limits.worker_step_timeout_s
         for dispatch in steps:
-            result = asyncio.ensure_future(self._run_step(dispatch, mid_done))
-            flights[dispatch.worker].append(InFlight(dispatch, result, controlled))
-        await asyncio.sleep(0)  # one turn of the loop sends them
+            identity, step = dispatch.worker, dispatch.step
+            self.flights[identity].append(InFlight(dispatch, core.pool.workers.get(identity), deadline, controlled))
+            self.worker_router.post(identity, step, dispatch.frames)
+            if step.masks_follow:  # the controllers' mid_process runs while the worker computes the forward pass
+                assert mid_done is not None
+                self._spawn(self._send_masks(identity, step, mid_done))
         return True
 
-    def _controlled_part(self, flights: dict[bytes, deque[InFlight]], roomy: set[bytes]) -> Plan | None:
+    def _controlled_part(self, roomy: set[bytes]) -> Plan | None:
         """The controlled part of the steps being built, when it is ready (None: none this time). Its
         main-channel calls run in the background (:meth:`_prepare`): plain steps do not wait for them.
         It is planned and taken only when every worker running controlled requests is in ``roomy``;
         until then those leave ``roomy``, so that they drain."""
-        if any(f.controlled for flight in flights.values() for f in flight):
+        if any(f.controlled for flight in self.flights.values() for f in flight):
             return None  # the controlled sequences' results are not in yet
         if self.preparing is not None and not self.preparing.done():
             return None
@@ -279,7 +345,7 @@ class Scheduler:
         if request is None:
             return plan
         self.preparing = asyncio.get_running_loop().create_task(self._prepare(plan, request))
-        self.preparing.add_done_callback(lambda _: self.wake.set())
+        self.preparing.add_done_callback(lambda _: self.wake())
         return None
 
     async def _prepare(self, plan: Plan, request: aici_wire.PostPreProcess) -> Plan:
@@ -310,38 +376,19 @@ class Scheduler:
     async def _mid_process(self, request: aici_wire.MidProcess) -> None:
         self.core.controlled.mid_done(await self._main_call(request))
 
-    async def _run_step(self, dispatch: Dispatch, mid_done: asyncio.Future[None] | None) -> wire.StepResult | None:
-        identity, step = dispatch.worker, dispatch.step
-        worker = self.core.pool.workers.get(identity)  # this life of it: a restart under the same identity is another
-        done = self.pending.setdefault(identity, {})[step.step_id] = asyncio.get_running_loop().create_future()
-        deadline = time.monotonic() + self.limits.worker_step_timeout_s
+    async def _send_masks(self, identity: bytes, step: wire.Step, mid_done: asyncio.Future[None]) -> None:
+        """The masks of a ``masks_follow`` step, once its controllers' ``mid_process`` is done."""
         try:
-            await self.worker_router.send(identity, step, dispatch.frames)
-            if step.masks_follow:  # the controllers' mid_process runs while the worker computes the forward pass
-                assert mid_done is not None
-                await asyncio.shield(mid_done)
-                await self.worker_router.send(identity, *self.core.controlled.step_masks(step))
-            while True:
-                try:
-                    result = await asyncio.wait_for(asyncio.shield(done), timeout=STEP_CHECK_S)
-                    self.placement.observe(identity, step, result)
-                    return result
-                except asyncio.TimeoutError:
-                    if worker is None or self.core.pool.workers.get(identity) is not worker:
-                        return None  # it was lost (or restarted) meanwhile: its requests have failed already
-                    now = time.monotonic()
-                    if now > deadline or self._suspect_expired(worker, now):
-                        self.core.worker_lost(identity, "the worker died or did not finish its step in time")
-                        self._flush()
-                        return None
-        finally:
-            self.pending.get(identity, {}).pop(step.step_id, None)
+            await asyncio.shield(mid_done)
+            await self.worker_router.send(identity, *self.core.controlled.step_masks(step))
+        except Exception:  # a bug: the worker gives the step up without them (limits.worker_step_timeout_s)
+            log.exception("scheduler.step_masks_failed", step_id=step.step_id)
 
     async def run(self) -> None:
         log.info("scheduler.listening", frontend=self.frontend.endpoint, workers=self.worker_router.endpoint)
+        self.frontend.serve(self.on_frontend_message)
+        self.worker_router.serve(self.on_worker_message)
         await asyncio.gather(
-            self.serve_frontend(),
-            self.serve_workers(),
             self.step_loop(),
             self.check_liveness(),
             self.watch_worker_disconnects(),
