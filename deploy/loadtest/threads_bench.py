@@ -31,7 +31,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def child(new_tokens: int) -> None:
-    """Runs in the configured process: one JSON line when loaded, then one timing per input line."""
+    """Runs in the configured process: one JSON line when loaded, then one timing per input line.
+    Those lines alone go to the parent: anything else written to stdout (logs) goes to stderr."""
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     from common.config import get_settings
     from services.worker.threads import apply_cpu_threads, thread_governor
 
@@ -56,11 +59,11 @@ def child(new_tokens: int) -> None:
     wait = os.environ.get("OMP_WAIT_POLICY", "spin")
     if "GOMP_SPINCOUNT" in os.environ:
         wait += f"={os.environ['GOMP_SPINCOUNT']}"
-    print(json.dumps({"threads": threads, "wait": wait}), flush=True)
+    print(json.dumps({"threads": threads, "wait": wait}), file=answers, flush=True)
     for run, _ in enumerate(sys.stdin, start=1):
         started = time.perf_counter()
         bench_engine(engine, prompt, 1, new_tokens, run=run)
-        print(time.perf_counter() - started, flush=True)
+        print(time.perf_counter() - started, file=answers, flush=True)
 
 
 class Config:

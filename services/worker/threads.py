@@ -62,6 +62,11 @@ def apply_cpu_threads(settings: Settings, environ: MutableMapping[str, str] = os
     return threads
 
 
+RESUME_WINDOW_S = 0.05
+"""The first window after the worker sat idle: five of /proc/stat's 10 ms ticks per core, so the
+thread count a busy spell left (or an idle one) is corrected within a few steps of new work."""
+
+
 @dataclass(frozen=True)
 class CpuSample:
     """CPU seconds used so far on the worker's cores by everything (``busy_s``) and by the worker
@@ -83,6 +88,11 @@ class ThreadGovernor:
         self.cores = cores
         self.threads = max_threads
         self._last: CpuSample | None = None
+
+    def restart(self, sample: CpuSample) -> None:
+        """Start a new window at ``sample`` without deciding (after the worker sat idle, what the
+        others did meanwhile says little about the work now starting)."""
+        self._last = sample
 
     def observe(self, sample: CpuSample) -> int | None:
         """The new thread count when it should change, else None (also for the first sample)."""
@@ -139,14 +149,20 @@ def thread_governor(settings: Settings, threads: int) -> Callable[[], None]:
         return lambda: None
     governor = ThreadGovernor(threads, len(cpus))
     interval_s, next_at = settings.worker_threads_interval_s, 0.0
+    settle_s = min(interval_s, RESUME_WINDOW_S)
 
     def tick() -> None:
         nonlocal next_at
         now = time.monotonic()
         if now < next_at:
             return
+        sample = read_cpu_sample(cpus)
+        if now - next_at > interval_s:  # no step asked for a whole interval: the worker sat idle
+            governor.restart(sample)  # decide from a short window of the work now starting
+            next_at = now + settle_s
+            return
         next_at = now + interval_s
-        changed = governor.observe(read_cpu_sample(cpus))
+        changed = governor.observe(sample)
         if changed is not None:
             torch.set_num_threads(changed)
             log.debug("worker.threads", threads=changed)

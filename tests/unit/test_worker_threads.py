@@ -57,6 +57,18 @@ def test_the_governor_yields_a_core_to_a_busy_process_and_takes_it_back() -> Non
     assert governor.threads == 2
 
 
+def test_after_an_idle_spell_the_governor_decides_from_a_fresh_window() -> None:
+    governor = ThreadGovernor(max_threads=2, cores=2)
+    busy = _samples(0.0, 1.0)  # a busy neighbour took a thread away
+    assert [governor.observe(s) for s in busy] == [None, None, 1]
+    last = busy[-1]
+    # the worker sat idle for 10 s while others took 15 CPU seconds, then work resumes alone
+    resumed = CpuSample(last.at_s + 10.0, last.busy_s + 15.0, last.own_s)
+    governor.restart(resumed)
+    alone = CpuSample(resumed.at_s + 0.05, resumed.busy_s + 0.1, resumed.own_s + 0.1)
+    assert governor.observe(alone) == 2  # the idle spell's 1.5 cores of others count for nothing
+
+
 def test_the_governor_keeps_at_least_one_thread_and_at_most_its_maximum() -> None:
     governor = ThreadGovernor(max_threads=3, cores=4)
     assert [governor.observe(s) for s in _samples(4.0, 4.0, 0.0)] == [None, 1, None, 3]
