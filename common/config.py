@@ -268,7 +268,7 @@ class Settings(BaseSettings):
     log_level: str = "info"
     gc_young_threshold: int = Field(
         10_000, ge=1, description="allocations (less deallocations) of tracked objects between two collections of "
-        "the cyclic garbage collector's youngest generation in every service (Python's default is 700: a "
+        "the cyclic garbage collector's youngest generation in the scheduler (Python's default is 700: a "
         "scheduler stepping hundreds of sequences then spends a third of its time collecting; the objects "
         "alive after start-up are frozen out of its reach anyway)",
     )
