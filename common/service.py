@@ -29,7 +29,7 @@ def run_service(name: str, factory: Callable[[Settings], Service], young_gc: boo
     async def main() -> None:
         service = factory(settings)
         release_freed_memory()
-        freeze_startup_heap(settings.gc_young_threshold if young_gc else gc.get_threshold()[0])
+        freeze_startup_heap(settings.gc_young_threshold if young_gc else None)
         await service.run()
 
     try:  # uvloop's event loop cuts the per-message overhead of every hop (pyzmq supports it)
@@ -51,14 +51,16 @@ def release_freed_memory() -> None:
     trim(0)
 
 
-def freeze_startup_heap(young_threshold: int) -> None:
+def freeze_startup_heap(young_threshold: int | None = None) -> None:
     """Move every object alive after start-up (modules, tokenizer tables, settings) out of the cyclic
     garbage collector's reach: they live as long as the process, and a full collection would walk
     them all again each time the per-request objects churned enough to trigger one. Then collect the
     youngest generation every ``young_threshold`` allocations (``Settings.gc_young_threshold``): the
     per-step objects (events, step entries) die young by reference counting, and collecting them every
-    700 allocations, Python's default, costs more than the work that makes them."""
+    700 allocations, Python's default, costs more than the work that makes them. ``None`` keeps
+    Python's threshold."""
     gc.collect()
     gc.freeze()
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(young_threshold, older, oldest)
+    if young_threshold is not None:
+        _, older, oldest = gc.get_threshold()
+        gc.set_threshold(young_threshold, older, oldest)

@@ -17,3 +17,14 @@ def test_freeze_startup_heap_freezes_and_sets_the_young_threshold():
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_freeze_startup_heap_without_a_threshold_keeps_pythons():
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(321, before[1], before[2])
+        freeze_startup_heap()
+        assert gc.get_threshold() == (321, before[1], before[2])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
