@@ -1,0 +1,260 @@
+// y = x @ W^T (+ bias) (+ residual) over GGUF blocks, float32 activations, float32 accumulation.
+//
+// Layout (made by gguf_kernel.py): the output features in tiles of 16, and per tile and per block of
+// 32 inputs one record: the 16 columns' float16 scales d (32 bytes), for Q4_1 their minimums m
+// (32 bytes), then the codes, 16 bytes per step, one byte per column: Q4_0/Q4_1 a pair of inputs
+// (k low nibble, k + 1 high nibble; 16 steps), Q8_0 one input (signed; 32 steps). So a tile streams
+// through memory once, and one 16-byte load widens into the weights of 16 columns, dequantized in
+// registers (q * d + m; Q4_0 m = -8 d) and multiplied into up to 16 rows of x at once.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int TILE = 16;   // output features per tile (one zmm of float32)
+constexpr int GROUP = 32;  // inputs per block
+enum Kind { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+
+constexpr int record_bytes(int kind) {
+  return kind == Q4_1 ? 64 + 256 : kind == Q4_0 ? 32 + 256 : 32 + 512;
+}
+
+inline __m512 half16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// MR rows of x against NV consecutive tiles: acc[r][v] holds y[r, tile v's 16 columns].
+template <int KIND, int MR, int NV>
+void tile_kernel(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, int64_t tile_stride,
+                 float* y, int64_t ldy, int64_t n0, int64_t n, const float* bias, const float* res, int64_t ldr) {
+  constexpr int REC = record_bytes(KIND);
+  __m512 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi32(15);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 d[NV], m[NV];
+    const uint8_t* rec[NV];
+    for (int v = 0; v < NV; ++v) {
+      rec[v] = w + v * tile_stride + b * REC;
+      d[v] = half16(rec[v]);
+      if constexpr (KIND == Q4_1) m[v] = half16(rec[v] + 32);
+      if constexpr (KIND == Q4_0) m[v] = _mm512_mul_ps(d[v], _mm512_set1_ps(-8.0f));
+    }
+    const float* xb = x + b * GROUP;
+    if constexpr (KIND == Q8_0) {
+      for (int k = 0; k < GROUP; ++k) {
+        for (int v = 0; v < NV; ++v) {
+          __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[v] + 32 + k * TILE));
+          __m512 wk = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), d[v]);
+          for (int r = 0; r < MR; ++r) acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), wk, acc[r][v]);
+        }
+      }
+    } else {
+      const int head = KIND == Q4_1 ? 64 : 32;
+      for (int k = 0; k < GROUP; k += 2) {
+        for (int v = 0; v < NV; ++v) {
+          __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[v] + head + k / 2 * TILE));
+          __m512i q = _mm512_cvtepu8_epi32(raw);
+          __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d[v], m[v]);
+          __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d[v], m[v]);
+          for (int r = 0; r < MR; ++r) {
+            acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), w0, acc[r][v]);
+            acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), w1, acc[r][v]);
+          }
+        }
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t col = n0 + v * TILE;
+    const int64_t left = n - col;
+    const __mmask16 mask = left >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      __m512 out = _mm512_add_ps(acc[r][v], bv);
+      if (res) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, res + r * ldr + col));
+      _mm512_mask_storeu_ps(y + r * ldy + col, mask, out);
+    }
+  }
+}
+
+// One row of x against NV tiles (a decode step of one sequence): the codes are read once and left
+// unscaled; per block, y += d * sum(x q) (+ m * sum(x) for Q4_0/Q4_1, with the row's block sums
+// ``sx``), so each weight costs a widen, a convert and one multiply-add. Even and odd inputs go to
+// separate accumulators, which keeps enough multiply-adds in flight.
+template <int KIND, int NV>
+void row_kernel(const float* x, const float* sx, int64_t blocks, const uint8_t* w, int64_t tile_stride, float* y,
+                int64_t n0, int64_t n, const float* bias, const float* res) {
+  constexpr int REC = record_bytes(KIND);
+  __m512 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi32(15);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * GROUP;
+    __m512 even[NV], odd[NV];
+    for (int v = 0; v < NV; ++v) even[v] = odd[v] = _mm512_setzero_ps();
+    if constexpr (KIND == Q8_0) {
+      for (int k = 0; k < GROUP; k += 2) {
+        for (int v = 0; v < NV; ++v) {
+          const uint8_t* c = w + v * tile_stride + b * REC + 32 + k * TILE;
+          __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+          __m512 q1 = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + TILE))));
+          even[v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k]), q0, even[v]);
+          odd[v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k + 1]), q1, odd[v]);
+        }
+      }
+    } else {
+      constexpr int head = KIND == Q4_1 ? 64 : 32;
+      for (int k = 0; k < GROUP; k += 2) {
+        for (int v = 0; v < NV; ++v) {
+          const uint8_t* c = w + v * tile_stride + b * REC + head + k / 2 * TILE;
+          __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+          even[v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k]), _mm512_cvtepi32_ps(_mm512_and_si512(q, low)), even[v]);
+          odd[v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k + 1]), _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), odd[v]);
+        }
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const uint8_t* r = w + v * tile_stride + b * REC;
+      const __m512 d = half16(r);
+      acc[v] = _mm512_fmadd_ps(d, _mm512_add_ps(even[v], odd[v]), acc[v]);
+      if constexpr (KIND == Q4_1) acc[v] = _mm512_fmadd_ps(half16(r + 32), _mm512_set1_ps(sx[b]), acc[v]);
+      if constexpr (KIND == Q4_0) acc[v] = _mm512_fmadd_ps(d, _mm512_set1_ps(-8.0f * sx[b]), acc[v]);
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t col = n0 + v * TILE;
+    const int64_t left = n - col;
+    const __mmask16 mask = left >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    __m512 out = acc[v];
+    if (bias) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, bias + col));
+    if (res) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, res + col));
+    _mm512_mask_storeu_ps(y + col, mask, out);
+  }
+}
+
+using Row = void (*)(const float*, const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t,
+                     const float*, const float*);
+constexpr int ROW_WIDE = 4;
+
+using Fn = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t,
+                    const float*, const float*, int64_t);
+
+// Tiles side by side for MR rows, as many as the registers hold.
+constexpr int wide(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 3 : mr <= 12 ? 2 : 1; }
+
+template <int KIND, int MR>
+void rows_kernel(Fn* one, Fn* many) {
+  one[MR - 1] = &tile_kernel<KIND, MR, 1>;
+  many[MR - 1] = &tile_kernel<KIND, MR, wide(MR)>;
+}
+
+template <int KIND, int... MR>
+void table(Fn* one, Fn* many, std::integer_sequence<int, MR...>) {
+  (rows_kernel<KIND, MR + 1>(one, many), ...);
+}
+
+constexpr int MAX_ROWS = 16;
+
+struct Kernels {
+  Fn one[3][MAX_ROWS];
+  Fn many[3][MAX_ROWS];
+  Row row_one[3] = {&row_kernel<Q4_0, 1>, &row_kernel<Q4_1, 1>, &row_kernel<Q8_0, 1>};
+  Row row_many[3] = {&row_kernel<Q4_0, ROW_WIDE>, &row_kernel<Q4_1, ROW_WIDE>, &row_kernel<Q8_0, ROW_WIDE>};
+  Kernels() {
+    table<Q4_0>(one[Q4_0], many[Q4_0], std::make_integer_sequence<int, MAX_ROWS>{});
+    table<Q4_1>(one[Q4_1], many[Q4_1], std::make_integer_sequence<int, MAX_ROWS>{});
+    table<Q8_0>(one[Q8_0], many[Q8_0], std::make_integer_sequence<int, MAX_ROWS>{});
+  }
+};
+
+const Kernels& kernels() {
+  static const Kernels k;
+  return k;
+}
+
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t kind, int64_t n,
+                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, "unknown block kind ", kind);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be float32 [rows, in]");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be packed uint8");
+  const int64_t tiles = w.size(0), blocks = w.size(1);
+  TORCH_CHECK(w.size(2) == record_bytes(kind), "record size ", w.size(2), " is not kind ", kind, "'s");
+  TORCH_CHECK(n > (tiles - 1) * TILE && n <= tiles * TILE, "n does not match the tiles");
+  TORCH_CHECK(x_in.size(1) == blocks * GROUP, "x has ", x_in.size(1), " inputs, the weights ", blocks * GROUP);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1);
+  const float* bp = nullptr;
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == n, "bias must be float32 [out]");
+    bp = b.data_ptr<float>();
+  }
+  const float* rp = nullptr;
+  at::Tensor res;
+  if (residual.has_value()) {
+    res = residual->contiguous();
+    TORCH_CHECK(res.scalar_type() == at::kFloat && res.dim() == 2 && res.size(0) == rows && res.size(1) == n,
+                "residual must be float32 [rows, out]");
+    rp = res.data_ptr<float>();
+  }
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t stride = blocks * record_bytes(kind);
+  // Row chunks of at most 16, as even as possible: each chunk dequantizes the weights once more.
+  const int64_t chunks = (rows + MAX_ROWS - 1) / MAX_ROWS;
+  const Kernels& table = kernels();
+  // tiles per task: at least ~64k multiply-adds, or one thread does it all
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (k * TILE * std::min<int64_t>(rows, MAX_ROWS)));
+  if (rows == 1) {
+    std::vector<float> sums(blocks);
+    for (int64_t b = 0; b < blocks; ++b) {
+      float s = 0;
+      for (int j = 0; j < GROUP; ++j) s += xp[b * GROUP + j];
+      sums[b] = s;
+    }
+    const float* sx = sums.data();
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+      int64_t t = t0;
+      for (; t + ROW_WIDE <= t1; t += ROW_WIDE)
+        table.row_many[kind](xp, sx, blocks, wp + t * stride, stride, yp, t * TILE, n, bp, rp);
+      for (; t < t1; ++t) table.row_one[kind](xp, sx, blocks, wp + t * stride, stride, yp, t * TILE, n, bp, rp);
+    });
+    return y;
+  }
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks, mr = r1 - r0;
+      const Fn many = table.many[kind][mr - 1], one = table.one[kind][mr - 1];
+      const int64_t nv = wide(int(mr));
+      int64_t t = t0;
+      for (; t + nv <= t1; t += nv)
+        many(xp + r0 * k, k, blocks, wp + t * stride, stride, yp + r0 * n, n, t * TILE, n, bp,
+             rp ? rp + r0 * n : nullptr, n);
+      for (; t < t1; ++t)
+        one(xp + r0 * k, k, blocks, wp + t * stride, stride, yp + r0 * n, n, t * TILE, n, bp,
+            rp ? rp + r0 * n : nullptr, n);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tiller_gguf, m) {
+  m.def("linear(Tensor x, Tensor w, int kind, int n, Tensor? bias=None, Tensor? residual=None) -> Tensor");
+  m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
+}
