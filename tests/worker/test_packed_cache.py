@@ -20,7 +20,8 @@ from services.worker.engine import Engine
 from services.worker.gguf_blocks import GROUP, Blocks
 from services.worker.model_loader import LoadedModel
 from services.worker.gguf_linear import BlockLinear
-from services.worker.packed_cache import LAYOUTS, PackedStore, cache_key, cache_path
+from services.worker import packed_cache
+from services.worker.packed_cache import LAYOUTS, PACKING_CODE, PackedStore, cache_key, cache_path
 from services.worker.quantized import GgufLinears, Int4Packed
 from tests.worker.conftest import Driver
 
@@ -166,6 +167,13 @@ def test_the_key_names_what_the_packed_layout_depends_on(tmp_path: Path) -> None
     assert {"gguf_sha256", "weights", "layout", "torch", "cpu_capability", "code"} <= set(KEY)
     paths = {cache_path(tmp_path, {**KEY, field: "other"}) for field in KEY}
     assert len(paths | {cache_path(tmp_path, KEY)}) == len(KEY) + 1  # every field changes the file's name
+
+
+def test_the_code_digest_covers_every_file_the_layouts_come_from() -> None:
+    """Both layouts' packing code, the kernel's C++ included: a new layout keys a new file by itself."""
+    here = Path(packed_cache.__file__).parent
+    assert {"gguf_blocks.py", "quantized.py", "gguf_linear.py", "gguf_kernel.cpp"} <= set(PACKING_CODE)
+    assert all((here / name).is_file() for name in PACKING_CODE)
 
 
 def test_a_store_that_cannot_be_written_costs_only_the_next_starts_packing(tmp_path: Path) -> None:
