@@ -55,10 +55,13 @@ class BlockLinear:
     """``x @ W^T + b`` (and ``+ residual`` in :meth:`add_to`) on packed GGUF blocks."""
 
     def __init__(self, records: torch.Tensor, kind: str, out_features: int, bias: torch.Tensor | None) -> None:
+        """The kernel's library must be loaded (``kernel_build.load``)."""
         self.records = records
         self.kind = kind
+        self.code = KINDS[kind]
         self.out_features = out_features
         self.bias = bias
+        self.op = torch.ops.tiller_gguf.linear.default  # the overload itself: ~1.4 µs less per call than the packet
 
     @classmethod
     def of(cls, blocks: Blocks, bias: torch.Tensor | None) -> BlockLinear:
@@ -75,7 +78,7 @@ class BlockLinear:
         return cls(tensors["records"], kind, out_features, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tiller_gguf.linear(x, self.records, KINDS[self.kind], self.out_features, self.bias)
+        return self.op(x, self.records, self.code, self.out_features, self.bias, None)
 
     def add_to(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tiller_gguf.linear(h, self.records, KINDS[self.kind], self.out_features, self.bias, x)
+        return self.op(h, self.records, self.code, self.out_features, self.bias, x)
