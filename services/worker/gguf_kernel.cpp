@@ -1,11 +1,12 @@
 // y = x @ W^T (+ bias) (+ residual) over GGUF blocks, float32 activations, float32 accumulation.
 //
-// Layout (made by gguf_kernel.py): the output features in tiles of 16, and per tile and per block of
+// Layout (made by gguf_linear.py): the output features in tiles of 16, and per tile and per block of
 // 32 inputs one record: the 16 columns' float16 scales d (32 bytes), for Q4_1 their minimums m
 // (32 bytes), then the codes, 16 bytes per step, one byte per column: Q4_0/Q4_1 a pair of inputs
 // (k low nibble, k + 1 high nibble; 16 steps), Q8_0 one input (signed; 32 steps). So a tile streams
 // through memory once, and one 16-byte load widens into the weights of 16 columns, dequantized in
-// registers (q * d + m; Q4_0 m = -8 d) and multiplied into up to 16 rows of x at once.
+// registers (q * d + m; Q4_0 m = -8 d) and multiplied into up to 16 rows of x at once; or, for up to
+// three rows, left unscaled and the block's sums scaled instead (few_kernel).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -86,65 +87,75 @@ void tile_kernel(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, 
   }
 }
 
-// One row of x against NV tiles (a decode step of one sequence): the codes are read once and left
-// unscaled; per block, y += d * sum(x q) (+ m * sum(x) for Q4_0/Q4_1, with the row's block sums
-// ``sx``), so each weight costs a widen, a convert and one multiply-add. Even and odd inputs go to
-// separate accumulators, which keeps enough multiply-adds in flight.
-template <int KIND, int NV>
-void row_kernel(const float* x, const float* sx, int64_t blocks, const uint8_t* w, int64_t tile_stride, float* y,
-                int64_t n0, int64_t n, const float* bias, const float* res) {
+// A few rows of x (decode steps of up to FEW sequences) against NV tiles: the codes are read once and
+// left unscaled; per block, y += d * sum(x q) (+ m * sum(x) for Q4_0/Q4_1, with each row's block sums
+// ``sx``), so each weight costs a widen, a convert and one multiply-add per row. Even and odd inputs go
+// to separate accumulators, which keeps enough multiply-adds in flight for one row.
+template <int KIND, int MR, int NV>
+void few_kernel(const float* x, int64_t ldx, const float* sx, int64_t blocks, const uint8_t* w, int64_t tile_stride,
+                float* y, int64_t ldy, int64_t n0, int64_t n, const float* bias, const float* res, int64_t ldr) {
   constexpr int REC = record_bytes(KIND);
-  __m512 acc[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
+  __m512 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi32(15);
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * GROUP;
-    __m512 even[NV], odd[NV];
-    for (int v = 0; v < NV; ++v) even[v] = odd[v] = _mm512_setzero_ps();
-    if constexpr (KIND == Q8_0) {
-      for (int k = 0; k < GROUP; k += 2) {
-        for (int v = 0; v < NV; ++v) {
+    __m512 even[MR][NV], odd[MR][NV];
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) even[r][v] = odd[r][v] = _mm512_setzero_ps();
+    for (int k = 0; k < GROUP; k += 2) {
+      for (int v = 0; v < NV; ++v) {
+        __m512 q0, q1;
+        if constexpr (KIND == Q8_0) {
           const uint8_t* c = w + v * tile_stride + b * REC + 32 + k * TILE;
-          __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
-          __m512 q1 = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + TILE))));
-          even[v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k]), q0, even[v]);
-          odd[v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k + 1]), q1, odd[v]);
-        }
-      }
-    } else {
-      constexpr int head = KIND == Q4_1 ? 64 : 32;
-      for (int k = 0; k < GROUP; k += 2) {
-        for (int v = 0; v < NV; ++v) {
+          q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+          q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + TILE))));
+        } else {
+          constexpr int head = KIND == Q4_1 ? 64 : 32;
           const uint8_t* c = w + v * tile_stride + b * REC + head + k / 2 * TILE;
           __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-          even[v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k]), _mm512_cvtepi32_ps(_mm512_and_si512(q, low)), even[v]);
-          odd[v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k + 1]), _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), odd[v]);
+          q0 = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
+          q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+        }
+        for (int r = 0; r < MR; ++r) {
+          even[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), q0, even[r][v]);
+          odd[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), q1, odd[r][v]);
         }
       }
     }
     for (int v = 0; v < NV; ++v) {
-      const uint8_t* r = w + v * tile_stride + b * REC;
-      const __m512 d = half16(r);
-      acc[v] = _mm512_fmadd_ps(d, _mm512_add_ps(even[v], odd[v]), acc[v]);
-      if constexpr (KIND == Q4_1) acc[v] = _mm512_fmadd_ps(half16(r + 32), _mm512_set1_ps(sx[b]), acc[v]);
-      if constexpr (KIND == Q4_0) acc[v] = _mm512_fmadd_ps(d, _mm512_set1_ps(-8.0f * sx[b]), acc[v]);
+      const uint8_t* rec = w + v * tile_stride + b * REC;
+      const __m512 d = half16(rec);
+      __m512 m;
+      if constexpr (KIND == Q4_1) m = half16(rec + 32);
+      if constexpr (KIND == Q4_0) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+      for (int r = 0; r < MR; ++r) {
+        acc[r][v] = _mm512_fmadd_ps(d, _mm512_add_ps(even[r][v], odd[r][v]), acc[r][v]);
+        if constexpr (KIND != Q8_0) acc[r][v] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * blocks + b]), acc[r][v]);
+      }
     }
   }
   for (int v = 0; v < NV; ++v) {
     const int64_t col = n0 + v * TILE;
     const int64_t left = n - col;
     const __mmask16 mask = left >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    __m512 out = acc[v];
-    if (bias) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, bias + col));
-    if (res) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, res + col));
-    _mm512_mask_storeu_ps(y + col, mask, out);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      __m512 out = _mm512_add_ps(acc[r][v], bv);
+      if (res) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, res + r * ldr + col));
+      _mm512_mask_storeu_ps(y + r * ldy + col, mask, out);
+    }
   }
 }
 
-using Row = void (*)(const float*, const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t,
-                     const float*, const float*);
-constexpr int ROW_WIDE = 4;
+using Few = void (*)(const float*, int64_t, const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t,
+                     int64_t, const float*, const float*, int64_t);
+// Rows up to which few_kernel serves: one thread, 576 x 3072, G multiply-adds/s against tile_kernel's: 1 row
+// 23-24 against 17, 2 rows 34 against 30, 3 rows 37-40
+// against 35, 4 rows 41 both.
+constexpr int FEW = 3;
+constexpr int few_wide(int mr) { return mr == 1 ? 4 : mr == 2 ? 3 : 2; }
 
 using Fn = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t,
                     const float*, const float*, int64_t);
@@ -163,14 +174,28 @@ void table(Fn* one, Fn* many, std::integer_sequence<int, MR...>) {
   (rows_kernel<KIND, MR + 1>(one, many), ...);
 }
 
+template <int KIND, int MR>
+void few_rows_kernel(Few* one, Few* many) {
+  one[MR - 1] = &few_kernel<KIND, MR, 1>;
+  many[MR - 1] = &few_kernel<KIND, MR, few_wide(MR)>;
+}
+
+template <int KIND, int... MR>
+void few_table(Few* one, Few* many, std::integer_sequence<int, MR...>) {
+  (few_rows_kernel<KIND, MR + 1>(one, many), ...);
+}
+
 constexpr int MAX_ROWS = 16;
 
 struct Kernels {
   Fn one[3][MAX_ROWS];
   Fn many[3][MAX_ROWS];
-  Row row_one[3] = {&row_kernel<Q4_0, 1>, &row_kernel<Q4_1, 1>, &row_kernel<Q8_0, 1>};
-  Row row_many[3] = {&row_kernel<Q4_0, ROW_WIDE>, &row_kernel<Q4_1, ROW_WIDE>, &row_kernel<Q8_0, ROW_WIDE>};
+  Few few_one[3][FEW];
+  Few few_many[3][FEW];
   Kernels() {
+    few_table<Q4_0>(few_one[Q4_0], few_many[Q4_0], std::make_integer_sequence<int, FEW>{});
+    few_table<Q4_1>(few_one[Q4_1], few_many[Q4_1], std::make_integer_sequence<int, FEW>{});
+    few_table<Q8_0>(few_one[Q8_0], few_many[Q8_0], std::make_integer_sequence<int, FEW>{});
     table<Q4_0>(one[Q4_0], many[Q4_0], std::make_integer_sequence<int, MAX_ROWS>{});
     table<Q4_1>(one[Q4_1], many[Q4_1], std::make_integer_sequence<int, MAX_ROWS>{});
     table<Q8_0>(one[Q8_0], many[Q8_0], std::make_integer_sequence<int, MAX_ROWS>{});
@@ -219,19 +244,21 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t kind, int
   const Kernels& table = kernels();
   // tiles per task: at least ~64k multiply-adds, or one thread does it all
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (k * TILE * std::min<int64_t>(rows, MAX_ROWS)));
-  if (rows == 1) {
-    std::vector<float> sums(blocks);
-    for (int64_t b = 0; b < blocks; ++b) {
+  if (rows <= FEW) {
+    std::vector<float> sums(rows * blocks);  // each row's sum over each block of inputs
+    for (int64_t i = 0; i < rows * blocks; ++i) {
       float s = 0;
-      for (int j = 0; j < GROUP; ++j) s += xp[b * GROUP + j];
-      sums[b] = s;
+      for (int j = 0; j < GROUP; ++j) s += xp[(i / blocks) * k + (i % blocks) * GROUP + j];
+      sums[i] = s;
     }
     const float* sx = sums.data();
+    const Few many = table.few_many[kind][rows - 1], one = table.few_one[kind][rows - 1];
+    const int64_t nv = few_wide(int(rows));
     at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
       int64_t t = t0;
-      for (; t + ROW_WIDE <= t1; t += ROW_WIDE)
-        table.row_many[kind](xp, sx, blocks, wp + t * stride, stride, yp, t * TILE, n, bp, rp);
-      for (; t < t1; ++t) table.row_one[kind](xp, sx, blocks, wp + t * stride, stride, yp, t * TILE, n, bp, rp);
+      for (; t + nv <= t1; t += nv)
+        many(xp, k, sx, blocks, wp + t * stride, stride, yp, n, t * TILE, n, bp, rp, n);
+      for (; t < t1; ++t) one(xp, k, sx, blocks, wp + t * stride, stride, yp, n, t * TILE, n, bp, rp, n);
     });
     return y;
   }

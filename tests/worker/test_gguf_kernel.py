@@ -1,7 +1,8 @@
 """Tiller's GGUF block kernel (services/worker/gguf_kernel.cpp, gguf_linear.py, kernel_build.py).
 
 Each layer must equal a float64 matmul over the dequantized blocks within float32 rounding, for every
-block type, one row (the decode path that reads each code once) and many (rows taken 16 at a time),
+block type, one to three rows (the decode path that leaves the codes unscaled and scales each block's
+sums) and more (the weights dequantized in registers, rows taken up to 16 at a time),
 output features that fill no whole tile, a bias and a residual; and be closer to it than torch's
 packed kernel on bfloat16 activations. A machine without a compiler gets a logged reason and no
 kernel, never a failed start.
@@ -58,7 +59,7 @@ def _check(blocks: Blocks, rows: int, seed: int = 0) -> tuple[float, float | Non
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 16, 5, 37])
+@pytest.mark.parametrize("rows", [1, 3, 16, 5, 37])
 @pytest.mark.parametrize("shape", [(40, 96), (576, 576), (3, 1536), (80, 64)])
 def test_the_kernel_equals_a_float64_matmul_over_the_dequantized_blocks(gguf_kernel, kind, rows, shape) -> None:
     err, torch_err = _check(_random_blocks(kind, *shape, seed=rows), rows)
