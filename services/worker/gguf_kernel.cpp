@@ -31,49 +31,38 @@ inline __m512 half16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// MR rows of x against NV consecutive tiles: acc[r][v] holds y[r, tile v's 16 columns].
-template <int KIND, int MR, int NV>
-void tile_kernel(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, int64_t tile_stride,
-                 float* y, int64_t ldy, int64_t n0, int64_t n, const float* bias, const float* res, int64_t ldr) {
-  constexpr int REC = record_bytes(KIND);
-  __m512 acc[MR][NV];
+// The codes of inputs k and k + 1 (k even) in one tile's block record, as floats (unscaled).
+template <int KIND>
+inline void widen(const uint8_t* rec, int k, __m512& q0, __m512& q1) {
+  if constexpr (KIND == Q8_0) {
+    const uint8_t* c = rec + 32 + k * TILE;
+    q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+    q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + TILE))));
+  } else {
+    const uint8_t* c = rec + (KIND == Q4_1 ? 64 : 32) + k / 2 * TILE;
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+    q0 = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
+    q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+  }
+}
+
+// The block's minimum per column: Q4_1's own, Q4_0's -8 d (Q8_0 has none).
+template <int KIND>
+inline __m512 minimum(const uint8_t* rec, __m512 d) {
+  if constexpr (KIND == Q4_1) return half16(rec + 32);
+  return _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+}
+
+template <int MR, int NV>
+inline void zero(__m512 (&acc)[MR][NV]) {
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi32(15);
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m512 d[NV], m[NV];
-    const uint8_t* rec[NV];
-    for (int v = 0; v < NV; ++v) {
-      rec[v] = w + v * tile_stride + b * REC;
-      d[v] = half16(rec[v]);
-      if constexpr (KIND == Q4_1) m[v] = half16(rec[v] + 32);
-      if constexpr (KIND == Q4_0) m[v] = _mm512_mul_ps(d[v], _mm512_set1_ps(-8.0f));
-    }
-    const float* xb = x + b * GROUP;
-    if constexpr (KIND == Q8_0) {
-      for (int k = 0; k < GROUP; ++k) {
-        for (int v = 0; v < NV; ++v) {
-          __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[v] + 32 + k * TILE));
-          __m512 wk = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), d[v]);
-          for (int r = 0; r < MR; ++r) acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), wk, acc[r][v]);
-        }
-      }
-    } else {
-      const int head = KIND == Q4_1 ? 64 : 32;
-      for (int k = 0; k < GROUP; k += 2) {
-        for (int v = 0; v < NV; ++v) {
-          __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[v] + head + k / 2 * TILE));
-          __m512i q = _mm512_cvtepu8_epi32(raw);
-          __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d[v], m[v]);
-          __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d[v], m[v]);
-          for (int r = 0; r < MR; ++r) {
-            acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), w0, acc[r][v]);
-            acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), w1, acc[r][v]);
-          }
-        }
-      }
-    }
-  }
+}
+
+// y[r, tile v's columns] = acc[r][v] (+ bias) (+ residual), the last tile's columns past n left out.
+template <int MR, int NV>
+inline void store(__m512 (&acc)[MR][NV], float* y, int64_t ldy, int64_t n0, int64_t n, const float* bias,
+                  const float* res, int64_t ldr) {
   for (int v = 0; v < NV; ++v) {
     const int64_t col = n0 + v * TILE;
     const int64_t left = n - col;
@@ -87,6 +76,43 @@ void tile_kernel(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, 
   }
 }
 
+// MR rows of x against NV consecutive tiles: acc[r][v] holds y[r, tile v's 16 columns].
+template <int KIND, int MR, int NV>
+void tile_kernel(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, int64_t tile_stride,
+                 float* y, int64_t ldy, int64_t n0, int64_t n, const float* bias, const float* res, int64_t ldr) {
+  constexpr int REC = record_bytes(KIND);
+  __m512 acc[MR][NV];
+  zero(acc);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 d[NV], m[NV];
+    const uint8_t* rec[NV];
+    for (int v = 0; v < NV; ++v) {
+      rec[v] = w + v * tile_stride + b * REC;
+      d[v] = half16(rec[v]);
+      if constexpr (KIND != Q8_0) m[v] = minimum<KIND>(rec[v], d[v]);
+    }
+    const float* xb = x + b * GROUP;
+    for (int k = 0; k < GROUP; k += 2) {
+      for (int v = 0; v < NV; ++v) {
+        __m512 w0, w1;
+        widen<KIND>(rec[v], k, w0, w1);
+        if constexpr (KIND == Q8_0) {
+          w0 = _mm512_mul_ps(w0, d[v]);
+          w1 = _mm512_mul_ps(w1, d[v]);
+        } else {
+          w0 = _mm512_fmadd_ps(w0, d[v], m[v]);
+          w1 = _mm512_fmadd_ps(w1, d[v], m[v]);
+        }
+        for (int r = 0; r < MR; ++r) {
+          acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), w0, acc[r][v]);
+          acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), w1, acc[r][v]);
+        }
+      }
+    }
+  }
+  store(acc, y, ldy, n0, n, bias, res, ldr);
+}
+
 // A few rows of x (decode steps of up to FEW sequences) against NV tiles: the codes are read once and
 // left unscaled; per block, y += d * sum(x q) (+ m * sum(x) for Q4_0/Q4_1, with each row's block sums
 // ``sx``), so each weight costs a widen, a convert and one multiply-add per row. Even and odd inputs go
@@ -96,28 +122,16 @@ void few_kernel(const float* x, int64_t ldx, const float* sx, int64_t blocks, co
                 float* y, int64_t ldy, int64_t n0, int64_t n, const float* bias, const float* res, int64_t ldr) {
   constexpr int REC = record_bytes(KIND);
   __m512 acc[MR][NV];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi32(15);
+  zero(acc);
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * GROUP;
     __m512 even[MR][NV], odd[MR][NV];
-    for (int r = 0; r < MR; ++r)
-      for (int v = 0; v < NV; ++v) even[r][v] = odd[r][v] = _mm512_setzero_ps();
+    zero(even);
+    zero(odd);
     for (int k = 0; k < GROUP; k += 2) {
       for (int v = 0; v < NV; ++v) {
         __m512 q0, q1;
-        if constexpr (KIND == Q8_0) {
-          const uint8_t* c = w + v * tile_stride + b * REC + 32 + k * TILE;
-          q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
-          q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + TILE))));
-        } else {
-          constexpr int head = KIND == Q4_1 ? 64 : 32;
-          const uint8_t* c = w + v * tile_stride + b * REC + head + k / 2 * TILE;
-          __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-          q0 = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
-          q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
-        }
+        widen<KIND>(w + v * tile_stride + b * REC, k, q0, q1);
         for (int r = 0; r < MR; ++r) {
           even[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), q0, even[r][v]);
           odd[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), q1, odd[r][v]);
@@ -127,26 +141,14 @@ void few_kernel(const float* x, int64_t ldx, const float* sx, int64_t blocks, co
     for (int v = 0; v < NV; ++v) {
       const uint8_t* rec = w + v * tile_stride + b * REC;
       const __m512 d = half16(rec);
-      __m512 m;
-      if constexpr (KIND == Q4_1) m = half16(rec + 32);
-      if constexpr (KIND == Q4_0) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
       for (int r = 0; r < MR; ++r) {
         acc[r][v] = _mm512_fmadd_ps(d, _mm512_add_ps(even[r][v], odd[r][v]), acc[r][v]);
-        if constexpr (KIND != Q8_0) acc[r][v] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * blocks + b]), acc[r][v]);
+        if constexpr (KIND != Q8_0)
+          acc[r][v] = _mm512_fmadd_ps(minimum<KIND>(rec, d), _mm512_set1_ps(sx[r * blocks + b]), acc[r][v]);
       }
     }
   }
-  for (int v = 0; v < NV; ++v) {
-    const int64_t col = n0 + v * TILE;
-    const int64_t left = n - col;
-    const __mmask16 mask = left >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r) {
-      __m512 out = _mm512_add_ps(acc[r][v], bv);
-      if (res) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, res + r * ldr + col));
-      _mm512_mask_storeu_ps(y + r * ldy + col, mask, out);
-    }
-  }
+  store(acc, y, ldy, n0, n, bias, res, ldr);
 }
 
 using Few = void (*)(const float*, int64_t, const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t,
@@ -163,42 +165,33 @@ using Fn = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, flo
 // Tiles side by side for MR rows, as many as the registers hold.
 constexpr int wide(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 3 : mr <= 12 ? 2 : 1; }
 
-template <int KIND, int MR>
-void rows_kernel(Fn* one, Fn* many) {
-  one[MR - 1] = &tile_kernel<KIND, MR, 1>;
-  many[MR - 1] = &tile_kernel<KIND, MR, wide(MR)>;
+template <int KIND, int... I>
+void tile_table(Fn* one, Fn* many, std::integer_sequence<int, I...>) {
+  ((one[I] = &tile_kernel<KIND, I + 1, 1>, many[I] = &tile_kernel<KIND, I + 1, wide(I + 1)>), ...);
 }
 
-template <int KIND, int... MR>
-void table(Fn* one, Fn* many, std::integer_sequence<int, MR...>) {
-  (rows_kernel<KIND, MR + 1>(one, many), ...);
-}
-
-template <int KIND, int MR>
-void few_rows_kernel(Few* one, Few* many) {
-  one[MR - 1] = &few_kernel<KIND, MR, 1>;
-  many[MR - 1] = &few_kernel<KIND, MR, few_wide(MR)>;
-}
-
-template <int KIND, int... MR>
-void few_table(Few* one, Few* many, std::integer_sequence<int, MR...>) {
-  (few_rows_kernel<KIND, MR + 1>(one, many), ...);
+template <int KIND, int... I>
+void few_table(Few* one, Few* many, std::integer_sequence<int, I...>) {
+  ((one[I] = &few_kernel<KIND, I + 1, 1>, many[I] = &few_kernel<KIND, I + 1, few_wide(I + 1)>), ...);
 }
 
 constexpr int MAX_ROWS = 16;
 
+// By kind and rows: the kernel over one tile and over as many tiles side by side as the rows allow.
 struct Kernels {
   Fn one[3][MAX_ROWS];
   Fn many[3][MAX_ROWS];
   Few few_one[3][FEW];
   Few few_many[3][FEW];
+  template <int KIND>
+  void add() {
+    tile_table<KIND>(one[KIND], many[KIND], std::make_integer_sequence<int, MAX_ROWS>{});
+    few_table<KIND>(few_one[KIND], few_many[KIND], std::make_integer_sequence<int, FEW>{});
+  }
   Kernels() {
-    few_table<Q4_0>(few_one[Q4_0], few_many[Q4_0], std::make_integer_sequence<int, FEW>{});
-    few_table<Q4_1>(few_one[Q4_1], few_many[Q4_1], std::make_integer_sequence<int, FEW>{});
-    few_table<Q8_0>(few_one[Q8_0], few_many[Q8_0], std::make_integer_sequence<int, FEW>{});
-    table<Q4_0>(one[Q4_0], many[Q4_0], std::make_integer_sequence<int, MAX_ROWS>{});
-    table<Q4_1>(one[Q4_1], many[Q4_1], std::make_integer_sequence<int, MAX_ROWS>{});
-    table<Q8_0>(one[Q8_0], many[Q8_0], std::make_integer_sequence<int, MAX_ROWS>{});
+    add<Q4_0>();
+    add<Q4_1>();
+    add<Q8_0>();
   }
 };
 
