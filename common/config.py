@@ -220,10 +220,11 @@ class Settings(BaseSettings):
     seed: int = 0
     weights: Literal["auto", "fp32", "gguf", "gguf-bf16", "int8"] = Field(
         "auto", description="how the worker holds the projections: 'fp32' dense at `dtype` (what the model "
-        "loads as); 'gguf' the GGUF's own 4/8-bit blocks exactly, on packed CPU kernels (the default model); "
-        "'gguf-bf16' the same with the blocks' scales rounded to bfloat16 (half the reads); 'int8' weights "
-        "rounded to int8 per output row (CPU, any model); 'auto' picks 'gguf-bf16' on the CPU when the model "
-        "ships as a GGUF, else 'fp32' (see README 'Quantized weights')",
+        "loads as); 'gguf' the GGUF's own 4/8-bit blocks exactly, on Tiller's CPU kernel (float32 activations; "
+        "torch's packed kernel where it cannot be built) (the default model); 'gguf-bf16' the blocks on "
+        "torch's packed kernel with their scales rounded to bfloat16; 'int8' weights rounded to int8 per "
+        "output row (CPU, any model); 'auto' picks 'gguf' on the CPU when the model ships as a GGUF and "
+        "Tiller's kernel builds, 'gguf-bf16' when it does not, else 'fp32' (see README 'Quantized weights')",
     )
     worker_threads: int | None = Field(
         None, ge=1, description="CPU threads of the worker's matmuls (OpenMP); unset: the environment's "

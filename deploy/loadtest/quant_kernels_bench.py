@@ -1,6 +1,6 @@
 """Weight-only packed CPU kernels against dense matmuls, over a whole model's projections.
 
-    OMP_NUM_THREADS=2 .venv/bin/python deploy/loadtest/quant_kernels_bench.py [--rows 1 16] [--passes 20]
+    OMP_NUM_THREADS=2 .venv/bin/python deploy/loadtest/quant_kernels_bench.py [--rows 1 16] [--passes 20] [--kernels ...]
 
 Builds SmolLM2-135M's 121 projections (30 layers of fused q|k|v, o, fused gate|up and down, and the
 output head over the 49152-token vocabulary; random weights) once per kernel, and times passes
@@ -13,10 +13,13 @@ than sit in cache, which a loop over one matrix would hide. Kernels:
   (the head: Q8_0 as two 4-bit halves, see services/worker/quantized.py)
 * ``int4 exact``: the same with each scale and zero as two bfloat16 parts (holds GGUF blocks exactly)
 * ``int8/row``: ``_weight_int8pack_mm``, one scale per output row (``TILLER_WEIGHTS=int8``)
+* ``tiller``: Tiller's own kernel on the blocks as they ship (``TILLER_WEIGHTS=gguf``): float32
+  activations, each code read once, float16 scales (built into the settings' cache if needed)
 
-The packed kernels run on bfloat16 activations (their float32 path is not vectorized: 5-150x
+torch's packed kernels run on bfloat16 activations (their float32 path is not vectorized: 5-150x
 slower than dense float32, printed once for reference). Kernels alternate pass by pass, so a busy
-machine skews them alike; prints the median pass and per-layer-kind time with ratios to fp32.
+machine skews them alike; prints the median pass and per-layer-kind time with ratios to the first
+kernel named (fp32 by default).
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ from collections.abc import Callable
 
 import torch
 
+from common.config import Settings
+from services.worker import kernel_build
 from services.worker.gguf_blocks import GROUP, Blocks
+from services.worker.gguf_linear import BlockLinear
 from services.worker.quantized import Int4Packed, Int8Packed
 
 LAYERS = 30
@@ -64,6 +70,8 @@ def build(kernel: str) -> list[tuple[str, Fn]]:
             out.append((name, Int4Packed.of(blocks, None, parts=1)))
         elif kernel == "int4 exact":
             out.append((name, Int4Packed.of(blocks, None, parts=2)))
+        elif kernel == "tiller":
+            out.append((name, BlockLinear.of(blocks, None)))
         else:
             out.append((name, Int8Packed(blocks.dequantize(), None)))
     return out
@@ -93,8 +101,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--passes", type=int, default=20)
+    parser.add_argument("--kernels", nargs="+", default=["fp32", "bf16", "int4", "int4 exact", "int8/row", "tiller"])
     args = parser.parse_args()
-    kernels = ["fp32", "bf16", "int4", "int4 exact", "int8/row"]
+    kernels = args.kernels
+    if "tiller" in kernels and not kernel_build.load(Settings().cache_dir):
+        raise SystemExit("Tiller's kernel did not build (see the log above)")
     print(f"threads={torch.get_num_threads()} cpu={torch.backends.cpu.get_cpu_capability()} passes={args.passes}")
     fp32_activation_note()
     models = {kernel: build(kernel) for kernel in kernels}
@@ -118,8 +129,8 @@ def main() -> None:
                             layer.setdefault((kernel, name), []).append(spent)
                     if i:
                         passes[kernel].append(total)
-            base = statistics.median(passes["fp32"])
-            base_layer = {name: statistics.median(layer[("fp32", name)]) for name in names}
+            base = statistics.median(passes[kernels[0]])
+            base_layer = {name: statistics.median(layer[(kernels[0], name)]) for name in names}
             for kernel in kernels:
                 med = statistics.median(passes[kernel])
                 per = {name: statistics.median(layer[(kernel, name)]) for name in names}

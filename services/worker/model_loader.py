@@ -26,7 +26,8 @@ from common import model_cache
 from common.config import Settings
 from common.model_source import resolve_model, tokenizer_class
 from common.vision import VisionSpec
-from services.worker.packed_cache import PackedStore, cache_key, cache_path
+from services.worker import kernel_build
+from services.worker.packed_cache import LAYOUTS, PackedStore, cache_key, cache_path
 from services.worker.quantized import LinearFactory, linear_factory, weights_mode
 
 log = structlog.get_logger()
@@ -126,11 +127,13 @@ def return_freed_memory() -> None:
         trim(0)
 
 
-def packed_store(settings: Settings, directory: Path, gguf: Path | None, mode: str) -> PackedStore | None:
-    """Where a GGUF model's packed layers are kept between starts: beside its conversion."""
+def packed_store(settings: Settings, directory: Path, gguf: Path | None, mode: str,
+                 kernel: bool = False) -> PackedStore | None:
+    """Where a GGUF model's packed layers are kept between starts: beside its conversion
+    (``kernel``: laid out for Tiller's own kernel, else for torch's)."""
     if gguf is None or not mode.startswith("gguf"):
         return None
-    key = cache_key(model_cache.content_digest(gguf, settings.cache_dir), mode)
+    key = cache_key(model_cache.content_digest(gguf, settings.cache_dir), mode, LAYOUTS[kernel])
     return PackedStore.open(cache_path(directory, key), key)
 
 
@@ -159,13 +162,16 @@ def load_model(settings: Settings, progress: Progress) -> LoadedModel:
     progress(70, f"moving weights to {device}")
     model = model.to(device).eval()
     mode = weights_mode(settings.weights, device.type, source.gguf is not None, source.pretrained_weights,
-                        sharded=settings.distributed.tensor_parallel > 1)
+                        sharded=settings.distributed.tensor_parallel > 1,
+                        kernel=lambda: kernel_build.load(settings.cache_dir))
+    kernel = mode == "gguf" and kernel_build.load(settings.cache_dir)
     if device.type == "cpu" and source.pretrained_weights:
         _own_weights(model, skip_projections=mode.startswith("gguf"))
     linears = None
     if mode != "fp32":
         progress(75, f"packing {mode} weights")
-        linears = linear_factory(mode, model, source.gguf, packed_store(settings, source.directory, source.gguf, mode))
+        store = packed_store(settings, source.directory, source.gguf, mode, kernel)
+        linears = linear_factory(mode, model, source.gguf, store, kernel=kernel)
     progress(80, "reading tokenizer and generation config")
     tokenizer = read_tokenizer(source.directory)
     eos = eos_token_ids(source.directory, config, tokenizer)

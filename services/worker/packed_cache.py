@@ -2,9 +2,10 @@
 reading the GGUF's blocks and packing them again (seconds of CPU at every start).
 
 One safetensors file per key: what the packing depends on — the GGUF's content digest, the weights
-mode, torch's version and its CPU capability (the packed 4-bit layout is the kernel's own, which may
-change with either), and the code that reads, packs and stores the blocks (a digest of its source
-files: a change there packs again rather than trusting an old layout). Its metadata repeats the key
+mode, the layout (Tiller's own kernel's records, or torch's packed 4-bit layout), torch's version and
+its CPU capability (torch's layout is its kernel's own, which may change with either), and the code
+that reads, packs and stores the blocks (a digest of its source files, the kernel's C++ included: a
+change there packs again rather than trusting an old layout). Its metadata repeats the key
 and holds a CRC-32 of every tensor. A file whose key or any checksum does not match, or that cannot be
 parsed, is reported and ignored (the layers are packed from the blocks again and the file is rewritten).
 Writes go to a temporary file renamed over the old one, so a reader never sees half a file and two
@@ -26,7 +27,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-PACKING_CODE = ("gguf_blocks.py", "quantized.py", "packed_cache.py")  # beside this file: what the bytes depend on
+# beside this file: what the bytes depend on
+PACKING_CODE = ("gguf_blocks.py", "quantized.py", "gguf_linear.py", "gguf_kernel.cpp", "packed_cache.py")
+LAYOUTS = {True: "gguf_kernel", False: "int4pack"}  # by whether Tiller's kernel serves the blocks
 log = structlog.get_logger()
 
 Tensors = dict[str, torch.Tensor]
@@ -39,12 +42,13 @@ def _code_digest() -> str:
     return sha.hexdigest()[:16]
 
 
-def cache_key(gguf_digest: str, mode: str) -> dict[str, str]:
+def cache_key(gguf_digest: str, mode: str, layout: str) -> dict[str, str]:
     """What packed layers depend on: the GGUF's bytes (named by ``gguf_digest``) and the rest."""
     return {
         "code": _code_digest(),
         "gguf_sha256": gguf_digest,
         "weights": mode,
+        "layout": layout,
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }

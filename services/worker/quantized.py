@@ -5,9 +5,12 @@ a :class:`LinearFactory` from the transformers modules it replaces (several, sid
 fused q|k|v and gate|up projections):
 
 * :class:`DenseLinears`: the modules' own weights, fused and transposed (``TILLER_WEIGHTS=fp32``).
-* :class:`GgufLinears`: the GGUF's blocks as they ship (``TILLER_WEIGHTS=gguf``, or ``gguf-bf16``
-  with scales rounded), in ``_weight_int4pack_mm_for_cpu``'s packed 4-bit layout with one scale
-  and zero per 32 weights. That kernel computes
+* :class:`GgufLinears`: the GGUF's blocks as they ship. ``TILLER_WEIGHTS=gguf`` serves them on
+  Tiller's own kernel (:class:`services.worker.gguf_linear.BlockLinear`: float32 activations, the
+  codes read once, float16 scales as shipped) when it builds on this machine, else as below.
+  ``gguf-bf16`` (and ``gguf`` without that kernel) uses ``_weight_int4pack_mm_for_cpu``'s packed
+  4-bit layout with one scale and zero per 32 weights (scales rounded to bfloat16 for
+  ``gguf-bf16``). That kernel computes
   ``w = (q - 8) * scale + zero``, which holds every supported block exactly: Q4_0 is
   ``zero = 0``; Q4_1 (``d * q + m``) is ``scale = d, zero = m + 8d``; Q8_0 (``d * q``, 8-bit)
   is two 4-bit halves of the code ``q + 128 = 16 hi + lo`` side by side along the input, with
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 from services.worker.gguf_blocks import GROUP, Blocks, read_blocks
+from services.worker.gguf_linear import BlockLinear
 from services.worker.packed_cache import PackedStore
 
 
@@ -215,19 +219,21 @@ class DenseLinears:
 
 
 class GgufLinears:
-    """Packed 4-bit layers from a GGUF's blocks, keyed by the transformers module they replace;
-    a module the GGUF holds no blocks for (a float tensor there) stays dense.
+    """Packed layers from a GGUF's blocks, keyed by the transformers module they replace; a module
+    the GGUF holds no blocks for (a float tensor there) stays dense.
 
     With a :class:`PackedStore`, a layer packed at an earlier start is taken from it; the blocks
     are read only when a layer is missing there, and once every block is packed the store is saved.
     """
 
     def __init__(self, model: nn.Module, blocks: dict[str, Blocks] | Callable[[], dict[str, Blocks]], parts: int = 2,
-                 release: bool = False, store: PackedStore | None = None) -> None:
+                 release: bool = False, store: PackedStore | None = None, kernel: bool = False) -> None:
         """``blocks``: by parameter name, or what reads them when first needed. ``parts``: bfloat16
         parts per scale (see :class:`Int4Packed`; 2 is exact). ``release``: drop each packed
-        module's dense weight (the transformers model cannot run afterwards)."""
+        module's dense weight (the transformers model cannot run afterwards). ``kernel``: serve the
+        blocks exactly on :class:`BlockLinear` (its library loaded) instead of :class:`Int4Packed`."""
         self.parts = parts
+        self.layout: type[BlockLinear] | type[Int4Packed] = BlockLinear if kernel else Int4Packed
         self.model = model
         self.keep = model.get_input_embeddings().weight if release else None  # type: ignore[operator]
         self.names = {m: name for name, m in model.named_modules()}
@@ -249,13 +255,13 @@ class GgufLinears:
         stored = None if self.store is None else self.store.get(name)
         if stored is not None:
             self.served.update(modules)
-            made = self._released(modules, Int4Packed.from_tensors(stored, _bias(modules)))
+            made = self._released(modules, self.layout.from_tensors(stored, _bias(modules)))
         elif self.store is not None and self.store.is_dense(name):
             made = dense()
         else:
             blocks = self._blocks()
             if all(m in blocks for m in modules):
-                packed = Int4Packed.of(Blocks.cat([blocks[m] for m in modules]), _bias(modules), self.parts)
+                packed = self._pack(Blocks.cat([blocks[m] for m in modules]), _bias(modules))
                 made = self._released(modules, packed)
                 tensors: dict[str, torch.Tensor] | None = packed.tensors()
             else:
@@ -266,6 +272,9 @@ class GgufLinears:
         if self.store is not None and not self.unpacked:
             self.store.save()
         return made
+
+    def _pack(self, blocks: Blocks, bias: torch.Tensor | None) -> BlockLinear | Int4Packed:
+        return BlockLinear.of(blocks, bias) if self.layout is BlockLinear else Int4Packed.of(blocks, bias, self.parts)
 
     def _blocks(self) -> dict[nn.Module, Blocks]:
         """The blocks by module (the tied output projection's are the embedding's), read once."""
@@ -309,12 +318,16 @@ class Int8Linears:
         return self.layer([module])
 
 
-def weights_mode(setting: str, device: str, has_gguf: bool, pretrained: bool, sharded: bool = False) -> str:
+def weights_mode(setting: str, device: str, has_gguf: bool, pretrained: bool, sharded: bool = False,
+                 kernel: Callable[[], bool] = lambda: False) -> str:
     """The ``weights`` setting resolved for a model on ``device`` (``sharded``: tensor parallel,
     which splits dense weights): 'fp32' (dense), 'gguf', 'gguf-bf16' or 'int8'; a combination that
-    cannot work raises ValueError with the reason."""
+    cannot work raises ValueError with the reason. ``kernel``: whether :class:`BlockLinear`'s library
+    is there (asked only for 'auto' on a GGUF model): then 'auto' is 'gguf', its blocks exactly."""
     if setting == "auto":
-        return "gguf-bf16" if device == "cpu" and has_gguf and pretrained and not sharded else "fp32"
+        if device != "cpu" or not has_gguf or not pretrained or sharded:
+            return "fp32"
+        return "gguf" if kernel() else "gguf-bf16"
     if setting != "fp32" and sharded:
         raise ValueError(f"tensor parallel shards dense weights; weights={setting!r} cannot be sharded (use 'fp32')")
     if setting != "fp32" and device != "cpu":
@@ -325,16 +338,18 @@ def weights_mode(setting: str, device: str, has_gguf: bool, pretrained: bool, sh
     return setting
 
 
-def linear_factory(mode: str, model: nn.Module, gguf: Path | None, store: PackedStore | None = None) -> LinearFactory:
+def linear_factory(mode: str, model: nn.Module, gguf: Path | None, store: PackedStore | None = None,
+                   kernel: bool = False) -> LinearFactory:
     """The factory for a resolved ``mode`` (see :func:`weights_mode`); a quantized one drops the
     model's dense weights as it packs them (only the native forward runs such a model). ``store``:
-    the GGUF's layers as packed at an earlier start (see :class:`GgufLinears`)."""
+    the GGUF's layers as packed at an earlier start (see :class:`GgufLinears`); ``kernel``:
+    :class:`BlockLinear`'s library is loaded, and serves 'gguf'."""
     if mode.startswith("gguf"):
         assert gguf is not None
         config = model.config.get_text_config()  # type: ignore[operator, union-attr]
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         return GgufLinears(model, lambda: read_blocks(gguf, heads, kv_heads), parts=2 if mode == "gguf" else 1,
-                           release=True, store=store)
+                           release=True, store=store, kernel=kernel and mode == "gguf")
     if mode == "int8":
         return Int8Linears(release_from=model)
     return DenseLinears()

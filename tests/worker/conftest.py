@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from common.config import Settings
-from common.model_source import load_tokenizer
+from common.model_source import load_tokenizer, resolve_model
 from common.wire import SamplingParams, SeqStep, Step, StepResult
+from services.worker import kernel_build
 from services.worker.engine import Engine
+from services.worker.gguf_blocks import Blocks, read_blocks
 from services.worker.model_loader import LoadedModel, load_model
 
 GREEDY = SamplingParams(temperature=0)
@@ -24,6 +26,20 @@ def worker_settings() -> Settings:
 @pytest.fixture(scope="session")
 def loaded(worker_settings: Settings) -> LoadedModel:
     return load_model(worker_settings, lambda progress, message: None)
+
+
+@pytest.fixture(scope="session")
+def gguf_kernel(worker_settings: Settings) -> None:
+    """Tiller's GGUF block kernel, built into the settings' cache (once per machine, ~20 s)."""
+    assert kernel_build.load(worker_settings.cache_dir), "the kernel did not build: see the worker.kernel_unavailable log"
+
+
+@pytest.fixture(scope="session")
+def blocks(worker_settings: Settings, loaded: LoadedModel) -> dict[str, Blocks]:
+    """The default model's GGUF blocks, by transformers' parameter name."""
+    gguf = resolve_model(worker_settings).gguf
+    assert gguf is not None
+    return read_blocks(gguf, loaded.config.num_attention_heads, loaded.config.num_key_value_heads)
 
 
 @pytest.fixture(scope="session")

@@ -19,13 +19,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from services.worker.engine import Engine
 from services.worker.gguf_blocks import GROUP, Blocks
 from services.worker.model_loader import LoadedModel
-from services.worker.packed_cache import PackedStore, cache_key, cache_path
+from services.worker.gguf_linear import BlockLinear
+from services.worker import packed_cache
+from services.worker.packed_cache import LAYOUTS, PACKING_CODE, PackedStore, cache_key, cache_path
 from services.worker.quantized import GgufLinears, Int4Packed
 from tests.worker.conftest import Driver
 
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
-KEY = cache_key("0" * 64, "gguf-bf16")
+KEY = cache_key("0" * 64, "gguf-bf16", "int4pack")
 PROMPT = [3, 14, 15, 92, 65]
 LAYERS = 4 * CONFIG.num_hidden_layers + 1  # qkv, o, gate|up, down per decoder layer, and the head
 
@@ -45,7 +47,7 @@ def _blocks(model: torch.nn.Module) -> dict[str, Blocks]:
         if name == "lm_head" or not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
             continue
         rows, cols = module.weight.shape
-        scale = torch.rand(rows, cols // GROUP, generator=generator) / 50
+        scale = (torch.rand(rows, cols // GROUP, generator=generator) / 50).half().float()  # GGUF's are float16
         if isinstance(module, torch.nn.Embedding):
             q = torch.randint(-128, 128, (rows, cols), generator=generator, dtype=torch.int8)
             out[f"{name}.weight"] = Blocks("Q8_0", q, scale, None)
@@ -59,21 +61,23 @@ class Start:
     """One worker start over ``directory``: the engine built, and how often the blocks were read."""
 
     def __init__(self, directory: Path, key: dict[str, str] = KEY, forget: str | None = None) -> None:
-        """``forget``: a layer dropped from the store as opened (a runner that fuses differently)."""
+        """``forget``: a layer dropped from the store as opened (a runner that fuses differently).
+        A key of layout 'gguf_kernel' serves the exact blocks on Tiller's kernel."""
         loaded = _model()
         self.reads = 0
         self.store = PackedStore.open(cache_path(directory, key), key)
         self.found = len(self.store.found)
         if forget is not None:
             del self.store.found[forget]
-        linears = GgufLinears(loaded.model, self._read, parts=1, release=True, store=self.store)
+        kernel = key["layout"] == LAYOUTS[True]
+        linears = GgufLinears(loaded.model, self._read, parts=1, release=True, store=self.store, kernel=kernel)
         self.engine = Engine(dataclasses.replace(loaded, linears=linears), num_blocks=16)
 
     def _read(self) -> dict[str, Blocks]:
         self.reads += 1
         return _blocks(_model().model)
 
-    def layers(self) -> list[Int4Packed]:
+    def layers(self) -> list[Int4Packed | BlockLinear]:
         runner = self.engine.runner
         return [runner.head] + [p for layer in runner.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
@@ -90,7 +94,9 @@ def cold(tmp_path: Path) -> Start:
 
 def _same_layers(a: Start, b: Start) -> None:
     for x, y in zip(a.layers(), b.layers(), strict=True):
-        assert torch.equal(x.packed, y.packed) and torch.equal(x.scales_zeros, y.scales_zeros) and x.repeat == y.repeat
+        assert type(x) is type(y)
+        mine, theirs = x.tensors(), y.tensors()
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
 def test_a_warm_start_takes_every_layer_from_the_store_and_reads_no_blocks(tmp_path: Path, cold: Start) -> None:
@@ -99,6 +105,18 @@ def test_a_warm_start_takes_every_layer_from_the_store_and_reads_no_blocks(tmp_p
     _same_layers(cold, warm)
     assert warm.generate() == cold.generate()
     assert not warm.store.dirty  # nothing to write again
+
+
+def test_the_kernels_layout_is_stored_under_its_own_key_and_served_warm(tmp_path: Path, cold: Start,
+                                                                          gguf_kernel: None) -> None:
+    key = {**KEY, "weights": "gguf", "layout": LAYOUTS[True]}
+    first = Start(tmp_path, key=key)
+    assert first.reads == 1 and first.found == 0  # torch's layout (the cold start's file) is not taken for it
+    assert all(isinstance(layer, BlockLinear) for layer in first.layers())
+    warm = Start(tmp_path, key=key)
+    assert warm.reads == 0 and warm.found == LAYERS
+    _same_layers(first, warm)
+    assert warm.generate() == first.generate()
 
 
 def _flip_a_data_byte(path: Path) -> None:
@@ -146,9 +164,16 @@ def test_a_layer_the_store_lacks_is_packed_from_the_blocks_and_the_file_complete
 
 
 def test_the_key_names_what_the_packed_layout_depends_on(tmp_path: Path) -> None:
-    assert {"gguf_sha256", "weights", "torch", "cpu_capability", "code"} <= set(KEY)
+    assert {"gguf_sha256", "weights", "layout", "torch", "cpu_capability", "code"} <= set(KEY)
     paths = {cache_path(tmp_path, {**KEY, field: "other"}) for field in KEY}
     assert len(paths | {cache_path(tmp_path, KEY)}) == len(KEY) + 1  # every field changes the file's name
+
+
+def test_the_code_digest_covers_every_file_the_layouts_come_from() -> None:
+    """Both layouts' packing code, the kernel's C++ included: a new layout keys a new file by itself."""
+    here = Path(packed_cache.__file__).parent
+    assert {"gguf_blocks.py", "quantized.py", "gguf_linear.py", "gguf_kernel.cpp"} <= set(PACKING_CODE)
+    assert all((here / name).is_file() for name in PACKING_CODE)
 
 
 def test_a_store_that_cannot_be_written_costs_only_the_next_starts_packing(tmp_path: Path) -> None:

@@ -1,0 +1,112 @@
+"""Tiller's GGUF block kernel (services/worker/gguf_kernel.cpp, gguf_linear.py, kernel_build.py).
+
+Each layer must equal a float64 matmul over the dequantized blocks within float32 rounding, for every
+block type, one to three rows (the decode path that leaves the codes unscaled and scales each block's
+sums) and more (the weights dequantized in registers, rows taken up to 16 at a time),
+output features that fill no whole tile, a bias and a residual; and be closer to it than torch's
+packed kernel on bfloat16 activations. A machine without a compiler gets a logged reason and no
+kernel, never a failed start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from services.worker.gguf_blocks import GROUP, Blocks
+from services.worker.gguf_linear import BlockLinear, pack
+from services.worker.quantized import Int4Packed
+
+FLOAT32_ROUNDING = 2e-6  # relative to sum(|x| |w|): float32 accumulation over up to 1,536 inputs, with margin
+
+
+def _random_blocks(kind: str, out: int, inputs: int, seed: int) -> Blocks:
+    g = torch.Generator().manual_seed(seed)
+    scale = (torch.rand(out, inputs // GROUP, generator=g) * 0.02).half().float()
+    if kind == "Q8_0":
+        return Blocks(kind, torch.randint(-128, 128, (out, inputs), generator=g, dtype=torch.int8), scale, None)
+    minimum = (-torch.rand(out, inputs // GROUP, generator=g) * 0.2).half().float() if kind == "Q4_1" else None
+    return Blocks(kind, torch.randint(0, 16, (out, inputs), generator=g, dtype=torch.uint8), scale, minimum)
+
+
+def _check(blocks: Blocks, rows: int, seed: int = 0) -> tuple[float, float | None]:
+    """The layer's largest error against float64 math, with bias and with residual, relative to
+    ``sum(|x| |w|)``, also returned for torch's packed kernel on the same blocks (None: it takes
+    whole tiles of 16 output features only)."""
+    g = torch.Generator().manual_seed(seed)
+    out, inputs = blocks.shape
+    x = torch.randn(rows, inputs, generator=g)
+    bias = torch.randn(out, generator=g)
+    residual = torch.randn(rows, out, generator=g)
+    weight = blocks.dequantize().double()
+    exact = x.double() @ weight.t() + bias.double()
+    size = x.double().abs() @ weight.abs().t() + bias.double().abs() + 1e-30
+    layer = BlockLinear.of(blocks, bias)
+    err = ((layer(x).double() - exact).abs() / size).max().item()
+    with_residual = ((layer.add_to(residual, x).double() - residual.double() - exact).abs() / size).max().item()
+    assert err <= FLOAT32_ROUNDING and with_residual <= FLOAT32_ROUNDING, (err, with_residual)
+    unbiased = BlockLinear.of(blocks, None)
+    assert ((unbiased(x).double() - exact + bias.double()).abs() / size).max().item() <= FLOAT32_ROUNDING
+    if out % 16:
+        return err, None
+    torch_err = ((Int4Packed.of(blocks, bias, parts=2)(x).double() - exact).abs() / size).max().item()
+    return err, torch_err
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 16, 5, 37])
+@pytest.mark.parametrize("shape", [(40, 96), (576, 576), (3, 1536), (80, 64)])
+def test_the_kernel_equals_a_float64_matmul_over_the_dequantized_blocks(gguf_kernel, kind, rows, shape) -> None:
+    err, torch_err = _check(_random_blocks(kind, *shape, seed=rows), rows)
+    assert torch_err is None or err < torch_err  # float32 activations: closer than bfloat16 ones
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight",
+                                  "model.embed_tokens.weight"])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_the_kernel_on_the_default_models_blocks(gguf_kernel, blocks, name, rows) -> None:
+    _check(blocks[name], rows)
+
+
+def test_zero_rows_and_strided_inputs(gguf_kernel) -> None:
+    b = _random_blocks("Q4_1", 48, 64, seed=3)
+    layer = BlockLinear.of(b, None)
+    assert layer(torch.empty(0, 64)).shape == (0, 48)
+    wide = torch.randn(4, 128)
+    assert torch.equal(layer(wide[:, ::2]), layer(wide[:, ::2].contiguous()))
+
+
+def test_bad_inputs_get_a_clear_error(gguf_kernel) -> None:
+    layer = BlockLinear.of(_random_blocks("Q4_0", 32, 64, seed=4), None)
+    with pytest.raises(RuntimeError, match="inputs"):
+        layer(torch.randn(2, 96))
+    with pytest.raises(RuntimeError, match="float32"):
+        layer(torch.randn(2, 64).double())
+    b = _random_blocks("Q4_0", 16, 32, seed=5)
+    with pytest.raises(ValueError, match="float16"):
+        pack(Blocks("Q4_0", b.q, b.scale * (1 + 2**-20), None))
+
+
+def test_a_packed_layer_round_trips_through_its_tensors(gguf_kernel) -> None:
+    b = _random_blocks("Q8_0", 20, 64, seed=6)
+    layer = BlockLinear.of(b, None)
+    again = BlockLinear.from_tensors(layer.tensors(), None)
+    x = torch.randn(3, 64)
+    assert again.kind == "Q8_0" and again.out_features == 20 and torch.equal(again(x), layer(x))
+
+
+def test_no_compiler_means_no_kernel_and_a_logged_reason(tmp_path) -> None:
+    """In a fresh process with no compiler to be found: load() says False and logs why."""
+    code = ("import pathlib, sys; from services.worker import kernel_build; "
+            f"sys.exit(0 if kernel_build.load(pathlib.Path({str(tmp_path)!r})) else 3)")
+    env = {**os.environ, "CXX": "no-such-compiler-here", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    logged = [json.loads(line) if line.startswith("{") else line for line in (done.stdout + done.stderr).splitlines()]
+    assert any("worker.kernel_unavailable" in str(e) and "no-such-compiler-here" in str(e) for e in logged), logged
+    assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").glob("*.so"))
