@@ -150,12 +150,9 @@ class PagedLlama:
                 prefills.append(self._plan_prefill(item, row))
         if fresh:
             self.cache.zero_blocks(fresh)
-        step = StepPlan(
-            slots=to_device(slots, device),
-            decode=self._plan_decode(decode) if decode else None,
-            num_decode=len(decode),
-            prefills=prefills,
-        )
+        step = StepPlan(slots=to_device(slots, device), decode=None, num_decode=len(decode), prefills=prefills)
+        if decode:
+            step.decode, step.decode_keys = self._plan_decode(decode)
         taps: dict[int, torch.Tensor] | None = None
         if capture:
             rows = [first_row[i] + p - item.start for i, item in enumerate(inputs) for p in item.capture]
@@ -185,8 +182,8 @@ class PagedLlama:
                 taps[index - 1] = x[taps[-1]]
             x = self._attention(layer, x, kv_slots, kv_blocks, step)
             h = torch.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
-            gate_up = layer.gate_up(h)
-            h = self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+            gate, up = layer.gate_up(h).view(-1, 2, self.intermediate).unbind(1)
+            h = self.act(gate).mul_(up)
             x = layer.down.add_to(x, h)
         if taps is not None and len(self.layers) - 1 in self.tap_layers:
             taps[len(self.layers) - 1] = x[taps[-1]]
@@ -222,17 +219,22 @@ class PagedLlama:
         sin = torch.cat((sin.expand(tokens, rotated, -1), sin.new_zeros(shape)), dim=1)
         return cos, sin
 
-    def _plan_decode(self, decode: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _plan_decode(self, decode: list[SeqInput]) -> tuple[tuple[torch.Tensor, torch.Tensor | None], int]:
         """The block tables of the decode inputs, padded to the longest with the (zeroed) null
-        block, flattened for one gather; and the key mask ``[n, 1, 1, blocks * block_size]``."""
+        block, flattened for one gather; the key mask ``[n, 1, 1, blocks * block_size]``, or None
+        when every input has the same length (a lone sequence, or a batch that started together):
+        attention then reads exactly that many keys and needs no mask; and that length."""
         tables = self.cache.tables
         bs = tables.block_size
-        width = -(-max(d.start + 1 for d in decode) // bs)
+        lengths = [d.start + 1 for d in decode]
+        longest = max(lengths)
+        width = -(-longest // bs)
         rows = [tables.seqs[d.seq_id][:width] for d in decode]
-        blocks = to_device([r + [NULL_BLOCK] * (width - len(r)) for r in rows], self.device)
-        lengths = to_device([d.start + 1 for d in decode], self.device)
-        valid = torch.arange(width * bs, device=self.device) < lengths.unsqueeze(-1)
-        return blocks.view(-1), valid.view(len(decode), 1, 1, width * bs)
+        blocks = to_device([r + [NULL_BLOCK] * (width - len(r)) for r in rows], self.device).view(-1)
+        if min(lengths) == longest:
+            return (blocks, None), longest
+        valid = torch.arange(width * bs, device=self.device) < to_device(lengths, self.device).unsqueeze(-1)
+        return (blocks, valid.view(len(decode), 1, 1, width * bs)), longest
 
     def _plan_prefill(self, item: SeqInput, row: int) -> Prefill:
         n = len(item.tokens)
@@ -263,7 +265,9 @@ class PagedLlama:
             n = step.num_decode
             # Grouped-query attention without repeating keys: [n, kv_heads, heads/kv_heads, dim].
             q = qkv[:n, :heads].reshape(n, kv_heads, heads // kv_heads, dim)
-            kv = kv_blocks.index_select(1, blocks).view(2, kv_heads, n, mask.shape[-1], dim)
+            kv = kv_blocks.index_select(1, blocks).view(2, kv_heads, n, -1, dim)
+            if mask is None:  # all of one length: only that many keys, no mask
+                kv = kv[:, :, :, : step.decode_keys]
             k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
             outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(n, heads * dim))
         for p in step.prefills:

@@ -27,8 +27,11 @@ class StepPlan:
     """Everything about one step that all layers share."""
 
     slots: torch.Tensor  # where each row's keys and values go
-    decode: tuple[torch.Tensor, torch.Tensor] | None  # (blocks [n * width], mask [n, 1, 1, width * block_size])
+    # (blocks [n * width], mask [n, 1, 1, width * block_size] or None: all decode rows attend to
+    # the first ``decode_keys`` keys)
+    decode: tuple[torch.Tensor, torch.Tensor | None] | None
     num_decode: int
     prefills: list[Prefill]
+    decode_keys: int = 0
     cos: torch.Tensor = field(init=False)
     sin: torch.Tensor = field(init=False)
