@@ -152,7 +152,7 @@ class PagedLlama:
             self.cache.zero_blocks(fresh)
         step = StepPlan(slots=to_device(slots, device), decode=None, num_decode=len(decode), prefills=prefills)
         if decode:
-            step.decode, step.decode_keys = self._plan_decode(decode)
+            self._plan_decode(decode, step)
         taps: dict[int, torch.Tensor] | None = None
         if capture:
             rows = [first_row[i] + p - item.start for i, item in enumerate(inputs) for p in item.capture]
@@ -219,22 +219,23 @@ class PagedLlama:
         sin = torch.cat((sin.expand(tokens, rotated, -1), sin.new_zeros(shape)), dim=1)
         return cos, sin
 
-    def _plan_decode(self, decode: list[SeqInput]) -> tuple[tuple[torch.Tensor, torch.Tensor | None], int]:
-        """The block tables of the decode inputs, padded to the longest with the (zeroed) null
-        block, flattened for one gather; the key mask ``[n, 1, 1, blocks * block_size]``, or None
-        when every input has the same length (a lone sequence, or a batch that started together):
-        attention then reads exactly that many keys and needs no mask; and that length."""
+    def _plan_decode(self, decode: list[SeqInput], step: StepPlan) -> None:
+        """Sets ``step``'s decode plan: the block tables of the decode inputs, padded to the longest
+        with the (zeroed) null block and flattened for one gather, and the key mask ``[n, 1, 1,
+        blocks * block_size]``. When every input has the same length (a lone sequence, or a batch
+        that started together) the mask is None and attention reads exactly ``decode_keys`` keys."""
         tables = self.cache.tables
         bs = tables.block_size
         lengths = [d.start + 1 for d in decode]
-        longest = max(lengths)
-        width = -(-longest // bs)
+        step.decode_keys = max(lengths)
+        width = -(-step.decode_keys // bs)
         rows = [tables.seqs[d.seq_id][:width] for d in decode]
         blocks = to_device([r + [NULL_BLOCK] * (width - len(r)) for r in rows], self.device).view(-1)
-        if min(lengths) == longest:
-            return (blocks, None), longest
-        valid = torch.arange(width * bs, device=self.device) < to_device(lengths, self.device).unsqueeze(-1)
-        return (blocks, valid.view(len(decode), 1, 1, width * bs)), longest
+        mask = None
+        if min(lengths) < step.decode_keys:
+            valid = torch.arange(width * bs, device=self.device) < to_device(lengths, self.device).unsqueeze(-1)
+            mask = valid.view(len(decode), 1, 1, width * bs)
+        step.decode = blocks, mask
 
     def _plan_prefill(self, item: SeqInput, row: int) -> Prefill:
         n = len(item.tokens)
