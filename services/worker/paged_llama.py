@@ -150,9 +150,12 @@ class PagedLlama:
                 prefills.append(self._plan_prefill(item, row))
         if fresh:
             self.cache.zero_blocks(fresh)
-        step = StepPlan(slots=to_device(slots, device), decode=None, num_decode=len(decode), prefills=prefills)
-        if decode:
-            self._plan_decode(decode, step)
+        step = StepPlan(
+            slots=to_device(slots, device),
+            decode=self._plan_decode(decode) if decode else None,
+            num_decode=len(decode),
+            prefills=prefills,
+        )
         taps: dict[int, torch.Tensor] | None = None
         if capture:
             rows = [first_row[i] + p - item.start for i, item in enumerate(inputs) for p in item.capture]
@@ -219,23 +222,19 @@ class PagedLlama:
         sin = torch.cat((sin.expand(tokens, rotated, -1), sin.new_zeros(shape)), dim=1)
         return cos, sin
 
-    def _plan_decode(self, decode: list[SeqInput], step: StepPlan) -> None:
-        """Sets ``step``'s decode plan: the block tables of the decode inputs, padded to the longest
-        with the (zeroed) null block and flattened for one gather, and the key mask ``[n, 1, 1,
-        blocks * block_size]``. When every input has the same length (a lone sequence, or a batch
-        that started together) the mask is None and attention reads exactly ``decode_keys`` keys."""
+    def _plan_decode(self, decode: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block tables of the decode inputs, padded to the longest with the (zeroed) null
+        block, flattened for one gather; and the key mask ``[n, 1, 1, blocks * block_size]``.
+        Always a mask, even where all inputs have one length: attention over exactly that many
+        keys and no mask differs from this in the last bit, enough to flip a near-tie."""
         tables = self.cache.tables
         bs = tables.block_size
-        lengths = [d.start + 1 for d in decode]
-        step.decode_keys = max(lengths)
-        width = -(-step.decode_keys // bs)
+        width = -(-max(d.start + 1 for d in decode) // bs)
         rows = [tables.seqs[d.seq_id][:width] for d in decode]
-        blocks = to_device([r + [NULL_BLOCK] * (width - len(r)) for r in rows], self.device).view(-1)
-        mask = None
-        if min(lengths) < step.decode_keys:
-            valid = torch.arange(width * bs, device=self.device) < to_device(lengths, self.device).unsqueeze(-1)
-            mask = valid.view(len(decode), 1, 1, width * bs)
-        step.decode = blocks, mask
+        blocks = to_device([r + [NULL_BLOCK] * (width - len(r)) for r in rows], self.device)
+        lengths = to_device([d.start + 1 for d in decode], self.device)
+        valid = torch.arange(width * bs, device=self.device) < lengths.unsqueeze(-1)
+        return blocks.view(-1), valid.view(len(decode), 1, 1, width * bs)
 
     def _plan_prefill(self, item: SeqInput, row: int) -> Prefill:
         n = len(item.tokens)
@@ -266,9 +265,7 @@ class PagedLlama:
             n = step.num_decode
             # Grouped-query attention without repeating keys: [n, kv_heads, heads/kv_heads, dim].
             q = qkv[:n, :heads].reshape(n, kv_heads, heads // kv_heads, dim)
-            kv = kv_blocks.index_select(1, blocks).view(2, kv_heads, n, -1, dim)
-            if mask is None:  # all of one length: only that many keys, no mask
-                kv = kv[:, :, :, : step.decode_keys]
+            kv = kv_blocks.index_select(1, blocks).view(2, kv_heads, n, mask.shape[-1], dim)
             k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
             outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(n, heads * dim))
         for p in step.prefills:

@@ -27,11 +27,8 @@ class StepPlan:
     """Everything about one step that all layers share."""
 
     slots: torch.Tensor  # where each row's keys and values go
-    # (blocks [n * width], mask [n, 1, 1, width * block_size] or None: all decode rows attend to
-    # the first ``decode_keys`` keys)
-    decode: tuple[torch.Tensor, torch.Tensor | None] | None
+    decode: tuple[torch.Tensor, torch.Tensor] | None  # (blocks [n * width], mask [n, 1, 1, width * block_size])
     num_decode: int
     prefills: list[Prefill]
-    decode_keys: int = 0
     cos: torch.Tensor = field(init=False)
     sin: torch.Tensor = field(init=False)

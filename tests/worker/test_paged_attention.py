@@ -2,9 +2,9 @@
 
 A tiny random Llama (grouped-query attention, 4-token blocks, so sequences span many blocks and
 blocks land out of order in the pool) runs steps that mix what the engine mixes: fresh and
-continued (chunked) prefills beside decodes, decode rows of different lengths (masked attention)
-and of one length (unmasked), and forks that share their parent's blocks and copy the partial
-last one on write. Every logits row must equal the dense model's last-position logits over the
+continued (chunked) prefills beside decodes, decode rows of different lengths (padded block
+tables) and of one length, and forks that share their parent's blocks and copy the partial last
+one on write. Every logits row must equal the dense model's last-position logits over the
 sequence's whole history.
 """
 
@@ -75,7 +75,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 def test_mixed_steps_equal_the_dense_forward(model: LlamaForCausalLM) -> None:
     paged = Paged(model)
     _check(model, paged, paged.step({1: _tokens(11, 1), 2: _tokens(5, 2)}))  # two fresh prefills
-    for i in range(3):  # rows of different lengths: masked attention over padded block tables
+    for i in range(3):  # rows of different lengths: padded block tables, masked keys
         _check(model, paged, paged.step({1: _tokens(1, 10 + i), 2: _tokens(1, 20 + i)}))
     _check(model, paged, paged.step({3: _tokens(6, 3), 1: _tokens(1, 30)}))  # a prefill beside a decode
     _check(model, paged, paged.step({3: _tokens(7, 4), 2: _tokens(1, 31)}))  # its second chunk: a continued prefill
@@ -89,7 +89,7 @@ def test_forks_share_blocks_and_decode_apart(model: LlamaForCausalLM) -> None:
     paged.fork(1, 2)
     paged.fork(1, 3)
     assert paged.tables.seqs[2] == paged.tables.seqs[1] == paged.tables.seqs[3]
-    for i in range(6):  # equal lengths: unmasked attention; each writes its own copy of the partial block
+    for i in range(6):  # each writes to its own copy of the partial block
         _check(model, paged, paged.step({s: _tokens(1, 100 * s + i) for s in (1, 2, 3)}))
     shared = set(paged.tables.seqs[1][:2])
     assert shared == set(paged.tables.seqs[2][:2]) == set(paged.tables.seqs[3][:2])
