@@ -319,12 +319,9 @@ class BlockTables:
 
 
 class PagedKVCache:
-    """One preallocated pool per layer, head-major: ``[2 * kv_heads, num_blocks * block_size,
-    head_dim]``, the keys' heads first, then the values'. A step writes each new token's keys and
-    values with one index op along the slot axis; attention gathers a batch's blocks with one index
-    op along it too, and the gathered keys of one sequence and head are then contiguous, as
-    ``scaled_dot_product_attention``'s CPU kernel wants them (a token-major pool gives it every
-    head's keys interleaved, which measured 2x slower there). Plus the block tables."""
+    """One preallocated pool per layer, shaped ``[num_blocks * block_size, 2 * kv_heads, head_dim]``:
+    a flat slot axis so that writes and gathers are one index op, and each slot's keys (first
+    ``kv_heads`` rows) beside its values, so one op moves both. Plus the block tables."""
 
     def __init__(
         self,
@@ -339,28 +336,24 @@ class PagedKVCache:
     ) -> None:
         self.tables = BlockTables(num_blocks, block_size)
         # empty, not zeros: on the CPU untouched pages then cost no memory until a block is used.
-        shape = (num_layers, 2 * num_kv_heads, num_blocks * block_size, head_dim)
+        shape = (num_layers, num_blocks * block_size, 2 * num_kv_heads, head_dim)
         self.kv = torch.empty(shape, dtype=dtype, device=device)
-        self.blocks = self.kv.view(num_layers, 2 * num_kv_heads, num_blocks, block_size, head_dim)
-        self.blocks[:, :, NULL_BLOCK].zero_()
-        self.layer_slots = list(self.kv.unbind(0))  # per layer, [heads, slots, dim]: where a step writes
-        self.layer_blocks = list(self.blocks.unbind(0))  # per layer, [heads, blocks, ...]: what attention gathers
-
-    def block(self, block: int) -> torch.Tensor:
-        """A block's keys and values in every layer, ``[layers, 2 * kv_heads, block_size, head_dim]`` (a view)."""
-        return self.blocks[:, :, block]
+        self.blocks = self.kv.view(num_layers, num_blocks, block_size, 2 * num_kv_heads, head_dim)
+        self.blocks[:, NULL_BLOCK].zero_()
+        self.layer_slots = list(self.kv.unbind(0))  # per layer, by slot: where a step writes
+        self.layer_blocks = list(self.blocks.unbind(0))  # per layer, by block: what attention gathers
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """Clear blocks on first use (in every layer): slots past a sequence's end are masked out
         of attention but still multiplied by a zero weight, so they must hold finite numbers."""
         index = to_device(blocks, self.kv.device)
         for layer in self.layer_blocks:  # per layer: one strided fill across layers is ~100x slower
-            layer.index_fill_(1, index, 0)
+            layer.index_fill_(0, index, 0)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Carry out copy-on-write copies ``(source, destination)``, in order, in every layer."""
         for src, dst in copies:
-            self.block(dst).copy_(self.block(src))
+            self.blocks[:, dst].copy_(self.blocks[:, src])
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

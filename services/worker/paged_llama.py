@@ -257,7 +257,7 @@ class PagedLlama:
         h = torch.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
         qkv = layer.qkv(h).view(tokens, heads + 2 * kv_heads, dim)
         qkv = torch.addcmul(qkv * step.cos, qkv.roll(dim // 2, -1), step.sin)
-        kv_slots.index_copy_(1, step.slots, qkv[:, heads:].transpose(0, 1))
+        kv_slots.index_copy_(0, step.slots, qkv[:, heads:])
 
         outs: list[torch.Tensor] = []
         if step.decode is not None:
@@ -265,16 +265,16 @@ class PagedLlama:
             n = step.num_decode
             # Grouped-query attention without repeating keys: [n, kv_heads, heads/kv_heads, dim].
             q = qkv[:n, :heads].reshape(n, kv_heads, heads // kv_heads, dim)
-            kv = kv_blocks.index_select(1, blocks).view(2, kv_heads, n, mask.shape[-1], dim)
-            k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+            kv = kv_blocks.index_select(0, blocks).view(n, mask.shape[-1], 2 * kv_heads, dim)
+            k, v = kv[:, :, :kv_heads].transpose(1, 2), kv[:, :, kv_heads:].transpose(1, 2)
             outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(n, heads * dim))
         for p in step.prefills:
             q = qkv[p.row : p.row + p.n, :heads].transpose(0, 1).unsqueeze(0)
             if p.blocks is None:
-                kv = qkv[p.row : p.row + p.n, heads:].transpose(0, 1)
+                kv = qkv[p.row : p.row + p.n, heads:]
             else:
-                kv = kv_blocks.index_select(1, p.blocks).view(2 * kv_heads, -1, dim)
-            k, v = kv[:kv_heads].unsqueeze(0), kv[kv_heads:].unsqueeze(0)
+                kv = kv_blocks.index_select(0, p.blocks).view(-1, 2 * kv_heads, dim)
+            k, v = kv[:, :kv_heads].transpose(0, 1).unsqueeze(0), kv[:, kv_heads:].transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True)
             outs.append(out[0].transpose(0, 1).reshape(p.n, heads * dim))
         attn = outs[0] if len(outs) == 1 else torch.cat(outs)

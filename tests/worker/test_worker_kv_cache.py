@@ -49,10 +49,10 @@ def test_pool_null_block_is_zero_and_fresh_blocks_are_zeroed() -> None:
     cache = PagedKVCache(
         num_layers=2, num_kv_heads=1, head_dim=4, num_blocks=3, dtype=torch.float32, device=torch.device("cpu")
     )
-    assert not cache.block(NULL_BLOCK).any()
-    cache.kv.fill_(float("nan"))
+    assert not cache.blocks[:, NULL_BLOCK].any()
+    cache.blocks.fill_(float("nan"))
     cache.zero_blocks([2])
-    assert not cache.block(2).any() and cache.block(1).isnan().all()
+    assert not cache.blocks[:, 2].any() and cache.blocks[:, 1].isnan().all()
 
 
 def test_plan_covers_the_batch_or_fails_clearly() -> None:
