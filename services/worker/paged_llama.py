@@ -185,8 +185,8 @@ class PagedLlama:
                 taps[index - 1] = x[taps[-1]]
             x = self._attention(layer, x, kv_slots, kv_blocks, step)
             h = torch.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
-            gate_up = layer.gate_up(h)
-            h = self.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+            gate, up = layer.gate_up(h).view(-1, 2, self.intermediate).unbind(1)
+            h = self.act(gate).mul_(up)
             x = layer.down.add_to(x, h)
         if taps is not None and len(self.layers) - 1 in self.tap_layers:
             taps[len(self.layers) - 1] = x[taps[-1]]
@@ -224,7 +224,9 @@ class PagedLlama:
 
     def _plan_decode(self, decode: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor]:
         """The block tables of the decode inputs, padded to the longest with the (zeroed) null
-        block, flattened for one gather; and the key mask ``[n, 1, 1, blocks * block_size]``."""
+        block, flattened for one gather; and the key mask ``[n, 1, 1, blocks * block_size]``.
+        Always a mask, even where all inputs have one length: attention over exactly that many
+        keys and no mask differs from this in the last bit, enough to flip a near-tie."""
         tables = self.cache.tables
         bs = tables.block_size
         width = -(-max(d.start + 1 for d in decode) // bs)
