@@ -258,14 +258,17 @@ class Scheduler:
             if not any(flight[0].done for flight in self.flights.values() if flight):
                 await self._sleep(max(self.next_check - time.monotonic(), 0.0))
                 self._check(time.monotonic())
+            applied = False
             for identity, flight in list(self.flights.items()):
                 while flight and flight[0].done:
                     done = flight.popleft()
                     if done.result is not None:
                         core.apply(done.dispatch, done.result)
+                        applied = True
                 if not flight and identity not in core.pool.workers:
                     del self.flights[identity]
-            core.end_step()
+            if applied:  # not on a mere wake-up mid-step: controlled events then carry only the controllers' time
+                core.end_step()
             self._flush()
 
     async def _sleep(self, timeout: float) -> None:
