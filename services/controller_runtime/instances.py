@@ -122,12 +122,14 @@ class WasmInstance:
         host.mask_set = constraint.fill_mask_going(mask_address, self._mask_bytes)
         return host.mask_set
 
-    def post_process(self, tokens: list[int], backtrack: int) -> aici_wire.PostProcessResult:
+    def post_process(self, tokens: list[int], backtrack: int, deadline_ms: float | None = None
+                     ) -> aici_wire.PostProcessResult:
+        """``deadline_ms`` None: ``post_deadline_ms``."""
         if len(tokens) == 1:
             arg = b'{"tokens":[%d],"backtrack":%d}' % (tokens[0], backtrack)
         else:
             arg = b'{"tokens":[%s],"backtrack":%d}' % (",".join(map(str, tokens)).encode(), backtrack)
-        return self._invoke("aici_post_process", arg, self.d.post_deadline_ms, _post_decoder)
+        return self._invoke("aici_post_process", arg, deadline_ms or self.d.post_deadline_ms, _post_decoder)
 
     def fork(self, seq_id: int) -> WasmInstance:
         return WasmInstance(self.ctrl.fork(seq_id), self.d)
@@ -202,8 +204,10 @@ class NativeInstance:
             self.dead = str(exc)
             raise
 
-    def post_process(self, tokens: list[int], backtrack: int) -> aici_wire.PostProcessResult:
-        r = self._run("post_process", self.d.post_deadline_ms, lambda: self.obj.post_process(tokens, backtrack))
+    def post_process(self, tokens: list[int], backtrack: int, deadline_ms: float | None = None
+                     ) -> aici_wire.PostProcessResult:
+        r = self._run("post_process", deadline_ms or self.d.post_deadline_ms,
+                      lambda: self.obj.post_process(tokens, backtrack))
         return self._convert("post_process", r, aici_wire.PostProcessResult)
 
     def fork(self, seq_id: int) -> NativeInstance:
