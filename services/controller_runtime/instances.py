@@ -145,7 +145,15 @@ class WasmInstance:
 class NativeInstance:
     """A trusted Python controller; exceptions and overrun deadlines end the sequence (after the call)."""
 
-    pre_default = False
+    @property
+    def pre_default(self) -> bool:
+        """The controller says its pre_process would continue with no effect: the runtime skips the call."""
+        if self.dead or self.obj is None:
+            return False
+        try:
+            return bool(self.obj.pre_is_default())
+        except Exception:  # noqa: BLE001 - pre_process then runs, and fails the sequence as it should
+            return False
 
     def __init__(self, cls: type[NativeController], host: SeqHost, deadlines: Controllers) -> None:
         self.cls = cls
