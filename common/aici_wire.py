@@ -48,6 +48,10 @@ class PostPreProcess(MainOp, tag="post_pre_process"):
     pre_ops: list[PreOp] = []
     freed: list[int] = []
     reset: bool = False  # Tiller: drop every bound sequence first (a scheduler's first call after it started)
+    # Tiller: sequences whose next step already went out (fed their sampled token, to sample under this step's
+    # mask): their pre_process runs only where the controller flags it as its default (so it is not called);
+    # the others' waits for the next call (``PostPreProcessReply.waiting``)
+    ahead: list[int] = []
 
 
 class MidOp(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -125,6 +129,8 @@ class PostPreProcessReply(msgspec.Struct, kw_only=True):
 
     post_seqs: dict[str, PostOutcome] = {}
     pre_seqs: dict[str, PreOutcome] = {}
+    waiting: list[int] = []  # Tiller: ``ahead`` sequences whose pre_process was not run (not in pre_seqs)
+    pre_default: list[int] = []  # Tiller: those whose controller flags pre_process as the default (not called)
 
 
 class MidProcessReply(msgspec.Struct, kw_only=True):

@@ -157,6 +157,9 @@ class Controllers(BaseModel):
         "{'json_schema': ..., 'max_tokens': ...}); '' or a name not in 'native' refuses JSON response formats",
     )
     main_timeout_s: float = Field(5.0, gt=0, description="how long the scheduler waits for a main-channel reply")
+    step_ahead: bool = Field(True, description="with no plain sequence running, a controlled step whose sequences' "
+                             "controllers flag pre_process as the default goes out before post_pre_process, which "
+                             "then runs with mid_process during the forward pass (the controllers see the same calls)")
     side_timeout_s: float = Field(30.0, gt=0, description="how long the gateway waits for a side-channel reply")
 
 

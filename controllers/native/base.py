@@ -52,6 +52,11 @@ class NativeController:
     def pre_process(self) -> dict[str, Any]:
         return {"num_forks": 1, "suspend": False, "ff_tokens": []}
 
+    def pre_is_default(self) -> bool:
+        """True when pre_process would now return the default above and change nothing: the runtime then does
+        not call it (as a Wasm guest's I/O-area flag), and the scheduler may send the step ahead."""
+        return False
+
     def mid_process(self, fork_group: list[int]) -> str | dict[str, Any]:
         """"Stop" | {"SampleWithBias": {}} (after host.return_logit_bias / constraint_return_bias) |
         {"Splice": {"backtrack": n, "ff_tokens": [...]}}"""

@@ -44,6 +44,9 @@ class ConstrainedController(NativeController):
         self.skip = len(ff)
         return {"num_forks": 1, "suspend": False, "ff_tokens": ff}
 
+    def pre_is_default(self) -> bool:
+        return not self.done and not self.prefix  # post_process has reset skip already
+
     def mid_process(self, fork_group: list[int]) -> str | dict:
         if self.done:
             return "Stop"

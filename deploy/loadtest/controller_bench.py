@@ -6,11 +6,16 @@
    tokens; overhead = (wall time per step controlled - plain) / sequences. Also what the runtime itself
    reports spending (the ``micros`` of the run events) per sequence per step.
 2. JSON-schema-constrained generation (the shipped ``constrain`` controller) against unconstrained generation
-   of the same prompts and the same token counts: aggregate tokens/s and their ratio.
+   of the same prompts and the same token counts, in ``--rounds`` alternated rounds (the order swapping each
+   round): aggregate tokens/s and their ratio per round, and per arm the medians of time to first token, time
+   per token after it, and each service process's CPU time per token (the figure a shared machine spoils least).
+   Requests start together but not in step, so per-token times compare only at equal batch sizes: the ratio of
+   aggregate tokens/s is the figure to judge.
 
-Starts its own stack serving the default weights (the caller's TILLER_* settings win) unless ``--url`` names a running gateway.
+Starts its own stack serving the default weights (the caller's TILLER_* settings win) unless ``--url`` names a running
+gateway (then without the CPU figures).
 
-    python deploy/loadtest/controller_bench.py [--tokens 32] [--levels 1,16,64]
+    python deploy/loadtest/controller_bench.py [--tokens 32] [--levels 1,16,64] [--json 16 --rounds 3]
                                                [--url http://127.0.0.1:8080 --scheduler ipc://run/scheduler.sock]
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -31,6 +37,9 @@ import msgspec
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from bench_stack import CpuPerToken, describe_cpu  # noqa: E402
+from common.cli import SERVICES  # noqa: E402
 
 TOPICS = ["a lighthouse", "a dragon", "the sea", "a robot", "a city", "a garden", "winter", "a train", "a violin",
           "the moon", "a library", "a storm"]
@@ -79,10 +88,12 @@ class Outcome:
     micros: int = 0  # time its controller reported
     decode_s: float = 0.0  # from its first streamed token to its last event: steady decoding, no admission/prefill
     decode_steps: int = 0  # events in that span
+    ttft_s: float = 0.0  # from sending the request to its first streamed token: admission, start, prefill
 
 
 async def plain(http: httpx.AsyncClient, prompt: str, tokens: int) -> Outcome:
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    sent = time.perf_counter()
     first = last = 0.0
     steps, usage = 0, {}
     async with http.stream("POST", "/v1/generate", json=body) as response:
@@ -96,11 +107,13 @@ async def plain(http: httpx.AsyncClient, prompt: str, tokens: int) -> Outcome:
                 first = first or last
                 steps += message["type"] == "token"
                 usage = message.get("usage", usage)
-    return Outcome(usage["completion_tokens"], decode_s=last - first, decode_steps=max(steps - 1, 1))
+    return Outcome(usage["completion_tokens"], decode_s=last - first, decode_steps=max(steps - 1, 1),
+                   ttft_s=first - sent)
 
 
 async def controlled(http: httpx.AsyncClient, module: str, arg: object, prompt: str, tokens: int) -> Outcome:
     body = {"controller": module, "controller_arg": arg, "prompt": prompt, "max_tokens": tokens}
+    sent = time.perf_counter()
     async with http.stream("POST", "/v1/run", json=body) as response:
         response.raise_for_status()
         micros, usage, first, last, steps = 0, {}, 0.0, 0.0, 0
@@ -110,8 +123,9 @@ async def controlled(http: httpx.AsyncClient, module: str, arg: object, prompt: 
             event = json.loads(line[len("data: "):])
             if event["object"] != "run":
                 continue
+            sampled = usage.get("sampled_tokens", 0)
             usage = event["usage"]
-            if usage["sampled_tokens"]:
+            if usage["sampled_tokens"] > sampled:  # a step's token (not an event with only a fork's end or logs)
                 last = time.perf_counter()
                 first = first or last
                 steps += 1
@@ -119,14 +133,16 @@ async def controlled(http: httpx.AsyncClient, module: str, arg: object, prompt: 
                 micros += fork["micros"]
                 if fork["error"]:
                     raise RuntimeError(f"controller failed: {fork['error']}")
-    return Outcome(usage["sampled_tokens"] + usage["ff_tokens"], micros, last - first, max(steps - 1, 1))
+    return Outcome(usage["sampled_tokens"] + usage["ff_tokens"], micros, last - first, max(steps - 1, 1),
+                   first - sent)
 
 
 @dataclass
 class Setup:
     http: httpx.AsyncClient
     sched: SchedulerStats
-    repeat: int  # each batch runs this many times; the fastest counts (the machine may be shared)
+    cpu: CpuPerToken  # the stack's service processes (none with --url)
+    repeat: int  # each overhead batch runs this many times; the fastest counts (the machine may be shared)
 
 
 @dataclass
@@ -184,30 +200,85 @@ async def overhead(setup: Setup, declctrl: str, level: int, tokens: int) -> str:
             f"{runtime_us:6.1f} µs in the runtime{seen}")
 
 
-async def constrained_ratio(setup: Setup, constrain: str, n: int, tokens: int) -> str:
+@dataclass
+class Arm:
+    """One batch of one arm of the JSON comparison: its wall time, CPU per token and its requests."""
+
+    wall_s: float
+    cpu: dict[str, float]  # CPU seconds per token of each service process
+    outcomes: list[Outcome]
+
+    @property
+    def tokens(self) -> int:
+        return sum(o.tokens for o in self.outcomes)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+async def arm(calls: list, cpu: CpuPerToken) -> Arm:
+    cpu.start()
+    started = time.perf_counter()
+    outcomes = await asyncio.gather(*calls)
+    wall = time.perf_counter() - started
+    return Arm(wall, cpu.stop(sum(o.tokens for o in outcomes)) if cpu.pids else {}, outcomes)
+
+
+def describe_arm(label: str, arms: list[Arm]) -> str:
+    """The medians over rounds of where one arm's time went, per request and per token."""
+    med = statistics.median
+    ttft = med(med(o.ttft_s for o in a.outcomes) for a in arms)
+    per_token = med(med(o.decode_s / o.decode_steps for o in a.outcomes) for a in arms)
+    line = (f"  {label:13s} median of rounds: {med(a.tok_s for a in arms):7.1f} tok/s, wall {med(a.wall_s for a in arms):5.2f} s, "
+            f"TTFT p50 {ttft * 1e3:6.1f} ms, {per_token * 1e3:6.1f} ms per token after the first")
+    if arms[0].cpu:
+        cpu = {name: med(a.cpu[name] for a in arms) for name in arms[0].cpu}
+        line += "\n" + describe_cpu(cpu)
+    return line
+
+
+async def constrained_ratio(setup: Setup, constrain: str, n: int, tokens: int, rounds: int) -> list[str]:
+    """Constrained and unconstrained batches of the same prompts, alternated (the order swapping every round);
+    the plain requests generate exactly the token counts the constrained ones did (ignore_eos)."""
     http = setup.http
     texts = [p + " Answer as JSON." for p in prompts(n)]
     arg = {"json_schema": SCHEMA}
-    ctrl_t, plain_t, ctrl = await compare(
-        setup,
-        lambda: [controlled(http, constrain, arg, p, tokens) for p in texts],
-        lambda counts: [plain(http, p, c) for p, c in zip(texts, counts)],
-    )
-    total = sum(o.tokens for o in ctrl)
-    ctrl_tps, plain_tps = total / ctrl_t.wall_s, total / plain_t.wall_s
-    return (f"JSON schema, {n} concurrent, {total} tokens: constrained {ctrl_tps:8.1f} tok/s, unconstrained "
-            f"{plain_tps:8.1f} tok/s -> ratio {ctrl_tps / plain_tps:5.2f}x")
+    ctrl_calls = lambda: [controlled(http, constrain, arg, p, tokens) for p in texts]  # noqa: E731
+    # greedy, so each round's counts are these (batched near-ties aside: the rounds print their totals)
+    counts = [o.tokens for o in (await arm(ctrl_calls(), CpuPerToken({}))).outcomes]
+    plain_calls = lambda: [plain(http, p, c) for p, c in zip(texts, counts)]  # noqa: E731
+    lines, ctrl_arms, plain_arms = [], [], []
+    for r in range(rounds):
+        before = await setup.sched.read()
+        if r % 2 == 0:
+            ctrl_arms.append(await arm(ctrl_calls(), setup.cpu))
+            plain_arms.append(await arm(plain_calls(), setup.cpu))
+        else:
+            plain_arms.append(await arm(plain_calls(), setup.cpu))
+            ctrl_arms.append(await arm(ctrl_calls(), setup.cpu))
+        c, p = ctrl_arms[-1], plain_arms[-1]
+        lines.append(f"  round {r + 1}: constrained {c.tok_s:7.1f} tok/s ({c.tokens} tokens), unconstrained "
+                     f"{p.tok_s:7.1f} tok/s ({p.tokens}) -> {c.tok_s / p.tok_s:5.2f}x"
+                     f"{SchedulerStats.describe(before, await setup.sched.read())}")
+    ratio = statistics.median(c.tok_s / p.tok_s for c, p in zip(ctrl_arms, plain_arms))
+    head = (f"JSON schema, {n} concurrent, {sum(counts)} tokens ({min(counts)}-{max(counts)} a request), {rounds} "
+            f"alternated rounds: constrained / unconstrained tokens/s, median ratio {ratio:5.2f}x")
+    return [head, *lines, describe_arm("constrained", ctrl_arms), describe_arm("unconstrained", plain_arms)]
 
 
-async def bench(url: str, sched: SchedulerStats, levels: list[int], tokens: int, repeat: int) -> None:
+async def bench(url: str, setup_args: tuple[SchedulerStats, CpuPerToken], levels: list[int], json_n: int,
+                tokens: int, repeat: int, rounds: int) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as http:
         declctrl, constrain = await upload(http, "declctrl"), await upload(http, "constrain")
-        setup = Setup(http, sched, 1)
-        await overhead(setup, declctrl, 2, 4)  # warm-up: compile caches, first steps
-        await constrained_ratio(setup, constrain, 2, 8)
+        setup = Setup(http, *setup_args, repeat=1)
+        if levels:
+            await overhead(setup, declctrl, 2, 4)  # warm-up: compile caches, first steps
+        await constrained_ratio(setup, constrain, 2, 8, 1)
         setup.repeat = repeat
         lines = [await overhead(setup, declctrl, level, tokens) for level in levels]
-        lines.append(await constrained_ratio(setup, constrain, max(levels[1:2] or levels), tokens))
+        if json_n:
+            lines += await constrained_ratio(setup, constrain, json_n, tokens, rounds)
     for line in lines:
         print(line)
 
@@ -215,26 +286,31 @@ async def bench(url: str, sched: SchedulerStats, levels: list[int], tokens: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=32, help="tokens per sequence")
-    parser.add_argument("--levels", default="1,16,64", help="concurrent controlled sequences")
+    parser.add_argument("--levels", default="1,16,64", help="concurrent controlled sequences ('': none)")
+    parser.add_argument("--json", type=int, default=16, help="concurrent JSON-schema requests (0: none)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds of the JSON comparison")
     parser.add_argument("--url", help="a running gateway's HTTP URL; default: start a stack")
     parser.add_argument("--scheduler", help="with --url: the scheduler's endpoint, for its own figures")
-    parser.add_argument("--repeat", type=int, default=3, help="runs of each batch; the fastest counts")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each overhead batch; the fastest counts")
     args = parser.parse_args()
-    levels = [int(x) for x in args.levels.split(",")]
+    levels = [int(x) for x in args.levels.split(",") if x]
     stack = None
-    url, scheduler = args.url, args.scheduler
+    url, scheduler, cpu = args.url, args.scheduler, CpuPerToken({})
     if url is None:
         from tests.stack import served_settings, start_stack
 
         stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-ctrl-bench-")), **served_settings())
         url, scheduler = stack.http_url, stack.settings.endpoint("scheduler")
+        cpu = CpuPerToken({name: stack.pid(name) for name in SERVICES})
     try:
         from common.config import get_settings
 
         settings = stack.settings if stack is not None else get_settings()
         print(f"model {settings.model} ({settings.weights} weights) on {settings.device}, {args.tokens} tokens per "
-              f"sequence, greedy")
-        asyncio.run(bench(url, SchedulerStats(scheduler), levels, args.tokens, args.repeat))
+              f"sequence, greedy; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        asyncio.run(bench(url, (SchedulerStats(scheduler), cpu), levels, args.json, args.tokens, args.repeat,
+                          args.rounds))
+        print(f"load average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     finally:
         if stack is not None:
             stack.down()

@@ -122,12 +122,14 @@ class WasmInstance:
         host.mask_set = constraint.fill_mask_going(mask_address, self._mask_bytes)
         return host.mask_set
 
-    def post_process(self, tokens: list[int], backtrack: int) -> aici_wire.PostProcessResult:
+    def post_process(self, tokens: list[int], backtrack: int, deadline_ms: float | None = None
+                     ) -> aici_wire.PostProcessResult:
+        """``deadline_ms`` None: ``post_deadline_ms``."""
         if len(tokens) == 1:
             arg = b'{"tokens":[%d],"backtrack":%d}' % (tokens[0], backtrack)
         else:
             arg = b'{"tokens":[%s],"backtrack":%d}' % (",".join(map(str, tokens)).encode(), backtrack)
-        return self._invoke("aici_post_process", arg, self.d.post_deadline_ms, _post_decoder)
+        return self._invoke("aici_post_process", arg, deadline_ms or self.d.post_deadline_ms, _post_decoder)
 
     def fork(self, seq_id: int) -> WasmInstance:
         return WasmInstance(self.ctrl.fork(seq_id), self.d)
@@ -143,7 +145,15 @@ class WasmInstance:
 class NativeInstance:
     """A trusted Python controller; exceptions and overrun deadlines end the sequence (after the call)."""
 
-    pre_default = False
+    @property
+    def pre_default(self) -> bool:
+        """The controller says its pre_process would continue with no effect: the runtime skips the call."""
+        if self.dead or self.obj is None:
+            return False
+        try:
+            return bool(self.obj.pre_is_default())
+        except Exception:  # noqa: BLE001 - pre_process then runs, and fails the sequence as it should
+            return False
 
     def __init__(self, cls: type[NativeController], host: SeqHost, deadlines: Controllers) -> None:
         self.cls = cls
@@ -202,8 +212,10 @@ class NativeInstance:
             self.dead = str(exc)
             raise
 
-    def post_process(self, tokens: list[int], backtrack: int) -> aici_wire.PostProcessResult:
-        r = self._run("post_process", self.d.post_deadline_ms, lambda: self.obj.post_process(tokens, backtrack))
+    def post_process(self, tokens: list[int], backtrack: int, deadline_ms: float | None = None
+                     ) -> aici_wire.PostProcessResult:
+        r = self._run("post_process", deadline_ms or self.d.post_deadline_ms,
+                      lambda: self.obj.post_process(tokens, backtrack))
         return self._convert("post_process", r, aici_wire.PostProcessResult)
 
     def fork(self, seq_id: int) -> NativeInstance:

@@ -193,19 +193,29 @@ class Runtime:
         self.free(req.freed)
         ledger = CallLedger(self.budgets)
         try:
-            post_seqs = {str(op.id): self._post(op.id, op.tokens, op.backtrack, ledger) for op in req.post_ops}
+            post_seqs = self._posts(req, ledger)
             pre_seqs: dict[str, aici_wire.PreOutcome] = {}
             for op in req.pre_ops:
                 error = self._bind(op)
                 if error:
                     pre_seqs[str(op.id)] = aici_wire.PreOutcome(error=error)
+            ahead = set(req.ahead)
+            waiting, defaults = [], []
             for seq_id, instance in self.seqs.items():
                 key = str(seq_id)
-                if key not in pre_seqs:
-                    pre_seqs[key] = PRE_DEFAULT_REPLY if instance.pre_default else self._pre(instance, ledger)
+                if key in pre_seqs:
+                    continue
+                if instance.pre_default:
+                    pre_seqs[key] = PRE_DEFAULT_REPLY
+                    defaults.append(seq_id)
+                elif seq_id in ahead:  # its step went out already: pre_process runs before its next one
+                    waiting.append(seq_id)
+                else:
+                    pre_seqs[key] = self._pre(instance, ledger)
         finally:
             ledger.settle()
-        return aici_wire.PostPreProcessReply(post_seqs=post_seqs, pre_seqs=pre_seqs)
+        return aici_wire.PostPreProcessReply(post_seqs=post_seqs, pre_seqs=pre_seqs, waiting=waiting,
+                                             pre_default=defaults)
 
     def _bind(self, op: aici_wire.PreOp) -> str:
         """Bind ``op.req_id``'s instance to ``op.id``. The scheduler never reuses a live id, so an id that
@@ -221,14 +231,33 @@ class Runtime:
         self.seqs[op.id] = instance
         return ""
 
-    def _post(self, seq_id: int, tokens: list[int], backtrack: int, ledger: CallLedger) -> aici_wire.PostOutcome:
+    def _posts(self, req: aici_wire.PostPreProcess, ledger: CallLedger) -> dict[str, aici_wire.PostOutcome]:
+        """post_process of the post_ops. Those of ``ahead`` sequences run beside the forward pass, as mid_process
+        does, where a busy host may hold the runtime off the CPU for longer than ``post_deadline_ms``: they share
+        their user's ``mid_deadline_ms`` for the step, as their mid_process calls do."""
+        if not req.ahead:
+            return {str(op.id): self._post(op.id, op.tokens, op.backtrack, ledger) for op in req.post_ops}
+        ahead, used_ms = set(req.ahead), {}
+        posts = {}
+        for op in req.post_ops:
+            deadline_ms = None
+            if op.id in ahead and (instance := self.seqs.get(op.id)) is not None:
+                user = instance.host.request.user
+                deadline_ms = self._mid_deadline_ms(used_ms.get(user, 0.0))
+            posts[str(op.id)] = post = self._post(op.id, op.tokens, op.backtrack, ledger, deadline_ms)
+            if deadline_ms is not None:
+                used_ms[user] = used_ms.get(user, 0.0) + post.micros / 1000
+        return posts
+
+    def _post(self, seq_id: int, tokens: list[int], backtrack: int, ledger: CallLedger,
+              deadline_ms: float | None = None) -> aici_wire.PostOutcome:
         instance = self.seqs.get(seq_id)
         if instance is None:
             return aici_wire.PostOutcome(error=f"unknown sequence {seq_id}")
         host = instance.host
         start = time.perf_counter()
         try:
-            result = instance.post_process(tokens, backtrack)
+            result = instance.post_process(tokens, backtrack, deadline_ms)
         except ControllerError as exc:
             return seq_result(aici_wire.PostOutcome, host, ledger.spend(host.request.user, start), error=str(exc))
         return seq_result(aici_wire.PostOutcome, host, ledger.spend(host.request.user, start), result=result)

@@ -67,9 +67,13 @@ class ControllerError(Exception):
 
 class Ticker:
     """Advances the engine's epoch every ``period`` seconds while calls happen; sleeps once no call
-    has started for IDLE_TICKS ticks and none is running."""
+    has started for IDLE_TICKS ticks and none is running. Guest calls come in bursts, one per main-channel
+    call (a step's post_process calls; a declared mid_process mask calls no guest), a whole forward pass
+    apart through the stack: the ticker sleeps through most of that gap (each tick wakes a thread and takes
+    the GIL: ticking through them all cost the runtime twice the CPU of its calls), and the first call of a
+    burst wakes it. Not after fewer ticks: calls back to back (a busy step's) would pay that wake-up often."""
 
-    IDLE_TICKS = 1000
+    IDLE_TICKS = 20
 
     def __init__(self, engine: wasmtime.Engine, period: float) -> None:
         self.engine, self.period = engine, period

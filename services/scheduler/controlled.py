@@ -98,6 +98,8 @@ class Branch:
     suspended: bool = False
     finished: str | None = None  # the branch's AICI finish reason once it ended
     mid_splice: tuple[int, list[int]] | None = None  # this step's Splice (backtrack, ff_tokens), applied after it
+    pre_default: bool = False  # its controller flagged pre_process as the default at its last call: it may go ahead
+    held: bool = False  # went ahead, but its pre_process waits for the next step: fed, not sampled
     event: wire.TokenEvent | None = None  # what this step has to say about the branch
 
     @property
@@ -170,6 +172,7 @@ class Plan:
 
     per_worker: dict[bytes, list[tuple[Branch, wire.SeqStep]]] = field(default_factory=lambda: defaultdict(list))
     tokens: int = 0
+    ahead: bool = False  # its sampling sequences go out before their post_pre_process (see ControlledSteps.begin)
 
 
 @dataclass
@@ -182,6 +185,17 @@ class PendingMid:
     done: bool = False  # its reply (or failure) was applied
     frame: bytes | None = None  # the reply's mask rows
     skip: dict[int, str] = field(default_factory=dict)  # seq_id -> why it is not sampled this step
+    rows: list[int] | None = None  # a step that went ahead: op i's mask row in the step (of num_rows)
+    num_rows: int = 0
+
+
+def spread_rows(frame: bytes, rows: list[int], num_rows: int) -> bytes:
+    """A mask frame of ``len(rows)`` rows moved to rows ``rows`` of ``num_rows`` (the others all zero)."""
+    size = len(frame) // len(rows)
+    out = bytearray(size * num_rows)
+    for i, row in enumerate(rows):
+        out[row * size : (row + 1) * size] = frame[i * size : (i + 1) * size]
+    return bytes(out)
 
 
 # The Tiller finish reason of a request whose branch 0 ended with an AICI reason.
@@ -243,10 +257,15 @@ class ControlledSteps:
             self.by_seq[root.seq_id] = root
         return controlled
 
-    def begin(self, running: Iterable[LiveRequest], budget: int) -> tuple[Plan, aici_wire.PostPreProcess | None]:
+    def begin(self, running: Iterable[LiveRequest], budget: int, may_go_ahead: bool = False
+              ) -> tuple[Plan, aici_wire.PostPreProcess | None]:
         """The first half of a step's controlled part: prompt chunks fed before a controller is
         involved, and the ``post_pre_process`` to send (None: nothing to ask); pass its reply to
-        :meth:`planned`."""
+        :meth:`planned`. With ``may_go_ahead`` (no plain sequence runs) and ``controllers.step_ahead``, when
+        every live branch just sampled a token and its controller flags pre_process as the default, the plan
+        already samples them all (``plan.ahead``): the step goes out with ``masks_follow`` at once, and the
+        reply goes to :meth:`ahead_planned` while the worker computes it. The controllers see the same calls
+        in the same order; only the forward pass no longer waits for post_pre_process."""
         plan = Plan()
         self.mid = None
         assign: list[Branch] = []
@@ -266,6 +285,7 @@ class ControlledSteps:
                 budget -= chunk
         if not self.requests and not self.freed:
             return plan, None
+        ahead = self._going_ahead(assign, may_go_ahead)
         post_ops = []
         for controlled in self.requests.values():
             for b in controlled.live():
@@ -279,7 +299,32 @@ class ControlledSteps:
             return plan, None
         self._assign, self._post_ops = assign, post_ops
         self.planning = True
-        return plan, aici_wire.PostPreProcess(post_ops=post_ops, pre_ops=pre_ops, freed=freed, reset=self.runtime_fresh)
+        request = aici_wire.PostPreProcess(post_ops=post_ops, pre_ops=pre_ops, freed=freed, reset=self.runtime_fresh)
+        if ahead:
+            for row, branch in enumerate(ahead):
+                self._add(plan, branch, branch.unfed, sample=True, mask_row=row)
+            plan.ahead = True
+            self.mid = PendingMid([(b, None) for b in ahead], {b.seq_id for b in ahead})
+            request.ahead = [b.seq_id for b in ahead]
+        return plan, request
+
+    def _going_ahead(self, assign: list[Branch], may_go_ahead: bool) -> list[Branch]:
+        """The branches of a step that may go out before its post_pre_process: all the live ones, when each
+        just sampled a token that is all it needs fed and flags its pre_process as the default; [] when any
+        needs more (a binding, a fork, ff_tokens, a backtrack, a suspension)."""
+        if assign or not may_go_ahead or not self.settings.step_ahead:
+            return []
+        ahead = []
+        for controlled in self.requests.values():
+            for b in controlled.live():
+                if not b.assigned:
+                    continue  # a prompt chunk, fed without its controller
+                if not (b.pre_default and len(b.report_tokens) == 1 and not b.report_backtrack
+                        and b.unfed == b.report_tokens and not b.kv_backtrack and b.fork_of is None
+                        and not b.suspended and not b.request.paused):
+                    return []
+                ahead.append(b)
+        return ahead
 
     def planned(self, plan: Plan, reply: MainReply) -> Plan:
         """The second half: apply the ``post_pre_process`` reply and plan the sampling sequences
@@ -386,6 +431,66 @@ class ControlledSteps:
     def _post_pre_process(self, post_ops: list[aici_wire.PostOp], reply: aici_wire.PostPreProcessReply
                           ) -> list[tuple[Branch, int | None]]:
         """Apply a post_pre_process reply; returns the branches to run this step, each with its clone parent."""
+        self._post_outcomes(post_ops, reply)
+        runnable: list[tuple[Branch, int | None]] = []
+        defaults = set(reply.pre_default)
+        for controlled in list(self.requests.values()):
+            for branch in list(controlled.live()):
+                if not branch.assigned:
+                    continue
+                branch.pre_default = branch.seq_id in defaults
+                result = reply.pre_seqs.get(str(branch.seq_id))
+                if result is None:
+                    self._end(branch, "fail", error="the controller runtime returned no pre_process result")
+                    continue
+                runnable += self._on_pre(controlled, branch, result)
+            self._check_deadlock(controlled)
+        return runnable
+
+    def ahead_planned(self, reply: MainReply) -> aici_wire.MidProcess | None:
+        """Apply the ``post_pre_process`` reply of a step that went out ahead (:meth:`begin`): the branches
+        that stopped, failed or must wait for their pre_process are fed, not sampled. Returns the step's
+        ``mid_process`` to send, or None when there is none (its masks are settled: :meth:`step_masks`)."""
+        mid = self.mid
+        assert mid is not None and not mid.sent
+        post_ops, self._post_ops = self._post_ops, []
+        if reply.error:
+            self.mid_done(reply)
+            return None
+        try:
+            self._post_outcomes(post_ops, reply.data)
+            waiting, defaults = set(reply.data.waiting), set(reply.data.pre_default)
+            kept: list[tuple[Branch, int | None]] = []
+            rows: list[int] = []
+            for row, (branch, _) in enumerate(mid.runnable):
+                if branch.finished is not None:
+                    mid.skip[branch.seq_id] = f"the sequence ended in post_process ({branch.finished})"
+                    continue
+                outcome = reply.data.pre_seqs.get(str(branch.seq_id))
+                if outcome is not None and branch.seq_id not in defaults and not outcome.error:
+                    self._end(branch, "fail", error="the controller runtime ran pre_process for a sequence "
+                                                    "whose step went ahead")
+                elif outcome is not None and self._on_pre(self.requests[branch.request.rid], branch, outcome):
+                    kept.append((branch, None))
+                    rows.append(row)
+                    continue
+                elif outcome is None and branch.seq_id not in waiting:
+                    self._end(branch, "fail", error="the controller runtime returned no pre_process result")
+                if branch.finished is None:  # its pre_process waits (or it paused): its next step samples it
+                    branch.held = True
+                mid.skip[branch.seq_id] = (f"the sequence ended ({branch.finished})" if branch.finished
+                                           else "its pre_process runs before its next step")
+        except Exception as exc:  # as in planned(): the controlled requests fail, the loop goes on
+            self._fail_all(exc)
+            kept, rows = [], []
+        mid.rows, mid.num_rows, mid.runnable = rows, len(mid.runnable), kept
+        if kept:
+            return self.mid_request()
+        self.mid_done(MainReply(data=aici_wire.MidProcessReply()))
+        return None
+
+    def _post_outcomes(self, post_ops: list[aici_wire.PostOp], reply: aici_wire.PostPreProcessReply) -> None:
+        """The post_process outcomes of a post_pre_process reply: a stop or an error ends the branch."""
         for op in post_ops:
             branch = self.by_seq.get(op.id)
             post = reply.post_seqs.get(str(op.id))
@@ -396,18 +501,6 @@ class ControlledSteps:
                 self._end(branch, "fail", error=post.error)
             elif post.result is not None and post.result.stop:
                 self._end(branch, "aici-stop")
-        runnable: list[tuple[Branch, int | None]] = []
-        for controlled in list(self.requests.values()):
-            for branch in list(controlled.live()):
-                if not branch.assigned:
-                    continue
-                result = reply.pre_seqs.get(str(branch.seq_id))
-                if result is None:
-                    self._end(branch, "fail", error="the controller runtime returned no pre_process result")
-                    continue
-                runnable += self._on_pre(controlled, branch, result)
-            self._check_deadlock(controlled)
-        return runnable
 
     def _check_deadlock(self, controlled: Controlled) -> None:
         """A request all of whose branches stay suspended (each waiting for another) for more than
@@ -470,6 +563,8 @@ class ControlledSteps:
     def _mid_process(self, mid: PendingMid, reply: MainReply) -> None:
         seqs = reply.data.seqs
         mid.frame = reply.frames[0] if reply.frames else None
+        if mid.frame is not None and mid.rows is not None and mid.rows != list(range(mid.num_rows)):
+            mid.frame = spread_rows(mid.frame, mid.rows, mid.num_rows)
         for branch, _ in mid.runnable:
             if branch.finished:
                 continue
@@ -522,6 +617,9 @@ class ControlledSteps:
             return
         branch.kv_len = len(branch.tokens)  # everything planned was fed
         request.fed = len(request.prompt)
+        if branch.held:  # it went ahead, its pre_process waited: fed, not sampled
+            branch.held = False
+            return
         if branch.mid_splice is not None:  # fed, not sampled: the controller spliced instead
             (backtrack, ff), branch.mid_splice = branch.mid_splice, None
             self._splice(branch, backtrack, ff)

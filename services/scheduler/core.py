@@ -334,8 +334,10 @@ class SchedulerCore:
 
     def plan_controlled(self) -> tuple[Plan, aici_wire.PostPreProcess | None]:
         """The controlled part of the next step; send the request (when there is one) and pass its
-        reply to :meth:`controlled_planned`."""
-        return self.controlled.begin(self.running.values(), self.limits.step_token_budget)
+        reply to :meth:`controlled_planned`, or, for a plan that goes ahead (``plan.ahead``: it goes into
+        the step at once), to ``controlled.ahead_planned``."""
+        return self.controlled.begin(self.running.values(), self.limits.step_token_budget,
+                                     may_go_ahead=not self._plain_running())
 
     def controlled_workers(self) -> set[bytes]:
         """The workers running controlled requests: a controlled plan needs a step on each of them."""
@@ -349,9 +351,12 @@ class SchedulerCore:
         running: a step waiting for its masks would hold them up for as long as the slowest controller
         takes (its masks then go with the step). None: there is none, or no plain sequence runs and it
         runs while the worker computes the forward pass (``masks_follow``)."""
-        if not any(not r.submit.controller and not r.paused for r in self.running.values()):
+        if not self._plain_running():
             return None
         return self.controlled.mid_request()
+
+    def _plain_running(self) -> bool:
+        return any(not r.submit.controller and not r.paused for r in self.running.values())
 
     def build_steps(self, controlled: Plan | None = None, workers: Collection[bytes] | None = None) -> list[Dispatch]:
         """The next step for each worker (of ``workers``; None: all) that has sequences to run or to

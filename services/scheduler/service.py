@@ -15,7 +15,9 @@ the background while plain steps go on, and joins the first steps built once it 
 worker running controlled requests has room in its pipeline (those workers get no plain steps until
 then), its mask frame with it. With no plain sequence running, a step with controlled sequences goes
 out with ``masks_follow`` instead: their ``mid_process`` runs while the worker computes the forward
-pass, and its masks follow in a ``StepMasks``.
+pass, and its masks follow in a ``StepMasks``. When every controlled sequence just sampled a token and its
+controller flags pre_process as the default (``controllers.step_ahead``), that step goes out as soon as the
+last one's result is in, and its ``post_pre_process`` runs during the forward pass too, before ``mid_process``.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class Scheduler:
         self.next_check = 0.0  # when the step loop next checks the workers in flight and the deadlines
         self.background: set[asyncio.Task[None]] = set()
         self.preparing: asyncio.Task[Plan] | None = None  # the next step's controlled part, while its calls run
+        self.ahead: aici_wire.PostPreProcess | None = None  # the post_pre_process of a plan going out ahead of it
 
     def _flush(self) -> None:
         """Send what the core has for gateways; a state change may let the step loop go on."""
@@ -258,14 +261,17 @@ class Scheduler:
             if not any(flight[0].done for flight in self.flights.values() if flight):
                 await self._sleep(max(self.next_check - time.monotonic(), 0.0))
                 self._check(time.monotonic())
+            applied = False
             for identity, flight in list(self.flights.items()):
                 while flight and flight[0].done:
                     done = flight.popleft()
                     if done.result is not None:
                         core.apply(done.dispatch, done.result)
+                        applied = True
                 if not flight and identity not in core.pool.workers:
                     del self.flights[identity]
-            core.end_step()
+            if applied:  # not on a mere wake-up mid-step: controlled events then carry only the controllers' time
+                core.end_step()
             self._flush()
 
     async def _sleep(self, timeout: float) -> None:
@@ -312,8 +318,12 @@ class Scheduler:
         steps = core.build_steps(plan, roomy)
         if not steps:
             return False
-        mid = core.controlled.mid_request() if any(d.step.masks_follow for d in steps) else None
-        mid_done = asyncio.ensure_future(self._mid_process(mid)) if mid is not None else None
+        mid_done = None
+        if self.ahead is not None:  # its post_pre_process, then mid_process, run during the forward pass
+            mid_done = asyncio.ensure_future(self._step_ahead(self.ahead))
+            self.ahead = None
+        elif (mid := core.controlled.mid_request() if any(d.step.masks_follow for d in steps) else None) is not None:
+            mid_done = asyncio.ensure_future(self._mid_process(mid))
         controlled = bool(plan and plan.per_worker)
         deadline = time.monotonic() + self.limits.worker_step_timeout_s
         for dispatch in steps:
@@ -343,6 +353,9 @@ class Scheduler:
             return plan
         plan, request = self.core.plan_controlled()
         if request is None:
+            return plan
+        if plan.ahead:
+            self.ahead = request
             return plan
         self.preparing = asyncio.get_running_loop().create_task(self._prepare(plan, request))
         self.preparing.add_done_callback(lambda _: self.wake())
@@ -375,6 +388,12 @@ class Scheduler:
 
     async def _mid_process(self, request: aici_wire.MidProcess) -> None:
         self.core.controlled.mid_done(await self._main_call(request))
+
+    async def _step_ahead(self, request: aici_wire.PostPreProcess) -> None:
+        """The main-channel calls of a step that went out ahead of them."""
+        mid = self.core.controlled.ahead_planned(await self._main_call(request))
+        if mid is not None:
+            await self._mid_process(mid)
 
     async def _send_masks(self, identity: bytes, step: wire.Step, mid_done: asyncio.Future[None]) -> None:
         """The masks of a ``masks_follow`` step, once its controllers' ``mid_process`` is done."""

@@ -148,8 +148,22 @@ def test_native_controller_prefix_then_regex(runtime, tokenizer):
     yes = tokenizer.tokenize(b"yes")
     out = runtime.post_pre_process(aici_wire.PostPreProcess(post_ops=[aici_wire.PostOp(id=1, tokens=yes)]))
     assert out["post_seqs"]["1"]["result"] == {"stop": True}
+    assert out["pre_default"] == [] and out["pre_seqs"]["1"]["result"]["num_forks"] == 0  # done: pre_process stops it
     assert out["post_seqs"]["1"]["storage"][0]["WriteVar"]["name"] == "out"
     assert runtime.seqs[1].host.get_var("out") == json.dumps(yes).encode()
+
+
+def test_native_controllers_pre_process_is_skipped_while_it_would_be_the_default(runtime, tokenizer):
+    start(runtime, "native:constrained", 1, arg={"regex": "a+"})
+    calls = []
+    instance = runtime.seqs[1]
+    instance.obj.pre_process = lambda: calls.append(1) or {"num_forks": 1, "suspend": False, "ff_tokens": []}
+    a = tokenizer.tokenize(b"a")
+    out = runtime.post_pre_process(aici_wire.PostPreProcess(post_ops=[aici_wire.PostOp(id=1, tokens=a)]))
+    assert out["pre_default"] == [1] and out["pre_seqs"]["1"]["result"]["num_forks"] == 1 and calls == []
+    instance.obj.prefix = a  # something to fast-forward: pre_process runs
+    out = runtime.post_pre_process(aici_wire.PostPreProcess())
+    assert out["pre_default"] == [] and calls == [1]
 
 
 def test_native_controller_fork_and_errors(runtime):

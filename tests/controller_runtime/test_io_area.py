@@ -11,7 +11,7 @@ import pytest
 from common import aici_wire
 from services.controller_runtime.constraints import Constraint, ConstraintKind
 from services.controller_runtime.registry import RegistryError
-from tests.controller_runtime.conftest import mid, row, start
+from tests.controller_runtime.conftest import LIMITS, mid, row, start
 from tests.controller_runtime.wat import POST_OK, controller
 
 IO = 20000  # header: cap, flags, arg_len, result_len; data from IO + 16
@@ -142,3 +142,26 @@ def test_mid_process_is_called_when_the_declaration_does_not_hold(runtime, token
     data, _ = mid(runtime, (1, None), *([(2, 1)] if case == "fork" else []))
     assert "aici_mid_process: trap: " in data["seqs"]["1"]["error"]
     assert "unreachable" in data["seqs"]["1"]["error"]
+
+
+def test_a_sequence_that_went_ahead_gets_pre_process_only_where_flagged_as_the_default(runtime):
+    """``ahead`` (the scheduler sent the sequence's step already): a flagged pre_process is skipped as always,
+    any other waits for the next call; the reply says which is which."""
+    start(runtime, controller(pre="unreachable", extra=io_export(), data=io_header(flags=1)), 1)
+    start(runtime, controller(), 3)
+    posts = [aici_wire.PostOp(id=i, tokens=[5]) for i in (1, 3)]
+    out = runtime.post_pre_process(aici_wire.PostPreProcess(post_ops=posts, ahead=[1, 3]))
+    assert out["pre_default"] == [1] and out["waiting"] == [3] and set(out["pre_seqs"]) == {"1"}
+    assert out["post_seqs"]["3"]["result"] == {"stop": False} and out["pre_seqs"]["1"]["error"] == ""
+    later = runtime.post_pre_process(aici_wire.PostPreProcess())  # the next step's: 3's pre_process runs now
+    assert later["waiting"] == [] and later["pre_default"] == [1]
+    assert later["pre_seqs"]["3"]["result"] == {"suspend": False, "num_forks": 1, "ff_tokens": []}
+
+
+def test_post_process_of_a_sequence_that_went_ahead_has_the_mid_deadline(runtime):
+    start(runtime, controller(post="(loop $l (br $l))"), 1)
+    start(runtime, controller(post="(loop $l (br $l))"), 2)
+    posts = [aici_wire.PostOp(id=i, tokens=[5]) for i in (1, 2)]
+    out = runtime.post_pre_process(aici_wire.PostPreProcess(post_ops=posts, ahead=[1]))
+    assert f"deadline of {LIMITS.mid_deadline_ms:g} ms exceeded" in out["post_seqs"]["1"]["error"]
+    assert f"deadline of {LIMITS.post_deadline_ms:g} ms exceeded" in out["post_seqs"]["2"]["error"]

@@ -25,6 +25,8 @@ class FakeRuntime:
         self.pre_error: dict[int, str] = {}
         self.requests: list[aici_wire.MainRequest] = []
         self.fail_next = ""
+        self.pre_default = False  # every controller flags pre_process as the default (it is not called)
+        self.waiting: set[int] = set()  # of those that go ahead: the ones whose pre_process waits instead
 
     def post_pre_process(self, h: Harness, request: aici_wire.PostPreProcess) -> MainReply:
         self.requests.append(request)
@@ -33,10 +35,13 @@ class FakeRuntime:
             return reply(error=error)
         bound = {b.seq_id for c in h.core.controlled.requests.values() for b in c.live() if b.assigned}
         bound |= {op.id for op in request.pre_ops}
+        waiting = self.waiting & set(request.ahead)
+        bound -= waiting
         return reply(request, {
             "pre_seqs": {str(s): {"error": self.pre_error.pop(s)} if s in self.pre_error else {"result": self.pre.pop(s, {})}
                          for s in bound},
             "post_seqs": {str(op.id): {"result": self.post.pop(op.id, {})} for op in request.post_ops},
+            "waiting": sorted(waiting), "pre_default": sorted(bound) if self.pre_default else [],
         })
 
     def mid_process(self, request: aici_wire.MidProcess) -> MainReply:
@@ -50,6 +55,15 @@ def step(h: Harness, rt: FakeRuntime, tokens: dict[str, int] | None = None
     """One whole step as the service shell runs it; the StepMasks sent to workers."""
     h.core.admit()
     plan, request = h.core.plan_controlled()
+    if plan.ahead:  # the step goes out first; its post_pre_process and mid_process run during the forward pass
+        steps = h.core.build_steps(plan)
+        assert request is not None and all(d.step.masks_follow for d in steps)
+        if (mid := h.core.controlled.ahead_planned(rt.post_pre_process(h, request))) is not None:
+            h.core.controlled.mid_done(rt.mid_process(mid))
+        masks = [h.core.controlled.step_masks(d.step) for d in steps]
+        h.apply(steps, tokens)
+        h.core.emit_deferred()
+        return steps, masks
     plan = h.core.controlled_planned(plan, None if request is None else rt.post_pre_process(h, request))
     if (first := h.core.mid_first()) is not None:  # plain sequences run: the masks go with the step
         h.core.controlled.mid_done(rt.mid_process(first))
@@ -319,3 +333,92 @@ def test_a_reply_that_does_not_match_the_protocol_is_refused_and_fails_the_contr
     h.core.controlled_planned(plan, reply(error=f"bad reply from the controller runtime: {bad.value}"))
     (failed,) = h.failures("c")
     assert failed.code == "service_unavailable" and "$.data.pre_seqs" in failed.message
+
+
+# -- steps that go ahead of their post_pre_process (controllers.step_ahead) ---------------------------
+
+
+def ahead_pair(**fields: object) -> tuple[Harness, FakeRuntime]:
+    """Two controlled requests whose controllers flag pre_process as the default, one step in (bound)."""
+    h, rt = controlled(**fields)
+    h.submit("d", prompt(3, start=20), 8, controller="ctl-2")
+    rt.pre_default = True
+    step(h, rt, {"c": HE, "d": WOR})
+    return h, rt
+
+
+def test_a_step_goes_ahead_when_every_controller_flags_its_pre_process_as_the_default():
+    h, rt = ahead_pair()
+    ahead_steps, masks = step(h, rt, {"c": LLO, "d": LD})
+    c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
+    post_pre, mid = rt.requests[-2:]
+    # the step fed the sampled tokens and went out before the runtime heard of them; the calls are the usual ones
+    assert [(s.seq_id, s.tokens, s.mask_row) for s in ahead_steps[0].step.seqs] == [(c, [HE], 0), (d, [WOR], 1)]
+    assert isinstance(post_pre, aici_wire.PostPreProcess) and post_pre.ahead == [c, d]
+    assert post_pre.post_ops == [aici_wire.PostOp(id=c, tokens=[HE]), aici_wire.PostOp(id=d, tokens=[WOR])]
+    assert isinstance(mid, aici_wire.MidProcess) and [op.id for op in mid.ops] == [c, d]
+    assert masks == [(wire.StepMasks(step_id=ahead_steps[0].step.step_id), [b"MASKS"])]
+    assert h.text("c") == " hello" and h.text("d") == " world"
+
+
+def test_no_step_goes_ahead_beside_plain_sequences_or_without_the_flag():
+    h, rt = ahead_pair()
+    h.submit("p", prompt(2), 8)
+    h.core.admit()
+    assert not h.core.plan_controlled()[0].ahead  # a plain sequence runs: it must not wait for masks
+    h2, rt2 = controlled()
+    step(h2, rt2, {"c": HE})
+    assert not h2.core.plan_controlled()[0].ahead  # its pre_process was called: it may fork, suspend, ...
+    h3 = Harness(controllers=Controllers(step_ahead=False), prefill_chunk_tokens=16)
+    h3.worker()
+    h3.submit("c", prompt(3), 8, controller="ctl-1")
+    rt3 = FakeRuntime()
+    rt3.pre_default = True
+    step(h3, rt3, {"c": HE})
+    assert not h3.core.plan_controlled()[0].ahead  # switched off
+
+
+def test_a_sequence_whose_pre_process_waits_is_fed_not_sampled_then_sampled_by_the_usual_step():
+    h, rt = ahead_pair()
+    c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
+    rt.waiting = {c}
+    ahead_steps, masks = step(h, rt, {"c": LLO, "d": LD})
+    ((step_masks, frames),) = masks
+    assert [f.seq_id for f in step_masks.failures] == [c]
+    assert [op.id for op in rt.requests[-1].ops] == [d]
+    assert frames == [bytes(5) + b"MASKS"]  # d's row moved to its place in the step (row 1), c's left empty
+    assert h.text("c") == " he" and h.text("d") == " world"
+    rt.waiting = set()
+    usual, _ = step(h, rt, {"c": LLO, "d": BANG})
+    post_pre = rt.requests[-2]
+    assert post_pre.ahead == [] and [op.id for op in post_pre.post_ops] == [d]  # c's token was reported already
+    (seq_c,) = [s for s in usual[0].step.seqs if s.seq_id == c]
+    assert seq_c.tokens == [HE] and seq_c.backtrack == 1 and seq_c.sample  # computed again to sample after it
+    assert h.text("c") == " hello" and h.text("d") == " world!"
+
+
+def test_a_stop_in_post_process_of_a_step_that_went_ahead_ends_only_that_branch():
+    h, rt = ahead_pair()
+    c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
+    rt.post[c] = {"stop": True}
+    _, masks = step(h, rt, {"c": LLO, "d": LD})
+    ((step_masks, _),) = masks
+    assert [f.seq_id for f in step_masks.failures] == [c]
+    assert h.final("c").fork_finish == "aici-stop" and h.text("c") == " he"
+    assert h.text("d") == " world" and "d" in h.core.requests
+    rt.post[d] = {"stop": True}
+    before = len(rt.requests)
+    _, masks = step(h, rt, {"d": BANG})
+    assert len(rt.requests) == before + 1  # every branch stopped: no mid_process
+    assert [f.seq_id for f in masks[0][0].failures] == [d] and masks[0][1] == []
+    assert h.final("d").fork_finish == "aici-stop"
+
+
+def test_a_failed_runtime_call_of_a_step_that_went_ahead_fails_its_requests():
+    h, rt = ahead_pair()
+    c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
+    rt.fail_next = "the controller runtime did not answer post_pre_process within 5 s"
+    _, masks = step(h, rt, {"c": LLO, "d": LD})
+    assert {f.seq_id for f in masks[0][0].failures} == {c, d}  # the worker samples neither
+    failed = h.failures("c") + h.failures("d")
+    assert len(failed) == 2 and all("did not answer" in f.message for f in failed)
