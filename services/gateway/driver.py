@@ -246,14 +246,7 @@ class Generation:
             while True:
                 item = await queue.get()
                 if isinstance(item, wire.RequestFailed):
-                    yield ErrorMsg(
-                        code=item.code,
-                        message=item.message,
-                        recoverable=item.recoverable,
-                        recovery_action=item.recovery_action,
-                        request_id=self.rid,
-                        generated_text=self._partial(),
-                    )
+                    yield ErrorMsg.from_failure(item, self._partial())
                     return
                 for msg in self._on_event(item):
                     yield msg
