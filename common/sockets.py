@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import itertools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,8 @@ log = structlog.get_logger()
 
 Frames = Sequence[bytes | memoryview]
 _ZERO_COPY_MIN = 64 * 1024
-_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: no enum arithmetic
+# plain ints: no enum arithmetic
+_EVENTS, _POLLIN, _POLLOUT, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK)
 
 
 class PeerLost(Exception):
@@ -67,6 +68,58 @@ def _copy_flag(frames: Frames) -> bool:
     return all(len(f) < _ZERO_COPY_MIN for f in frames)
 
 
+class _LoopReader:
+    """A socket read from the event loop's reader callback, without pyzmq's futures: each message
+    goes to ``on_frames`` as it is read, with no future, task or coroutine switch per message, and
+    sends are plain non-blocking sends (:meth:`send` waits for room when there is none).
+
+    ZeroMQ's descriptor is edge-triggered and only says that the socket's state may have changed:
+    the callback reads until ``EVENTS`` says nothing is left (which also re-arms it), and a send,
+    which may take the wake-up of a message that arrived meanwhile, schedules a read when one waits.
+    """
+
+    def __init__(self, sock: zmq.asyncio.Socket, on_frames: Callable[[list[bytes]], None]) -> None:
+        self._sync = zmq.Socket.shadow(sock.underlying)
+        self._on_frames = on_frames
+        self._loop = asyncio.get_running_loop()
+        self._fd = self._sync.getsockopt(zmq.FD)
+        self._writers: list[asyncio.Future[None]] = []  # sends waiting for room
+        self._loop.add_reader(self._fd, self._drain)
+        self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        sync = self._sync
+        while (events := sync.getsockopt(_EVENTS)) & _POLLIN:
+            self._on_frames(sync.recv_multipart(_NOBLOCK))
+        if events & _POLLOUT and self._writers:
+            writers, self._writers = self._writers, []
+            for writer in writers:
+                if not writer.done():
+                    writer.set_result(None)
+
+    def try_send(self, frames: Frames, copy: bool) -> bool:
+        """Send without waiting; False when the socket has no room (or, with ``ZMQ_IMMEDIATE``, no peer)."""
+        try:
+            self._sync.send_multipart(frames, _NOBLOCK, copy=copy)
+        except zmq.Again:
+            return False
+        if self._sync.getsockopt(_EVENTS) & _POLLIN:
+            self._loop.call_soon(self._drain)
+        return True
+
+    async def send(self, frames: Frames, copy: bool) -> None:
+        """Send, waiting while there is no room; cancelled, it sends nothing."""
+        while not self.try_send(frames, copy):
+            writer = self._loop.create_future()
+            self._writers.append(writer)
+            self._loop.call_soon(self._drain)  # the room may have come before the writer waited
+            await writer
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+
+
 class Router:
     """A bound ROUTER socket: receive validated messages from many peers, reply to any of them."""
 
@@ -87,9 +140,7 @@ class Router:
         if heartbeat_s is not None:
             heartbeat(self.sock, *heartbeat_s)
         bind(self.sock, endpoint)
-        self._sync: zmq.Socket | None = None  # with serve(): the socket, read and written without futures
-        self._drain: Callable[[], None] = lambda: None
-        self._reading: asyncio.AbstractEventLoop | None = None  # with serve(): the loop that reads it
+        self._reader: _LoopReader | None = None  # with serve(): the socket, read and written without futures
 
     async def recv(self) -> tuple[bytes, wire.Message, list[bytes]]:
         """Next well-formed message as (peer identity, header, binary frames).
@@ -118,24 +169,16 @@ class Router:
         """Hand every well-formed message to ``handle(identity, header, binary)`` as it arrives, from
         the event loop's reader callback: no future, task or coroutine switch per message (for a socket
         as busy as the workers' step results). Use it instead of :meth:`recv`, not with it."""
-        sync = zmq.Socket.shadow(self.sock.underlying)
-        loop = asyncio.get_running_loop()
 
-        def drain() -> None:
-            # ZeroMQ's descriptor only says that its state may have changed: read until EVENTS says
-            # nothing is left (that also re-arms it)
-            while sync.getsockopt(_EVENTS) & _POLLIN:
-                if (message := self._parse(sync.recv_multipart(_NOBLOCK))) is None:
-                    continue
-                try:
-                    handle(*message)
-                except Exception:  # a bug handling one message must not stop the others
-                    log.exception("router.handler_failed", endpoint=self.endpoint, type=type(message[1]).__name__)
+        def on_frames(parts: list[bytes]) -> None:
+            if (message := self._parse(parts)) is None:
+                return
+            try:
+                handle(*message)
+            except Exception:  # a bug handling one message must not stop the others
+                log.exception("router.handler_failed", endpoint=self.endpoint, type=type(message[1]).__name__)
 
-        self._sync, self._drain = sync, drain
-        loop.add_reader(sync.getsockopt(zmq.FD), drain)
-        self._reading = loop
-        loop.call_soon(drain)
+        self._reader = _LoopReader(self.sock, on_frames)
 
     async def send(self, identity: bytes, msg: wire.Msg, binary: Frames = ()) -> None:
         self.post(identity, msg, binary)
@@ -144,16 +187,14 @@ class Router:
         """Send now: a ROUTER never waits (a message to a peer that is gone, or whose queue is full, is
         dropped), so the message is on its way, in order with the others, when this returns."""
         frames = [identity, wire.encode(msg), *binary]
-        if self._sync is None:
+        if self._reader is None:
             self.sock.send_multipart(frames, copy=_copy_flag(binary))
-            return
-        self._sync.send_multipart(frames, _NOBLOCK, copy=_copy_flag(binary))
-        if self._sync.getsockopt(_EVENTS) & _POLLIN:  # a send may take the descriptor's wake-up: read
-            asyncio.get_running_loop().call_soon(self._drain)
+        else:
+            self._reader.try_send(frames, _copy_flag(binary))
 
     def close(self) -> None:
-        if self._reading is not None and self._sync is not None and not self._reading.is_closed():
-            self._reading.remove_reader(self._sync.getsockopt(zmq.FD))
+        if self._reader is not None:
+            self._reader.close()
         self.sock.close(0)
 
 
@@ -161,7 +202,9 @@ class Dealer:
     """A connected DEALER: request/reply matched by ``mid`` plus unsolicited messages to a handler.
 
     Replies (messages with a ``mid``) resolve their pending request's future, or are dropped when it
-    timed out; unsolicited messages (``mid`` 0) go to ``on_message`` if given, else are dropped.
+    timed out; unsolicited messages (``mid`` 0) go to ``on_message`` if given, else are dropped. The
+    socket is read from the event loop's reader callback (:class:`_LoopReader`), so ``on_message``
+    runs there, once per message, and must not block.
 
     ``immediate``: a message is only queued on a live connection (``ZMQ_IMMEDIATE``): while the peer
     is down a send waits, and a request that timed out or was abandoned meanwhile is never sent, so a
@@ -175,7 +218,7 @@ class Dealer:
         endpoint: str,
         *,
         identity: bytes | None = None,
-        on_message: Callable[[wire.Message, list[bytes]], Awaitable[None]] | None = None,
+        on_message: Callable[[wire.Message, list[bytes]], None] | None = None,
         immediate: bool = False,
     ) -> None:
         self.endpoint = endpoint
@@ -188,36 +231,37 @@ class Dealer:
         self._on_message = on_message
         self._pending: dict[int, asyncio.Future[tuple[wire.Message, list[bytes]]]] = {}
         self._mids = itertools.count(1)
-        self._reader: asyncio.Task[None] | None = None
+        self._reader: _LoopReader | None = None
 
     def start(self) -> None:
         if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+            self._reader = _LoopReader(self.sock, self._on_frames)
 
-    async def _read_loop(self) -> None:
-        while True:
-            parts = await self.sock.recv_multipart()
-            try:
-                msg = wire.decode(parts[0])
-            except WireError as exc:
-                log.warning("wire.malformed", endpoint=self.endpoint, error=str(exc))
-                continue
-            if msg.mid:  # a reply; one whose request already timed out is dropped
-                future = self._pending.pop(msg.mid, None)
-                if future is not None and not future.done():
-                    future.set_result((msg, parts[1:]))
-                else:
-                    log.debug("dealer.late_reply", endpoint=self.endpoint, type=type(msg).__name__)
-            elif self._on_message is not None:
-                try:
-                    await self._on_message(msg, parts[1:])
-                except Exception:  # a handler bug must not kill the reader
-                    log.exception("dealer.handler_failed", endpoint=self.endpoint)
+    def _on_frames(self, parts: list[bytes]) -> None:
+        try:
+            msg = wire.decode(parts[0])
+        except WireError as exc:
+            log.warning("wire.malformed", endpoint=self.endpoint, error=str(exc))
+            return
+        if msg.mid:  # a reply; one whose request already timed out is dropped
+            future = self._pending.pop(msg.mid, None)
+            if future is not None and not future.done():
+                future.set_result((msg, parts[1:]))
             else:
-                log.debug("dealer.unmatched", endpoint=self.endpoint, type=type(msg).__name__)
+                log.debug("dealer.late_reply", endpoint=self.endpoint, type=type(msg).__name__)
+        elif self._on_message is not None:
+            try:
+                self._on_message(msg, parts[1:])
+            except Exception:  # a handler bug must not stop the reading
+                log.exception("dealer.handler_failed", endpoint=self.endpoint)
+        else:
+            log.debug("dealer.unmatched", endpoint=self.endpoint, type=type(msg).__name__)
 
     async def send(self, msg: wire.Msg, binary: Frames = ()) -> None:
-        await self.sock.send_multipart([wire.encode(msg), *binary], copy=_copy_flag(binary))
+        """Send ``msg``, waiting while the socket has no room (with ``immediate``: no live peer)."""
+        self.start()
+        assert self._reader is not None
+        await self._reader.send([wire.encode(msg), *binary], _copy_flag(binary))
 
     async def request(self, msg: wire.Msg, binary: Frames = (), *, timeout: float = 10.0) -> tuple[wire.Message, list[bytes]]:
         """Send ``msg`` with a fresh ``mid`` and wait for the reply carrying it."""
@@ -246,7 +290,7 @@ class Dealer:
 
     def close(self) -> None:
         if self._reader is not None:
-            self._reader.cancel()
+            self._reader.close()
         self.sock.close(0)
 
 

@@ -20,6 +20,7 @@ from common import wire
 from common.admission import context_budget
 from common.errors import (
     CONTENT_FILTER,
+    ERROR_TRAITS,
     INTERNAL_ERROR,
     INVALID_REQUEST,
     MODEL_LOADING_ERROR,
@@ -233,30 +234,26 @@ class Generation:
             health = await self._gw.scheduler.health()
 
     async def _consume(self, queue: asyncio.Queue[StreamItem]) -> AsyncIterator[ServerMsg]:
-        limits = self._gw.settings.limits
-        deadline = asyncio.get_running_loop().time() + limits.request_timeout_s + STALL_GRACE_S
-        while True:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    item = await queue.get()
-            except TimeoutError:
-                raise TillerError(
-                    TIMEOUT, f"no result from the scheduler within {limits.request_timeout_s:.0f} s"
-                ) from None
-            if isinstance(item, wire.RequestFailed):
-                yield ErrorMsg(
-                    code=item.code,
-                    message=item.message,
-                    recoverable=item.recoverable,
-                    recovery_action=item.recovery_action,
-                    request_id=self.rid,
-                    generated_text=self._partial(),
-                )
-                return
-            for msg in self._on_event(item):
-                yield msg
-            if item.finish_reason is not None:
-                return
+        # a scheduler silent past the request's deadline: one timer per request that queues the
+        # failure behind what came before it (not a timeout armed and disarmed per token)
+        timeout = self._gw.settings.limits.request_timeout_s
+        recoverable, action, _ = ERROR_TRAITS[TIMEOUT]
+        stalled = wire.RequestFailed(rid=self.rid, code=TIMEOUT, message=f"no result from the scheduler within "
+                                     f"{timeout:.0f} s", recoverable=recoverable, recovery_action=action)
+        loop = asyncio.get_running_loop()
+        timer = loop.call_at(loop.time() + timeout + STALL_GRACE_S, queue.put_nowait, stalled)
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, wire.RequestFailed):
+                    yield ErrorMsg.from_failure(item, self._partial())
+                    return
+                for msg in self._on_event(item):
+                    yield msg
+                if item.finish_reason is not None:
+                    return
+        finally:
+            timer.cancel()
 
     def _on_event(self, event: wire.TokenEvent) -> list[ServerMsg]:
         """The messages one token event produces. Text that trips the content filter is never sent:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from common import wire
 from common.errors import ERROR_TRAITS, INTERNAL_ERROR, TillerError
 
 
@@ -168,6 +169,12 @@ class ErrorMsg:
             param=getattr(exc, "param", None),
             retry_after_s=getattr(exc, "retry_after_s", None),
         )
+
+    @classmethod
+    def from_failure(cls, failed: wire.RequestFailed, generated_text: str | None = None) -> ErrorMsg:
+        """The scheduler's failure of a request (or the gateway's, in its shape) as the client sees it."""
+        return cls(code=failed.code, message=failed.message, recoverable=failed.recoverable,
+                   recovery_action=failed.recovery_action, request_id=failed.rid, generated_text=generated_text)
 
     @property
     def http_status(self) -> int:

@@ -131,7 +131,7 @@ class SchedulerClient:
             task.cancel()
         self._dealer.close()
 
-    async def _on_message(self, msg: wire.Message, _binary: list[bytes]) -> None:
+    def _on_message(self, msg: wire.Message, _binary: list[bytes]) -> None:
         if isinstance(msg, wire.Events):
             for event in msg.events:
                 self._route(event.rid, event)

@@ -51,7 +51,7 @@ class EventCollector:
         self.dealer = Dealer(zmq.asyncio.Context.instance(), endpoint, on_message=self._on_message)
         self.dealer.start()
 
-    async def _on_message(self, msg: wire.Message, _: list[bytes]) -> None:
+    def _on_message(self, msg: wire.Message, _: list[bytes]) -> None:
         if isinstance(msg, wire.Events):
             for event in msg.events:
                 self.events.setdefault(event.rid, []).append(event)

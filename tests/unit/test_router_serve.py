@@ -21,7 +21,7 @@ async def test_every_message_reaches_the_handler_while_the_router_sends(tmp_path
     endpoint = f"ipc://{tmp_path}/served.sock"
     router = Router(ctx, endpoint)
     pushed: list[wire.Message] = []
-    dealer = Dealer(ctx, endpoint, on_message=lambda msg, _: _collect(pushed, msg))
+    dealer = Dealer(ctx, endpoint, on_message=lambda msg, _: pushed.append(msg))
     received: list[wire.Message] = []
     peers: set[bytes] = set()
 
@@ -51,10 +51,6 @@ async def test_every_message_reaches_the_handler_while_the_router_sends(tmp_path
         pusher.cancel()
         dealer.close()
         router.close()
-
-
-async def _collect(into: list[wire.Message], msg: wire.Message) -> None:
-    into.append(msg)
 
 
 async def test_a_malformed_frame_is_answered_and_the_next_message_goes_through(tmp_path) -> None:
