@@ -17,7 +17,9 @@ gateway). One step, as the shell drives it:
 
 Pipelining (``limits.pipeline_depth`` 2): a decoding sequence already in the step in flight gets a
 ``follow`` SeqStep in the next one (the worker feeds the token it sampled); when that token turns out
-to end the request (EOS, a stop string), the token sampled after it is dropped.
+to end the request (EOS, a stop string), the token sampled after it is dropped. A session turn
+follows too: the token a follow fed is in the KV it parks (a placeholder when its turn ended before
+the scheduler saw it, which the next turn backtracks over).
 
 Plain and controlled requests share one set of finish rules (``requests.stop_token`` and
 ``requests.length_reached``); stop strings come from each sequence's ``TextStream``.
@@ -385,6 +387,7 @@ class SchedulerCore:
             if request.in_flight and request.last_sample:  # decoding in the step before: feed its sample
                 seq = wire.SeqStep(seq_id=request.seq_id, tokens=[], follow=True)
                 budget[request.worker] = left - 1
+                request.follows += 1
             elif request.fed >= len(request.prompt):  # decoding: feed the token sampled last
                 seq = wire.SeqStep(seq_id=request.seq_id, tokens=[request.pending])
                 budget[request.worker] = left - 1
@@ -418,14 +421,15 @@ class SchedulerCore:
     def _steppable(self, request: LiveRequest, max_len: int) -> bool:
         """Whether a plain request may go into the step being built. With a step of it in flight, only
         a prompt chunk that does not sample, or a ``follow`` of a decoding step whose token will not be
-        its last (a session turn never follows: the KV it keeps must hold exactly its tokens)."""
+        its last (nor of a request reading out decoded positions: the step feeding a position reads it
+        out, and a ``follow`` step asks for none)."""
         if not request.in_flight:
             return True
         if request.in_flight > 1 or (request.fed >= len(request.prompt) and not request.last_sample):
             return False
         if not request.last_sample:
             return True
-        if request.submit.session is not None:
+        if request.readout_positions:
             return False
         after = len(request.generated) + 1  # tokens once the step in flight is applied
         return not length_reached(request.submit, after, len(request.prompt) + after, max_len)
@@ -479,6 +483,9 @@ class SchedulerCore:
         token = sampled.token_id
         request.generated.append(token)
         request.pending = token
+        if request.follows:  # the follow step sent after this one feeds it (at most one is ahead)
+            request.follows = 0
+            request.kv_tokens.append(token)
         event = wire.TokenEvent(rid=request.rid, tokens=[sampled])
         if stop_token(request.submit, token, eos):
             self.finish(request, "stop", event, stop_reason=token)

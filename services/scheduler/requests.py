@@ -51,11 +51,12 @@ class LiveRequest:
     sampling_dirty: bool = True  # send SamplingParams with the next SeqStep
     # Session turns (Salience): the first SeqStep forks ``fork_of`` and/or drops ``backtrack``
     # tokens of a parked sequence; ``kv_tokens`` is what the worker's sequence holds once every
-    # step sent so far has run, ``on_worker`` whether any step was sent.
+    # step sent so far has run (but the tokens of ``follows``), ``on_worker`` whether any step was sent.
     fork_of: int | None = None
     backtrack: int = 0
     kv_tokens: list[int] = field(default_factory=list)
     on_worker: bool = False
+    follows: int = 0  # follow steps sent whose fed token (sampled by the step before) is not in kv_tokens yet
     # Per-position outputs: the prompt positions asked about, and the logprobs already computed for
     # some of them (a chunk's first position is scored by the step that fed the previous chunk).
     logprob_positions: set[int] = field(default_factory=set)
