@@ -326,12 +326,12 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
         group = []
         for dispatch, frame in zip(dispatches, frames):
             worker = dispatch.worker
-            if flights[worker]:
-                start = free_at[worker]
-            else:
-                start = max(now, free_at[worker])
-                if worker in waiting:  # it had sequences to run: it waited for the scheduler (or the others)
-                    run.idle_s[step_s[worker]] += start - free_at[worker]
+            # a step starts once it is sent and the worker's steps before it are done; a worker that
+            # had sequences to run (steps whose results are not applied yet, or waiting ones) and
+            # sat idle meanwhile waited for the scheduler (or in lockstep for the others)
+            start = max(now, free_at[worker])
+            if flights[worker] or worker in waiting:
+                run.idle_s[step_s[worker]] += start - free_at[worker]
             free_at[worker] = start + step_s[worker]
             run.busy_s[step_s[worker]] += step_s[worker]
             flights[worker] += 1
