@@ -114,6 +114,15 @@ class TextStream:
         """``push([token_id])``."""
         if self.stopped_by is not None:
             return ""
+        # the common case inline: a byte table, no stop strings, nothing pending or held back
+        if self._bytes is not None and not (self.stop or self._pending) and self.released == len(self.text):
+            text = self._bytes[token_id].decode("utf-8", "replace") if token_id < len(self._bytes) else ""
+            if text.endswith(REPLACEMENT_CHAR):  # a character goes on in the next token
+                self._pending = self._bytes[token_id]
+                return ""
+            self.text += text
+            self.released = len(self.text)
+            return text
         self._append_token(token_id)
         return self._release()
 

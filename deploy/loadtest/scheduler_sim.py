@@ -27,7 +27,9 @@ sequences to run: waiting for the scheduler, or in lockstep for the slower worke
 rate**: prompt tokens whose KV was reused (a parked session's, or a cached prefix's) over all prompt
 tokens (each turn's whole prompt, history included, as an API bills cached tokens), under KV-aware
 placement (the service's) and under random placement (each turn on a random worker with room,
-sessions not parked: a turn finds its history only where the worker's cache still has it).
+sessions not parked: a turn finds its history only where the worker's cache still has it), and the
+most any placement could reuse (**hit max**: a turn's own history, else the longest prefix, in full
+blocks, of any prompt sent before it: no placement beats it, so it bounds the ratio too).
 
     python deploy/loadtest/scheduler_sim.py                 # 8 and 32 workers x 256 users
     python deploy/loadtest/scheduler_sim.py --workers 2 --seqs 16 --turns 2   # a quick look
@@ -47,7 +49,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from common import wire
-from common.blocks import BLOCK_SIZE, ROOT_HASH, block_hash, block_key
+from common.blocks import BLOCK_SIZE, ROOT_HASH, block_hash, block_key, prefix_keys
 from common.config import Controllers, Limits, Sessions, Settings
 from common.model_source import load_tokenizer
 from common.service import freeze_startup_heap
@@ -106,6 +108,20 @@ class SimWorker:
             names.append(block_hash(names[-1] if names else ROOT_HASH, tokens[j * BLOCK_SIZE : (j + 1) * BLOCK_SIZE]))
             self._hold(names[-1])
 
+    def _cached(self, seq_id: int, feed: list[int], limit: int) -> int:
+        """How many of the first ``limit`` tokens of ``feed`` the cache holds, as full blocks that
+        continue the sequence's own (a real worker looks up every prompt chunk the same way)."""
+        tokens, names = self.seqs[seq_id], self.names[seq_id]
+        start, j = len(tokens), len(names)  # a partial last block is replaced by a cached full one
+        history, limit = tokens[j * BLOCK_SIZE :] + feed, start + limit
+        parent, offset = names[-1] if names else ROOT_HASH, 0
+        while (j + 1) * BLOCK_SIZE <= limit:
+            parent = block_hash(parent, history[offset : offset + BLOCK_SIZE])
+            if parent not in self.refs and parent not in self.cached:
+                break
+            j, offset = j + 1, offset + BLOCK_SIZE
+        return max(start, j * BLOCK_SIZE) - start
+
     def _free(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
         self._release(self.names.pop(seq_id, []))
@@ -130,14 +146,9 @@ class SimWorker:
                 self._release(names[len(tokens) // BLOCK_SIZE :])
                 del names[len(tokens) // BLOCK_SIZE :]
             feed = [self.last[s.seq_id]] if s.follow else s.tokens
-            if not self.seqs[s.seq_id] and len(feed) > 1:  # a new sequence: its leading blocks may be cached
-                parent, hits = ROOT_HASH, 0
-                for j in range((len(feed) - 1) // BLOCK_SIZE):
-                    parent = block_hash(parent, feed[j * BLOCK_SIZE : (j + 1) * BLOCK_SIZE])
-                    if parent not in self.refs and parent not in self.cached:
-                        break
-                    hits += 1
-                cached[s.seq_id] = hits * BLOCK_SIZE
+            hits = self._cached(s.seq_id, feed, len(feed) - s.sample)
+            if hits:
+                cached[s.seq_id] = hits
             self._extend(s.seq_id, feed)
             if s.sample or s.follow:
                 token = VOCAB_LOW + hash((s.seq_id, len(self.seqs[s.seq_id]))) % (VOCAB_HIGH - VOCAB_LOW)
@@ -218,6 +229,7 @@ class Run:
     decode_tokens: int = 0
     prompt_tokens: int = 0
     reused_tokens: int = 0
+    reusable_tokens: int = 0  # the most any placement could reuse (see ``simulate``'s ``submit``)
     elapsed_s: float = 0.0  # simulated time, first step to last result
     busy_s: dict[float, float] = field(default_factory=lambda: defaultdict(float))  # by worker step time
     idle_s: dict[float, float] = field(default_factory=lambda: defaultdict(float))  # between steps, waiting
@@ -257,9 +269,18 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
         run.core_s += spent
         now += spent
 
+    seen: set[int] = set()  # block keys of every prompt sent so far
+
     def submit(client: Client) -> None:
+        # the bound: a turn's own history (its session kept), or the full blocks of the longest
+        # prefix of any prompt sent before (a cache of unlimited size on the worker it went to)
+        kept = len(client.history) - 1 if client.turns_left else 0
         prompt = client.next_prompt(workload)
         run.prompt_tokens += len(prompt)
+        keys = list(prefix_keys(prompt, limit=(len(prompt) - 1) // BLOCK_SIZE))
+        known = next((i for i, key in enumerate(keys) if key not in seen), len(keys))
+        run.reusable_tokens += max(kept, known * BLOCK_SIZE)
+        seen.update(keys)
         by_rid[client.rid] = client
         frame = encoder.encode(wire.Submit(rid=client.rid, prompt_ids=prompt, sampling=sampling, max_tokens=args.tokens,
                                            ignore_eos=True, session=wire.SessionRef(key=client.key)))
@@ -305,12 +326,12 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
         group = []
         for dispatch, frame in zip(dispatches, frames):
             worker = dispatch.worker
-            if flights[worker]:
-                start = free_at[worker]
-            else:
-                start = max(now, free_at[worker])
-                if worker in waiting:  # it had sequences to run: it waited for the scheduler (or the others)
-                    run.idle_s[step_s[worker]] += start - free_at[worker]
+            # a step starts once it is sent and the worker's steps before it are done; a worker that
+            # had sequences to run (steps whose results are not applied yet, or waiting ones) and
+            # sat idle meanwhile waited for the scheduler (or in lockstep for the others)
+            start = max(now, free_at[worker])
+            if flights[worker] or worker in waiting:
+                run.idle_s[step_s[worker]] += start - free_at[worker]
             free_at[worker] = start + step_s[worker]
             run.busy_s[step_s[worker]] += step_s[worker]
             flights[worker] += 1
@@ -387,7 +408,7 @@ def main() -> None:
           "for the slower workers) / its time")
     print(f"{'workers':>7} {'pipelines':>10} {'steps':>7} {'core µs/step':>12} {'µs/seq':>6} {'tok/s':>8} "
           + " ".join(f"{f'idle@{ms:g}ms':>10}" for ms in speeds)
-          + f" {'hit kv':>7} {'hit rnd':>7} {'ratio':>6}")
+          + f" {'hit kv':>7} {'hit rnd':>7} {'ratio':>6} {'hit max':>7}")
     for workers in args.workers:
         rnd = simulate(args, workers, False, False, tokenizer)
         hit_rnd = rnd.reused_tokens / rnd.prompt_tokens
@@ -397,7 +418,8 @@ def main() -> None:
             idle = " ".join(f"{kv.idle_s[s] / (kv.idle_s[s] + kv.busy_s[s]):>10.1%}" for s in (ms / 1000 for ms in speeds))
             print(f"{workers:>7} {'lockstep' if lockstep else 'per worker':>10} {kv.steps:>7} "
                   f"{kv.core_s / kv.steps * 1e6:>12.1f} {kv.core_s / kv.seq_steps * 1e6:>6.1f} {kv.decode_tokens / kv.elapsed_s:>8,.0f} {idle} "
-                  f"{hit_kv:>7.1%} {hit_rnd:>7.1%} {hit_kv / hit_rnd if hit_rnd else float('inf'):>5.1f}x")
+                  f"{hit_kv:>7.1%} {hit_rnd:>7.1%} {hit_kv / hit_rnd if hit_rnd else float('inf'):>5.1f}x "
+                  f"{kv.reusable_tokens / kv.prompt_tokens:>7.1%}")
 
 if __name__ == "__main__":
     main()

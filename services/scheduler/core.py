@@ -17,7 +17,9 @@ gateway). One step, as the shell drives it:
 
 Pipelining (``limits.pipeline_depth`` 2): a decoding sequence already in the step in flight gets a
 ``follow`` SeqStep in the next one (the worker feeds the token it sampled); when that token turns out
-to end the request (EOS, a stop string), the token sampled after it is dropped.
+to end the request (EOS, a stop string), the token sampled after it is dropped. A session turn
+follows too: the token a follow fed is in the KV it parks (a placeholder when its turn ended before
+the scheduler saw it, which the next turn backtracks over).
 
 Plain and controlled requests share one set of finish rules (``requests.stop_token`` and
 ``requests.length_reached``); stop strings come from each sequence's ``TextStream``.
@@ -124,7 +126,7 @@ class SchedulerCore:
         self.to_free: dict[bytes, list[int]] = defaultdict(list)
         self.outbox = Outbox()
         # tokens accepted from the last step whose text is worked out while the next one runs
-        self.deferred: list[tuple[LiveRequest, wire.TokenEvent]] = []
+        self.deferred: list[LiveRequest] = []  # (their events in ``LiveRequest.deferred``)
         self.orders = itertools.count()
         self.seq_ids = itertools.count(1)
         self.step_ids = itertools.count(1)
@@ -369,43 +371,17 @@ class SchedulerCore:
         for identity, items in controlled.per_worker.items():
             per_worker[identity] += [(b, s) for b, s in items if b.finished is None and b.request.state is State.RUNNING]
         # limits.step_token_budget is per worker (each runs its own forward pass)
-        budget = defaultdict(lambda: self.limits.step_token_budget)
-        for identity, items in per_worker.items():
-            budget[identity] -= sum(max(len(s.tokens), 1) for _, s in items)
-        # decoding sequences first (one token each), then prompt chunks within the token budget
+        budget = {identity: self.limits.step_token_budget - sum(max(len(s.tokens), 1) for _, s in items)
+                  for identity, items in per_worker.items()}
         max_len = self.max_model_len()
-        running = self.running.values() if workers is None else [
-            r for w in workers for r in self.running_on.get(w, {}).values()]
-        decoding: list[LiveRequest] = []
-        prefilling: list[LiveRequest] = []
-        for r in running:
-            if not (r.paused or r.submit.controller or (r.in_flight and not self._steppable(r, max_len))):
-                (decoding if r.fed >= len(r.prompt) else prefilling).append(r)
-        decoding.sort(key=_sort_key)
-        prefilling.sort(key=_sort_key)
-        for request in itertools.chain(decoding, prefilling):
-            left = budget[request.worker]
-            if left <= 0:
-                continue
-            if request.in_flight and request.last_sample:  # decoding in the step before: feed its sample
-                seq = wire.SeqStep(seq_id=request.seq_id, tokens=[], follow=True)
-                budget[request.worker] = left - 1
-            elif request.fed >= len(request.prompt):  # decoding: feed the token sampled last
-                seq = wire.SeqStep(seq_id=request.seq_id, tokens=[request.pending])
-                budget[request.worker] = left - 1
-                self._session_feed(request, seq)
-            else:
-                tokens, sample = request.next_feed(min(self.limits.prefill_chunk_tokens, left))
-                budget[request.worker] = left - len(tokens)
-                seq = wire.SeqStep(seq_id=request.seq_id, tokens=tokens, sample=sample, images=request.images_in(tokens))
-                self._session_feed(request, seq)
-                request.fed += len(tokens)
-            if request.sampling_dirty:
-                seq.sampling = request.submit.sampling
-                request.sampling_dirty = False
-            request.in_flight += 1
-            request.last_sample = seq.sample
-            per_worker[request.worker].append((request, seq))
+        on = self.running_on
+        for identity in on if workers is None else workers:
+            running = on.get(identity)
+            if running:
+                left = budget.get(identity, self.limits.step_token_budget)
+                batch = self._build_batch(running.values(), left, max_len)
+                if batch:
+                    per_worker[identity] += batch
         steps = []
         for identity in set(per_worker) | {i for i, seqs in self.to_free.items()
                                            if seqs and (workers is None or i in workers)}:
@@ -420,17 +396,55 @@ class SchedulerCore:
             steps.append(Dispatch(identity, step, batch, self.controlled.masks_with(step)))
         return steps
 
+    def _build_batch(self, running: Iterable[LiveRequest], left: int, max_len: int) -> list[Item]:
+        """One worker's plain sequences in its next step, within ``left`` tokens: decoding sequences
+        first (one token each), then prompt chunks."""
+        batch: list[Item] = []
+        decoding: list[LiveRequest] = []
+        prefilling: list[LiveRequest] = []
+        for r in running:
+            if not (r.paused or r.controlled or (r.in_flight and not self._steppable(r, max_len))):
+                (decoding if r.fed >= len(r.prompt) else prefilling).append(r)
+        decoding.sort(key=_sort_key)
+        prefilling.sort(key=_sort_key)
+        chunk = self.limits.prefill_chunk_tokens
+        for request in itertools.chain(decoding, prefilling):
+            if left <= 0:
+                break
+            if request.in_flight and request.last_sample:  # decoding in the step before: feed its sample
+                seq = wire.SeqStep(seq_id=request.seq_id, tokens=[], follow=True)
+                left -= 1
+                request.follows += 1
+            elif request.fed >= len(request.prompt):  # decoding: feed the token sampled last
+                seq = wire.SeqStep(seq_id=request.seq_id, tokens=[request.pending])
+                left -= 1
+                self._session_feed(request, seq)
+            else:
+                tokens, sample = request.next_feed(min(chunk, left))
+                left -= len(tokens)
+                seq = wire.SeqStep(seq_id=request.seq_id, tokens=tokens, sample=sample, images=request.images_in(tokens))
+                self._session_feed(request, seq)
+                request.fed += len(tokens)
+            if request.sampling_dirty:
+                seq.sampling = request.submit.sampling
+                request.sampling_dirty = False
+            request.in_flight += 1
+            request.last_sample = seq.sample
+            batch.append((request, seq))
+        return batch
+
     def _steppable(self, request: LiveRequest, max_len: int) -> bool:
         """Whether a plain request may go into the step being built. With a step of it in flight, only
         a prompt chunk that does not sample, or a ``follow`` of a decoding step whose token will not be
-        its last (a session turn never follows: the KV it keeps must hold exactly its tokens)."""
+        its last (nor of a request reading out decoded positions: the step feeding a position reads it
+        out, and a ``follow`` step asks for none)."""
         if not request.in_flight:
             return True
         if request.in_flight > 1 or (request.fed >= len(request.prompt) and not request.last_sample):
             return False
         if not request.last_sample:
             return True
-        if request.submit.session is not None:
+        if request.readout_positions:
             return False
         after = len(request.generated) + 1  # tokens once the step in flight is applied
         return not length_reached(request.submit, after, len(request.prompt) + after, max_len)
@@ -448,6 +462,7 @@ class SchedulerCore:
         failures = {f.seq_id: f.message for f in result.failures}
         eos = set(worker.hello.eos_token_ids) if worker else set()
         max_len = self.max_model_len()
+        samples, readouts = result.samples, result.readouts
         for request, seq in dispatch.batch:
             if isinstance(request, Branch):
                 self.controlled.apply(request, seq, result, max_len)
@@ -470,11 +485,11 @@ class SchedulerCore:
                     self.finish(request, "length")
             else:
                 request.pending = None
-                if result.readouts:
+                if readouts:
                     self._decoded_readouts(request, seq, result)
             if not seq.sample:
                 continue
-            sampled = result.samples.get(seq.seq_id)
+            sampled = samples.get(seq.seq_id)
             if sampled is None:
                 self.fail(request, INTERNAL_ERROR, "the worker returned no token for this sequence")
                 continue
@@ -484,6 +499,9 @@ class SchedulerCore:
         token = sampled.token_id
         request.generated.append(token)
         request.pending = token
+        if request.follows:  # the follow step sent after this one feeds it (at most one is ahead)
+            request.follows = 0
+            request.kv_tokens.append(token)
         event = wire.TokenEvent(rid=request.rid, tokens=[sampled])
         if stop_token(request.submit, token, eos):
             self.finish(request, "stop", event, stop_reason=token)
@@ -493,8 +511,9 @@ class SchedulerCore:
             # Decoding goes on: its text (detokenizing, stop strings) is worked out once the next
             # step is on its way. A stop string found then ends the request, and the token that
             # step samples for it is dropped.
-            self.deferred.append((request, event))
-            request.deferred_texts += 1
+            if not request.deferred:
+                self.deferred.append(request)
+            request.deferred.append(event)
 
     def _emit_text(self, request: LiveRequest, event: wire.TokenEvent, last: bool) -> None:
         """The text of a token event; finish on a completed stop string, or when it was the ``last``."""
@@ -509,21 +528,16 @@ class SchedulerCore:
     def emit_deferred(self) -> None:
         """Work out the text of the tokens applied last (the shell calls it while a step runs)."""
         deferred, self.deferred = self.deferred, []
-        for request, event in deferred:
-            request.deferred_texts -= 1
-            if request.state is not State.FINISHED:  # it may have been cancelled or failed since
-                self._emit_text(request, event, last=False)
+        for request in deferred:
+            self._emit_deferred_of(request)
 
     def _emit_deferred_of(self, request: LiveRequest) -> None:
-        """Work out a request's deferred token text now (before it ends for another reason)."""
-        if not request.deferred_texts:
-            return
-        for i, (deferred, event) in enumerate(self.deferred):
-            if deferred is request:
-                del self.deferred[i]
-                request.deferred_texts -= 1
-                self._emit_text(request, event, last=False)
+        """Work out a request's deferred token texts now (or before it ends for another reason)."""
+        events, request.deferred = request.deferred, []
+        for event in events:
+            if request.state is State.FINISHED:  # cancelled or failed since, or a stop string ended it
                 return
+            self._emit_text(request, event, last=False)
 
     def end_step(self) -> None:
         """After a step's results: controlled requests' events and endings."""

@@ -5,8 +5,9 @@ Pure decision logic (no sockets, no clocks). In order of preference:
 1. **session**: the worker holding the session's parked sequence (its next turn only feeds what
    is new);
 2. **prefix**: the worker whose prefix cache holds the longest run of the prompt's leading full
-   blocks, as the :class:`PrefixIndex` knows it from the workers' block events (the idea of
-   SGLang's cache-aware router and llm-d's KV-aware scheduling);
+   blocks, as the :class:`PrefixIndex` knows it from the workers' block events and from the
+   prompts it placed there since (the idea of SGLang's cache-aware router and llm-d's KV-aware
+   scheduling);
 3. **hash**: a prompt no worker caches goes to the worker its first block ranks highest by
    rendezvous hashing, so the requests sharing a new prefix (a system prompt seen for the first time,
    or many at once before any block event is back) gather on one worker instead of each filling
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from common import wire
-from common.blocks import prefix_keys
+from common.blocks import BLOCK_SIZE, prefix_keys
 
 if TYPE_CHECKING:
     from services.scheduler.requests import LiveRequest
@@ -55,32 +56,61 @@ class Decision:
 
 
 class PrefixIndex:
-    """Which workers' prefix caches hold which blocks, by 64-bit block key (common.blocks)."""
+    """Which workers' prefix caches hold which blocks, by 64-bit block key (common.blocks): the
+    blocks each worker reported, and the blocks of prompts just placed on it (*promised*: its
+    prefill has not run yet, but a request sharing the prefix meanwhile should follow it there, as
+    SGLang's router counts a prompt in a worker's tree when it routes it). A promise lasts until the
+    worker reports the block, or until newer promises push it out: a worker holds at most so many
+    blocks, so older promises than that never came true (the request was cancelled, the block
+    evicted before it was reported)."""
 
     def __init__(self) -> None:
         self._holders: dict[int, set[bytes]] = {}
         self._keys: dict[bytes, set[int]] = {}
+        self._promised: dict[bytes, dict[int, None]] = {}  # worker -> promised keys, oldest first
 
     def apply(self, worker: bytes, new: Iterable[int], gone: Iterable[int]) -> None:
         """A worker's block events: blocks it registered, then blocks it forgot."""
         keys = self._keys.setdefault(worker, set())
+        promised = self._promised.get(worker, {})
         for key in new:
             keys.add(key)
+            promised.pop(key, None)
             self._holders.setdefault(key, set()).add(worker)
         for key in gone:
             keys.discard(key)
-            holders = self._holders.get(key)
-            if holders is not None:
-                holders.discard(worker)
-                if not holders:
-                    del self._holders[key]
+            if key not in promised:
+                self._unhold(key, worker)
+
+    def promise(self, worker: bytes, keys: Iterable[int], limit: int) -> None:
+        """A prompt of these block keys was placed on ``worker``, which holds at most ``limit`` blocks."""
+        reported = self._keys.get(worker, set())
+        promised = self._promised.setdefault(worker, {})
+        for key in keys:
+            if key not in reported:
+                promised.pop(key, None)  # the newest promise last
+                promised[key] = None
+                self._holders.setdefault(key, set()).add(worker)
+        while len(promised) > limit:
+            key = next(iter(promised))
+            del promised[key]
+            if key not in reported:
+                self._unhold(key, worker)
+
+    def _unhold(self, key: int, worker: bytes) -> None:
+        holders = self._holders.get(key)
+        if holders is not None:
+            holders.discard(worker)
+            if not holders:
+                del self._holders[key]
 
     def forget(self, worker: bytes) -> None:
         """A worker left, or its cache will be reported afresh."""
-        self.apply(worker, (), self._keys.get(worker, set()).copy())
-        self._keys.pop(worker, None)
+        for key in self._keys.pop(worker, set()) | self._promised.pop(worker, {}).keys():
+            self._unhold(key, worker)
 
     def blocks(self, worker: bytes) -> int:
+        """Blocks ``worker`` reported (its promises not counted)."""
         return len(self._keys.get(worker, ()))
 
     def matches(self, keys: Sequence[int], workers: Iterable[bytes]) -> dict[bytes, int]:
@@ -149,10 +179,12 @@ class KVAwarePlacement:
 
     def __call__(self, request: LiveRequest, workers: Sequence[WorkerInfo]) -> bytes | None:
         candidates = [Candidate(w.identity, w.unreserved, w.running) for w in workers if w.suspect_since is None]
-        decision = choose(candidates, request.needed_tokens, list(prefix_keys(request.prompt)), self.index,
-                          balance=self.balance)
+        keys = list(prefix_keys(request.prompt))
+        decision = choose(candidates, request.needed_tokens, keys, self.index, balance=self.balance)
         if decision is None:
             return None
+        capacity = next(w.capacity for w in workers if w.identity == decision.identity)
+        self.index.promise(decision.identity, keys, capacity // BLOCK_SIZE)
         self.figures.setdefault(decision.identity, WorkerFigures()).placed[decision.reason] += 1
         return decision.identity
 

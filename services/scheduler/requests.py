@@ -27,7 +27,7 @@ class State(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True)
 class LiveRequest:
     """A request from admission to its last event. ``seq_id`` is the worker-side sequence."""
 
@@ -46,16 +46,17 @@ class LiveRequest:
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # the last sampled token, fed on the next step
     in_flight: int = 0  # steps sent with this request whose results are not applied yet
-    deferred_texts: int = 0  # its token events in the core's ``deferred`` (their text not worked out yet)
+    deferred: list[wire.TokenEvent] = field(default_factory=list)  # token events whose text is not worked out yet
     last_sample: bool = False  # whether the last step sent samples it (its next step can ``follow``)
     sampling_dirty: bool = True  # send SamplingParams with the next SeqStep
     # Session turns (Salience): the first SeqStep forks ``fork_of`` and/or drops ``backtrack``
     # tokens of a parked sequence; ``kv_tokens`` is what the worker's sequence holds once every
-    # step sent so far has run, ``on_worker`` whether any step was sent.
+    # step sent so far has run (but the tokens of ``follows``), ``on_worker`` whether any step was sent.
     fork_of: int | None = None
     backtrack: int = 0
     kv_tokens: list[int] = field(default_factory=list)
     on_worker: bool = False
+    follows: int = 0  # follow steps sent whose fed token (sampled by the step before) is not in kv_tokens yet
     # Per-position outputs: the prompt positions asked about, and the logprobs already computed for
     # some of them (a chunk's first position is scored by the step that fed the previous chunk).
     logprob_positions: set[int] = field(default_factory=set)
@@ -66,10 +67,12 @@ class LiveRequest:
     rid: str = field(init=False)
     prompt: list[int] = field(init=False)
     sort_key: tuple[int, int] = field(init=False)  # priority, then arrival order
+    controlled: bool = field(init=False)  # its controller decides its steps (services.scheduler.controlled)
 
     def __post_init__(self) -> None:
         self.rid, self.prompt = self.submit.rid, self.submit.prompt_ids
         self.sort_key = (self.submit.priority, self.order)
+        self.controlled = bool(self.submit.controller)
         outputs = self.submit.outputs
         if outputs is None:
             return

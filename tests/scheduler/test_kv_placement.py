@@ -112,3 +112,21 @@ def test_a_step_is_built_for_the_workers_asked_only() -> None:
     assert [d.worker for d in h.core.build_steps(None, {fast})] == [fast]
     (freeing,) = h.core.build_steps(None, {slow})
     assert freeing.step.free == [b.seq_id]
+
+
+def test_a_prompt_placed_before_its_block_events_draws_the_next_sharing_it() -> None:
+    """The index counts a prompt on its worker from the moment it is placed: a request sharing its
+    prefix that comes before any prefill ran goes there, not where the prefix's first block hashes."""
+    placement = KVAwarePlacement(balance=0)
+    h = Harness(place=placement)
+    hashed = h.worker(_hashed(SHARED))  # registered first: a short prompt goes there on a tie
+    other = h.worker(({b"w1", b"w2"} - {hashed}).pop())
+    h.submit("short", prompt(5), 4)
+    h.submit("a", SHARED + [5], 4)  # the hashed worker runs one more: with balance 0, the other one
+    h.core.admit()
+    assert h.core.requests["short"].worker == hashed and h.core.requests["a"].worker == other
+    assert placement.index.blocks(other) == 0  # nothing reported yet
+    h.submit("b", SHARED + [6, 7], 4)  # both run one now: where a went, its prefix promised there
+    h.core.admit()
+    assert h.core.requests["b"].worker == other
+    assert placement.figures[other].placed == {"hash": 1, "prefix": 1}

@@ -2,7 +2,8 @@
 
 from common import wire
 from common.config import Sessions
-from tests.scheduler.harness import HE, LLO, WOR, Harness, prompt, seqs_of
+from services.scheduler.sessions import UNSEEN
+from tests.scheduler.harness import EOS, HE, LLO, WOR, Harness, prompt, seqs_of
 
 
 def turn(h: Harness, rid: str, ids: list[int], key: str = "s1", parent: str = "", max_tokens: int = 2,
@@ -43,10 +44,48 @@ def test_a_turn_that_rewrites_history_backtracks_the_parked_sequence():
     assert seq.backtrack == 3 and seq.tokens == [WOR]
 
 
-def test_a_session_turn_never_follows():
+def test_a_session_turn_follows_and_parks_the_token_its_follow_step_fed():
     h = Harness()
     h.worker()
     h.submit("t1", prompt(3), 5, session=wire.SessionRef(key="s1"))
+    first, second = h.build(), h.build()
+    assert seqs_of(second, "t1")[0].follow
+    h.apply(first, {"t1": HE})
+    third = h.build()  # follows the second, whose token ends the turn
+    h.apply(second, {"t1": EOS})
+    assert h.final("t1").finish_reason == "stop"
+    # the third step feeds EOS: the sequence holds it, and the next turn backtracks over it
+    assert h.core.sessions.parked["s1"].tokens == prompt(3) + [HE, EOS]
+    h.apply(third)
+    h.submit("t2", prompt(3) + [HE, WOR], 2, session=wire.SessionRef(key="s1"))
+    (seq,) = seqs_of(h.build(), "t2")
+    assert (seq.backtrack, seq.tokens) == (1, [WOR]) and h.core.requests["t2"].cached_tokens == 4
+
+
+def test_a_turn_ended_by_a_stop_string_parks_the_unseen_token_its_follow_step_fed():
+    h = Harness()
+    h.worker()
+    h.submit("t1", prompt(3), 8, session=wire.SessionRef(key="s1"), stop=["llo"])
+    first, second = h.build(), h.build()
+    h.apply(first, {"t1": HE})
+    third = h.build()
+    h.apply(second, {"t1": LLO})
+    fourth = h.build()  # feeds what the third samples, a token the scheduler never sees
+    h.core.emit_deferred()  # " hello": the stop string ends the turn
+    assert h.final("t1").finish_reason == "stop"
+    assert h.core.sessions.parked["s1"].tokens == prompt(3) + [HE, LLO, UNSEEN]
+    h.apply(third)
+    h.apply(fourth)
+    h.submit("t2", prompt(3) + [HE, LLO, WOR], 2, session=wire.SessionRef(key="s1"))
+    (seq,) = seqs_of(h.build(), "t2")
+    assert (seq.backtrack, seq.tokens) == (1, [WOR])
+
+
+def test_a_turn_reading_out_decoded_positions_never_follows():
+    h = Harness()
+    h.worker()
+    h.submit("t1", prompt(3), 5, session=wire.SessionRef(key="s1"),
+             outputs=wire.OutputRequest(readout_ranges=[wire.PositionSpan(3, 8)]))
     h.build()
     assert h.build() == []
 

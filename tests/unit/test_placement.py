@@ -87,3 +87,30 @@ def test_session_worker_first_when_it_has_room() -> None:
 
 def test_session_worker_that_left_is_not_chosen() -> None:
     assert choose(workers()[:2], 100, KEYS, PrefixIndex(), session_worker=C).identity != C
+
+
+def test_a_promised_prefix_counts_until_reported_or_pushed_out() -> None:
+    index = PrefixIndex()
+    index.promise(A, KEYS[:3], limit=100)  # placed on A, its prefill not run yet
+    assert index.matches(KEYS, [A, B]) == {A: 3, B: 0} and index.blocks(A) == 0
+    index.apply(A, KEYS[:2], [])  # reported: no longer a promise, and forgotten as usual
+    index.apply(A, [], KEYS[:1])
+    assert index.matches(KEYS, [A]) == {A: 0}
+    index.apply(A, [], KEYS[2:3])  # a promise is not undone by a gone event for a block never reported
+    assert index.matches(KEYS[1:], [A]) == {A: 2}
+    index.promise(B, KEYS, limit=3)  # B holds 3 blocks at most: the oldest promises go
+    assert index.matches(KEYS, [B]) == {B: 0} and index.matches(KEYS[2:], [B]) == {B: 3}
+    index.forget(B)
+    assert index.matches(KEYS[2:], [A, B]) == {A: 1, B: 0}
+
+
+def test_a_burst_sharing_a_new_prefix_follows_the_first_placed() -> None:
+    """Requests placed before any block event is back: the second goes where the first was sent,
+    even when the hash of its first block ranks another worker first."""
+    index = PrefixIndex()
+    first = ranked(KEYS, [A, B, C])[0]
+    index.promise(first, KEYS, limit=100)
+    # a prompt with another first block that shares nothing: its own hash
+    other = list(prefix_keys(list(range(500, 580))))
+    assert choose(workers(), 100, other, index).reason == "hash"
+    assert choose(workers(), 100, KEYS, index) == Decision(first, "prefix", 5)
