@@ -154,17 +154,26 @@ def sample(
 
     greedy = [i for i, p in enumerate(params) if p.temperature < SAMPLING_EPS]
     if len(greedy) == n:
-        tokens = scores.argmax(-1)
+        tokens = _argmax(scores)
     else:
         tokens = torch.empty(n, dtype=torch.long, device=device)
         if greedy:
             index = to_device(greedy, device)
-            tokens[index] = scores[index].argmax(-1)
+            tokens[index] = _argmax(scores[index])
         drawn = [i for i, p in enumerate(params) if p.temperature >= SAMPLING_EPS]
         index = to_device(drawn, device)
         probs = _warp([params[i] for i in drawn], scores[index] if len(drawn) < n else scores).softmax(-1)
         tokens[index] = _draw(probs, [samplers[i].generator for i in drawn])
     return _with_logprobs(logits, tokens, params)
+
+
+def _argmax(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's first highest score (a NaN counts as the highest, as in torch). On the CPU through
+    numpy: torch's reduction takes ~40 µs a row of the default model's vocabulary on one thread, numpy's
+    ~4 µs."""
+    if scores.device.type != "cpu":
+        return scores.argmax(-1)
+    return torch.from_numpy(scores.numpy().argmax(-1))
 
 
 def _penalise(

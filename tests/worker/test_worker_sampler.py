@@ -8,7 +8,17 @@ import torch
 from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from common.wire import SamplingParams
-from services.worker.sampler import TOP_P_CANDIDATES, SeqSampler, _draw, _warp, mask_allows_any, mask_bias, sample, validate_params
+from services.worker.sampler import (
+    TOP_P_CANDIDATES,
+    SeqSampler,
+    _argmax,
+    _draw,
+    _warp,
+    mask_allows_any,
+    mask_bias,
+    sample,
+    validate_params,
+)
 
 VOCAB = 1000
 
@@ -71,6 +81,18 @@ def test_mask_allows_any_ignores_bits_past_the_vocabulary() -> None:
     words = _packed(allowed)
     words[2, -1] |= np.int32(-(1 << 31))  # bit 31, past the vocabulary (VOCAB is not a multiple of 32)
     assert mask_allows_any(words, VOCAB).tolist() == [False, True, False]
+
+
+def test_greedy_argmax_follows_torchs_rule() -> None:
+    """The first of tied maxima, a NaN as the maximum, an all -inf row at 0; strided rows too."""
+    logits = torch.randn(6, VOCAB)
+    logits[1, [5, 700]] = 50.0
+    logits[2, 300] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 999] = float("inf")
+    for scores in (logits, logits[::2], logits[:, : VOCAB - 1]):
+        assert torch.equal(_argmax(scores), scores.argmax(-1))
+    assert _argmax(logits).tolist()[1:5] == [5, 300, 0, 999]
 
 
 def test_repetition_penalty_matches_transformers() -> None:
