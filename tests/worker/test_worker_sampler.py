@@ -8,7 +8,17 @@ import torch
 from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from common.wire import SamplingParams
-from services.worker.sampler import TOP_P_CANDIDATES, SeqSampler, _draw, _warp, mask_allows_any, mask_bias, sample, validate_params
+from services.worker.sampler import (
+    TOP_P_CANDIDATES,
+    SeqSampler,
+    _argmax,
+    _draw,
+    _warp,
+    mask_allows_any,
+    mask_bias,
+    sample,
+    validate_params,
+)
 
 VOCAB = 1000
 
@@ -32,12 +42,57 @@ def test_mask_bias_matches_bit_layout() -> None:
     assert bool(torch.isneginf(got[torch.from_numpy(~allowed)]).all())
 
 
+def _reference_bias(words: np.ndarray, vocab: int) -> torch.Tensor:
+    """The bias a bit-by-bit reading of the packed rows gives (0 allowed, -inf not)."""
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+    return torch.from_numpy(np.where(bits, np.float32(0), np.float32("-inf")))
+
+
+def _edge_rows(vocab: int, rng: np.random.Generator) -> np.ndarray:
+    """Random rows, then an all-zero row, an all-ones row, and a row with only bit 31 of each word
+    set (the sign bit, which arithmetic on int32 words must not smear)."""
+    words = rng.integers(-(2**31), 2**31, size=(6, -(-vocab // 32)), dtype=np.int64).astype(np.int32)
+    words[3], words[4], words[5] = 0, -1, np.int32(-(2**31))
+    return words
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 1024, 31, 33, 49152])
+def test_mask_bias_equals_a_bitwise_reading(vocab: int) -> None:
+    words = _edge_rows(vocab, np.random.default_rng(vocab))
+    got = mask_bias(torch.from_numpy(words), vocab)
+    assert got.dtype == torch.float32 and got.shape == (6, vocab)
+    assert torch.equal(got, _reference_bias(words, vocab))
+    assert bool(torch.isneginf(got[3]).all()) and bool((got[4] == 0).all())
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 1024, 31, 33])
+def test_mask_allows_any_equals_a_bitwise_reading(vocab: int) -> None:
+    words = _edge_rows(vocab, np.random.default_rng(vocab))
+    words[0] = 0
+    words[0, -1] = np.array(1 << (vocab - 1) % 32, dtype=np.uint32).view(np.int32)  # only the last token
+    want = (_reference_bias(words, vocab) == 0).any(-1).numpy()
+    assert mask_allows_any(words, vocab).tolist() == want.tolist()
+    assert want[0] and not want[3]
+
+
 def test_mask_allows_any_ignores_bits_past_the_vocabulary() -> None:
     allowed = np.zeros((3, VOCAB), dtype=bool)
     allowed[1, VOCAB - 1] = True
     words = _packed(allowed)
     words[2, -1] |= np.int32(-(1 << 31))  # bit 31, past the vocabulary (VOCAB is not a multiple of 32)
     assert mask_allows_any(words, VOCAB).tolist() == [False, True, False]
+
+
+def test_greedy_argmax_follows_torchs_rule() -> None:
+    """The first of tied maxima, a NaN as the maximum, an all -inf row at 0; strided rows too."""
+    logits = torch.randn(6, VOCAB)
+    logits[1, [5, 700]] = 50.0
+    logits[2, 300] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 999] = float("inf")
+    for scores in (logits, logits[::2], logits[:, : VOCAB - 1]):
+        assert torch.equal(_argmax(scores), scores.argmax(-1))
+    assert _argmax(logits).tolist()[1:5] == [5, 300, 0, 999]
 
 
 def test_repetition_penalty_matches_transformers() -> None:
