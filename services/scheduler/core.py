@@ -440,8 +440,8 @@ class SchedulerCore:
         for request in prefilling:
             if left <= 0:
                 break
-            if request.in_flight and not self._steppable(request, max_len):
-                continue
+            if request.in_flight and (request.in_flight > 1 or request.last_sample):
+                continue  # a chunk goes while the one before it runs, unless that one samples
             tokens, sample = request.next_feed(min(chunk, left))
             left -= len(tokens)
             seq = wire.SeqStep(seq_id=request.seq_id, tokens=tokens, sample=sample, images=request.images_in(tokens))
@@ -465,26 +465,10 @@ class SchedulerCore:
 
     @staticmethod
     def _follows(request: LiveRequest, max_len: int) -> bool:
-        """Whether a decoding request with a step in flight may ``follow`` it (``_steppable``'s
-        decoding case): one step in flight that samples a token that will not be its last, and no
-        readout of decoded positions (the step feeding a position reads it out; a follow asks for none)."""
+        """Whether a decoding request with a step in flight may ``follow`` it: one step in flight that
+        samples a token that will not be its last, and no readout of decoded positions (the step
+        feeding a position reads it out; a follow asks for none)."""
         if request.in_flight > 1 or not request.last_sample or request.readout_positions:
-            return False
-        after = len(request.generated) + 1  # tokens once the step in flight is applied
-        return after < request.submit.max_tokens and len(request.prompt) + after < max_len
-
-    def _steppable(self, request: LiveRequest, max_len: int) -> bool:
-        """Whether a plain request may go into the step being built. With a step of it in flight, only
-        a prompt chunk that does not sample, or a ``follow`` of a decoding step whose token will not be
-        its last (nor of a request reading out decoded positions: the step feeding a position reads it
-        out, and a ``follow`` step asks for none)."""
-        if not request.in_flight:
-            return True
-        if request.in_flight > 1 or (request.fed >= len(request.prompt) and not request.last_sample):
-            return False
-        if not request.last_sample:
-            return True
-        if request.readout_positions:
             return False
         after = len(request.generated) + 1  # tokens once the step in flight is applied
         return not length_reached(request.submit, after, len(request.prompt) + after, max_len)
@@ -502,7 +486,7 @@ class SchedulerCore:
         failures = {f.seq_id: f.message for f in result.failures}
         max_len = self.max_model_len()
         samples, readouts = result.samples, result.readouts
-        deferred = self.deferred
+        deferred, finished = self.deferred, State.FINISHED
         for request, seq in dispatch.batch:
             if isinstance(request, Branch):
                 self.controlled.apply(request, seq, result, max_len)
@@ -510,7 +494,7 @@ class SchedulerCore:
             request.in_flight -= 1
             if seq.fork_of is not None:
                 self.sessions.forked(seq.fork_of)
-            if request.state is State.FINISHED:  # cancelled while its step ran
+            if request.state is finished:  # cancelled while its step ran
                 if seq.seq_id in failures:
                     self.sessions.failed(seq.seq_id)
                 continue
