@@ -14,11 +14,13 @@ from functools import cache, partial
 REPLACEMENT_CHAR = "\ufffd"
 
 
+@cache
 def decoder(tokenizer: object) -> Callable[[list[int]], str]:
     """``tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)``; for a
     transformers fast tokenizer whose class keeps the stock decode, its Rust backend's decode, which
     is all that call does once the wrapper has checked its arguments (the wrapper costs several times
-    the decoding itself, and a stream decodes twice per token)."""
+    the decoding itself, and a stream decodes twice per token). Made once per tokenizer (a stream
+    is made per request)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and _stock_decode(type(tokenizer)):
         return partial(backend.decode, skip_special_tokens=True)

@@ -167,8 +167,8 @@ class SchedulerCore:
         if not submit.prompt_ids:
             return refuse(INVALID_REQUEST, "the prompt has no tokens")
         facts = self.model_facts()
-        stage = self.pool.summary()
-        if facts is None and stage.stage == "failed":
+        stage = self.pool.summary() if facts is None else None
+        if stage is not None and stage.stage == "failed":
             return refuse(MODEL_LOADING_ERROR, f"the model failed to load: {stage.message}")
         if facts is not None and not (min(submit.prompt_ids) >= 0 and max(submit.prompt_ids) < facts.vocab_size):
             return refuse(INVALID_REQUEST, f"prompt token ids must lie in [0, {facts.vocab_size})")
