@@ -19,7 +19,12 @@ ROOT_HASH = b""  # the parent name of a sequence's first block
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The name of a full block: a 128-bit BLAKE2b digest of its parent's name and its token ids."""
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+    return _name(parent, array("q", tokens).tobytes())
+
+
+def _name(parent: bytes, data: bytes | memoryview) -> bytes:
+    """A block's name from its parent's and its token ids as int64 bytes."""
+    return hashlib.blake2b(parent + data, digest_size=16).digest()
 
 
 def block_key(name: bytes) -> int:
@@ -31,6 +36,8 @@ def prefix_keys(tokens: Sequence[int], block_size: int = BLOCK_SIZE, limit: int 
     """The keys of the full blocks of ``tokens``, first block first (at most ``limit`` of them)."""
     parent = ROOT_HASH
     blocks = len(tokens) // block_size if limit is None else min(limit, len(tokens) // block_size)
+    data = memoryview(array("q", tokens[: blocks * block_size]).tobytes())  # block_hash's bytes, made once
+    size = block_size * 8  # bytes per block (int64 tokens)
     for j in range(blocks):
-        parent = block_hash(parent, tokens[j * block_size : (j + 1) * block_size])
+        parent = _name(parent, data[j * size : (j + 1) * size])
         yield block_key(parent)

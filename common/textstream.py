@@ -14,11 +14,13 @@ from functools import cache, partial
 REPLACEMENT_CHAR = "\ufffd"
 
 
+@cache
 def decoder(tokenizer: object) -> Callable[[list[int]], str]:
     """``tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)``; for a
     transformers fast tokenizer whose class keeps the stock decode, its Rust backend's decode, which
     is all that call does once the wrapper has checked its arguments (the wrapper costs several times
-    the decoding itself, and a stream decodes twice per token)."""
+    the decoding itself, and a stream decodes twice per token). Made once per tokenizer (a stream
+    is made per request)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and _stock_decode(type(tokenizer)):
         return partial(backend.decode, skip_special_tokens=True)
@@ -57,6 +59,21 @@ def byte_table(tokenizer: object) -> list[bytes] | None:
     return table
 
 
+@cache
+def text_table(tokenizer: object) -> list[str | None] | None:
+    """With a byte table (see ``byte_table``): each token's text when its bytes end on a whole UTF-8
+    character (None where they do not: its character goes on in the next token), decoded once
+    instead of for every token a stream pushes."""
+    table = byte_table(tokenizer)
+    if table is None:
+        return None
+    texts: list[str | None] = []
+    for token_bytes in table:
+        text = token_bytes.decode("utf-8", "replace")
+        texts.append(None if text.endswith(REPLACEMENT_CHAR) else text)
+    return texts
+
+
 def _byte_level_chars() -> dict[str, str]:
     """Byte-level BPE's alphabet: the printable character standing for each byte, to that byte (as a
     latin-1 character)."""
@@ -86,6 +103,7 @@ class TextStream:
     def __post_init__(self) -> None:
         self._decode = decoder(self.tokenizer)
         self._bytes = byte_table(self.tokenizer)
+        self._texts = text_table(self.tokenizer)
         self._pending = b""  # with a byte table: the bytes after the last complete character
 
     def _append_token(self, token_id: int) -> None:
@@ -115,10 +133,10 @@ class TextStream:
         if self.stopped_by is not None:
             return ""
         # the common case inline: a byte table, no stop strings, nothing pending or held back
-        if self._bytes is not None and not (self.stop or self._pending) and self.released == len(self.text):
-            text = self._bytes[token_id].decode("utf-8", "replace") if token_id < len(self._bytes) else ""
-            if text.endswith(REPLACEMENT_CHAR):  # a character goes on in the next token
-                self._pending = self._bytes[token_id]
+        if self._texts is not None and not (self.stop or self._pending) and self.released == len(self.text):
+            text = self._texts[token_id] if token_id < len(self._texts) else ""
+            if text is None:  # a character goes on in the next token
+                self._pending = self._bytes[token_id]  # type: ignore[index]
                 return ""
             self.text += text
             self.released = len(self.text)

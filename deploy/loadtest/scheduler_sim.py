@@ -394,7 +394,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     # the core's per-request info lines would swamp the table (and a real scheduler writes them to a file)
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    # (and the logger cached, as common.logging configures the service's)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+                        cache_logger_on_first_use=True)
     settings = Settings()
     tokenizer = load_tokenizer(settings)
     freeze_startup_heap(settings.gc_young_threshold)  # as the scheduler service does once it started

@@ -49,7 +49,7 @@ from common.errors import (
 )
 from common.textstream import TextStream
 from services.scheduler.controlled import Branch, ControlledSteps, MainReply, Plan
-from services.scheduler.requests import LiveRequest, State, length_reached, stop_token
+from services.scheduler.requests import LiveRequest, State, length_reached, stop_tokens
 from services.scheduler.sessions import WAIT, Placement, SessionKV
 from services.scheduler.workers import Place, WorkerPool, least_loaded
 
@@ -79,6 +79,10 @@ class Outbox:
 
     def event(self, gateway: bytes, event: wire.TokenEvent) -> None:
         self._events[gateway].append(event)
+
+    def events_of(self, gateway: bytes) -> list[wire.TokenEvent]:
+        """Where ``event`` puts ``gateway``'s next events, until the next ``message``."""
+        return self._events[gateway]
 
     def message(self, gateway: bytes, msg: wire.Msg) -> None:
         self._close()
@@ -123,6 +127,7 @@ class SchedulerCore:
         # the same by worker (a worker's step is built from its own), and its controlled ones' count
         self.running_on: dict[bytes, dict[int, LiveRequest]] = defaultdict(dict)
         self.controlled_on: Counter[bytes] = Counter()
+        self._order_on: dict[bytes, list[LiveRequest]] = {}  # its plain ones in step order (see _plain_order)
         self.to_free: dict[bytes, list[int]] = defaultdict(list)
         self.outbox = Outbox()
         # tokens accepted from the last step whose text is worked out while the next one runs
@@ -162,8 +167,8 @@ class SchedulerCore:
         if not submit.prompt_ids:
             return refuse(INVALID_REQUEST, "the prompt has no tokens")
         facts = self.model_facts()
-        stage = self.pool.summary()
-        if facts is None and stage.stage == "failed":
+        stage = self.pool.summary() if facts is None else None
+        if stage is not None and stage.stage == "failed":
             return refuse(MODEL_LOADING_ERROR, f"the model failed to load: {stage.message}")
         if facts is not None and not (min(submit.prompt_ids) >= 0 and max(submit.prompt_ids) < facts.vocab_size):
             return refuse(INVALID_REQUEST, f"prompt token ids must lie in [0, {facts.vocab_size})")
@@ -306,10 +311,12 @@ class SchedulerCore:
             request.fed = request.applied = request.cached_tokens = placement.start
             request.kv_tokens = list(placement.held or [])
             request.worker = worker.identity
+            request.stop_ids = stop_tokens(request.submit, worker.hello.eos_token_ids)
             request.reserved = request.needed_tokens
             worker.reserved_tokens += request.reserved
             worker.running += 1
             self.running[request.seq_id] = self.running_on[worker.identity][request.seq_id] = request
+            self._order_on.pop(worker.identity, None)
             self.controlled_on[worker.identity] += bool(request.submit.controller)
             admitted = True
         if admitted:
@@ -379,7 +386,7 @@ class SchedulerCore:
             running = on.get(identity)
             if running:
                 left = budget.get(identity, self.limits.step_token_budget)
-                batch = self._build_batch(running.values(), left, max_len)
+                batch = self._build_batch(identity, running, left, max_len)
                 if batch:
                     per_worker[identity] += batch
         steps = []
@@ -396,35 +403,50 @@ class SchedulerCore:
             steps.append(Dispatch(identity, step, batch, self.controlled.masks_with(step)))
         return steps
 
-    def _build_batch(self, running: Iterable[LiveRequest], left: int, max_len: int) -> list[Item]:
+    def _build_batch(self, identity: bytes, running: dict[int, LiveRequest], left: int, max_len: int) -> list[Item]:
         """One worker's plain sequences in its next step, within ``left`` tokens: decoding sequences
-        first (one token each), then prompt chunks."""
+        first (one token each), then prompt chunks, each in priority then arrival order."""
         batch: list[Item] = []
-        decoding: list[LiveRequest] = []
         prefilling: list[LiveRequest] = []
-        for r in running:
-            if not (r.paused or r.controlled or (r.in_flight and not self._steppable(r, max_len))):
-                (decoding if r.fed >= len(r.prompt) else prefilling).append(r)
-        decoding.sort(key=_sort_key)
-        prefilling.sort(key=_sort_key)
-        chunk = self.limits.prefill_chunk_tokens
-        for request in itertools.chain(decoding, prefilling):
+        for request in self._plain_order(identity, running):
             if left <= 0:
                 break
-            if request.in_flight and request.last_sample:  # decoding in the step before: feed its sample
-                seq = wire.SeqStep(seq_id=request.seq_id, tokens=[], follow=True)
-                left -= 1
+            if request.paused:
+                continue
+            if request.fed < len(request.prompt):
+                prefilling.append(request)
+                continue
+            if request.in_flight:
+                if not self._follows(request, max_len):
+                    continue
+                # decoding in the step in flight: feed its sample (the same SeqStep every time, unless
+                # its sampling parameters go with it)
+                seq = request.follow_step
+                if seq is None or request.sampling_dirty:
+                    seq = wire.SeqStep(seq_id=request.seq_id, tokens=[], follow=True)
+                    request.follow_step = None if request.sampling_dirty else seq
                 request.follows += 1
-            elif request.fed >= len(request.prompt):  # decoding: feed the token sampled last
+            else:  # decoding: feed the token sampled last
                 seq = wire.SeqStep(seq_id=request.seq_id, tokens=[request.pending])
-                left -= 1
                 self._session_feed(request, seq)
-            else:
-                tokens, sample = request.next_feed(min(chunk, left))
-                left -= len(tokens)
-                seq = wire.SeqStep(seq_id=request.seq_id, tokens=tokens, sample=sample, images=request.images_in(tokens))
-                self._session_feed(request, seq)
-                request.fed += len(tokens)
+            left -= 1
+            if request.sampling_dirty:
+                seq.sampling = request.submit.sampling
+                request.sampling_dirty = False
+            request.in_flight += 1
+            request.last_sample = True
+            batch.append((request, seq))
+        chunk = self.limits.prefill_chunk_tokens
+        for request in prefilling:
+            if left <= 0:
+                break
+            if request.in_flight and (request.in_flight > 1 or request.last_sample):
+                continue  # a chunk goes while the one before it runs, unless that one samples
+            tokens, sample = request.next_feed(min(chunk, left))
+            left -= len(tokens)
+            seq = wire.SeqStep(seq_id=request.seq_id, tokens=tokens, sample=sample, images=request.images_in(tokens))
+            self._session_feed(request, seq)
+            request.fed += len(tokens)
             if request.sampling_dirty:
                 seq.sampling = request.submit.sampling
                 request.sampling_dirty = False
@@ -433,18 +455,20 @@ class SchedulerCore:
             batch.append((request, seq))
         return batch
 
-    def _steppable(self, request: LiveRequest, max_len: int) -> bool:
-        """Whether a plain request may go into the step being built. With a step of it in flight, only
-        a prompt chunk that does not sample, or a ``follow`` of a decoding step whose token will not be
-        its last (nor of a request reading out decoded positions: the step feeding a position reads it
-        out, and a ``follow`` step asks for none)."""
-        if not request.in_flight:
-            return True
-        if request.in_flight > 1 or (request.fed >= len(request.prompt) and not request.last_sample):
-            return False
-        if not request.last_sample:
-            return True
-        if request.readout_positions:
+    def _plain_order(self, identity: bytes, running: dict[int, LiveRequest]) -> list[LiveRequest]:
+        """A worker's plain requests in priority then arrival order; sorted again only after its
+        requests changed (admission, release), not every step."""
+        order = self._order_on.get(identity)
+        if order is None:
+            order = self._order_on[identity] = sorted((r for r in running.values() if not r.controlled), key=_sort_key)
+        return order
+
+    @staticmethod
+    def _follows(request: LiveRequest, max_len: int) -> bool:
+        """Whether a decoding request with a step in flight may ``follow`` it: one step in flight that
+        samples a token that will not be its last, and no readout of decoded positions (the step
+        feeding a position reads it out; a follow asks for none)."""
+        if request.in_flight > 1 or not request.last_sample or request.readout_positions:
             return False
         after = len(request.generated) + 1  # tokens once the step in flight is applied
         return not length_reached(request.submit, after, len(request.prompt) + after, max_len)
@@ -457,12 +481,12 @@ class SchedulerCore:
             info.kv_cached_tokens = max(result.kv_cached_tokens, 0)
 
     def apply(self, dispatch: Dispatch, result: wire.StepResult) -> None:
-        """Apply one worker's step result to the sequences it ran."""
-        worker = self.pool.workers.get(dispatch.worker)
+        """Apply one worker's step result to the sequences it ran. The common case, a decoding
+        sequence's token, is a handful of operations inline (this runs for every token)."""
         failures = {f.seq_id: f.message for f in result.failures}
-        eos = set(worker.hello.eos_token_ids) if worker else set()
         max_len = self.max_model_len()
         samples, readouts = result.samples, result.readouts
+        deferred, finished = self.deferred, State.FINISHED
         for request, seq in dispatch.batch:
             if isinstance(request, Branch):
                 self.controlled.apply(request, seq, result, max_len)
@@ -470,18 +494,19 @@ class SchedulerCore:
             request.in_flight -= 1
             if seq.fork_of is not None:
                 self.sessions.forked(seq.fork_of)
-            if request.state is State.FINISHED:  # cancelled while its step ran
+            if request.state is finished:  # cancelled while its step ran
                 if seq.seq_id in failures:
                     self.sessions.failed(seq.seq_id)
                 continue
             if seq.seq_id in failures:
                 self.fail(request, INTERNAL_ERROR, f"the worker failed this sequence: {failures[seq.seq_id]}")
                 continue
-            if request.applied < len(request.prompt):
+            prompt = request.prompt
+            if request.applied < len(prompt):
                 self._prompt_outputs(request, seq, result)
                 request.cached_tokens += result.cached_tokens.get(seq.seq_id, 0)
                 request.applied += len(seq.tokens)
-                if request.submit.max_tokens == 0 and request.applied == len(request.prompt):
+                if request.submit.max_tokens == 0 and request.applied == len(prompt):
                     self.finish(request, "length")
             else:
                 request.pending = None
@@ -493,27 +518,25 @@ class SchedulerCore:
             if sampled is None:
                 self.fail(request, INTERNAL_ERROR, "the worker returned no token for this sequence")
                 continue
-            self._on_token(request, sampled, eos, max_len)
-
-    def _on_token(self, request: LiveRequest, sampled: wire.SampledToken, eos: set[int], max_len: int) -> None:
-        token = sampled.token_id
-        request.generated.append(token)
-        request.pending = token
-        if request.follows:  # the follow step sent after this one feeds it (at most one is ahead)
-            request.follows = 0
-            request.kv_tokens.append(token)
-        event = wire.TokenEvent(rid=request.rid, tokens=[sampled])
-        if stop_token(request.submit, token, eos):
-            self.finish(request, "stop", event, stop_reason=token)
-        elif length_reached(request.submit, len(request.generated), len(request.prompt) + len(request.generated), max_len):
-            self._emit_text(request, event, last=True)
-        else:
-            # Decoding goes on: its text (detokenizing, stop strings) is worked out once the next
-            # step is on its way. A stop string found then ends the request, and the token that
-            # step samples for it is dropped.
-            if not request.deferred:
-                self.deferred.append(request)
-            request.deferred.append(event)
+            token = sampled.token_id
+            generated = request.generated
+            generated.append(token)
+            request.pending = token
+            if request.follows:  # the follow step sent after this one feeds it (at most one is ahead)
+                request.follows = 0
+                request.kv_tokens.append(token)
+            event = wire.TokenEvent(rid=request.rid, tokens=[sampled])
+            if token in request.stop_ids:  # requests.stop_token, its set made at admission
+                self.finish(request, "stop", event, stop_reason=token)
+            elif length_reached(request.submit, len(generated), len(prompt) + len(generated), max_len):
+                self._emit_text(request, event, last=True)
+            else:
+                # Decoding goes on: its text (detokenizing, stop strings) is worked out once the next
+                # step is on its way. A stop string found then ends the request, and the token that
+                # step samples for it is dropped.
+                if not request.deferred:
+                    deferred.append(request)
+                request.deferred.append(event)
 
     def _emit_text(self, request: LiveRequest, event: wire.TokenEvent, last: bool) -> None:
         """The text of a token event; finish on a completed stop string, or when it was the ``last``."""
@@ -532,12 +555,19 @@ class SchedulerCore:
             self._emit_deferred_of(request)
 
     def _emit_deferred_of(self, request: LiveRequest) -> None:
-        """Work out a request's deferred token texts now (or before it ends for another reason)."""
+        """Work out a request's deferred token texts now (or before it ends for another reason):
+        ``_emit_text`` inline, as it runs for every token."""
         events, request.deferred = request.deferred, []
+        if request.state is State.FINISHED:  # cancelled or failed since
+            return
+        text = request.text
+        out = self.outbox.events_of(request.gateway)
         for event in events:
-            if request.state is State.FINISHED:  # cancelled or failed since, or a stop string ended it
+            event.text = text.push_one(event.tokens[0].token_id)
+            if text.stopped_by is not None:  # the rest of its events are dropped
+                self.finish(request, "stop", event, stop_reason=text.stopped_by)
                 return
-            self._emit_text(request, event, last=False)
+            out.append(event)
 
     def end_step(self) -> None:
         """After a step's results: controlled requests' events and endings."""
@@ -592,6 +622,7 @@ class SchedulerCore:
         elif request.seq_id in self.running:
             del self.running[request.seq_id]
             del self.running_on[request.worker][request.seq_id]
+            self._order_on.pop(request.worker, None)
             self.controlled_on[request.worker] -= bool(request.submit.controller)
             if request.fork_of is not None:  # its fork step was never sent
                 self.sessions.forked(request.fork_of)

@@ -13,7 +13,12 @@ from common.textstream import TextStream
 def stop_token(submit: wire.Submit, token: int, eos: Collection[int]) -> bool:
     """Whether a sampled token ends its sequence: one of the request's stop tokens, or an ``eos`` token
     unless the request ignores EOS (a controlled sequence passes none: its controller decides)."""
-    return token in submit.stop_token_ids or (token in eos and not submit.ignore_eos)
+    return token in stop_tokens(submit, eos)
+
+
+def stop_tokens(submit: wire.Submit, eos: Collection[int]) -> frozenset[int]:
+    """The tokens that end the sequence (see ``stop_token``)."""
+    return frozenset(submit.stop_token_ids).union(() if submit.ignore_eos else eos)
 
 
 def length_reached(submit: wire.Submit, generated: int, total: int, max_len: int) -> bool:
@@ -48,6 +53,8 @@ class LiveRequest:
     in_flight: int = 0  # steps sent with this request whose results are not applied yet
     deferred: list[wire.TokenEvent] = field(default_factory=list)  # token events whose text is not worked out yet
     last_sample: bool = False  # whether the last step sent samples it (its next step can ``follow``)
+    stop_ids: frozenset[int] = frozenset()  # the sampled tokens that end it (requests.stop_tokens), set at admission
+    follow_step: wire.SeqStep | None = None  # its ``follow`` SeqStep, the same in every step (never changed once built)
     sampling_dirty: bool = True  # send SamplingParams with the next SeqStep
     # Session turns (Salience): the first SeqStep forks ``fork_of`` and/or drops ``backtrack``
     # tokens of a parked sequence; ``kv_tokens`` is what the worker's sequence holds once every

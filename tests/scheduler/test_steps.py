@@ -183,3 +183,37 @@ def test_prompt_logprobs_and_readouts_come_back_as_prompt_outputs():
     assert [o.position for o in positions] == list(range(1, 20))
     assert positions[-1].readout == b"r19" and positions[-1].logprob == -2.0
     assert h.final("r").finish_reason == "length" and h.final("r").completion_tokens == 0
+
+
+def test_decoding_order_follows_priority_as_requests_come_and_go():
+    """Each worker's decode order (priority, then arrival) holds as requests are admitted and end
+    between steps, not only for the requests of the first step."""
+    h = Harness()
+    h.worker()
+    h.submit("a", prompt(3), 2)
+    h.submit("b", prompt(3), 8, priority=5)
+    h.cycle()
+    h.submit("c", prompt(3), 8, priority=1)
+    h.cycle()  # "a" samples its last token, "c" its first
+    (step,) = h.build()
+    ids = {rid: h.core.requests[rid].seq_id for rid in ("b", "c")}
+    assert "a" not in h.core.requests
+    assert [s.seq_id for s in step.step.seqs] == [ids["c"], ids["b"]]
+
+
+def test_a_modified_sampling_goes_with_the_next_follow_only():
+    """Follow steps repeat themselves, but new sampling parameters go with the next one."""
+    h = Harness()
+    h.worker()
+    h.submit("r", prompt(3), 20)
+    h.cycle()
+    first = h.build()
+    second = h.build()
+    h.core.control(b"gw", wire.Modify(rid="r", patch=wire.SamplingPatch(temperature=0.5)))
+    h.apply(first)
+    third = h.build()
+    h.apply(second)
+    fourth = h.build()
+    seqs = [seqs_of(steps, "r")[0] for steps in (second, third, fourth)]
+    assert all(s.follow for s in seqs)
+    assert [s.sampling and s.sampling.temperature for s in seqs] == [None, 0.5, None]

@@ -3,7 +3,7 @@ first block (a prompt shorter than a block: least loaded)."""
 
 from __future__ import annotations
 
-from common.blocks import prefix_keys
+from common.blocks import ROOT_HASH, block_hash, block_key, prefix_keys
 from services.scheduler.placement import Candidate, Decision, PrefixIndex, choose, rendezvous
 
 A, B, C = b"a", b"b", b"c"
@@ -13,6 +13,19 @@ KEYS = list(prefix_keys(PROMPT))
 
 def workers(free_a: int = 1000, free_b: int = 1000, free_c: int = 1000, running: tuple[int, int, int] = (0, 0, 0)):
     return [Candidate(A, free_a, running[0]), Candidate(B, free_b, running[1]), Candidate(C, free_c, running[2])]
+
+
+def test_prefix_keys_are_the_workers_block_names() -> None:
+    """The keys placement computes are those of the hash chain a worker's cache names its blocks by
+    (``block_hash`` of each full block on its parent's name); a partial last block has none."""
+    tokens = [(i * 7919) % 50000 for i in range(16 * 5 + 9)]
+    names, parent = [], ROOT_HASH
+    for j in range(5):
+        parent = block_hash(parent, tokens[j * 16 : (j + 1) * 16])
+        names.append(block_key(parent))
+    assert list(prefix_keys(tokens)) == names
+    assert list(prefix_keys(tokens, limit=2)) == names[:2] and list(prefix_keys(tokens[:15])) == []
+    assert list(prefix_keys(tokens, block_size=4))[0] == block_key(block_hash(ROOT_HASH, tokens[:4]))
 
 
 def test_the_index_follows_block_events() -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from common.config import Settings
 from common.model_source import load_tokenizer
-from common.textstream import TextStream, byte_table, decoder
+from common.textstream import REPLACEMENT_CHAR, TextStream, byte_table, decoder, text_table
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,17 @@ def test_fast_decoder_is_the_tokenizers_decode(tokenizer):
                                                      clean_up_tokenization_spaces=False)
 
 
+def test_text_table_is_the_byte_tables_whole_characters(tokenizer):
+    """Each token's text, decoded once: its bytes' UTF-8 text, None where its last character goes on
+    in the next token (a stream holds those bytes back)."""
+    table, texts = byte_table(tokenizer), text_table(tokenizer)
+    assert table is not None and texts is not None and len(texts) == len(table)
+    for token_bytes, text in zip(table, texts):
+        decoded = token_bytes.decode("utf-8", "replace")
+        assert text == (None if decoded.endswith(REPLACEMENT_CHAR) else decoded)
+    assert None in texts and "" in texts  # stray UTF-8 bytes; special tokens
+
+
 def test_byte_table_decodes_as_the_tokenizer(tokenizer):
     """The byte-level fast path: every token's bytes decode to the tokenizer's text of it (specials
     empty), and random streams, half of them stray UTF-8 bytes, give the same deltas as the stream
@@ -79,6 +90,6 @@ def test_byte_table_decodes_as_the_tokenizer(tokenizer):
         ids = [rng.choice(stray) if rng.random() < 0.5 else rng.randrange(len(table)) for _ in range(rng.randint(1, 40))]
         ids.insert(rng.randrange(len(ids) + 1), rng.choice(past))
         fast, slow = TextStream(tokenizer), TextStream(tokenizer)
-        slow._bytes = None
+        slow._bytes = slow._texts = None
         assert [fast.push([i]) for i in ids] + [fast.flush()] == [slow.push([i]) for i in ids] + [slow.flush()]
         assert fast.text == slow.text
