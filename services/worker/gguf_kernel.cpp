@@ -364,7 +364,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // slot of the layer's pool [slots, 2 kv_heads, dim].
 void rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                 int64_t rotated, const at::Tensor& pool, const at::Tensor& slots) {
-  TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "qkv must be contiguous float32 [tokens, heads, dim]");
+  TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(),
+              "qkv must be contiguous float32 [tokens, heads, dim]");
   const int64_t tokens = qkv.size(0), all = qkv.size(1), dim = qkv.size(2), half = dim / 2;
   TORCH_CHECK(dim % 2 == 0 && rotated >= 0 && rotated <= all, "bad rotated heads or dim");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
@@ -430,7 +431,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& blocks, const
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(lp[i] > 0 && lp[i] <= width * bs, "row ", i, " has ", lp[i], " keys, its table holds ", width * bs);
     for (int64_t j = 0; j < (lp[i] + bs - 1) / bs; ++j)
-      TORCH_CHECK(tp[i * width + j] >= 0 && tp[i * width + j] < num_blocks, "block ", tp[i * width + j], " outside the pool");
+      TORCH_CHECK(tp[i * width + j] >= 0 && tp[i * width + j] < num_blocks, "block ", tp[i * width + j],
+                  " outside the pool");
     longest = std::max(longest, lp[i]);
   }
   at::Tensor out = at::empty({n, heads * dim}, q.options());
@@ -469,7 +471,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& blocks, const
           for (int64_t j = 0; j < count; ++j) {
             const float* k = at[j] + g * dim;
             __m512 d = _mm512_setzero_ps();
-            for (int64_t l = 0; l < lanes; ++l) d = _mm512_fmadd_ps(_mm512_loadu_ps(qh + l * 16), _mm512_loadu_ps(k + l * 16), d);
+            for (int64_t l = 0; l < lanes; ++l)
+              d = _mm512_fmadd_ps(_mm512_loadu_ps(qh + l * 16), _mm512_loadu_ps(k + l * 16), d);
             s[j] = hsum(d) * float(scale);
           }
           const __m512 sv = _mm512_maskz_loadu_ps(k16, s);
@@ -481,7 +484,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& blocks, const
           _mm512_store_ps(s, e);
           float* oh = acc.data() + h * dim;
           __m512 o[8];
-          for (int64_t l = 0; l < lanes; ++l) o[l] = _mm512_mul_ps(_mm512_loadu_ps(oh + l * 16), _mm512_set1_ps(shrink));
+          for (int64_t l = 0; l < lanes; ++l)
+            o[l] = _mm512_mul_ps(_mm512_loadu_ps(oh + l * 16), _mm512_set1_ps(shrink));
           for (int64_t j = 0; j < count; ++j) {
             const float* v = at[j] + (kv_heads + g) * dim;
             const __m512 w = _mm512_set1_ps(s[j]);
@@ -494,7 +498,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& blocks, const
       for (int64_t h = 0; h < heads; ++h) {
         const __m512 inv = _mm512_set1_ps(1.0f / sum[h]);
         for (int64_t l = 0; l < lanes; ++l)
-          _mm512_storeu_ps(out_row + h * dim + l * 16, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + h * dim + l * 16), inv));
+          _mm512_storeu_ps(out_row + h * dim + l * 16,
+                           _mm512_mul_ps(_mm512_loadu_ps(acc.data() + h * dim + l * 16), inv));
       }
     }
   });
@@ -519,8 +524,8 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const
   rope_store(q, cos, sin, positions, heads + kv_heads, blocks.view({-1, 2 * kv_heads, dim}), slots);
   const at::Tensor attn = decode_attention(q.narrow(1, 0, heads), blocks, tables, lengths, scale);
   const at::Tensor mid = linear(attn, o, o_kind, hidden, o_bias, x);
-  const at::Tensor act =
-      silu_mul(linear(rms_norm(mid, post_norm, eps), gate_up, gate_up_kind, 2 * intermediate, gate_up_bias, std::nullopt));
+  const at::Tensor act = silu_mul(
+      linear(rms_norm(mid, post_norm, eps), gate_up, gate_up_kind, 2 * intermediate, gate_up_bias, std::nullopt));
   return linear(act, down, down_kind, hidden, down_bias, mid);
 }
 
