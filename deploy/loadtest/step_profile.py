@@ -15,7 +15,11 @@ the process's CPU milliseconds per step (the figure a shared machine skews least
 * ``linear``: the difference;
 * ``sample``: greedy sampling of the step's logits (argmax and logprobs, as the engine does).
 
-The two forward variants take turns ``--repeats`` times; each figure is the best. Unless
+Where the runner has the kernel library's fused ops (``TILLER_WEIGHTS=gguf``), each shape gets three
+rows, measured in turns on the same engine: ``ops=torch`` (the ops switched off, torch's path: the
+baseline), ``ops=fused`` (one fused op per step of a layer) and ``ops=layer`` (a whole decoder layer per
+call, as the worker runs decode steps; its stand-in projections are not block layers, so its
+``non-linear`` column is the ``fused`` path's and ``linear`` is left out). The forward variants take turns ``--repeats`` times; each figure is the best. Unless
 ``--no-ops``, a profile of the non-linear steps follows: each top-level torch op's share of
 the profiled time and its calls per decode step and per layer. The profiler times wall clock
 and adds its own cost per op, so read the shares and counts, not its microseconds.
@@ -124,15 +128,19 @@ def main() -> None:
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
     settings = get_settings()
     loaded = load_model(settings, lambda percent, message: None)
-    longest = max(c for _, c in shapes) + (2 * args.repeats + 2) * args.steps
+    longest = max(c for _, c in shapes) + (6 * args.repeats + 2) * (args.steps + 1)  # 3 variants x 2 forwards
     engine = Engine(loaded, num_blocks=max(b for b, _ in shapes) * -(-longest // BLOCK_SIZE) + 1)
     runner = engine.runner
     if not isinstance(runner, PagedLlama):
         raise SystemExit(f"the model runs on the {engine.backend} backend, not the native forward")
     projections = Projections(runner)
+    variants = {"torch": (None, False)}
+    if runner.ops is not None:
+        variants |= {"fused": (runner.ops, False), "layer": (runner.ops, True)}
     print(f"model={settings.model} weights={loaded.weights} threads={torch.get_num_threads()} "
           f"steps={args.steps} repeats={args.repeats}")
-    print(f"{'batch':>6}{'context':>9}{'all':>9}{'non-linear':>12}{'linear':>9}{'sample':>9}   (CPU ms per decode step)")
+    print(f"{'batch':>6}{'context':>9}{'ops':>7}{'all':>9}{'non-linear':>12}{'linear':>9}{'sample':>9}"
+          "   (CPU ms per decode step)")
     generator = torch.Generator().manual_seed(0)
     for batch, context in shapes:
         for seq_id in list(engine.tables.seqs):
@@ -140,17 +148,21 @@ def main() -> None:
         for seq_id in range(batch):
             engine.tables.reserve(seq_id, longest)
         engine.cache.kv.normal_(generator=generator)
-        best = {True: float("inf"), False: float("inf")}
+        best = {(name, fake): float("inf") for name in variants for fake in (False, True)}
         position = context
         for _ in range(args.repeats):
-            for fake in (False, True):
-                projections.use(fake)
-                decode_steps(runner, batch, position, 1)  # warm-up
-                best[fake] = min(best[fake], decode_steps(runner, batch, position + 1, args.steps))
-                position += args.steps + 1
+            for name, (ops, whole) in variants.items():
+                runner.ops, runner.whole_layers = ops, whole
+                for fake in (False, True):
+                    projections.use(fake)
+                    decode_steps(runner, batch, position, 1)  # warm-up
+                    best[name, fake] = min(best[name, fake], decode_steps(runner, batch, position + 1, args.steps))
+                    position += args.steps + 1
         sampled = sample_ms(batch, loaded.vocab_size)
-        print(f"{batch:>6}{context:>9}{best[False]:>9.2f}{best[True]:>12.2f}{best[False] - best[True]:>9.2f}"
-              f"{sampled:>9.2f}", flush=True)
+        for name in variants:
+            every, rest = best[name, False], best[name, True]
+            linear = f"{every - rest:>9.2f}" if name != "layer" else f"{'-':>9}"
+            print(f"{batch:>6}{context:>9}{name:>7}{every:>9.2f}{rest:>12.2f}{linear}{sampled:>9.2f}", flush=True)
         if not args.no_ops:
             projections.use(True)
             op_table(runner, batch, position, args.steps)

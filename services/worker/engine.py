@@ -176,7 +176,9 @@ class Engine:
             self.cache = cache
             self.tables = cache.tables
             if ranks is None:
-                runner = PagedLlama(loaded.model, cache, loaded.max_model_len, loaded.linears)
+                # the GGUF kernel's weights round as they ship anyway: its library's fused ops go with them
+                runner = PagedLlama(loaded.model, cache, loaded.max_model_len, loaded.linears,
+                                    fused=loaded.weights == "gguf")
             else:
                 runner = ranks.runner(loaded.model, cache, loaded.max_model_len)
             if cuda_graph_batch > 0 and loaded.device.type == "cuda" and ranks is None:

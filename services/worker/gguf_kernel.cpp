@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -272,9 +273,280 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t kind, int
   return y;
 }
 
+// ---- The rest of a decoder layer for float32 rows (fused_ops.py): one call where torch takes several. ----
+// Each op runs inline below a grain of work (a decode step of one sequence never forks threads).
+
+constexpr int64_t OP_GRAIN = 1 << 15;  // floats touched per task, about
+
+inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// exp(x) to about 1 ulp: 2^n exp(r) with n = round(x / ln 2), r = x - n ln 2 (in two parts), exp(r) by
+// Cephes' expf polynomial. The scalar std::exp is a call per value: most of a decode step's softmax.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.37f)), _mm512_set1_ps(-88.37f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 tail(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1, what, " must be float32 [rows, n]",
+              " with unit stride along n");
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w, row by row.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kFloat && w.numel() == n, "w must be float32 [n]");
+  at::Tensor y = at::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  at::parallel_for(0, rows, std::max<int64_t>(1, OP_GRAIN / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * ldx;
+      float* yr = yp + r * n;
+      __m512 acc = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(xr + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      float ss = hsum(acc);
+      for (; i < n; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.0f / std::sqrt(ss / float(n) + float(eps));
+      for (i = 0; i < n; ++i) yr[i] = xr[i] * inv * wp[i];
+    }
+  });
+  return y;
+}
+
+// gate_up [rows, 2 * m] (gate | up) -> silu(gate) * up [rows, m].
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even width");
+  const int64_t rows = gate_up.size(0), m = gate_up.size(1) / 2, ld = gate_up.stride(0);
+  at::Tensor y = at::empty({rows, m}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, OP_GRAIN / std::max<int64_t>(m, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = gp + r * ld;
+      const float* u = g + m;
+      float* yr = yp + r * m;
+      for (int64_t i = 0; i < m; i += 16) {
+        const __mmask16 k = tail(m - i);
+        const __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
+        const __m512 e = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+        _mm512_mask_storeu_ps(yr + i, k, _mm512_mul_ps(_mm512_div_ps(gv, e), _mm512_maskz_loadu_ps(k, u + i)));
+      }
+    }
+  });
+  return y;
+}
+
+// In place on qkv [tokens, heads + 2 kv_heads, dim]: the first ``rotated`` heads (queries and keys)
+// rotated, x * cos + roll(x, dim / 2) * sin, with the tables' rows at each token's position (sin's
+// first half negated, as paged_llama lays it out); then each token's keys and values copied to its
+// slot of the layer's pool [slots, 2 kv_heads, dim].
+void rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                int64_t rotated, const at::Tensor& pool, const at::Tensor& slots) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(),
+              "qkv must be contiguous float32 [tokens, heads, dim]");
+  const int64_t tokens = qkv.size(0), all = qkv.size(1), dim = qkv.size(2), half = dim / 2;
+  TORCH_CHECK(dim % 2 == 0 && rotated >= 0 && rotated <= all, "bad rotated heads or dim");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+              sin.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == dim && sin.sizes() == cos.sizes(),
+              "cos and sin must be float32 [positions, dim]");
+  TORCH_CHECK(positions.is_contiguous() && positions.scalar_type() == at::kLong && positions.numel() == tokens,
+              "positions must be int64 [tokens]");
+  TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == at::kLong && slots.numel() == tokens,
+              "slots must be int64 [tokens]");
+  TORCH_CHECK(pool.dim() == 3 && pool.is_contiguous() && pool.scalar_type() == at::kFloat && pool.size(2) == dim,
+              "pool must be contiguous float32 [slots, 2 kv_heads, dim]");
+  const int64_t stored = pool.size(1), first = all - stored;  // heads copied to the pool: the last ``stored``
+  TORCH_CHECK(first >= 0, "the pool holds more heads than qkv");
+  float* q = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  float* pp = pool.data_ptr<float>();
+  const int64_t limit = cos.size(0), capacity = pool.size(0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < limit, "position ", pos[t], " outside the rotary tables");
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < capacity, "slot ", sl[t], " outside the pool");
+  }
+  at::parallel_for(0, tokens, std::max<int64_t>(1, OP_GRAIN / (all * dim)), [&](int64_t t0, int64_t t1) {
+    std::vector<float> tmp(dim);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cp + pos[t] * dim;
+      const float* s = sp + pos[t] * dim;
+      for (int64_t h = 0; h < rotated; ++h) {
+        float* x = q + (t * all + h) * dim;
+        std::copy(x, x + dim, tmp.begin());
+        for (int64_t i = 0; i < dim; ++i) x[i] = tmp[i] * c[i] + tmp[(i + half) % dim] * s[i];
+      }
+      std::copy(q + (t * all + first) * dim, q + (t + 1) * all * dim, pp + sl[t] * stored * dim);
+    }
+  });
+}
+
+// Attention of decode rows over their paged keys and values, read in place. q [n, heads, dim] (any
+// row stride), blocks [num_blocks, block_size, 2 kv_heads, dim] (keys, then values), tables [n, width]
+// (each row's blocks in position order), lengths [n] (keys per row, at most width * block_size).
+// Grouped-query: query head h reads kv head h / (heads / kv_heads). Returns [n, heads * dim].
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& blocks, const at::Tensor& tables,
+                            const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be float32 [n, heads, dim], heads side by side");
+  TORCH_CHECK(blocks.dim() == 4 && blocks.is_contiguous() && blocks.scalar_type() == at::kFloat,
+              "blocks must be contiguous float32 [blocks, block_size, 2 kv_heads, dim]");
+  const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t num_blocks = blocks.size(0), bs = blocks.size(1), kv_heads = blocks.size(2) / 2;
+  TORCH_CHECK(blocks.size(3) == dim && blocks.size(2) % 2 == 0 && kv_heads > 0 && heads % kv_heads == 0,
+              "q's heads and dim do not match the blocks'");
+  TORCH_CHECK(dim % 16 == 0, "head dim must be a multiple of 16");
+  TORCH_CHECK(tables.dim() == 2 && tables.is_contiguous() && tables.scalar_type() == at::kLong && tables.size(0) == n,
+              "tables must be int64 [n, width]");
+  TORCH_CHECK(lengths.is_contiguous() && lengths.scalar_type() == at::kLong && lengths.numel() == n,
+              "lengths must be int64 [n]");
+  const int64_t width = tables.size(1), group = heads / kv_heads, lanes = dim / 16;
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(lp[i] > 0 && lp[i] <= width * bs, "row ", i, " has ", lp[i], " keys, its table holds ", width * bs);
+    for (int64_t j = 0; j < (lp[i] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tp[i * width + j] >= 0 && tp[i * width + j] < num_blocks, "block ", tp[i * width + j],
+                  " outside the pool");
+    longest = std::max(longest, lp[i]);
+  }
+  at::Tensor out = at::empty({n, heads * dim}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* bp = blocks.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldq = q.stride(0), slot = 2 * kv_heads * dim, block_stride = bs * slot;
+  TORCH_CHECK(lanes <= 8, "head dim must be at most 128");
+  // One task per row, its keys and values streamed once in position order (each slot's heads side by
+  // side), 16 positions at a time with an online softmax: per head, the chunk's scores, their
+  // exponentials against the running maximum, the running sum and output rescaled when it grows.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, longest * dim * heads));
+  at::parallel_for(0, n, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> acc(heads * dim), top(heads), sum(heads);
+    alignas(64) float s[16];
+    const float* at[16];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t len = lp[i];
+      const int64_t* row = tp + i * width;
+      const float* qi = qp + i * ldq;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(top.begin(), top.end(), -INFINITY);
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (int64_t p0 = 0; p0 < len; p0 += 16) {
+        const int64_t count = std::min<int64_t>(16, len - p0);
+        const __mmask16 k16 = tail(count);
+        for (int64_t j = 0; j < count; ++j) at[j] = bp + row[(p0 + j) / bs] * block_stride + ((p0 + j) % bs) * slot;
+        // the next chunk's slots, line by line: its heads' strided reads leave the hardware prefetcher behind
+        for (int64_t p = p0 + 16; p < std::min<int64_t>(len, p0 + 32); ++p) {
+          const char* next = reinterpret_cast<const char*>(bp + row[p / bs] * block_stride + (p % bs) * slot);
+          for (int64_t b = 0; b < slot * int64_t(sizeof(float)); b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t g = h / group;
+          const float* qh = qi + h * dim;
+          for (int64_t j = 0; j < count; ++j) {
+            const float* k = at[j] + g * dim;
+            __m512 d = _mm512_setzero_ps();
+            for (int64_t l = 0; l < lanes; ++l)
+              d = _mm512_fmadd_ps(_mm512_loadu_ps(qh + l * 16), _mm512_loadu_ps(k + l * 16), d);
+            s[j] = hsum(d) * float(scale);
+          }
+          const __m512 sv = _mm512_maskz_loadu_ps(k16, s);
+          const float most = std::max(top[h], _mm512_mask_reduce_max_ps(k16, sv));
+          const float shrink = std::exp(top[h] - most);  // 0 for the first chunk (top -inf)
+          top[h] = most;
+          const __m512 e = _mm512_maskz_mov_ps(k16, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(most))));
+          sum[h] = sum[h] * shrink + hsum(e);
+          _mm512_store_ps(s, e);
+          float* oh = acc.data() + h * dim;
+          __m512 o[8];
+          for (int64_t l = 0; l < lanes; ++l)
+            o[l] = _mm512_mul_ps(_mm512_loadu_ps(oh + l * 16), _mm512_set1_ps(shrink));
+          for (int64_t j = 0; j < count; ++j) {
+            const float* v = at[j] + (kv_heads + g) * dim;
+            const __m512 w = _mm512_set1_ps(s[j]);
+            for (int64_t l = 0; l < lanes; ++l) o[l] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + l * 16), o[l]);
+          }
+          for (int64_t l = 0; l < lanes; ++l) _mm512_storeu_ps(oh + l * 16, o[l]);
+        }
+      }
+      float* out_row = op + i * heads * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const __m512 inv = _mm512_set1_ps(1.0f / sum[h]);
+        for (int64_t l = 0; l < lanes; ++l)
+          _mm512_storeu_ps(out_row + h * dim + l * 16,
+                           _mm512_mul_ps(_mm512_loadu_ps(acc.data() + h * dim + l * 16), inv));
+      }
+    }
+  });
+  return out;
+}
+
+// One whole decoder layer for decode rows (one token per sequence, all on GGUF block weights): x +
+// attention, then + MLP, as the ops above and ``linear`` compose it in Python, in one call.
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+                        const at::Tensor& qkv, int64_t qkv_kind, const std::optional<at::Tensor>& qkv_bias,
+                        const at::Tensor& o, int64_t o_kind, const std::optional<at::Tensor>& o_bias,
+                        const at::Tensor& gate_up, int64_t gate_up_kind, int64_t intermediate,
+                        const std::optional<at::Tensor>& gate_up_bias, const at::Tensor& down, int64_t down_kind,
+                        const std::optional<at::Tensor>& down_bias, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& positions, int64_t heads, const at::Tensor& blocks, const at::Tensor& slots,
+                        const at::Tensor& tables, const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(blocks.dim() == 4, "blocks must be [blocks, block_size, 2 kv_heads, dim]");
+  const int64_t rows = x.size(0), hidden = x.size(1), kv_heads = blocks.size(2) / 2, dim = blocks.size(3);
+  const at::Tensor h = rms_norm(x, input_norm, eps);
+  const at::Tensor q = linear(h, qkv, qkv_kind, (heads + 2 * kv_heads) * dim, qkv_bias, std::nullopt)
+                           .view({rows, heads + 2 * kv_heads, dim});
+  rope_store(q, cos, sin, positions, heads + kv_heads, blocks.view({-1, 2 * kv_heads, dim}), slots);
+  const at::Tensor attn = decode_attention(q.narrow(1, 0, heads), blocks, tables, lengths, scale);
+  const at::Tensor mid = linear(attn, o, o_kind, hidden, o_bias, x);
+  const at::Tensor act = silu_mul(
+      linear(rms_norm(mid, post_norm, eps), gate_up, gate_up_kind, 2 * intermediate, gate_up_bias, std::nullopt));
+  return linear(act, down, down_kind, hidden, down_bias, mid);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tiller_gguf, m) {
   m.def("linear(Tensor x, Tensor w, int kind, int n, Tensor? bias=None, Tensor? residual=None) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+  m.def("rope_store(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor positions, int rotated, Tensor(b!) pool, "
+        "Tensor slots) -> ()");
+  m.impl("rope_store", c10::DispatchKey::CPU, TORCH_FN(rope_store));
+  m.def("decode_attention(Tensor q, Tensor blocks, Tensor tables, Tensor lengths, float scale) -> Tensor");
+  m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+  m.def("decode_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor qkv, int qkv_kind, "
+        "Tensor? qkv_bias, Tensor o, int o_kind, Tensor? o_bias, Tensor gate_up, int gate_up_kind, int intermediate, "
+        "Tensor? gate_up_bias, Tensor down, int down_kind, Tensor? down_bias, Tensor cos, Tensor sin, "
+        "Tensor positions, int heads, Tensor(a!) blocks, Tensor slots, Tensor tables, Tensor lengths, float scale) "
+        "-> Tensor");
+  m.impl("decode_layer", c10::DispatchKey::CPU, TORCH_FN(decode_layer));
 }

@@ -9,6 +9,14 @@ MLP is one matmul per step. Attention runs for all single-token inputs (decode) 
 padded gather of their cached keys and values, and per sequence for multi-token inputs (prefill).
 Per-step index tensors (slots, gathers, masks, rotary cos/sin) are built once and shared by all
 layers.
+
+``fused=True`` (float32 on the CPU, with Tiller's kernel library loaded: see
+:mod:`services.worker.fused_ops`) runs the rest of each layer on the library's ops too: the norms,
+the rotation with the KV write, and the decode rows' attention read from the paged blocks in place
+(no gather, no mask), a few calls per layer where torch takes some twenty-five; and a decode-only
+step over GGUF block weights runs each whole layer as one call. They round
+differently from torch's ops (float32 sums in another order), so the exact path for dense weights
+stays torch's.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from services.worker import fused_ops
 from services.worker.cuda_graphs import DecodeGraphs
+from services.worker.gguf_linear import BlockLinear
 from services.worker.kv_cache import NULL_BLOCK, PagedKVCache
 from services.worker.quantized import DenseLinears, Linear, LinearFactory
 from services.worker.runner import Captured, SeqInput
@@ -54,14 +64,30 @@ class _Layer:
     gate_up: Linear
     down: Linear
 
+    def block_weights(self, eps: float, intermediate: int) -> tuple | None:
+        """The fused ``decode_layer`` op's weight arguments, where all four projections are GGUF
+        block layers (None: they are not)."""
+        qkv, o, gate_up, down = self.qkv, self.o, self.gate_up, self.down
+        if not (isinstance(qkv, BlockLinear) and isinstance(o, BlockLinear) and isinstance(gate_up, BlockLinear)
+                and isinstance(down, BlockLinear)):
+            return None
+        return (self.input_norm, self.post_norm, eps, qkv.records, qkv.code, qkv.bias, o.records, o.code, o.bias,
+                gate_up.records, gate_up.code, intermediate, gate_up.bias, down.records, down.code, down.bias)
+
 
 class PagedLlama:
     """The native runner (see module docstring). Implements :class:`services.worker.runner.Runner`."""
 
     def __init__(
-        self, model: PreTrainedModel, cache: PagedKVCache, max_positions: int, linears: LinearFactory | None = None
+        self,
+        model: PreTrainedModel,
+        cache: PagedKVCache,
+        max_positions: int,
+        linears: LinearFactory | None = None,
+        fused: bool = False,
     ) -> None:
-        """``linears`` makes the projections (default: the model's dense weights)."""
+        """``linears`` makes the projections (default: the model's dense weights); ``fused``: run the
+        rest of each layer on the kernel library's ops where they apply (see the module docstring)."""
         linears = linears or DenseLinears()
         config = model.config
         self.cache = cache
@@ -79,6 +105,9 @@ class PagedLlama:
             F.silu if config.hidden_act == "silu" else base.layers[0].mlp.act_fn
         )
         self.intermediate = base.layers[0].mlp.gate_proj.out_features
+        self.ops = fused_ops.load(cache.kv, self.head_dim, config.hidden_act) if fused else None
+        self.scale = self.head_dim**-0.5
+        self.whole_layers = True  # with ops: decode-only steps run a layer per call where the weights allow
         self.cos_table, self.sin_table = self._rotary_tables(base.rotary_emb, max_positions)
         self.graphs: DecodeGraphs | None = None
         self.tap_layers: frozenset[int] = frozenset()  # decoder layers whose hidden states captures keep
@@ -177,28 +206,45 @@ class PagedLlama:
         """The hidden states after the last decoder layer, one row per fed token. ``taps``, when
         given, holds the captured rows under key -1 and receives them after each tapped layer."""
         x = F.embedding(ids, self.embed)
-        step.cos, step.sin = self._rotary(positions)
+        if self.ops is not None:
+            step.positions = positions
+        else:
+            step.cos, step.sin = self._rotary(positions)
+        whole = self.ops is not None and self.whole_layers and step.decode is not None and not step.prefills
         for index, (layer, kv_slots, kv_blocks) in enumerate(
             zip(self.layers, self.cache.layer_slots, self.cache.layer_blocks)
         ):
             if taps is not None and index - 1 in self.tap_layers:
                 taps[index - 1] = x[taps[-1]]
+            weights = layer.block_weights(self.eps, self.intermediate) if whole else None
+            if weights is not None and self.ops is not None and step.decode is not None:
+                tables, lengths = step.decode
+                x = self.ops.decode_layer(x, *weights, self.cos_table, self.sin_table, step.positions, self.num_heads,
+                                          kv_blocks, step.slots, tables, lengths, self.scale)
+                continue
             x = self._attention(layer, x, kv_slots, kv_blocks, step)
-            h = torch.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
-            gate, up = layer.gate_up(h).view(-1, 2, self.intermediate).unbind(1)
-            h = self.act(gate).mul_(up)
+            h = self._norm(x, layer.post_norm)
+            if self.ops is not None:
+                h = self.ops.silu_mul(layer.gate_up(h))
+            else:
+                gate, up = layer.gate_up(h).view(-1, 2, self.intermediate).unbind(1)
+                h = self.act(gate).mul_(up)
             x = layer.down.add_to(x, h)
         if taps is not None and len(self.layers) - 1 in self.tap_layers:
             taps[len(self.layers) - 1] = x[taps[-1]]
         return x
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.rms_norm(x, weight, self.eps)
+        return torch.rms_norm(x, (self.hidden,), weight, self.eps)
+
     def final_norm_of(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
+        return self._norm(h, self.final_norm)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states."""
-        h = torch.rms_norm(h, (self.hidden,), self.final_norm, self.eps)
-        return self.head(h).float()
+        return self.head(self._norm(h, self.final_norm)).float()
 
     def _rotary_tables(self, rotary: nn.Module, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[max_positions, head_dim]`` from the model's rotary module, computed once,
@@ -226,13 +272,16 @@ class PagedLlama:
         """The block tables of the decode inputs, padded to the longest with the (zeroed) null
         block, flattened for one gather; and the key mask ``[n, 1, 1, blocks * block_size]``.
         Always a mask, even where all inputs have one length: attention over exactly that many
-        keys and no mask differs from this in the last bit, enough to flip a near-tie."""
+        keys and no mask differs from this in the last bit, enough to flip a near-tie.
+        Fused: the tables ``[n, blocks]`` and each input's keys ``[n]``, read in place."""
         tables = self.cache.tables
         bs = tables.block_size
         width = -(-max(d.start + 1 for d in decode) // bs)
         rows = [tables.seqs[d.seq_id][:width] for d in decode]
         blocks = to_device([r + [NULL_BLOCK] * (width - len(r)) for r in rows], self.device)
         lengths = to_device([d.start + 1 for d in decode], self.device)
+        if self.ops is not None:
+            return blocks, lengths
         valid = torch.arange(width * bs, device=self.device) < lengths.unsqueeze(-1)
         return blocks.view(-1), valid.view(len(decode), 1, 1, width * bs)
 
@@ -254,13 +303,21 @@ class PagedLlama:
         values into the layer's pool (``kv_slots`` and ``kv_blocks`` are two views of it)."""
         tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        h = torch.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
+        h = self._norm(x, layer.input_norm)
         qkv = layer.qkv(h).view(tokens, heads + 2 * kv_heads, dim)
-        qkv = torch.addcmul(qkv * step.cos, qkv.roll(dim // 2, -1), step.sin)
-        kv_slots.index_copy_(0, step.slots, qkv[:, heads:])
+        if self.ops is not None:
+            self.ops.rope_store(qkv, self.cos_table, self.sin_table, step.positions, heads + kv_heads, kv_slots,
+                                 step.slots)
+        else:
+            qkv = torch.addcmul(qkv * step.cos, qkv.roll(dim // 2, -1), step.sin)
+            kv_slots.index_copy_(0, step.slots, qkv[:, heads:])
 
         outs: list[torch.Tensor] = []
-        if step.decode is not None:
+        if step.decode is not None and self.ops is not None:
+            tables, lengths = step.decode
+            q = qkv[: step.num_decode, :heads]
+            outs.append(self.ops.decode_attention(q, kv_blocks, tables, lengths, self.scale))
+        elif step.decode is not None:
             blocks, mask = step.decode
             n = step.num_decode
             # Grouped-query attention without repeating keys: [n, kv_heads, heads/kv_heads, dim].

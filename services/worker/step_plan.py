@@ -27,8 +27,10 @@ class StepPlan:
     """Everything about one step that all layers share."""
 
     slots: torch.Tensor  # where each row's keys and values go
-    decode: tuple[torch.Tensor, torch.Tensor] | None  # (blocks [n * width], mask [n, 1, 1, width * block_size])
+    # (blocks [n * width], mask [n, 1, 1, width * block_size]); fused: (tables [n, width], lengths [n])
+    decode: tuple[torch.Tensor, torch.Tensor] | None
     num_decode: int
     prefills: list[Prefill]
-    cos: torch.Tensor = field(init=False)
+    cos: torch.Tensor = field(init=False)  # the rotation's tables at each row's position (torch's ops)
     sin: torch.Tensor = field(init=False)
+    positions: torch.Tensor = field(init=False)  # each row's position (the fused ops index the tables)

@@ -5,15 +5,20 @@ blocks land out of order in the pool) runs steps that mix what the engine mixes:
 continued (chunked) prefills beside decodes, decode rows of different lengths (padded block
 tables) and of one length, and forks that share their parent's blocks and copy the partial last
 one on write. Every logits row must equal the dense model's last-position logits over the
-sequence's whole history.
+sequence's whole history: on torch's ops, and on the kernel library's fused ops (norms, rotation
+with the KV write, decode attention reading the blocks in place).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from services.worker.gguf_blocks import GROUP, Blocks
+from services.worker.gguf_linear import BlockLinear
 from services.worker.kv_cache import PagedKVCache
 from services.worker.paged_llama import PagedLlama
 from services.worker.runner import SeqInput
@@ -33,13 +38,14 @@ def model() -> LlamaForCausalLM:
 class Paged:
     """What the engine does around the runner: block tables, copy-on-write, token histories."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: LlamaForCausalLM, fused: bool) -> None:
         config = model.config
         self.cache = PagedKVCache(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
                                   head_dim=config.hidden_size // config.num_attention_heads, num_blocks=40,
                                   dtype=torch.float32, device=torch.device("cpu"), block_size=BLOCK)
         self.tables = self.cache.tables
-        self.runner = PagedLlama(model, self.cache, config.max_position_embeddings)
+        self.runner = PagedLlama(model, self.cache, config.max_position_embeddings, fused=fused)
+        assert (self.runner.ops is not None) == fused
         self.history: dict[int, list[int]] = {}
 
     def fork(self, parent: int, child: int) -> None:
@@ -72,8 +78,15 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_mixed_steps_equal_the_dense_forward(model: LlamaForCausalLM) -> None:
-    paged = Paged(model)
+@pytest.fixture(params=[False, True], ids=["torch", "fused"])
+def fused(request) -> bool:
+    if request.param:
+        request.getfixturevalue("gguf_kernel")
+    return request.param
+
+
+def test_mixed_steps_equal_the_dense_forward(model: LlamaForCausalLM, fused: bool) -> None:
+    paged = Paged(model, fused)
     _check(model, paged, paged.step({1: _tokens(11, 1), 2: _tokens(5, 2)}))  # two fresh prefills
     for i in range(3):  # rows of different lengths: padded block tables, masked keys
         _check(model, paged, paged.step({1: _tokens(1, 10 + i), 2: _tokens(1, 20 + i)}))
@@ -83,8 +96,8 @@ def test_mixed_steps_equal_the_dense_forward(model: LlamaForCausalLM) -> None:
         _check(model, paged, paged.step({1: _tokens(1, 40 + i), 2: _tokens(1, 50 + i), 3: _tokens(1, 60 + i)}))
 
 
-def test_forks_share_blocks_and_decode_apart(model: LlamaForCausalLM) -> None:
-    paged = Paged(model)
+def test_forks_share_blocks_and_decode_apart(model: LlamaForCausalLM, fused: bool) -> None:
+    paged = Paged(model, fused)
     _check(model, paged, paged.step({1: _tokens(10, 5)}))  # ends inside its third block
     paged.fork(1, 2)
     paged.fork(1, 3)
@@ -95,3 +108,38 @@ def test_forks_share_blocks_and_decode_apart(model: LlamaForCausalLM) -> None:
     assert shared == set(paged.tables.seqs[2][:2]) == set(paged.tables.seqs[3][:2])
     assert len({paged.tables.seqs[s][2] for s in (1, 2, 3)}) == 3
     _check(model, paged, paged.step({2: _tokens(3, 7), 3: _tokens(1, 8)}))  # a fork's prefill beside a decode
+
+
+def _q8_layer(modules: list[torch.nn.Linear]) -> BlockLinear:
+    """``modules`` side by side as one Q8_0 block layer (their weights rounded to 8 bits)."""
+    weight = torch.cat([m.weight.detach() for m in modules])
+    scale = (weight.view(weight.shape[0], -1, GROUP).abs().amax(-1) / 127).half().float().clamp_min(2**-14)
+    q = (weight.view(weight.shape[0], -1, GROUP) / scale.unsqueeze(-1)).round().clamp(-128, 127).to(torch.int8)
+    return BlockLinear.of(Blocks("Q8_0", q.view_as(weight), scale, None), None)
+
+
+def test_whole_decode_layers_equal_the_fused_ops_one_by_one(model: LlamaForCausalLM, gguf_kernel) -> None:
+    """On GGUF block weights a decode-only step runs each layer as one call (``decode_layer``): the
+    same ops composed in C++, so the same logits to the bit; prefills and mixed steps go op by op."""
+    runs = []
+    for whole in (True, False):
+        paged = Paged(model, fused=True)
+        for layer, source in zip(paged.runner.layers, model.model.layers):
+            attn, mlp = source.self_attn, source.mlp
+            layer.qkv, layer.o = _q8_layer([attn.q_proj, attn.k_proj, attn.v_proj]), _q8_layer([attn.o_proj])
+            layer.gate_up, layer.down = _q8_layer([mlp.gate_proj, mlp.up_proj]), _q8_layer([mlp.down_proj])
+            assert layer.block_weights(paged.runner.eps, paged.runner.intermediate) is not None
+        paged.runner.whole_layers = whole
+        calls = []
+        assert paged.runner.ops is not None
+        layer_op = paged.runner.ops.decode_layer
+        paged.runner.ops = dataclasses.replace(paged.runner.ops, decode_layer=lambda *a: calls.append(1) or layer_op(*a))
+        steps = [paged.step({1: _tokens(9, 1), 2: _tokens(3, 2)})]
+        paged.fork(1, 3)
+        steps += [paged.step({s: _tokens(1, 10 * s + i) for s in (1, 2, 3)}) for i in range(6)]
+        steps.append(paged.step({4: _tokens(5, 4), 1: _tokens(1, 5)}))  # mixed: op by op
+        runs.append(steps)
+        assert len(calls) == (6 * model.config.num_hidden_layers if whole else 0)
+    for whole_step, op_step in zip(*runs):
+        for seq_id, row in whole_step.items():
+            assert torch.equal(row, op_step[seq_id]), seq_id
