@@ -314,6 +314,8 @@ async def test_busy_session_and_cancel_keeps_exactly_the_tokens_sent(stack, stub
             await generate(stub, session_id=session, offset=length, max_tokens=0)
             return True
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "does not match the session's" in exc.details():
+                return False  # the turn let go (and kept its tokens) between the dump and this call: dump again
             assert exc.code() == grpc.StatusCode.ABORTED, exc.details()
             return False
 
