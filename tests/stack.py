@@ -15,9 +15,9 @@ from typing import Any
 import msgspec
 from unittest import mock
 
-from common.cli import supervisorctl
 from common.config import Settings
 from common.sockets import probe_health
+from common.supervisor import program_status, supervisorctl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,6 +33,7 @@ class Stack:
     run_dir: Path
     env: dict[str, str]
     settings: Settings
+    root: Path = ROOT  # the checkout whose code serves
     tokenizer: Any = field(default=None, repr=False)
 
     @property
@@ -44,14 +45,16 @@ class Stack:
         return f"ws://127.0.0.1:{self.settings.http_port}/generate"
 
     def _cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "common.cli", *args], env=self.env, cwd=ROOT,
+        return subprocess.run([sys.executable, "-m", "common.cli", *args], env=self.env, cwd=self.root,
                               capture_output=True, text=True, check=check)
 
     def _supervisorctl(self, *args: str) -> str:
         return supervisorctl(self.settings, *args, base_env=self.env).stdout
 
     def pid(self, service: str) -> int:
-        return int(self._supervisorctl("pid", f"tiller:{service}").strip())
+        _, pid, description = program_status(self.settings)[service]
+        assert pid is not None, f"{service} is not running: {description}"
+        return pid
 
     def kill(self, service: str, sig: int = signal.SIGKILL) -> None:
         os.kill(self.pid(service), sig)
@@ -91,8 +94,9 @@ def served_settings() -> dict[str, str]:
     return {"TILLER_WEIGHTS": Settings.model_fields["weights"].default, **configured}
 
 
-def start_stack(run_dir: Path, **env_overrides: str) -> Stack:
-    """Start a stack in ``run_dir`` on free ports; ``env_overrides`` are extra TILLER_* variables."""
+def start_stack(run_dir: Path, root: Path = ROOT, **env_overrides: str) -> Stack:
+    """Start a stack in ``run_dir`` on free ports; ``env_overrides`` are extra TILLER_* variables.
+    ``root`` is the checkout whose code the five processes run (another one: a benchmark's baseline tree)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TILLER_")}
     env.update(
         TILLER_RUN_DIR=str(run_dir),
@@ -100,11 +104,11 @@ def start_stack(run_dir: Path, **env_overrides: str) -> Stack:
         TILLER_GRPC_PORT=str(free_port()),
         TILLER_READY_TIMEOUT_S="300",
         TILLER_WEIGHTS="fp32",  # dense, as the transformers oracle (quantized weights: tests/worker/test_quantized.py)
-        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        PYTHONPATH=os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
     )
     env.update(env_overrides)
     with mock.patch.dict(os.environ, env, clear=True):
         settings = Settings()  # the services' own view of this environment
-    stack = Stack(run_dir=run_dir, env=env, settings=settings)
+    stack = Stack(run_dir=run_dir, env=env, settings=settings, root=root)
     stack.up()
     return stack

@@ -13,6 +13,9 @@ that survives a busy machine far better than tokens/s.
 ``--cpu-proxy`` measures what the stack costs per token where a step is as short as on a GPU: a 2-layer,
 64-wide model with SmolLM2's tokenizer at random weights (about 1 ms a step on a CPU), torch on one
 thread so that the other services have a core of their own.
+
+``--serve-from DIR`` starts the stack from another checkout's code (this script, its client and its
+baselines stay this tree's), ``--json FILE`` writes the figures: ``ab_stack.py`` alternates two trees so.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -218,15 +221,17 @@ class StackFigures:
     engine_tok_s: float  # the worker engine alone, batch 1
     single_tok_s: float  # one stream through the whole stack
     many_tok_s: float  # the aggregate of ``streams`` concurrent streams
+    single_cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per token by service
+    many_cpu_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def single_vs_engine(self) -> float:
         return self.single_tok_s / self.engine_tok_s
 
 
-def measure(tokens: int, n_streams: int, url: str | None = None) -> StackFigures:
+def measure(tokens: int, n_streams: int, url: str | None = None, serve_from: Path = ROOT) -> StackFigures:
     """The baselines in this process, then the streams against ``url`` (default: a stack started with
-    this process's TILLER_* settings); prints the table and returns its figures."""
+    this process's TILLER_* settings from the checkout ``serve_from``); prints the table and returns its figures."""
     baseline, engine_alone = in_process_baselines(tokens)
     release_accelerator_memory()  # the model measured in-process is gone: leave the GPU to the stack
     stack = None
@@ -234,7 +239,7 @@ def measure(tokens: int, n_streams: int, url: str | None = None) -> StackFigures
     if url is None:
         from tests.stack import served_settings, start_stack
 
-        stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-bench-")), **served_settings())
+        stack = start_stack(Path(tempfile.mkdtemp(prefix="tiller-bench-")), serve_from, **served_settings())
         url = stack.ws_url
         cpu = CpuPerToken({name: stack.pid(name) for name in SERVICES})
     try:
@@ -248,9 +253,10 @@ def measure(tokens: int, n_streams: int, url: str | None = None) -> StackFigures
     finally:
         if stack is not None:
             stack.down()
-    figures = StackFigures(baseline, engine_alone, single_tok_s, many_tok_s)
+    figures = StackFigures(baseline, engine_alone, single_tok_s, many_tok_s, single_cpu, many_cpu)
     settings = get_settings()
-    print(f"model {settings.model} on {settings.device}, {tokens} greedy tokens per stream")
+    served = "" if serve_from == ROOT else f", served from {serve_from}"
+    print(f"model {settings.model} on {settings.device}, {tokens} greedy tokens per stream{served}")
     print(f"{'plain transformers.generate':28s} {baseline:8.1f} tok/s")
     print(f"{'worker engine alone, batch 1':28s} {engine_alone:8.1f} tok/s  ({engine_alone / baseline:5.2f}x plain)")
     print(describe("tiller, 1 stream", single_tok_s, single, baseline))
@@ -270,12 +276,16 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--url", help="a running stack's WebSocket URL; default: start one")
     parser.add_argument("--cpu-proxy", action="store_true", help="a tiny model, torch on one thread (see above)")
+    parser.add_argument("--serve-from", type=Path, default=ROOT, help="the checkout whose code serves (default: this one)")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     if args.cpu_proxy:  # before torch is imported here or in the stack's processes
         os.environ.update(OMP_NUM_THREADS="1", TILLER_DEVICE="cpu")
         os.environ["TILLER_MODEL"] = cpu_proxy_model()
         get_settings.cache_clear()
-    measure(args.tokens, args.streams, args.url)
+    figures = measure(args.tokens, args.streams, args.url, args.serve_from.resolve())
+    if args.json:
+        args.json.write_text(json.dumps(asdict(figures)))
 
 
 if __name__ == "__main__":

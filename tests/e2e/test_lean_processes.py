@@ -62,6 +62,7 @@ def test_image_processor_loads_torch_only_with_the_first_image():
             "from services.gateway.salience.images import ImageSupport\n"
             "spec = ImageSupport.load(Settings(model='random:qwen2-vl-tiny')).spec\n"
             "assert spec is not None and spec.merge_size == 2")
+    torch_imported(load)  # the first load writes the test model's files (its config through transformers': torch)
     assert not torch_imported(load)
     image = "\nfrom tests.images import png\nassert spec.process(spec.decode(png(0, (56, 56)))).grid_thw == (1, 4, 4)"
     assert torch_imported(load + image)

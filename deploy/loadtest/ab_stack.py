@@ -1,0 +1,96 @@
+"""Two trees' whole stacks against each other, in one run: ``bench_stack.py`` served by this checkout and
+by another git revision, alternated round by round (the order swapping each round), so that a shared
+machine's load falls on both alike.
+
+Each round runs ``bench_stack.py`` (this tree's script, client and in-process baselines) once per tree,
+the stack started from that tree's code (``--serve-from``); the other revision is checked out into a
+temporary detached worktree, removed at the end. Prints every round's tokens/s and each service's CPU
+µs per token at one stream and at ``--streams``, then per tree the medians, their ratio this tree / the
+other one, and the median of the rounds' own ratios (tokens/s above 1 and CPU below 1 favour this tree).
+
+    python deploy/loadtest/ab_stack.py --base 40b5b6c [--rounds 4] [--tokens 256] [--streams 8] [--no-cpu-proxy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "deploy" / "loadtest" / "bench_stack.py"
+
+
+def run_once(tree: Path, args: argparse.Namespace, out: Path) -> dict:
+    """One ``bench_stack.py`` run served from ``tree``; its figures."""
+    command = [sys.executable, str(BENCH), "--tokens", str(args.tokens), "--streams", str(args.streams),
+               "--serve-from", str(tree), "--json", str(out)]
+    if args.cpu_proxy:
+        command.append("--cpu-proxy")
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"bench_stack.py failed for {tree}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def cpu_us(figures: dict, phase: str) -> str:
+    per_service = figures[f"{phase}_cpu_s"]
+    return f"{sum(per_service.values()) * 1e6:6.0f} (" + " ".join(
+        f"{name[:5]} {seconds * 1e6:.0f}" for name, seconds in per_service.items() if seconds * 1e6 >= 1) + ")"
+
+
+def figures_of(streams: int) -> dict[str, Callable[[dict], float]]:
+    """The figures compared, by name: how each is read from a run's figures."""
+    return {
+        "1 stream tok/s": lambda f: f["single_tok_s"],
+        f"{streams} streams tok/s": lambda f: f["many_tok_s"],
+        "1 stream CPU µs/token": lambda f: sum(f["single_cpu_s"].values()) * 1e6,
+        f"{streams} streams CPU µs/token": lambda f: sum(f["many_cpu_s"].values()) * 1e6,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="the git revision to compare this checkout against")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--cpu-proxy", action=argparse.BooleanOptionalAction, default=True,
+                        help="bench_stack.py's tiny model, torch on one thread (the default)")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tiller-ab-"))
+    base = work / "base"
+    subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=ROOT, check=True,
+                   capture_output=True)
+    trees = {"this": ROOT, args.base: base}
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    try:
+        for round_no in range(args.rounds):
+            order = list(trees) if round_no % 2 == 0 else list(reversed(trees))
+            for name in order:
+                figures = run_once(trees[name], args, work / f"{round_no}-{order.index(name)}.json")
+                runs[name].append(figures)
+                print(f"round {round_no + 1} {name:>10}: 1 stream {figures['single_tok_s']:7.1f} tok/s, CPU µs/token "
+                      f"{cpu_us(figures, 'single')}; {args.streams} streams {figures['many_tok_s']:7.1f} tok/s, "
+                      f"CPU µs/token {cpu_us(figures, 'many')}  [load {os.getloadavg()[0]:.1f}]", flush=True)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, capture_output=True)
+    print(f"{'median over the rounds':28s} {'this':>10} {args.base:>10} {'ratio':>8} {'paired':>8}")
+    for figure, value in figures_of(args.streams).items():
+        mine = [value(f) for f in runs["this"]]
+        theirs = [value(f) for f in runs[args.base]]
+        paired = statistics.median(a / b for a, b in zip(mine, theirs))
+        print(f"{figure:28s} {statistics.median(mine):10.1f} {statistics.median(theirs):10.1f} "
+              f"{statistics.median(mine) / statistics.median(theirs):8.3f} {paired:8.3f}")
+    print("ratio: this tree's median / the other's; paired: the median of the rounds' own ratios "
+          "(each round's two runs ran back to back)")
+
+
+if __name__ == "__main__":
+    main()
