@@ -17,6 +17,7 @@ import structlog
 
 from common import aici_wire
 from common.config import Controllers
+from common.errors import INVALID_REQUEST, RATE_LIMITED
 from controllers.native.base import NativeController
 from services.controller_runtime.budget import UserBudgets
 from services.controller_runtime.host import RequestState, SeqHost
@@ -35,7 +36,16 @@ O = TypeVar("O", bound=aici_wire.SeqOutcome)
 
 
 class UserError(ValueError):
-    """A request the caller got wrong (unknown module, duplicate req_id...)."""
+    """A request the caller got wrong (unknown module, duplicate req_id...); ``code`` is the client-facing
+    error code the side channel's reply names."""
+
+    code = INVALID_REQUEST
+
+
+class OverBudget(UserError):
+    """A user past their controller budget (CPU time, live controlled requests): retry later."""
+
+    code = RATE_LIMITED
 
 
 def module_arg_bytes(arg: Any) -> bytes:
@@ -129,7 +139,7 @@ class Runtime:
         if not isinstance(module_ref, str) or not module_ref:
             raise UserError("instantiate needs a module_id (module id, tag or native:<name>)")
         if refusal := self.budgets.refusal(user, time.monotonic()):
-            raise UserError(refusal)
+            raise OverBudget(refusal)
         request = RequestState(req_id, module_arg_bytes(module_arg), user=user)
         host = SeqHost(self.tokenizer, request, CAPABILITIES, self.settings.max_log_bytes, self.settings.max_constraints)
         instance = self._make_instance(module_ref, host)

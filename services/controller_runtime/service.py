@@ -115,7 +115,9 @@ class ControllerRuntime:
                         return aici_wire.error(data.error, is_user_error=True, **rid) | {"data": data}
                 else:
                     return aici_wire.error(f"unknown side-channel op {op!r}", is_user_error=True, **rid)
-            except (UserError, RegistryError) as exc:
+            except UserError as exc:
+                return aici_wire.error(str(exc), is_user_error=True, code=exc.code, **rid)
+            except RegistryError as exc:
                 return aici_wire.error(str(exc), is_user_error=True, **rid)
             except Exception as exc:  # noqa: BLE001
                 log.exception("controller_runtime.side_failed")

@@ -55,7 +55,7 @@ from services.gateway.httputil import (
     unless_disconnected,
 )
 from services.gateway.protocol import CompletionMsg, ErrorMsg, InitMsg, LogprobEntry, ServerMsg, TokenMsg, Usage
-from services.gateway.side_channel import Caller
+from services.gateway.side_channel import format_caller
 from services.gateway.tool_calls import ReplyParser, Tool, ToolCallIn, ToolChoice, ToolPlan, parse_reply, render_messages
 from services.gateway.validation import (
     ChatMessage,
@@ -601,8 +601,7 @@ async def _start(
 ) -> list[_Choice] | ErrorMsg:
     """Start a generation per choice, each up to its ``init``; the first refusal ends them all."""
     gw = gateway_of(request)
-    # the gateway itself runs the JSON controller of a response_format, for any client
-    caller = Caller(user=gw.settings.api_auth.default_user, is_admin=False)
+    caller = format_caller(request, gw.settings)
     choices: list[_Choice] = []
     for i, req in enumerate(requests):
         rid_i = rid if len(requests) == 1 else f"{rid}-{i}"

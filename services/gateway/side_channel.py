@@ -25,7 +25,14 @@ from zmq.utils.monitor import recv_monitor_message
 
 from common import aici_wire
 from common.config import Settings
-from common.errors import INTERNAL_ERROR, INVALID_REQUEST, SERVICE_UNAVAILABLE, TillerError, WireError
+from common.errors import (
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    RATE_LIMITED,
+    SERVICE_UNAVAILABLE,
+    TillerError,
+    WireError,
+)
 from common.sockets import ensure_ipc_dir
 from services.gateway.auth import presented_token
 
@@ -64,11 +71,33 @@ def caller_of(conn: HTTPConnection, settings: Settings) -> Caller:
     return Caller(user=user, is_admin=user in auth.admins if role is None else role == "admin")
 
 
-class ControllerError(TillerError):
-    """The runtime refused a side-channel request (bad module, unknown tag, trap at init...)."""
+# what a side-channel refusal may name besides invalid_request (a user past their controller budget)
+REFUSAL_CODES = frozenset({INVALID_REQUEST, RATE_LIMITED})
 
-    def __init__(self, message: str) -> None:
-        super().__init__(INVALID_REQUEST, message)
+
+def format_caller(conn: HTTPConnection, settings: Settings) -> Caller:
+    """Who runs the JSON controller the gateway starts for an OpenAI ``response_format``, for any client: the
+    caller a request names (its token's user; without tokens, the user header), else the default user. Its
+    controller time and live requests count against that user's budget, not one account shared by all."""
+    try:
+        user = caller_of(conn, settings).user
+    except Unauthorized:  # no token where tokens are configured: the OpenAI API serves it all the same
+        user = settings.api_auth.default_user
+    return Caller(user=user, is_admin=False)
+
+
+class ControllerError(TillerError):
+    """The runtime refused a side-channel request (bad module, unknown tag, trap at init...; ``rate_limited``:
+    the user is past their controller budget)."""
+
+    def __init__(self, message: str, code: str = INVALID_REQUEST) -> None:
+        super().__init__(code, message)
+
+    @classmethod
+    def refused(cls, reply: dict[str, Any], what: str) -> ControllerError:
+        """The runtime's error reply to ``what``, under the code it names (a code it may not name: invalid_request)."""
+        code = reply.get("code")
+        return cls(str(reply.get("error") or f"{what} failed"), code if code in REFUSAL_CODES else INVALID_REQUEST)
 
 
 class ControllerInitFailed(ControllerError):
@@ -146,7 +175,7 @@ class SideChannel:
         """Run ``op``; its ``data``, or ControllerError with the runtime's message."""
         reply = await self._exchange(op, caller, fields)
         if reply["type"] != "ok":
-            raise ControllerError(str(reply.get("error") or f"{op} failed"))
+            raise ControllerError.refused(reply, op)
         return reply.get("data") or {}
 
     async def _exchange(self, op: str, caller: Caller, fields: dict[str, Any]) -> dict[str, Any]:
@@ -192,5 +221,5 @@ class SideChannel:
         if data.get("error"):  # the SeqResult of a failed init (AICI answers ok, the runtime error: either works)
             raise ControllerInitFailed(data)
         if reply["type"] != "ok":
-            raise ControllerError(str(reply.get("error") or "instantiate failed"))
+            raise ControllerError.refused(reply, "instantiate")
         return data

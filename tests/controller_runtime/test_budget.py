@@ -8,8 +8,9 @@ import pytest
 
 from common import aici_wire
 from common.config import Controllers
+from common.errors import RATE_LIMITED
 from services.controller_runtime.budget import UserBudgets
-from services.controller_runtime.runtime import CallLedger, Runtime, UserError
+from services.controller_runtime.runtime import CallLedger, OverBudget, Runtime
 from tests.controller_runtime.conftest import wire_runtime
 from tests.controller_runtime.wat import controller
 
@@ -85,8 +86,9 @@ def test_a_looping_controller_is_charged_to_its_owner_only(strict: Runtime):
     assert "deadline of 50 ms exceeded" in data["seqs"]["1"]["error"]  # its overrun is charged to mallory...
     assert "used up their controller CPU time" in data["seqs"]["2"]["error"]  # ...who may not run another call
     assert data["seqs"]["3"]["error"] == ""  # alice's controller is not affected
-    with pytest.raises(UserError, match="used up their controller CPU time"):
+    with pytest.raises(OverBudget, match="used up their controller CPU time") as refused:
         strict.instantiate("r9", [1], spin, "", "mallory")
+    assert refused.value.code == RATE_LIMITED
     bind(strict, fine, 4, "alice")
 
 
@@ -106,8 +108,9 @@ def test_live_controlled_requests_per_user_are_capped(strict: Runtime):
     fine = strict.registry.create(controller(), "alice")["module_id"]
     for seq_id in (1, 2, 3):
         bind(strict, fine, seq_id, "alice")
-    with pytest.raises(UserError, match="already has 3 controlled requests running"):
+    with pytest.raises(OverBudget, match="already has 3 controlled requests running") as refused:
         strict.instantiate("r4", [1], fine, "", "alice")
+    assert refused.value.code == RATE_LIMITED  # a 429 to the client, not a 400
     strict.free([2])
     bind(strict, fine, 4, "alice")
 
