@@ -317,29 +317,14 @@ class ToolChatMessage(ChatMessage):
     tool_calls: list[ToolCallIn] | None = None
 
 
-class ChatCompletionRequest(_OpenAIRequest, ChatRendering):
+class ChatTools(BaseModel):
+    """A chat request's tools, as they enter its prompt (the chat completions API, and ``/tokenize`` for
+    messages, which counts what the chat request would)."""
+
     messages: Annotated[list[ToolChatMessage], Field(min_length=1)]
-    max_completion_tokens: MaxTokens | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0)] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
-    functions: _only(None, []) = None
-    function_call: _only(None, "none", "auto") = None
-    echo: _only(None, False) = None
-    chat_template: _only(None) = None
-    chat_template_kwargs: _only(None, {}) = None
-    documents: _only(None, []) = None
-    modalities: _only(None, ["text"]) = None
-    audio: _only(None) = None
-    prediction: _only(None) = None
-
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
-        return self
 
     @field_validator("tools")
     @classmethod
@@ -368,15 +353,39 @@ class ChatCompletionRequest(_OpenAIRequest, ChatRendering):
         plan = ToolPlan(self.tools, self.tool_choice or "auto", self.parallel_tool_calls)
         return plan if plan.may_call else None
 
+    def rendered_messages(self) -> list[dict[str, str]]:
+        """The messages as the chat template gets them (tool calls as text, the tools in the system message)."""
+        return render_messages(self.messages, self.tool_plan)
+
+
+class ChatCompletionRequest(ChatTools, _OpenAIRequest, ChatRendering):  # ChatTools first: its tool_plan wins
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None
+    functions: _only(None, []) = None
+    function_call: _only(None, "none", "auto") = None
+    echo: _only(None, False) = None
+    chat_template: _only(None) = None
+    chat_template_kwargs: _only(None, {}) = None
+    documents: _only(None, []) = None
+    modalities: _only(None, ["text"]) = None
+    audio: _only(None) = None
+    prediction: _only(None) = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
     def _constraint(self) -> dict[str, Any] | None:
         plan = self.tool_plan
         return super()._constraint() if plan is None else {"lark": plan.grammar(self._output_schema())}
 
     def to_requests(self, context: Context) -> list[GenerationRequest]:
-        messages = render_messages(self.messages, self.tool_plan)
         return self._requests(
             context,
-            [{"messages": messages, **self.rendering()}],
+            [{"messages": self.rendered_messages(), **self.rendering()}],
             max_tokens=self.max_completion_tokens or self.max_tokens,
             top_logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )

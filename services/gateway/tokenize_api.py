@@ -15,19 +15,20 @@ from starlette.responses import JSONResponse, Response
 
 from common.errors import TillerError
 from services.gateway.httputil import gateway_of, read_json_object
-from services.gateway.openai_api import error_response, max_model_len, model_not_found
+from services.gateway.openai_api import ChatTools, ToolChatMessage, error_response, max_model_len, model_not_found
 from services.gateway.protocol import ErrorMsg
-from services.gateway.validation import ChatMessage, ChatRendering, Context, GenerationRequest, StrictModel, validate
+from services.gateway.validation import ChatRendering, Context, GenerationRequest, StrictModel, validate
 
 router = APIRouter()
 
 
-class TokenizeRequest(StrictModel, ChatRendering):
-    """vLLM's TokenizeRequest: a ``prompt`` (completions) or ``messages`` (chat)."""
+class TokenizeRequest(StrictModel, ChatRendering, ChatTools):
+    """vLLM's TokenizeRequest: a ``prompt`` (completions) or ``messages`` (chat, with the request's ``tools``
+    described in the prompt as the chat completion renders them)."""
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ToolChatMessage] | None = None
     add_special_tokens: bool | None = None  # None: as generation reads it (true for a prompt, false for messages)
     return_token_strs: bool = False
 
@@ -35,11 +36,13 @@ class TokenizeRequest(StrictModel, ChatRendering):
     def _one_input_as_generation_reads_it(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either 'prompt' or 'messages'")
+        if self.tools and self.messages is None:
+            raise ValueError("'tools' go with 'messages'")
         return self
 
     def generation(self) -> GenerationRequest:
         if self.messages is not None:
-            return GenerationRequest(messages=[m.model_dump() for m in self.messages], **self.rendering())
+            return GenerationRequest(messages=self.rendered_messages(), **self.rendering())
         return GenerationRequest(prompt=self.prompt)
 
 

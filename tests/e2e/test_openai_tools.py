@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -103,3 +104,25 @@ def test_tool_choice_none_answers_in_text(stack, client):
         create(stack, client, messages=ASK, tools=[WEATHER], max_tokens=4,
                tool_choice={"type": "function", "function": {"name": "get_news"}})
     assert caught.value.body["param"] == "tool_choice" and "get_news" in caught.value.body["message"]
+
+
+def test_tokenize_counts_a_chat_request_with_its_tools(stack, client):
+    """vLLM's /tokenize takes a chat request's ``tools`` (and ``tool_choice``): its count is the prompt tokens
+    that chat request reports, with the tools described and earlier calls written as the model wrote them."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees."}]
+    with httpx.Client(base_url=stack.http_url, timeout=60) as http:
+        def count(**body) -> int:
+            response = http.post("/tokenize", json={"messages": history, **body})
+            assert response.status_code == 200, response.text
+            return response.json()["count"]
+
+        counts = {choice: count(tools=[WEATHER, CLOCK], tool_choice=choice) for choice in ("auto", "none")}
+        bare = count()
+        refused = http.post("/tokenize", json={"prompt": "Hi", "tools": [WEATHER]})
+    for choice, counted in counts.items():
+        reply = create(stack, client, messages=history, tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=1)
+        assert reply.usage.prompt_tokens == counted, choice
+    assert counts["none"] == bare < counts["auto"]  # tools the model may not call are not described
+    assert refused.status_code == 400 and "'tools' go with 'messages'" in refused.json()["error"]["message"]
