@@ -444,7 +444,7 @@ class SchedulerCore:
                     continue
                 seq = wire.SeqStep(seq_id=request.seq_id, tokens=[], follow=True)
             else:  # decoding: feed the token sampled last
-                seq = wire.SeqStep(seq_id=request.seq_id, tokens=[request.pending])
+                seq = wire.SeqStep(seq_id=request.seq_id, tokens=[request.generated[-1]])
                 self._session_feed(request, seq)
             left -= 1
             self._add(batch, items, request, seq)
@@ -454,7 +454,7 @@ class SchedulerCore:
                 break
             if request.in_flight and (request.in_flight > 1 or request.last_sample):
                 continue  # a chunk goes while the one before it runs, unless that one samples
-            tokens, sample = request.next_feed(min(chunk, left))
+            tokens, sample = request.next_chunk(min(chunk, left))
             left -= len(tokens)
             seq = wire.SeqStep(seq_id=request.seq_id, tokens=tokens, sample=sample, images=request.images_in(tokens))
             self._session_feed(request, seq)
@@ -526,7 +526,6 @@ class SchedulerCore:
                 continue
             generated = request.generated
             generated.append(token)
-            request.pending = token
             event = wire.TokenEvent(rid=request.rid, tokens=[sampled])
             n = len(generated)
             if token in request.stop_ids:  # requests.stop_token, its set made at admission
@@ -572,10 +571,8 @@ class SchedulerCore:
                 request.applied += len(seq.tokens)
                 if request.submit.max_tokens == 0 and request.applied == len(prompt):
                     self.finish(request, "length")
-            else:
-                request.pending = None
-                if result.readouts:
-                    self._decoded_readouts(request, seq, result)
+            elif result.readouts:
+                self._decoded_readouts(request, seq, result)
             if seq.sample:
                 taken.append((request, sampled))
         return taken

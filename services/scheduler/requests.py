@@ -54,8 +54,7 @@ class LiveRequest:
     worker: bytes = b""
     fed: int = 0  # prompt tokens sent to the worker
     applied: int = 0  # prompt tokens whose step results were applied
-    generated: list[int] = field(default_factory=list)
-    pending: int | None = None  # the last sampled token, fed on the next step
+    generated: list[int] = field(default_factory=list)  # the last one is fed by its next step
     in_flight: int = 0  # steps sent with this request whose results are not applied yet
     deferred: list[wire.TokenEvent] = field(default_factory=list)  # token events whose text is not worked out yet
     last_sample: bool = False  # whether the last step sent samples it (its next step can ``follow``)
@@ -108,13 +107,10 @@ class LiveRequest:
         """KV the request may grow to: reserved at admission so a burst queues instead of overflowing."""
         return len(self.prompt) + self.submit.max_tokens
 
-    def next_feed(self, chunk: int) -> tuple[list[int], bool]:
-        """Tokens to feed this step and whether to sample after them."""
-        if self.fed < len(self.prompt):
-            tokens = self.prompt[self.fed : self._chunk_end(self.fed + chunk)]
-            return tokens, self.fed + len(tokens) == len(self.prompt) and self.submit.max_tokens > 0
-        assert self.pending is not None
-        return [self.pending], True
+    def next_chunk(self, chunk: int) -> tuple[list[int], bool]:
+        """The prompt tokens to feed this step (at most ``chunk``) and whether to sample after them."""
+        tokens = self.prompt[self.fed : self._chunk_end(self.fed + chunk)]
+        return tokens, self.fed + len(tokens) == len(self.prompt) and self.submit.max_tokens > 0
 
     def _chunk_end(self, end: int) -> int:
         """``end``, moved off the inside of an image block: back to the block's start, or past its
