@@ -8,6 +8,16 @@ from common import wire
 from tests.scheduler.harness import EOS, HE, WOR, Harness, followed, prompt, seqs_of
 
 
+def following(*rids: str) -> Harness:
+    """One worker whose requests ``rids`` (10 tokens each) sampled their first token, 3: they follow."""
+    h = Harness()
+    h.worker()
+    for i, rid in enumerate(rids):
+        h.submit(rid, prompt(3 + i), 10)
+    h.cycle()
+    return h
+
+
 def pipelined(h: Harness, tokens: dict[str, int], until: set[str], *, max_steps: int = 100) -> dict[str, int]:
     """Run steps as the service does at pipeline depth 2 (build while the oldest runs, apply it, work out
     the text) until the requests of ``until`` ended, each sampling its token of ``tokens``; how many
@@ -73,11 +83,7 @@ def test_each_follower_gets_its_own_tokens_as_requests_join_end_and_fail():
 
 
 def test_a_follower_cancelled_with_steps_in_flight_is_dropped_from_them_and_freed():
-    h = Harness()
-    h.worker()
-    h.submit("a", prompt(3), 10)
-    h.submit("b", prompt(4), 10)
-    h.cycle()
+    h = following("a", "b")
     first, second = h.build(), h.build()
     assert followed(second, "a") and followed(second, "b")
     seq_a = h.core.requests["a"].seq_id
@@ -92,10 +98,7 @@ def test_a_follower_cancelled_with_steps_in_flight_is_dropped_from_them_and_free
 
 
 def test_a_paused_follower_leaves_and_feeds_its_last_token_when_resumed():
-    h = Harness()
-    h.worker()
-    h.submit("r", prompt(3), 10)
-    h.cycle({"r": 21})
+    h = following("r")
     first = h.build()
     h.core.control(b"gw", wire.Pause(rid="r"))
     assert h.build() == []
@@ -107,14 +110,11 @@ def test_a_paused_follower_leaves_and_feeds_its_last_token_when_resumed():
     assert seq.tokens == [22] and not seq.follow
     h.apply(resumed, {"r": 23})
     h.core.emit_deferred()
-    assert followed(h.build(), "r") and h.generated("r") == [21, 22, 23]
+    assert followed(h.build(), "r") and h.generated("r") == [3, 22, 23]
 
 
 def test_a_restarted_worker_is_sent_full_steps_and_stale_results_change_nothing():
-    h = Harness()
-    h.worker()
-    h.submit("a", prompt(3), 10)
-    h.cycle()
+    h = following("a")
     first, second = h.build(), h.build()
     assert followed(second, "a")
     h.core.worker_hello(b"w1", wire.WorkerHello(worker_id="w1", stage="ready", vocab_size=64, max_model_len=2048,

@@ -52,20 +52,6 @@ def test_a_decoding_request_follows_its_sample_from_then_on():
     assert followed(h.build(), "r") and h.generated("r") == [21, 22]
 
 
-def test_a_resumed_request_feeds_its_last_sampled_token_and_follows_again():
-    h = Harness()
-    h.worker()
-    h.submit("r", prompt(3), 5)
-    h.cycle({"r": 21})
-    h.core.control(b"gw", wire.Pause(rid="r"))
-    assert h.build() == []  # it left the followers
-    h.core.control(b"gw", wire.Resume(rid="r"))
-    step = h.cycle({"r": 22})
-    (seq,) = seqs_of(step, "r")
-    assert seq.tokens == [21] and seq.sample and not seq.follow
-    assert followed(h.build(), "r") and h.generated("r") == [21, 22]
-
-
 def test_pipelining_sends_a_follow_step_before_the_result_is_back():
     h = Harness()
     h.worker()
