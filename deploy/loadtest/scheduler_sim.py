@@ -323,7 +323,8 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
         core.admit()
         roomy = ({w for w in sims if flights[w] < limits.pipeline_depth} if not lockstep
                  else set(sims) if len(groups) < limits.pipeline_depth else set())
-        dispatches = core.build_steps(None, roomy) if roomy else []
+        # as the shell does: the controlled part (none here), then the steps
+        dispatches = core.build_steps(core.plan_controlled()[0], roomy) if roomy else []
         frames = [encoder.encode(d.step) for d in dispatches]
         scheduler(started)
         group = []

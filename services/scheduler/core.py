@@ -133,6 +133,7 @@ class SchedulerCore:
         # the same by worker (a worker's step is built from its own), and its controlled ones' count
         self.running_on: dict[bytes, dict[int, LiveRequest]] = defaultdict(dict)
         self.controlled_on: Counter[bytes] = Counter()
+        self.controlled_running: dict[int, LiveRequest] = {}  # the controlled ones of ``running``
         self.batches: dict[bytes, WorkerBatch] = {}  # its plain ones: followers and the others
         self.to_free: dict[bytes, list[int]] = defaultdict(list)
         self.outbox = Outbox()
@@ -329,6 +330,7 @@ class SchedulerCore:
             self.running[request.seq_id] = self.running_on[worker.identity][request.seq_id] = request
             if request.controlled:
                 self.controlled_on[worker.identity] += 1
+                self.controlled_running[request.seq_id] = request
             else:
                 self.batches.setdefault(worker.identity, WorkerBatch()).add(request)
             admitted = True
@@ -358,7 +360,7 @@ class SchedulerCore:
         """The controlled part of the next step; send the request (when there is one) and pass its
         reply to :meth:`controlled_planned`, or, for a plan that goes ahead (``plan.ahead``: it goes into
         the step at once), to ``controlled.ahead_planned``."""
-        return self.controlled.begin(self.running.values(), self.limits.step_token_budget,
+        return self.controlled.begin(self.controlled_running.values(), self.limits.step_token_budget,
                                      may_go_ahead=not self._plain_running())
 
     def controlled_workers(self) -> set[bytes]:
@@ -675,6 +677,7 @@ class SchedulerCore:
             del self.running_on[request.worker][request.seq_id]
             if request.controlled:
                 self.controlled_on[request.worker] -= 1
+                del self.controlled_running[request.seq_id]
             elif (batch := self.batches.get(request.worker)) is not None:
                 batch.remove(request)
             if request.fork_of is not None:  # its fork step was never sent
