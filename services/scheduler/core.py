@@ -396,7 +396,6 @@ class SchedulerCore:
         # limits.step_token_budget is per worker (each runs its own forward pass)
         budget = {identity: self.limits.step_token_budget - sum(max(len(s.tokens), 1) for _, s in items)
                   for identity, items in per_worker.items()}
-        max_len = self.max_model_len()
         depth = self.limits.pipeline_depth
         roomy = {identity for identity, worker in self.pool.workers.items()
                  if worker.steps_out < depth and (workers is None or identity in workers)}
@@ -408,7 +407,7 @@ class SchedulerCore:
             followers, ids = follows[identity] = batch.follows()
             for request in followers:
                 request.in_flight += 1
-            items = self._build_batch(batch, left - len(followers), max_len)
+            items = self._build_batch(batch, left - len(followers))
             if items:
                 per_worker[identity] += items
         steps = []
@@ -427,7 +426,7 @@ class SchedulerCore:
             steps.append(Dispatch(identity, worker, step, followers, batch, self.controlled.masks_with(step)))
         return steps
 
-    def _build_batch(self, batch: WorkerBatch, left: int, max_len: int) -> list[Item]:
+    def _build_batch(self, batch: WorkerBatch, left: int) -> list[Item]:
         """A worker's SeqSteps for its plain requests that do not follow, within ``left`` tokens:
         decoding sequences first (one token each), then prompt chunks, each in priority then arrival
         order."""
