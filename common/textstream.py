@@ -87,7 +87,7 @@ def _byte_level_chars() -> dict[str, str]:
 _BYTE_LEVEL_CHARS = _byte_level_chars()
 
 
-@dataclass
+@dataclass(slots=True)
 class TextStream:
     """Per-request detokenizer; ``tokenizer`` is a transformers tokenizer."""
 
@@ -99,12 +99,16 @@ class TextStream:
     stopped_by: str | None = None
     _prefix_offset: int = 0
     _read_offset: int = 0
+    _decode: Callable[[list[int]], str] = field(init=False, repr=False)
+    _bytes: list[bytes] | None = field(init=False, repr=False)
+    _texts: list[str | None] | None = field(init=False, repr=False)
+    _pending: bytes = field(init=False, repr=False)  # with a byte table: the bytes after the last complete character
 
     def __post_init__(self) -> None:
         self._decode = decoder(self.tokenizer)
         self._bytes = byte_table(self.tokenizer)
         self._texts = text_table(self.tokenizer)
-        self._pending = b""  # with a byte table: the bytes after the last complete character
+        self._pending = b""
 
     def _append_token(self, token_id: int) -> None:
         if self._bytes is not None:  # the same text as below, without the tokenizer

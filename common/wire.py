@@ -11,6 +11,9 @@ requests, ``type: ok|error`` replies); their schemas live in :mod:`common.aici_w
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Iterable
 from typing import Any, Union
 
 import msgspec
@@ -443,17 +446,27 @@ class Step(Msg, tag="step", gc=False):
     every sequence first (a scheduler's first step to a worker: what the worker holds belongs to
     requests of a scheduler that is gone, and its sequence ids will be reused).
 
+    ``follows`` (packed, :func:`pack_ids`) are the sequences that only go on decoding, the bulk of a
+    step: each feeds the token it sampled last and samples the next with its parameters as they stand,
+    as a ``follow`` SeqStep would, without a SeqStep each. ``seqs`` are the others. The step's *slots*
+    are ``follows`` in order, then ``seqs``: its result's arrays are in slot order (:meth:`slot_ids`).
+
     When any ``mask_row`` is set, one binary frame follows: ``n_rows`` packed bitsets, little-endian
     bit order, ``ceil(vocab_size / 32)`` uint32 words a row; bit set = token allowed.
     """
 
     step_id: int
     seqs: list[SeqStep]
+    follows: bytes = b""
     free: list[int] = []
     free_all: bool = False
     # The masks come later, in a StepMasks of the same step_id (no frame follows the Step): the
     # worker runs the forward pass meanwhile and samples once they arrive.
     masks_follow: bool = False
+
+    def slot_ids(self) -> list[int]:
+        """The sequence of each slot."""
+        return unpack_ids(self.follows) + [s.seq_id for s in self.seqs]
 
 
 class SeqFailure(msgspec.Struct, kw_only=True, gc=False):
@@ -480,7 +493,11 @@ class StepAbandon(Msg, tag="step_abandon"):
 
 class StepResult(Msg, tag="step_result", gc=False):
     step_id: int
-    samples: dict[int, SampledToken]  # seq_id -> sampled token (only for seqs with sample=True)
+    # One entry per slot of the step (``Step.slot_ids``), packed (``pack_tokens``, ``pack_logprobs``):
+    # the token sampled (-1: none, the sequence did not sample or failed) and its logprob.
+    tokens: bytes = b""
+    logprobs: bytes = b""
+    top: dict[int, list[TokenLogprob]] = {}  # slot -> the top alternatives (SamplingParams.logprobs > 0)
     failures: list[SeqFailure] = []
     forward_ms: float = 0.0
     cached_tokens: dict[int, int] = {}  # seq_id -> fed tokens whose KV came from the prefix cache
@@ -494,6 +511,73 @@ class StepResult(Msg, tag="step_result", gc=False):
     # and forgot since its last step (after a Step with free_all: every block it holds, none gone)
     blocks_new: list[int] = []
     blocks_gone: list[int] = []
+
+    def sampled(self) -> list[SampledToken]:
+        """Each slot's sampled token (token -1: none), alternatives included. ValueError: the arrays are
+        malformed (not whole entries, or not one each per slot)."""
+        tokens, logprobs = unpack_tokens(self.tokens), unpack_logprobs(self.logprobs)
+        if len(tokens) != len(logprobs):
+            raise ValueError(f"{len(tokens)} tokens but {len(logprobs)} logprobs")
+        samples = [SampledToken(token, logprob) for token, logprob in zip(tokens, logprobs)]
+        for slot, top in self.top.items():
+            samples[slot].top = top
+        return samples
+
+
+def samples_by_seq(step: Step, result: StepResult) -> dict[int, SampledToken]:
+    """seq_id -> token of every slot that sampled one (for tools and tests: the scheduler reads the
+    result in slot order)."""
+    return {seq_id: sampled for seq_id, sampled in zip(step.slot_ids(), result.sampled()) if sampled.token_id >= 0}
+
+
+# Packed per-slot arrays: little-endian, whatever the host's order.
+_SWAP = sys.byteorder != "little"
+
+
+def _pack(typecode: str, values: Iterable[Any]) -> bytes:
+    packed = array(typecode, values)
+    if _SWAP:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack(typecode: str, data: bytes) -> list[Any]:
+    """ValueError when ``data`` is not whole entries."""
+    packed = array(typecode)
+    packed.frombytes(data)
+    if _SWAP:
+        packed.byteswap()
+    return packed.tolist()
+
+
+def pack_ids(seq_ids: Iterable[int]) -> bytes:
+    """Sequence ids as int64 (``Step.follows``)."""
+    return _pack("q", seq_ids)
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    return _unpack("q", data)
+
+
+def pack_tokens(tokens: Iterable[int]) -> bytes:
+    """Token ids as int32 (``StepResult.tokens``)."""
+    return _pack("i", tokens)
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    return _unpack("i", data)
+
+
+def pack_logprobs(logprobs: Iterable[float]) -> bytes:
+    """Logprobs as float32 (``StepResult.logprobs``): they are float32 log-softmax values, so nothing is lost."""
+    return _pack("f", logprobs)
+
+
+def unpack_logprobs(data: bytes) -> list[float]:
+    return _unpack("f", data)
+
+
+assert array("q").itemsize == 8 and array("i").itemsize == 4 and array("f").itemsize == 4
 
 
 class WorkerHello(Msg, tag="worker_hello"):

@@ -63,7 +63,7 @@ def in_process_baselines(tokens: int) -> tuple[float, float]:
 
     from common.config import get_settings
     from common.model_source import load_tokenizer
-    from common.wire import SamplingParams, SeqStep, Step
+    from common.wire import SamplingParams, SeqStep, Step, pack_ids
     from services.worker.engine import Engine
     from services.worker.model_loader import load_model
 
@@ -74,9 +74,9 @@ def in_process_baselines(tokens: int) -> tuple[float, float]:
     engine.capture_graphs()  # as the worker does at start-up
 
     def engine_run(n: int) -> None:
-        result = engine.step(Step(step_id=0, seqs=[SeqStep(seq_id=1, tokens=ids, sampling=SamplingParams(temperature=0))]))
-        for step_id in range(1, n):
-            result = engine.step(Step(step_id=step_id, seqs=[SeqStep(seq_id=1, tokens=[result.samples[1].token_id])]))
+        engine.step(Step(step_id=0, seqs=[SeqStep(seq_id=1, tokens=ids, sampling=SamplingParams(temperature=0))]))
+        for step_id in range(1, n):  # it follows, as the scheduler sends it
+            engine.step(Step(step_id=step_id, seqs=[], follows=pack_ids([1])))
         engine.free([1])
 
     def timed(run) -> float:

@@ -132,8 +132,9 @@ class SimWorker:
                 self._free(seq_id)
         for seq_id in step.free:
             self._free(seq_id)
-        samples, cached = {}, {}
-        for s in step.seqs:
+        tokens, cached = [], {}
+        follows = [wire.SeqStep(seq_id=seq_id, tokens=[], follow=True) for seq_id in wire.unpack_ids(step.follows)]
+        for s in follows + step.seqs:
             if s.seq_id not in self.seqs:
                 parent = s.fork_of
                 self.seqs[s.seq_id] = list(self.seqs[parent]) if parent is not None else []
@@ -141,22 +142,24 @@ class SimWorker:
                 for name in self.names[s.seq_id]:
                     self._hold(name)
             if s.backtrack:
-                tokens, names = self.seqs[s.seq_id], self.names[s.seq_id]
-                del tokens[len(tokens) - s.backtrack :]
-                self._release(names[len(tokens) // BLOCK_SIZE :])
-                del names[len(tokens) // BLOCK_SIZE :]
+                held, names = self.seqs[s.seq_id], self.names[s.seq_id]
+                del held[len(held) - s.backtrack :]
+                self._release(names[len(held) // BLOCK_SIZE :])
+                del names[len(held) // BLOCK_SIZE :]
             feed = [self.last[s.seq_id]] if s.follow else s.tokens
             hits = self._cached(s.seq_id, feed, len(feed) - s.sample)
             if hits:
                 cached[s.seq_id] = hits
             self._extend(s.seq_id, feed)
-            if s.sample or s.follow:
+            token = -1
+            if s.sample:
                 token = VOCAB_LOW + hash((s.seq_id, len(self.seqs[s.seq_id]))) % (VOCAB_HIGH - VOCAB_LOW)
                 self.last[s.seq_id] = token
-                samples[s.seq_id] = wire.SampledToken(token_id=token, logprob=-1.0)
+            tokens.append(token)
         new, gone, self.new, self.gone = self.new, self.gone, [], []
         free = self.kv_blocks - len(self.refs) - len(self.cached)
-        return wire.StepResult(step_id=step.step_id, samples=samples, cached_tokens=cached,
+        return wire.StepResult(step_id=step.step_id, tokens=wire.pack_tokens(tokens),
+                               logprobs=wire.pack_logprobs([-1.0] * len(tokens)), cached_tokens=cached,
                                kv_free_tokens=max(free, 0) * BLOCK_SIZE, kv_cached_tokens=len(self.cached) * BLOCK_SIZE,
                                blocks_new=new, blocks_gone=gone)
 
@@ -320,7 +323,8 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
         core.admit()
         roomy = ({w for w in sims if flights[w] < limits.pipeline_depth} if not lockstep
                  else set(sims) if len(groups) < limits.pipeline_depth else set())
-        dispatches = core.build_steps(None, roomy) if roomy else []
+        # as the shell does: the controlled part (none here), then the steps
+        dispatches = core.build_steps(core.plan_controlled()[0], roomy) if roomy else []
         frames = [encoder.encode(d.step) for d in dispatches]
         scheduler(started)
         group = []
@@ -344,7 +348,7 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
         if group:
             groups.append((max(free_at[d.worker] for d, _ in group), group))
         run.steps += len(dispatches)
-        run.seq_steps += sum(len(d.step.seqs) for d in dispatches)
+        run.seq_steps += sum(len(d.followers) + len(d.batch) for d in dispatches)
         if dispatches:
             continue  # queue the steps after them at once, where pipelines have room
         started = time.thread_time()

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteria, St
 
 from common.config import Settings, get_settings
 from common.model_source import load_tokenizer
-from common.wire import SamplingParams, SeqStep, Step
+from common.wire import SamplingParams, SeqStep, Step, pack_ids, unpack_tokens
 from services.worker.engine import Engine
 from services.worker.kv_cache import BLOCK_SIZE
 from services.worker.model_loader import LoadedModel, load_model, pick_device, pick_dtype
@@ -116,15 +116,15 @@ def bench_engine(engine: Engine, prompt: list[int], batch: int, new_tokens: int,
     prefill = time.perf_counter() - started
     assert not result.failures, result.failures
     steps = []
-    tokens = [result.samples[seq_ids[0]].token_id]
+    tokens = [unpack_tokens(result.tokens)[0]]
+    follows = pack_ids(seq_ids)  # decoding, they follow: each feeds its own last sample, as the scheduler sends them
     cpu_started = time.process_time()
     for step_id in range(1, new_tokens):
         started = time.perf_counter()
-        seqs = [SeqStep(seq_id=s, tokens=[result.samples[s].token_id]) for s in seq_ids]
-        result = engine.step(Step(step_id=step_id, seqs=seqs))
+        result = engine.step(Step(step_id=step_id, seqs=[], follows=follows))
         _sync(engine.device)
         steps.append(time.perf_counter() - started)
-        tokens.append(result.samples[seq_ids[0]].token_id)
+        tokens.append(unpack_tokens(result.tokens)[0])
     step_cpu_s = (time.process_time() - cpu_started) / max(1, len(steps))
     engine.free(seq_ids)
     return Run(prefill_s=prefill, step_s=steps, tokens=tokens, step_cpu_s=step_cpu_s)

@@ -599,12 +599,13 @@ class ControlledSteps:
 
     # -- results ------------------------------------------------------------------------------------
 
-    def apply(self, branch: Branch, seq: wire.SeqStep, result: wire.StepResult, max_len: int) -> None:
-        """The worker ran ``seq`` for ``branch``: advance it and note what the controller must hear."""
+    def apply(self, branch: Branch, seq: wire.SeqStep, sampled: wire.SampledToken | None, failure: str | None,
+              max_len: int) -> None:
+        """The worker ran ``seq`` for ``branch`` (and sampled ``sampled``, or failed it with ``failure``):
+        advance it and note what the controller must hear."""
         request = branch.request
         if branch.finished or request.state is State.FINISHED:
             return
-        failure = next((f.message for f in result.failures if f.seq_id == seq.seq_id), None)
         if failure is not None:
             self._end(branch, "fail", error=f"the worker failed this sequence: {failure}")
             return
@@ -626,7 +627,6 @@ class ControlledSteps:
             return
         if not seq.sample:
             return
-        sampled = result.samples.get(seq.seq_id)
         if sampled is None:
             self._end(branch, "fail", error="the worker returned no token for this sequence")
             return

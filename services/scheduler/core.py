@@ -11,15 +11,18 @@ gateway). One step, as the shell drives it:
    (the ``post_pre_process`` to send on the main channel, then its reply).
 3. :meth:`build_steps`: one ``Step`` per worker, decoding sequences first (one token each) then
    prompt chunks within ``limits.step_token_budget``, plus the frees owed to each worker.
-4. :meth:`apply` per worker result: stop tokens, lengths, prompt outputs; the text of a token that
-   does not end its request is worked out later (:meth:`emit_deferred`), while the next step runs.
+4. :meth:`apply` per worker result: stop tokens, lengths, prompt outputs, text; the text of a token
+   that may complete a stop string is worked out later (:meth:`emit_deferred`), while the next step runs.
 5. :meth:`end_step`: controlled requests' events and endings.
 
 Pipelining (``limits.pipeline_depth`` 2): a decoding sequence already in the step in flight gets a
-``follow`` SeqStep in the next one (the worker feeds the token it sampled); when that token turns out
-to end the request (EOS, a stop string), the token sampled after it is dropped. A session turn
-follows too: the token a follow fed is in the KV it parks (a placeholder when its turn ended before
-the scheduler saw it, which the next turn backtracks over).
+``follow`` in the next one (the worker feeds the token it sampled); when that token turns out to end
+the request (EOS, a stop string), the token sampled after it is dropped. A decoding sequence that goes
+on following is one of its worker's *followers* (``batch.WorkerBatch``): every step carries those as a
+packed array of ids (``Step.follows``), with no SeqStep and no decision per sequence, and their tokens
+come back first in the result's packed arrays. A session turn follows too: the token a follow fed is in
+the KV it parks (a placeholder when its turn ended before the scheduler saw it, which the next turn
+backtracks over).
 
 Plain and controlled requests share one set of finish rules (``requests.stop_token`` and
 ``requests.length_reached``); stop strings come from each sequence's ``TextStream``.
@@ -28,7 +31,6 @@ Plain and controlled requests share one set of finish rules (``requests.stop_tok
 from __future__ import annotations
 
 import itertools
-import operator
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable
@@ -48,23 +50,27 @@ from common.errors import (
     SERVICE_UNAVAILABLE,
 )
 from common.textstream import TextStream
+from services.scheduler.batch import WorkerBatch
 from services.scheduler.controlled import Branch, ControlledSteps, MainReply, Plan
-from services.scheduler.requests import LiveRequest, State, length_reached, stop_tokens
+from services.scheduler.requests import LiveRequest, State, stop_tokens, token_limit
 from services.scheduler.sessions import WAIT, Placement, SessionKV
-from services.scheduler.workers import Place, WorkerPool, least_loaded
+from services.scheduler.workers import Place, WorkerInfo, WorkerPool, least_loaded
 
 log = structlog.get_logger()
 
 Item = tuple[LiveRequest | Branch, wire.SeqStep]
-_sort_key = operator.attrgetter("sort_key")
+NO_SAMPLE = wire.SampledToken(-1, 0.0)  # stands for every slot of a result that does not fit its step
 
 
 @dataclass
 class Dispatch:
-    """One worker's step, and what its result is applied to (opaque to the shell)."""
+    """One worker's step, and what its result is applied to (opaque to the shell): the requests of its
+    slots, ``followers`` (``Step.follows``) then ``batch`` (``Step.seqs``)."""
 
     worker: bytes
+    info: WorkerInfo  # the worker's life it went to
     step: wire.Step
+    followers: list[LiveRequest]
     batch: list[Item]
     frames: list[bytes] = field(default_factory=list)  # the mask frame, when the masks go with the step
 
@@ -127,7 +133,8 @@ class SchedulerCore:
         # the same by worker (a worker's step is built from its own), and its controlled ones' count
         self.running_on: dict[bytes, dict[int, LiveRequest]] = defaultdict(dict)
         self.controlled_on: Counter[bytes] = Counter()
-        self._order_on: dict[bytes, list[LiveRequest]] = {}  # its plain ones in step order (see _plain_order)
+        self.controlled_running: dict[int, LiveRequest] = {}  # the controlled ones of ``running``
+        self.batches: dict[bytes, WorkerBatch] = {}  # its plain ones: followers and the others
         self.to_free: dict[bytes, list[int]] = defaultdict(list)
         self.outbox = Outbox()
         # tokens accepted from the last step whose text is worked out while the next one runs
@@ -207,6 +214,7 @@ class SchedulerCore:
             self.finish(request, "cancelled")
         elif isinstance(msg, wire.Pause):
             request.paused = True
+            self._unfollow(request)
         elif isinstance(msg, wire.Resume):
             request.paused = False
         elif isinstance(msg, wire.Modify):
@@ -216,6 +224,8 @@ class SchedulerCore:
                 except ContextLengthExceeded as exc:
                     return wire.Error(code=exc.code, message=exc.message, rid=msg.rid)
             request.apply_patch(msg.patch)
+            request.limit = token_limit(request.submit, self.max_model_len())
+            self._unfollow(request)  # its next step carries the new parameters, or is not wanted
             if request.state is not State.QUEUED and len(request.generated) >= request.submit.max_tokens:
                 self.finish(request, "length")
         return wire.RequestState(rid=request.rid, state=request.state.value, paused=request.paused)
@@ -268,6 +278,7 @@ class SchedulerCore:
         self.sessions.drop_worker(identity)
         for request in list(self.running_on.get(identity, {}).values()):
             self.fail(request, SERVICE_UNAVAILABLE, f"{reason}; the request was lost, retry it")
+        self.batches.pop(identity, None)
 
     # ------------------------------------------------------------------------------------------
     # Host: what controlled requests use
@@ -312,12 +323,16 @@ class SchedulerCore:
             request.kv_tokens = list(placement.held or [])
             request.worker = worker.identity
             request.stop_ids = stop_tokens(request.submit, worker.hello.eos_token_ids)
+            request.limit = token_limit(request.submit, self.max_model_len())
             request.reserved = request.needed_tokens
             worker.reserved_tokens += request.reserved
             worker.running += 1
             self.running[request.seq_id] = self.running_on[worker.identity][request.seq_id] = request
-            self._order_on.pop(worker.identity, None)
-            self.controlled_on[worker.identity] += bool(request.submit.controller)
+            if request.controlled:
+                self.controlled_on[worker.identity] += 1
+                self.controlled_running[request.seq_id] = request
+            else:
+                self.batches.setdefault(worker.identity, WorkerBatch()).add(request)
             admitted = True
         if admitted:
             self.queue = [r for r in self.queue if r.state is State.QUEUED]
@@ -345,7 +360,7 @@ class SchedulerCore:
         """The controlled part of the next step; send the request (when there is one) and pass its
         reply to :meth:`controlled_planned`, or, for a plan that goes ahead (``plan.ahead``: it goes into
         the step at once), to ``controlled.ahead_planned``."""
-        return self.controlled.begin(self.running.values(), self.limits.step_token_budget,
+        return self.controlled.begin(self.controlled_running.values(), self.limits.step_token_budget,
                                      may_go_ahead=not self._plain_running())
 
     def controlled_workers(self) -> set[bytes]:
@@ -369,7 +384,8 @@ class SchedulerCore:
 
     def build_steps(self, controlled: Plan | None = None, workers: Collection[bytes] | None = None) -> list[Dispatch]:
         """The next step for each worker (of ``workers``; None: all) that has sequences to run or to
-        free. The workers of a ``controlled`` plan must be among ``workers``."""
+        free and fewer than ``limits.pipeline_depth`` steps in flight. The workers of a ``controlled``
+        plan must be among ``workers``."""
         if controlled is None:
             controlled = Plan()
         else:
@@ -380,35 +396,43 @@ class SchedulerCore:
         # limits.step_token_budget is per worker (each runs its own forward pass)
         budget = {identity: self.limits.step_token_budget - sum(max(len(s.tokens), 1) for _, s in items)
                   for identity, items in per_worker.items()}
-        max_len = self.max_model_len()
-        on = self.running_on
-        for identity in on if workers is None else workers:
-            running = on.get(identity)
-            if running:
-                left = budget.get(identity, self.limits.step_token_budget)
-                batch = self._build_batch(identity, running, left, max_len)
-                if batch:
-                    per_worker[identity] += batch
+        depth = self.limits.pipeline_depth
+        roomy = {identity for identity, worker in self.pool.workers.items()
+                 if worker.steps_out < depth and (workers is None or identity in workers)}
+        follows: dict[bytes, tuple[list[LiveRequest], bytes]] = {}
+        for identity, batch in self.batches.items():
+            if identity not in roomy:
+                continue
+            left = budget.get(identity, self.limits.step_token_budget)
+            followers, ids = follows[identity] = batch.follows()
+            for request in followers:
+                request.in_flight += 1
+            items = self._build_batch(batch, left - len(followers))
+            if items:
+                per_worker[identity] += items
         steps = []
-        for identity in set(per_worker) | {i for i, seqs in self.to_free.items()
-                                           if seqs and (workers is None or i in workers)}:
+        for identity in set(per_worker) | {i for i, (followers, _) in follows.items() if followers} | {
+                i for i, seqs in self.to_free.items() if seqs and i in roomy}:
             worker = self.pool.workers.get(identity)
             if worker is None:
                 continue
             batch = per_worker.get(identity, [])
-            step = wire.Step(step_id=next(self.step_ids), seqs=[s for _, s in batch], free=self.to_free.pop(identity, []),
-                             free_all=worker.fresh)
+            followers, ids = follows.get(identity, ([], b""))
+            step = wire.Step(step_id=next(self.step_ids), seqs=[s for _, s in batch], follows=ids,
+                             free=self.to_free.pop(identity, []), free_all=worker.fresh)
             step.masks_follow = self.controlled.awaits_masks(step)
             worker.fresh = False
-            steps.append(Dispatch(identity, step, batch, self.controlled.masks_with(step)))
+            worker.steps_out += 1
+            steps.append(Dispatch(identity, worker, step, followers, batch, self.controlled.masks_with(step)))
         return steps
 
-    def _build_batch(self, identity: bytes, running: dict[int, LiveRequest], left: int, max_len: int) -> list[Item]:
-        """One worker's plain sequences in its next step, within ``left`` tokens: decoding sequences
-        first (one token each), then prompt chunks, each in priority then arrival order."""
-        batch: list[Item] = []
+    def _build_batch(self, batch: WorkerBatch, left: int) -> list[Item]:
+        """A worker's SeqSteps for its plain requests that do not follow, within ``left`` tokens:
+        decoding sequences first (one token each), then prompt chunks, each in priority then arrival
+        order."""
+        items: list[Item] = []
         prefilling: list[LiveRequest] = []
-        for request in self._plain_order(identity, running):
+        for request in batch.order():
             if left <= 0:
                 break
             if request.paused:
@@ -416,62 +440,53 @@ class SchedulerCore:
             if request.fed < len(request.prompt):
                 prefilling.append(request)
                 continue
-            if request.in_flight:
-                if not self._follows(request, max_len):
+            if request.in_flight:  # decoding in the step in flight: feed its sample
+                if not self._may_follow(request):
                     continue
-                # decoding in the step in flight: feed its sample (the same SeqStep every time, unless
-                # its sampling parameters go with it)
-                seq = request.follow_step
-                if seq is None or request.sampling_dirty:
-                    seq = wire.SeqStep(seq_id=request.seq_id, tokens=[], follow=True)
-                    request.follow_step = None if request.sampling_dirty else seq
-                request.follows += 1
+                seq = wire.SeqStep(seq_id=request.seq_id, tokens=[], follow=True)
             else:  # decoding: feed the token sampled last
-                seq = wire.SeqStep(seq_id=request.seq_id, tokens=[request.pending])
+                seq = wire.SeqStep(seq_id=request.seq_id, tokens=[request.generated[-1]])
                 self._session_feed(request, seq)
             left -= 1
-            if request.sampling_dirty:
-                seq.sampling = request.submit.sampling
-                request.sampling_dirty = False
-            request.in_flight += 1
-            request.last_sample = True
-            batch.append((request, seq))
+            self._add(batch, items, request, seq)
         chunk = self.limits.prefill_chunk_tokens
         for request in prefilling:
             if left <= 0:
                 break
             if request.in_flight and (request.in_flight > 1 or request.last_sample):
                 continue  # a chunk goes while the one before it runs, unless that one samples
-            tokens, sample = request.next_feed(min(chunk, left))
+            tokens, sample = request.next_chunk(min(chunk, left))
             left -= len(tokens)
             seq = wire.SeqStep(seq_id=request.seq_id, tokens=tokens, sample=sample, images=request.images_in(tokens))
             self._session_feed(request, seq)
             request.fed += len(tokens)
-            if request.sampling_dirty:
-                seq.sampling = request.submit.sampling
-                request.sampling_dirty = False
-            request.in_flight += 1
-            request.last_sample = seq.sample
-            batch.append((request, seq))
-        return batch
+            self._add(batch, items, request, seq)
+        return items
 
-    def _plain_order(self, identity: bytes, running: dict[int, LiveRequest]) -> list[LiveRequest]:
-        """A worker's plain requests in priority then arrival order; sorted again only after its
-        requests changed (admission, release), not every step."""
-        order = self._order_on.get(identity)
-        if order is None:
-            order = self._order_on[identity] = sorted((r for r in running.values() if not r.controlled), key=_sort_key)
-        return order
+    def _add(self, batch: WorkerBatch, items: list[Item], request: LiveRequest, seq: wire.SeqStep) -> None:
+        """``seq`` goes into the step, with ``request``'s sampling parameters when they changed; the
+        request joins the followers when the step after may follow this one."""
+        if request.sampling_dirty:
+            seq.sampling = request.submit.sampling
+            request.sampling_dirty = False
+        request.in_flight += 1
+        request.last_sample = seq.sample
+        items.append((request, seq))
+        if self._may_follow(request):
+            batch.join(request)
 
     @staticmethod
-    def _follows(request: LiveRequest, max_len: int) -> bool:
-        """Whether a decoding request with a step in flight may ``follow`` it: one step in flight that
-        samples a token that will not be its last, and no readout of decoded positions (the step
-        feeding a position reads it out; a follow asks for none)."""
-        if request.in_flight > 1 or not request.last_sample or request.readout_positions:
-            return False
-        after = len(request.generated) + 1  # tokens once the step in flight is applied
-        return not length_reached(request.submit, after, len(request.prompt) + after, max_len)
+    def _may_follow(request: LiveRequest) -> bool:
+        """Whether a step built now may ``follow`` the steps sent with ``request``: the last of them
+        samples it, the tokens they sample leave room for one more, and it reads out no decoded
+        position (the step feeding a position reads it out; a follow asks for none)."""
+        return (request.last_sample and len(request.generated) + request.in_flight < request.limit
+                and not request.readout_positions)
+
+    def _unfollow(self, request: LiveRequest) -> None:
+        """``request``'s next step is built on its own again (it changed, or paused)."""
+        if request.follower:
+            self.batches[request.worker].leave(request)
 
     def step_done(self, worker: bytes, result: wire.StepResult) -> None:
         """Note what a step result says about its worker (before :meth:`apply`)."""
@@ -481,25 +496,74 @@ class SchedulerCore:
             info.kv_cached_tokens = max(result.kv_cached_tokens, 0)
 
     def apply(self, dispatch: Dispatch, result: wire.StepResult) -> None:
-        """Apply one worker's step result to the sequences it ran. The common case, a decoding
-        sequence's token, is a handful of operations inline (this runs for every token)."""
+        """Apply one worker's step result: its SeqSteps' parts (prompt outputs, forks, failures,
+        readouts, controlled branches), then every sampled token, followers' first. A token is a
+        handful of operations inline (this runs for every token)."""
+        dispatch.info.steps_out -= 1
+        followers = dispatch.followers
         failures = {f.seq_id: f.message for f in result.failures}
-        max_len = self.max_model_len()
-        samples, readouts = result.samples, result.readouts
+        try:
+            samples = result.sampled()
+            if len(samples) != len(followers) + len(dispatch.batch):
+                raise ValueError(f"{len(samples)} slots, the step has {len(followers) + len(dispatch.batch)}")
+        except ValueError as exc:  # a worker that does not speak this wire: its sequences fail
+            log.error("scheduler.malformed_result", worker=dispatch.worker.decode(errors="replace"), error=str(exc))
+            samples = [NO_SAMPLE] * (len(followers) + len(dispatch.batch))
+            failures = dict.fromkeys(dispatch.step.slot_ids(), f"its step result does not fit the step: {exc}")
+        for request in followers:
+            request.in_flight -= 1
+        if failures:
+            for request in followers:
+                if request.seq_id in failures:
+                    self._seq_failed(request, request.seq_id, failures[request.seq_id])
+        taken = self._apply_seqs(dispatch, samples[len(followers):], failures, result)
         deferred, finished = self.deferred, State.FINISHED
-        for request, seq in dispatch.batch:
+        for request, sampled in itertools.chain(zip(followers, samples), taken):
+            if request.state is finished:  # cancelled while its step ran (or failed above)
+                continue
+            token = sampled.token_id
+            if token < 0:
+                self.fail(request, INTERNAL_ERROR, "the worker returned no token for this sequence")
+                continue
+            generated = request.generated
+            generated.append(token)
+            event = wire.TokenEvent(rid=request.rid, tokens=[sampled])
+            n = len(generated)
+            if token in request.stop_ids:  # requests.stop_token, its set made at admission
+                self.finish(request, "stop", event, stop_reason=token)
+            elif n >= request.limit:  # requests.length_reached
+                self._emit_text(request, event, last=True)
+            else:
+                if request.follower and n + request.in_flight >= request.limit:
+                    self.batches[request.worker].leave(request)  # a token in flight may be its last
+                if request.text.stop:
+                    # Its text may complete a stop string: it is worked out once the next step is on its
+                    # way (the scan costs more than the lookup of a token's text). A stop string found
+                    # then ends the request, and the token that step samples for it is dropped.
+                    if not request.deferred:
+                        deferred.append(request)
+                    request.deferred.append(event)
+                else:
+                    self._emit_text(request, event, last=False)
+
+    def _apply_seqs(self, dispatch: Dispatch, samples: list[wire.SampledToken], failures: dict[int, str],
+                    result: wire.StepResult) -> list[tuple[LiveRequest, wire.SampledToken]]:
+        """The parts of a result that answer the step's SeqSteps, but the plain sequences' tokens:
+        returns those, each with its request."""
+        max_len = self.max_model_len()
+        taken: list[tuple[LiveRequest, wire.SampledToken]] = []
+        for (request, seq), sampled in zip(dispatch.batch, samples):
             if isinstance(request, Branch):
-                self.controlled.apply(request, seq, result, max_len)
+                self.controlled.apply(request, seq, sampled if sampled.token_id >= 0 else None,
+                                      failures.get(seq.seq_id), max_len)
                 continue
             request.in_flight -= 1
             if seq.fork_of is not None:
                 self.sessions.forked(seq.fork_of)
-            if request.state is finished:  # cancelled while its step ran
-                if seq.seq_id in failures:
-                    self.sessions.failed(seq.seq_id)
-                continue
             if seq.seq_id in failures:
-                self.fail(request, INTERNAL_ERROR, f"the worker failed this sequence: {failures[seq.seq_id]}")
+                self._seq_failed(request, seq.seq_id, failures[seq.seq_id])
+                continue
+            if request.state is State.FINISHED:  # cancelled while its step ran
                 continue
             prompt = request.prompt
             if request.applied < len(prompt):
@@ -508,38 +572,26 @@ class SchedulerCore:
                 request.applied += len(seq.tokens)
                 if request.submit.max_tokens == 0 and request.applied == len(prompt):
                     self.finish(request, "length")
-            else:
-                request.pending = None
-                if readouts:
-                    self._decoded_readouts(request, seq, result)
-            if not seq.sample:
-                continue
-            sampled = samples.get(seq.seq_id)
-            if sampled is None:
-                self.fail(request, INTERNAL_ERROR, "the worker returned no token for this sequence")
-                continue
-            token = sampled.token_id
-            generated = request.generated
-            generated.append(token)
-            request.pending = token
-            if request.follows:  # the follow step sent after this one feeds it (at most one is ahead)
-                request.follows = 0
-                request.kv_tokens.append(token)
-            event = wire.TokenEvent(rid=request.rid, tokens=[sampled])
-            if token in request.stop_ids:  # requests.stop_token, its set made at admission
-                self.finish(request, "stop", event, stop_reason=token)
-            elif length_reached(request.submit, len(generated), len(prompt) + len(generated), max_len):
-                self._emit_text(request, event, last=True)
-            else:
-                # Decoding goes on: its text (detokenizing, stop strings) is worked out once the next
-                # step is on its way. A stop string found then ends the request, and the token that
-                # step samples for it is dropped.
-                if not request.deferred:
-                    deferred.append(request)
-                request.deferred.append(event)
+            elif result.readouts:
+                self._decoded_readouts(request, seq, result)
+            if seq.sample:
+                taken.append((request, sampled))
+        return taken
+
+    def _seq_failed(self, request: LiveRequest, seq_id: int, message: str) -> None:
+        """The worker failed ``request``'s sequence (and released it)."""
+        if request.state is State.FINISHED:  # a sequence parked while its last step ran: it is gone
+            self.sessions.failed(seq_id)
+        else:
+            self.fail(request, INTERNAL_ERROR, f"the worker failed this sequence: {message}")
 
     def _emit_text(self, request: LiveRequest, event: wire.TokenEvent, last: bool) -> None:
-        """The text of a token event; finish on a completed stop string, or when it was the ``last``."""
+        """The text of a token event (after the text of the request's tokens before it); finish on a
+        completed stop string, or when it was the ``last``."""
+        if request.deferred:
+            self._emit_deferred_of(request)
+            if request.state is State.FINISHED:  # the tokens before it completed a stop string
+                return
         event.text = request.text.push_one(event.tokens[0].token_id)
         if request.text.stopped_by is not None:
             self.finish(request, "stop", event, stop_reason=request.text.stopped_by)
@@ -622,8 +674,11 @@ class SchedulerCore:
         elif request.seq_id in self.running:
             del self.running[request.seq_id]
             del self.running_on[request.worker][request.seq_id]
-            self._order_on.pop(request.worker, None)
-            self.controlled_on[request.worker] -= bool(request.submit.controller)
+            if request.controlled:
+                self.controlled_on[request.worker] -= 1
+                del self.controlled_running[request.seq_id]
+            elif (batch := self.batches.get(request.worker)) is not None:
+                batch.remove(request)
             if request.fork_of is not None:  # its fork step was never sent
                 self.sessions.forked(request.fork_of)
             worker = self.pool.workers.get(request.worker)
@@ -648,7 +703,6 @@ class SchedulerCore:
             request.fork_of, request.backtrack = None, 0
         if seq.backtrack:
             del request.kv_tokens[len(request.kv_tokens) - seq.backtrack :]
-        request.kv_tokens += seq.tokens
         request.on_worker = True
         if request.fed >= len(request.prompt):  # decoding: the token fed is the last one sampled
             if request.readout_positions:
@@ -656,6 +710,7 @@ class SchedulerCore:
                 if position in request.readout_positions:
                     seq.readouts = [position]
             return
+        request.kv_tokens += seq.tokens
         if not (request.logprob_positions or request.readout_positions):
             return
         prompt, start = request.prompt, request.fed

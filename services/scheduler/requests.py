@@ -26,6 +26,12 @@ def length_reached(submit: wire.Submit, generated: int, total: int, max_len: int
     return generated >= submit.max_tokens or total >= max_len
 
 
+def token_limit(submit: wire.Submit, max_len: int) -> int:
+    """How many tokens a plain sequence may generate: ``length_reached`` says yes once it generated
+    this many."""
+    return min(submit.max_tokens, max_len - len(submit.prompt_ids))
+
+
 class State(enum.Enum):
     QUEUED = "queued"
     RUNNING = "running"
@@ -48,22 +54,22 @@ class LiveRequest:
     worker: bytes = b""
     fed: int = 0  # prompt tokens sent to the worker
     applied: int = 0  # prompt tokens whose step results were applied
-    generated: list[int] = field(default_factory=list)
-    pending: int | None = None  # the last sampled token, fed on the next step
+    generated: list[int] = field(default_factory=list)  # the last one is fed by its next step
     in_flight: int = 0  # steps sent with this request whose results are not applied yet
     deferred: list[wire.TokenEvent] = field(default_factory=list)  # token events whose text is not worked out yet
     last_sample: bool = False  # whether the last step sent samples it (its next step can ``follow``)
     stop_ids: frozenset[int] = frozenset()  # the sampled tokens that end it (requests.stop_tokens), set at admission
-    follow_step: wire.SeqStep | None = None  # its ``follow`` SeqStep, the same in every step (never changed once built)
+    limit: int = 0  # the tokens it may generate (requests.token_limit), set at admission and by a Modify
+    follower: bool = False  # in its worker's follow list (services.scheduler.batch): every step carries it
     sampling_dirty: bool = True  # send SamplingParams with the next SeqStep
     # Session turns (Salience): the first SeqStep forks ``fork_of`` and/or drops ``backtrack``
-    # tokens of a parked sequence; ``kv_tokens`` is what the worker's sequence holds once every
-    # step sent so far has run (but the tokens of ``follows``), ``on_worker`` whether any step was sent.
+    # tokens of a parked sequence; ``kv_tokens`` is what the worker's sequence holds of the prompt once
+    # every step sent so far has run (``sessions.held_tokens`` adds the generated tokens), ``on_worker``
+    # whether any step was sent.
     fork_of: int | None = None
     backtrack: int = 0
     kv_tokens: list[int] = field(default_factory=list)
     on_worker: bool = False
-    follows: int = 0  # follow steps sent whose fed token (sampled by the step before) is not in kv_tokens yet
     # Per-position outputs: the prompt positions asked about, and the logprobs already computed for
     # some of them (a chunk's first position is scored by the step that fed the previous chunk).
     logprob_positions: set[int] = field(default_factory=set)
@@ -101,13 +107,10 @@ class LiveRequest:
         """KV the request may grow to: reserved at admission so a burst queues instead of overflowing."""
         return len(self.prompt) + self.submit.max_tokens
 
-    def next_feed(self, chunk: int) -> tuple[list[int], bool]:
-        """Tokens to feed this step and whether to sample after them."""
-        if self.fed < len(self.prompt):
-            tokens = self.prompt[self.fed : self._chunk_end(self.fed + chunk)]
-            return tokens, self.fed + len(tokens) == len(self.prompt) and self.submit.max_tokens > 0
-        assert self.pending is not None
-        return [self.pending], True
+    def next_chunk(self, chunk: int) -> tuple[list[int], bool]:
+        """The prompt tokens to feed this step (at most ``chunk``) and whether to sample after them."""
+        tokens = self.prompt[self.fed : self._chunk_end(self.fed + chunk)]
+        return tokens, self.fed + len(tokens) == len(self.prompt) and self.submit.max_tokens > 0
 
     def _chunk_end(self, end: int) -> int:
         """``end``, moved off the inside of an image block: back to the block's start, or past its

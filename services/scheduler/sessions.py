@@ -82,6 +82,17 @@ def same_images_prefix(held: list[wire.ImageInput], wanted: list[wire.ImageInput
 # next turn backtracks over it.
 UNSEEN = -1
 
+def held_tokens(request: LiveRequest) -> list[int]:
+    """What a plain request's sequence holds once every step sent with it has run: the prompt tokens fed,
+    then every token sampled but the last (each step after a sample feeds it), UNSEEN for those whose
+    results are not applied yet."""
+    if request.fed < len(request.prompt):
+        return list(request.kv_tokens)
+    sampled = len(request.generated) + request.in_flight  # once the prompt is fed, every step sent samples it
+    fed = max(sampled - 1, 0)
+    return request.kv_tokens + request.generated[:fed] + [UNSEEN] * (fed - len(request.generated))
+
+
 # ``SessionKV.reuse``'s answer when the request's own parked sequence is busy (a fork of it has not
 # been copied yet): wait a step rather than change it.
 WAIT = object()
@@ -156,14 +167,15 @@ class SessionKV:
     def park(self, request: LiveRequest, worker: WorkerInfo) -> bool:
         """Keep a finished session turn's sequence on its worker; False: free it as usual."""
         ref = request.submit.session
-        tokens = request.kv_tokens
-        if ref is None or not request.on_worker or not 0 < len(tokens) <= self.config.kv_tokens_per_session:
+        if ref is None or not request.on_worker:
+            return False
+        tokens = held_tokens(request)
+        if not 0 < len(tokens) <= self.config.kv_tokens_per_session:
             return False
         previous = self.parked.get(ref.key)
         if previous is not None:
             self._evict(previous)
-        images = [image for image in request.submit.images if image.end <= len(tokens)]
-        tokens = tokens + [UNSEEN] * request.follows
+        images = [image for image in request.submit.images if image.end <= len(request.kv_tokens)]
         self.parked[ref.key] = Parked(ref.key, request.seq_id, worker.identity, tokens, self.clock(), images)
         self._held[worker.identity] += len(tokens)
         worker.reserved_tokens += len(tokens)

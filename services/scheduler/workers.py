@@ -29,6 +29,7 @@ class WorkerInfo:
     kv_cached_tokens: int = 0  # likewise: blocks that only hold reusable prefixes
     fresh: bool = True  # no step sent yet: the first one drops whatever the worker holds (Step.free_all)
     running: int = 0  # sequences admitted to it
+    steps_out: int = 0  # steps sent to it whose results are not applied yet
 
     @property
     def ready(self) -> bool:

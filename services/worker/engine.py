@@ -32,6 +32,10 @@ Each SeqStep is applied in the order :class:`common.wire.SeqStep` gives:
    sequence's last token is then computed again (its logits are not kept between steps).
 4. **sample** from the logits after the last token.
 
+``Step.follows`` lists, packed, the sequences that only go on decoding: each runs as a ``follow``
+SeqStep (one the engine keeps per sequence, made once) before the step's ``seqs``. The result's arrays
+(``StepResult.tokens``, ``logprobs``, ``top``) have one entry per slot, in that order.
+
 A Step sent with ``masks_follow`` runs in two phases: :meth:`Engine.forward` (steps 1-3 and the
 forward pass) while the scheduler's controllers compute the masks, then :meth:`Engine.sample_with`
 once its :class:`common.wire.StepMasks` came (the mask rows are checked then, not at admission).
@@ -52,8 +56,8 @@ from transformers import PretrainedConfig
 
 from common.config import Settings
 from common.model_source import load_tokenizer
-from common.wire import (EngineStats, ReadoutResult, ScoreResult, SeqFailure, SeqStep, Step, StepMasks, StepResult,
-                         TokenLogprob)
+from common.wire import (EngineStats, ReadoutResult, SampledToken, ScoreResult, SeqFailure, SeqStep, Step, StepMasks,
+                         StepResult, TokenLogprob, pack_logprobs, pack_tokens, unpack_ids)
 from services.worker.hf_fallback import HFFallback
 from services.worker.vision import VisionFallback
 from services.worker.kv_cache import BlockTables, PagedKVCache, PoolExhausted, bytes_per_token, plan_num_blocks
@@ -76,6 +80,7 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)  # every token fed so far; len() is the cached length
     forks: int = 0  # forks made of this sequence so far (seeds each fork's generator apart)
     last_sample: int | None = None  # sampled and not fed yet: what a ``follow`` SeqStep feeds
+    follow: SeqStep | None = None  # the follow SeqStep that stands for it in ``Step.follows`` (made once)
 
 
 def _kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -112,12 +117,14 @@ class Forwarded:
     scores: dict[int, list[ScoreResult]]
     readouts: dict[int, list[ReadoutResult]]
     elapsed_s: float  # time spent on the step so far (not counting a wait for its masks)
+    slots: dict[int, int]  # seq_id -> its slot (``Step.slot_ids``)
+    size: int  # the step's slots
 
 
-def _plain_decode(s: SeqStep) -> bool:
+def _plain_decode(s: SeqStep, tokens: list[int]) -> bool:
     """One token fed and sampled after, nothing else asked (see Engine._admit_decode)."""
     return (
-        len(s.tokens) == 1 and s.sample and s.sampling is None and not s.backtrack and s.fork_of is None
+        len(tokens) == 1 and s.sample and s.sampling is None and not s.backtrack and s.fork_of is None
         and not s.images and not s.scores and not s.readouts
     )
 
@@ -292,12 +299,13 @@ class Engine:
         (``Step.masks_follow``) and :meth:`sample_with` checks them."""
         started = time.perf_counter()
         self.free(list(self.seqs) if step.free_all else step.free)
+        batch = self._batch(step)
         failures: list[SeqFailure] = []
         counts: dict[int, int] = {}
-        for s in step.seqs:
+        for s in batch:
             counts[s.seq_id] = counts.get(s.seq_id, 0) + 1
         candidates: list[SeqStep] = []
-        for s in step.seqs:
+        for s in batch:
             if counts[s.seq_id] > 1:
                 self._fail(failures, s, _Invalid(f"sequence {s.seq_id} appears {counts[s.seq_id]} times in step {step.step_id}"))
             else:
@@ -315,14 +323,13 @@ class Engine:
         cached: dict[int, int] = {}
         for s in ready:
             try:
-                if s.follow:
-                    self._resolve_follow(s)
-                item, hits = self._admit(s, masks)
+                tokens = self._follow_feed(s) if s.follow else s.tokens
+                item, hits = self._admit(s, tokens, masks)
             except _Invalid as exc:
                 self._fail(failures, s, exc)
                 continue
             accepted.append(s)
-            self.fed_tokens += len(s.tokens)
+            self.fed_tokens += len(tokens)
             self.cached_tokens += hits
             if item is not None:
                 inputs.append(item)
@@ -339,7 +346,23 @@ class Engine:
             self.tables.commit(s.seq_id, self.seqs[s.seq_id].tokens)
         scores, readouts = self._position_outputs(inputs, {s.seq_id: s for s in accepted})
         sampling = [s for s in accepted if s.sample]  # each has an input: the last fed token is computed
-        return Forwarded(step, failures, sampling, logits, cached, scores, readouts, time.perf_counter() - started)
+        slots = {s.seq_id: slot for slot, s in enumerate(batch)}  # a repeated id failed: its slot does not matter
+        return Forwarded(step, failures, sampling, logits, cached, scores, readouts, time.perf_counter() - started,
+                         slots, len(batch))
+
+    def _batch(self, step: Step) -> list[SeqStep]:
+        """The step's SeqSteps in slot order: a follow SeqStep for each of ``follows`` (the same object
+        every step), then ``seqs``."""
+        batch = []
+        for seq_id in unpack_ids(step.follows):
+            seq = self.seqs.get(seq_id)
+            if seq is None:  # it fails as a follow of an unknown sequence
+                batch.append(SeqStep(seq_id=seq_id, tokens=[], follow=True))
+                continue
+            if seq.follow is None:
+                seq.follow = SeqStep(seq_id=seq_id, tokens=[], follow=True)
+            batch.append(seq.follow)
+        return batch + step.seqs
 
     @torch.inference_mode()
     def sample_with(self, forwarded: Forwarded, masks: StepMasks, mask_frame: bytes | memoryview | None) -> StepResult:
@@ -375,7 +398,7 @@ class Engine:
     def _sample(self, forwarded: Forwarded, sampling: list[SeqStep], masks: _Masks) -> StepResult:
         """Sample ``sampling`` (a subsequence of ``forwarded.sampling``) and build the step's result."""
         started = time.perf_counter()
-        samples = {}
+        sampled: list[SampledToken] = []
         if sampling:
             logits = forwarded.logits
             assert logits is not None
@@ -384,17 +407,25 @@ class Engine:
                 logits = logits[to_device([row_of[s.seq_id] for s in sampling], logits.device)]
             bias = self._sampling_bias(sampling, masks)
             seqs = [self.seqs[s.seq_id] for s in sampling]
-            tokens = sample(logits, [q.sampler for q in seqs], [q.tokens for q in seqs], bias)
-            samples = {s.seq_id: t for s, t in zip(sampling, tokens)}
-            for q, t in zip(seqs, tokens):
+            sampled = sample(logits, [q.sampler for q in seqs], [q.tokens for q in seqs], bias)
+            for q, t in zip(seqs, sampled):
                 q.last_sample = t.token_id
+        tokens, logprobs = [-1] * forwarded.size, [0.0] * forwarded.size
+        top = {}
+        for s, t in zip(sampling, sampled):
+            slot = forwarded.slots[s.seq_id]
+            tokens[slot], logprobs[slot] = t.token_id, t.logprob
+            if t.top:
+                top[slot] = t.top
         step = forwarded.step
         allocator = self.tables.allocator
         blocks_new, blocks_gone = allocator.take_events(everything=step.free_all)
         return StepResult(
             mid=step.mid,
             step_id=step.step_id,
-            samples=samples,
+            tokens=pack_tokens(tokens),
+            logprobs=pack_logprobs(logprobs),
+            top=top,
             failures=forwarded.failures,
             forward_ms=(forwarded.elapsed_s + time.perf_counter() - started) * 1000,
             cached_tokens=forwarded.cached,
@@ -518,21 +549,20 @@ class Engine:
             raise _Invalid(f"sequence {s.seq_id}: top_logprobs must be in [0, {self.vocab_size}]")
         return capture
 
-    def _resolve_follow(self, s: SeqStep) -> None:
-        """A ``follow`` SeqStep feeds the token its sequence sampled last (once)."""
+    def _follow_feed(self, s: SeqStep) -> list[int]:
+        """What a ``follow`` SeqStep feeds: the token its sequence sampled last (once)."""
         seq = self.seqs.get(s.seq_id)
         if s.tokens:
             raise _Invalid(f"sequence {s.seq_id}: a follow step carries no tokens")
         if seq is None or seq.last_sample is None:
             raise _Invalid(f"sequence {s.seq_id}: follow, but it has no sampled token to feed")
-        s.tokens = [seq.last_sample]
-        s.follow = False
+        return [seq.last_sample]
 
-    def _admit_decode(self, s: SeqStep, seq: _Seq, masks: _Masks | None) -> SeqInput:
+    def _admit_decode(self, s: SeqStep, tokens: list[int], seq: _Seq, masks: _Masks | None) -> SeqInput:
         """``_admit`` for the commonest SeqStep, one token fed to a live sequence and sampled after:
         no prefix lookup (a single token to sample after is always computed), no forks, backtracks
         or parameter changes to apply. Keeps big decode batches cheap on the host."""
-        token = s.tokens[0]
+        token = tokens[0]
         if not 0 <= token < self.vocab_size:
             raise _Invalid(f"sequence {s.seq_id}: token ids must be in [0, {self.vocab_size})")
         start = len(seq.tokens)
@@ -544,7 +574,7 @@ class Engine:
             self.tables.reserve(s.seq_id, start + 1)
         seq.tokens.append(token)
         seq.last_sample = None
-        return SeqInput(seq_id=s.seq_id, tokens=s.tokens, start=start, logits=True)
+        return SeqInput(seq_id=s.seq_id, tokens=tokens, start=start, logits=True)
 
     @contextmanager
     def _pool_errors(self, seq_id: int, end: int) -> Iterator[None]:
@@ -557,13 +587,13 @@ class Engine:
                 f"capacity {self.tables.capacity_tokens} tokens)"
             ) from exc
 
-    def _admit(self, s: SeqStep, masks: _Masks | None) -> tuple[SeqInput | None, int]:
-        """Validate one SeqStep, start or update its sequence, backtrack, reuse cached prefix
-        blocks and reserve the rest. Returns what the forward pass must compute for it (None:
+    def _admit(self, s: SeqStep, tokens: list[int], masks: _Masks | None) -> tuple[SeqInput | None, int]:
+        """Validate one SeqStep feeding ``tokens``, start or update its sequence, backtrack, reuse cached
+        prefix blocks and reserve the rest. Returns what the forward pass must compute for it (None:
         nothing, every fed token came from the cache) and how many fed tokens the cache gave."""
         seq = self.seqs.get(s.seq_id)
-        if seq is not None and _plain_decode(s):
-            return self._admit_decode(s, seq, masks), 0
+        if seq is not None and _plain_decode(s, tokens):
+            return self._admit_decode(s, tokens, seq, masks), 0
         if seq is None and s.sampling is None:
             raise _Invalid(f"sequence {s.seq_id} is unknown and its step carries no sampling parameters")
         if s.sampling is not None:
@@ -576,19 +606,19 @@ class Engine:
         if s.backtrack > length:
             raise _Invalid(f"sequence {s.seq_id}: cannot backtrack {s.backtrack} tokens, it holds only {length}")
         length -= s.backtrack
-        if not s.tokens:
+        if not tokens:
             if not (s.sample and (s.fork_of is not None or s.backtrack > 0)):
                 raise _Invalid(f"sequence {s.seq_id}: no tokens to feed")
             if length == 0:
                 raise _Invalid(f"sequence {s.seq_id}: nothing left to sample after (backtracked to empty)")
-        elif min(s.tokens) < 0 or max(s.tokens) >= self.vocab_size:
+        elif min(tokens) < 0 or max(tokens) >= self.vocab_size:
             raise _Invalid(f"sequence {s.seq_id}: token ids must be in [0, {self.vocab_size})")
-        end = length + len(s.tokens)
+        end = length + len(tokens)
         if end > self.max_model_len:
             raise _Invalid(f"sequence {s.seq_id} would reach {end} tokens, over max_model_len {self.max_model_len}")
         if s.sample:
             _check_mask(s, masks)
-        capture = self._capture(s, length if s.tokens else length - 1, end)
+        capture = self._capture(s, length if tokens else length - 1, end)
 
         if seq is None:
             assert s.sampling is not None
@@ -597,7 +627,7 @@ class Engine:
             seq.sampler.update(s.sampling)
         if s.backtrack:
             self._truncate(s.seq_id, seq, length)
-        feed = s.tokens
+        feed = tokens
         if not feed:  # sample again after the last token: compute it again
             feed = seq.tokens[-1:]
             self._truncate(s.seq_id, seq, length - 1)
@@ -611,7 +641,7 @@ class Engine:
             self.tables.reserve(s.seq_id, end)
         seq.tokens += feed
         seq.last_sample = None
-        hits = first - start if s.tokens else 0
+        hits = first - start if tokens else 0
         if first == end:
             return None, hits
         if s.images:

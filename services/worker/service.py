@@ -258,14 +258,16 @@ class WorkerService:
             return self.engine.sample_with(forwarded, *masks)
         except Exception as exc:  # a bug in one step fails that step only
             self.log.exception("worker.step_failed", step_id=step.step_id)
-            self.engine.free(s.seq_id for s in step.seqs)
+            self.engine.free(step.slot_ids())
             return _fail_all(step, f"internal error in step {step.step_id}: {type(exc).__name__}: {exc}")
 
 
 def _fail_all(step: wire.Step, message: str) -> wire.StepResult:
+    seq_ids = step.slot_ids()
     return wire.StepResult(
         mid=step.mid,
         step_id=step.step_id,
-        samples={},
-        failures=[wire.SeqFailure(seq_id=s.seq_id, message=message) for s in step.seqs],
+        tokens=wire.pack_tokens([-1] * len(seq_ids)),
+        logprobs=wire.pack_logprobs([0.0] * len(seq_ids)),
+        failures=[wire.SeqFailure(seq_id=seq_id, message=message) for seq_id in seq_ids],
     )

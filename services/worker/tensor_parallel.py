@@ -241,7 +241,7 @@ def follow(ranks: Ranks, settings: Settings) -> None:
         except Exception:  # rank 0 met the same failure and reported it; stay in step with it
             log.exception("worker.rank_step_failed", rank=ranks.rank)
             if isinstance(msg, wire.Step):
-                engine.free(s.seq_id for s in msg.seqs)
+                engine.free(msg.slot_ids())
 
 
 def main() -> None:

@@ -75,17 +75,18 @@ class Harness:
     def result(self, dispatch: Dispatch, tokens: dict[str, int] | None = None, *,
                failures: dict[str, str] | None = None, **fields: object) -> wire.StepResult:
         """The worker's result for ``dispatch``: ``tokens`` sampled per request id (every sampling
-        sequence not named gets token 3)."""
+        sequence not named gets token 3), in slot order (followers first)."""
         tokens, failures = tokens or {}, failures or {}
-        samples, failed = {}, []
-        for owner, seq in dispatch.batch:
+        slots: list[int] = []
+        failed = []
+        for owner, sample in [(r, True) for r in dispatch.followers] + [(o, s.sample or s.follow) for o, s in dispatch.batch]:
             rid = owner.request.rid if isinstance(owner, Branch) else owner.rid
             key = f"{rid}/{owner.index}" if isinstance(owner, Branch) and owner.index else rid
             if key in failures:
-                failed.append(wire.SeqFailure(seq_id=seq.seq_id, message=failures[key]))
-            elif seq.sample or seq.follow:
-                samples[seq.seq_id] = wire.SampledToken(token_id=tokens.get(key, 3), logprob=-0.5)
-        return wire.StepResult(step_id=dispatch.step.step_id, samples=samples, failures=failed, **fields)
+                failed.append(wire.SeqFailure(seq_id=owner.seq_id, message=failures[key]))
+            slots.append(tokens.get(key, 3) if sample and key not in failures else -1)
+        return wire.StepResult(step_id=dispatch.step.step_id, tokens=wire.pack_tokens(slots),
+                               logprobs=wire.pack_logprobs([-0.5] * len(slots)), failures=failed, **fields)
 
     def apply(self, dispatches: Iterable[Dispatch], tokens: dict[str, int] | None = None, **kw: object) -> None:
         for dispatch in dispatches:
@@ -110,6 +111,7 @@ class Harness:
             steps = self.build()
             sampling = {owner.rid for d in steps for owner, seq in d.batch
                         if not isinstance(owner, Branch) and (seq.sample or seq.follow)}
+            sampling |= {request.rid for d in steps for request in d.followers}
             self.apply(steps, {rid: next(scripts[rid], 3) for rid in sampling if rid in scripts})
             self.core.emit_deferred()
         raise AssertionError("the requests did not end")
@@ -139,6 +141,10 @@ class Harness:
 
     def generated(self, rid: str) -> list[int]:
         return [t.token_id for e in self.events(rid) for t in e.tokens]
+
+def followed(dispatches: list[Dispatch], rid: str) -> bool:
+    """Whether the steps carry ``rid`` as a follower (``Step.follows``, no SeqStep)."""
+    return any(request.rid == rid for d in dispatches for request in d.followers)
 
 def seqs_of(dispatches: list[Dispatch], rid: str) -> list[wire.SeqStep]:
     return [seq for d in dispatches for owner, seq in d.batch

@@ -104,7 +104,7 @@ def test_a_step_is_built_for_the_workers_asked_only() -> None:
     for _ in range(3):  # the fast worker's results come back and its next steps go, the slow one's still out
         h.apply([first])
         (first,) = h.core.build_steps(None, {fast})
-        assert [s.seq_id for s in first.step.seqs] == [h.core.requests["a"].seq_id]
+        assert first.step.slot_ids() == [h.core.requests["a"].seq_id]
     h.apply([first, slow_step])
     a, b = h.core.requests["a"], h.core.requests["b"]
     assert len(a.generated) == 4 and len(b.generated) == 1

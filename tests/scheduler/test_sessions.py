@@ -3,7 +3,7 @@
 from common import wire
 from common.config import Sessions
 from services.scheduler.sessions import UNSEEN
-from tests.scheduler.harness import EOS, HE, LLO, WOR, Harness, prompt, seqs_of
+from tests.scheduler.harness import EOS, HE, LLO, WOR, Harness, followed, prompt, seqs_of
 
 
 def turn(h: Harness, rid: str, ids: list[int], key: str = "s1", parent: str = "", max_tokens: int = 2,
@@ -49,7 +49,7 @@ def test_a_session_turn_follows_and_parks_the_token_its_follow_step_fed():
     h.worker()
     h.submit("t1", prompt(3), 5, session=wire.SessionRef(key="s1"))
     first, second = h.build(), h.build()
-    assert seqs_of(second, "t1")[0].follow
+    assert followed(second, "t1")
     h.apply(first, {"t1": HE})
     third = h.build()  # follows the second, whose token ends the turn
     h.apply(second, {"t1": EOS})

@@ -1,7 +1,8 @@
-"""Building steps: chunked prefill, the token budget, decode-first order, and pipelining with ``follow``."""
+"""Building steps: chunked prefill, the token budget, decode-first order, pipelining with ``follow``, and
+the followers every step carries (``Step.follows``) with their results in slot order."""
 
 from common import wire
-from tests.scheduler.harness import EOS, LD, LLO, WOR, Harness, prompt, seqs_of
+from tests.scheduler.harness import EOS, LD, LLO, WOR, Harness, followed, prompt, seqs_of
 
 
 def test_a_long_prompt_is_fed_in_chunks_and_sampled_after_the_last():
@@ -26,27 +27,29 @@ def test_the_step_token_budget_caps_prefill_and_decoding_goes_first():
     h.submit("new2", prompt(16), 4)
     (step,) = h.build()
     seqs = step.step.seqs
-    assert [len(s.tokens) for s in seqs] == [1, 16, 3]  # 1 decode token, then prompts within 20 tokens
-    assert seqs[0].seq_id == h.core.requests["old"].seq_id
-    assert not seqs[2].sample
+    assert step.step.slot_ids()[0] == h.core.requests["old"].seq_id  # it follows: 1 decode token
+    assert [len(s.tokens) for s in seqs] == [16, 3]  # then prompts within 20 tokens
+    assert not seqs[1].sample
 
 
 def test_sampling_params_go_with_the_first_seqstep_only():
     h = Harness()
     h.worker()
     h.submit("r", prompt(3), 5, sampling=wire.SamplingParams(temperature=0.7, seed=3))
-    first = seqs_of(h.cycle(), "r")[0]
-    second = seqs_of(h.cycle(), "r")[0]
-    assert first.sampling == wire.SamplingParams(temperature=0.7, seed=3) and second.sampling is None
+    (first,) = seqs_of(h.cycle(), "r")
+    second = h.cycle()
+    assert first.sampling == wire.SamplingParams(temperature=0.7, seed=3)
+    assert followed(second, "r") and not seqs_of(second, "r")  # a follower: no SeqStep, the worker's parameters
 
 
-def test_decoding_feeds_the_last_sampled_token():
+def test_a_decoding_request_follows_its_sample_from_then_on():
     h = Harness()
     h.worker()
     h.submit("r", prompt(3), 5)
     h.cycle({"r": 21})
-    (seq,) = seqs_of(h.build(), "r")
-    assert seq.tokens == [21] and seq.sample and not seq.follow
+    step = h.cycle({"r": 22})
+    assert followed(step, "r") and step[0].step.slot_ids() == [h.core.requests["r"].seq_id]
+    assert followed(h.build(), "r") and h.generated("r") == [21, 22]
 
 
 def test_pipelining_sends_a_follow_step_before_the_result_is_back():
@@ -55,15 +58,13 @@ def test_pipelining_sends_a_follow_step_before_the_result_is_back():
     h.submit("r", prompt(3), 10)
     first = h.build()
     second = h.build()  # the first is still in flight
-    (seq,) = seqs_of(second, "r")
-    assert seq.follow and seq.tokens == [] and seq.sample
-    assert h.build() == []  # never more than one follow ahead
+    assert followed(second, "r") and not seqs_of(second, "r")
+    assert h.build() == []  # never more than limits.pipeline_depth steps in flight
     h.apply(first, {"r": 21})
     h.apply(second, {"r": 22})
     h.core.emit_deferred()
     assert h.generated("r") == [21, 22]
-    (seq,) = seqs_of(h.build(), "r")
-    assert seq.tokens == [22] and not seq.follow
+    assert followed(h.build(), "r")  # the worker feeds 22 itself
 
 
 def test_no_follow_when_the_token_in_flight_is_the_last():
@@ -104,7 +105,7 @@ def test_the_sample_after_eos_is_dropped():
     assert h.generated("r") == [21, EOS]
     final = h.final("r")
     assert final.finish_reason == "stop" and final.stop_reason == EOS and final.completion_tokens == 2
-    seq_id = seqs_of(first, "r")[0].seq_id
+    seq_id = first[0].step.slot_ids()[0]
     assert seq_id in h.build()[0].step.free  # the worker's sequence is freed with the next step
 
 
@@ -144,8 +145,26 @@ def test_a_missing_sample_fails_the_request():
     h.worker()
     h.submit("r", prompt(3), 3)
     (d,) = h.build()
-    h.core.apply(d, wire.StepResult(step_id=d.step.step_id, samples={}))
+    h.core.apply(d, wire.StepResult(step_id=d.step.step_id, tokens=wire.pack_tokens([-1]),
+                                    logprobs=wire.pack_logprobs([0.0])))
     assert "no token" in h.failures("r")[0].message
+
+
+def test_a_result_that_does_not_fit_its_step_fails_its_sequences_only():
+    h = Harness()
+    h.worker()
+    for rid in ("a", "b"):
+        h.submit(rid, prompt(3), 8)
+    h.cycle()
+    h.submit("c", prompt(3), 8)
+    (d,) = h.build()  # a and b follow, c's prompt
+    h.core.apply(d, wire.StepResult(step_id=d.step.step_id, tokens=wire.pack_tokens([5, 6]),
+                                    logprobs=wire.pack_logprobs([0.0, 0.0])))
+    for rid in ("a", "b", "c"):
+        assert "does not fit the step" in h.failures(rid)[0].message
+    h.submit("d", prompt(3), 8)
+    h.cycle()
+    assert len(h.generated("d")) == 1  # the worker is still used
 
 
 def test_events_of_one_step_go_to_each_gateway_in_one_message():
@@ -171,12 +190,13 @@ def test_prompt_logprobs_and_readouts_come_back_as_prompt_outputs():
     (d,) = h.build()
     (seq,) = d.batch[0][1:]
     assert [s.position for s in seq.scores] == list(range(0, 16)) and seq.top_logprobs == 2
-    h.core.apply(d, wire.StepResult(step_id=d.step.step_id, samples={},
+    none = {"tokens": wire.pack_tokens([-1]), "logprobs": wire.pack_logprobs([0.0])}
+    h.core.apply(d, wire.StepResult(step_id=d.step.step_id, **none,
                                     scores={seq.seq_id: [wire.ScoreResult(p, ids[p + 1], -1.0) for p in range(16)]}))
     (d,) = h.build()
     (seq,) = d.batch[0][1:]
     assert seq.readouts == [18, 19] and not seq.sample
-    h.core.apply(d, wire.StepResult(step_id=d.step.step_id, samples={},
+    h.core.apply(d, wire.StepResult(step_id=d.step.step_id, **none,
                                     scores={seq.seq_id: [wire.ScoreResult(p, ids[p + 1], -2.0) for p in range(16, 19)]},
                                     readouts={seq.seq_id: [wire.ReadoutResult(18, b"r18"), wire.ReadoutResult(19, b"r19")]}))
     positions = [o for e in h.events("r") for o in e.prompt_outputs]
@@ -185,24 +205,25 @@ def test_prompt_logprobs_and_readouts_come_back_as_prompt_outputs():
     assert h.final("r").finish_reason == "length" and h.final("r").completion_tokens == 0
 
 
-def test_decoding_order_follows_priority_as_requests_come_and_go():
-    """Each worker's decode order (priority, then arrival) holds as requests are admitted and end
-    between steps, not only for the requests of the first step."""
-    h = Harness()
+def test_prompt_order_follows_priority_as_requests_come_and_go():
+    """Each worker's SeqSteps go in priority, then arrival order, as requests are admitted and end
+    between steps, not only for the requests of the first step; followers go first."""
+    h = Harness(prefill_chunk_tokens=16, step_token_budget=18)
     h.worker()
     h.submit("a", prompt(3), 2)
-    h.submit("b", prompt(3), 8, priority=5)
-    h.cycle()
-    h.submit("c", prompt(3), 8, priority=1)
-    h.cycle()  # "a" samples its last token, "c" its first
+    h.submit("b", prompt(40), 8, priority=5)
+    h.cycle()  # a's prompt and 15 of b's
+    h.submit("c", prompt(40), 8, priority=1)
+    h.cycle()  # a samples its last token (it follows), then c's first chunk goes before b's
     (step,) = h.build()
     ids = {rid: h.core.requests[rid].seq_id for rid in ("b", "c")}
     assert "a" not in h.core.requests
-    assert [s.seq_id for s in step.step.seqs] == [ids["c"], ids["b"]]
+    assert [(s.seq_id, len(s.tokens)) for s in step.step.seqs] == [(ids["c"], 16), (ids["b"], 2)]
 
 
 def test_a_modified_sampling_goes_with_the_next_follow_only():
-    """Follow steps repeat themselves, but new sampling parameters go with the next one."""
+    """A follower leaves the followers to carry new sampling parameters in a follow SeqStep, and joins
+    them again."""
     h = Harness()
     h.worker()
     h.submit("r", prompt(3), 20)
@@ -214,6 +235,6 @@ def test_a_modified_sampling_goes_with_the_next_follow_only():
     third = h.build()
     h.apply(second)
     fourth = h.build()
-    seqs = [seqs_of(steps, "r")[0] for steps in (second, third, fourth)]
-    assert all(s.follow for s in seqs)
-    assert [s.sampling and s.sampling.temperature for s in seqs] == [None, 0.5, None]
+    (seq,) = seqs_of(third, "r")
+    assert seq.follow and seq.sampling is not None and seq.sampling.temperature == 0.5
+    assert [followed(steps, "r") for steps in (first, second, third, fourth)] == [True, True, False, True]

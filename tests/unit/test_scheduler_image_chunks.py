@@ -19,7 +19,7 @@ def chunks(live: LiveRequest, size: int) -> list[tuple[int, int, list[bytes]]]:
     """(start, end, image data) of each chunk the request is fed in."""
     out = []
     while live.fed < len(live.prompt):
-        tokens, _ = live.next_feed(size)
+        tokens, _ = live.next_chunk(size)
         out.append((live.fed, live.fed + len(tokens), [image.data for image in live.images_in(tokens)]))
         live.fed += len(tokens)
     return out

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from common.config import Settings
 from common.model_source import load_tokenizer, resolve_model
-from common.wire import SamplingParams, SeqStep, Step, StepResult
+from common.wire import SampledToken, SamplingParams, SeqStep, Step, StepResult, pack_ids, samples_by_seq
 from services.worker import kernel_build
 from services.worker.engine import Engine
 from services.worker.gguf_blocks import Blocks, read_blocks
@@ -83,16 +84,33 @@ def reference(loaded: LoadedModel) -> Callable[[list[int], int], list[int]]:
     return greedy
 
 
+@dataclass
+class Ran:
+    """A step's result, with its sampled tokens by sequence (the result carries them in slot order)."""
+
+    result: StepResult
+    samples: dict[int, SampledToken]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.result, name)
+
+
+def ran(step: Step, result: StepResult) -> Ran:
+    return Ran(result, samples_by_seq(step, result))
+
+
 class Driver:
-    """Feeds an engine step by step and checks every step succeeded."""
+    """Feeds an engine step by step."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.step_id = 0
 
-    def step(self, seqs: list[SeqStep], free: list[int] | None = None, mask: bytes | None = None) -> StepResult:
+    def step(self, seqs: list[SeqStep], free: list[int] | None = None, mask: bytes | None = None,
+             follows: list[int] | None = None) -> Ran:
         self.step_id += 1
-        return self.engine.step(Step(step_id=self.step_id, seqs=seqs, free=free or []), mask)
+        step = Step(step_id=self.step_id, seqs=seqs, free=free or [], follows=pack_ids(follows or []))
+        return ran(step, self.engine.step(step, mask))
 
     def generate(self, seq_id: int, prompt: list[int], n: int, sampling: SamplingParams = GREEDY) -> list[int]:
         """Feed ``prompt`` whole, then decode ``n`` tokens in all; frees the sequence after."""

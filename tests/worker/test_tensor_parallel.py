@@ -34,11 +34,15 @@ def test_shards_follow_key_value_head_groups() -> None:
         Shard.plan(config, 0, 4)
 
 
-def _decode(scheduler: Scheduler, step_id: int, seq_ids: list[int], last: dict[int, int]) -> wire.StepResult:
-    seqs = [wire.SeqStep(seq_id=s, tokens=[last[s]]) for s in seq_ids]
-    result = scheduler.request(wire.Step(step_id=step_id, seqs=seqs))
+def _request(scheduler: Scheduler, step: wire.Step, mask: bytes | None = None) -> dict[int, wire.SampledToken]:
+    """Send ``step`` (and its StepMasks with ``mask``), and return its samples."""
+    if mask is None:
+        result = scheduler.request(step)
+    else:
+        scheduler.send(wire.encode(step))
+        result = scheduler.request(wire.StepMasks(step_id=step.step_id), mask)
     assert isinstance(result, wire.StepResult) and not result.failures, result
-    return result
+    return wire.samples_by_seq(step, result)
 
 
 def test_two_ranks_generate_what_one_does(tmp_path: Path, scheduler: Scheduler, engine, tokenizer) -> None:
@@ -55,36 +59,33 @@ def test_two_ranks_generate_what_one_does(tmp_path: Path, scheduler: Scheduler, 
         assert hello.kv_capacity_tokens >= 4 * 2048
         # Both prompts in one step, then batched decode steps.
         seqs = [wire.SeqStep(seq_id=i, tokens=p, sampling=GREEDY) for i, p in enumerate(prompts)]
-        result = scheduler.request(wire.Step(step_id=1, seqs=seqs))
-        assert isinstance(result, wire.StepResult) and not result.failures, result
-        got = {i: [result.samples[i].token_id] for i in range(2)}
-        for step_id in range(2, TOKENS + 1):
-            result = _decode(scheduler, step_id, [0, 1], {i: got[i][-1] for i in range(2)})
+        samples = _request(scheduler, wire.Step(step_id=1, seqs=seqs))
+        got = {i: [samples[i].token_id] for i in range(2)}
+        for step_id in range(2, TOKENS + 1):  # they follow: each rank feeds its own last samples
+            samples = _request(scheduler, wire.Step(step_id=step_id, seqs=[], follows=wire.pack_ids([0, 1])))
             for i in range(2):
-                got[i].append(result.samples[i].token_id)
+                got[i].append(samples[i].token_id)
         assert [got[0], got[1]] == expected
 
         # A prompt whose leading blocks the cache holds (after a first sequence computed them), a
         # fork of it, and a step whose masks follow it (a mask allowing only the expected token).
         result = scheduler.request(wire.Step(step_id=50, seqs=[wire.SeqStep(seq_id=5, tokens=shared, sampling=GREEDY)]))
         assert not result.failures
-        result = scheduler.request(wire.Step(step_id=51, seqs=[wire.SeqStep(seq_id=6, tokens=shared + prompts[0], sampling=GREEDY)], free=[5]))
+        step = wire.Step(step_id=51, seqs=[wire.SeqStep(seq_id=6, tokens=shared + prompts[0], sampling=GREEDY)], free=[5])
+        result = scheduler.request(step)
         assert not result.failures and result.cached_tokens[6] >= 16
-        tokens = [result.samples[6].token_id]
-        result = scheduler.request(wire.Step(step_id=52, seqs=[wire.SeqStep(seq_id=7, fork_of=6, tokens=[tokens[-1]])]))
-        assert not result.failures
-        fork_tokens = [result.samples[7].token_id]
+        tokens = [wire.samples_by_seq(step, result)[6].token_id]
+        samples = _request(scheduler, wire.Step(step_id=52, seqs=[wire.SeqStep(seq_id=7, fork_of=6, tokens=[tokens[-1]])]))
+        fork_tokens = [samples[7].token_id]
         words = -(-hello.vocab_size // 32)
         for step_id in range(53, 53 + TOKENS - 1):
             seqs = [wire.SeqStep(seq_id=6, tokens=[tokens[-1]], mask_row=0), wire.SeqStep(seq_id=7, tokens=[fork_tokens[-1]])]
-            scheduler.send(wire.encode(wire.Step(step_id=step_id, seqs=seqs, masks_follow=True)))
             mask = bytearray(4 * words)
             target = expected_shared[len(tokens)]
             mask[4 * (target // 32) : 4 * (target // 32) + 4] = (1 << (target % 32)).to_bytes(4, "little")
-            result = scheduler.request(wire.StepMasks(step_id=step_id), bytes(mask))
-            assert isinstance(result, wire.StepResult) and not result.failures, result
-            tokens.append(result.samples[6].token_id)
-            fork_tokens.append(result.samples[7].token_id)
+            samples = _request(scheduler, wire.Step(step_id=step_id, seqs=seqs, masks_follow=True), bytes(mask))
+            tokens.append(samples[6].token_id)
+            fork_tokens.append(samples[7].token_id)
         assert tokens == expected_shared
         assert ([tokens[0]] + fork_tokens)[:TOKENS] == expected_shared  # greedy: the fork goes on as its parent would
         assert process.poll() is None

@@ -53,14 +53,17 @@ def _generate(loaded: LoadedModel, prompt: list[int], n: int) -> list[int]:
 
 def _decode_batch(engine: Engine, prompts: list[list[int]], n: int, follow: bool = False) -> list[list[int]]:
     """Prefill every prompt in one step, then decode all of them together for ``n - 1`` steps (with
-    ``follow``, each decode step feeds the worker's own last samples, as the pipelined scheduler does)."""
+    ``follow``, each decode step has them follow, feeding the worker's own last samples, as the
+    pipelined scheduler does)."""
     driver = Driver(engine)
     ids = list(range(1, len(prompts) + 1))
     result = driver.step([SeqStep(seq_id=i, tokens=p, sampling=GREEDY) for i, p in zip(ids, prompts)])
     out = [[result.samples[i].token_id] for i in ids]
     for _ in range(n - 1):
-        result = driver.step([SeqStep(seq_id=i, tokens=[], follow=True) if follow else SeqStep(seq_id=i, tokens=[o[-1]])
-                              for i, o in zip(ids, out)])
+        if follow:
+            result = driver.step([], follows=ids)
+        else:
+            result = driver.step([SeqStep(seq_id=i, tokens=[o[-1]]) for i, o in zip(ids, out)])
         assert not result.failures, result.failures
         for i, o in zip(ids, out):
             o.append(result.samples[i].token_id)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.wire import SamplingParams, SeqStep, Step
+from common.wire import SamplingParams, SeqStep, Step, samples_by_seq, unpack_tokens
 from services.worker.engine import Engine
 from tests.worker.conftest import GREEDY, Driver
 
@@ -238,6 +238,43 @@ def test_follow_feeds_the_last_sample_and_matches_generate(driver: Driver, promp
     assert got == {a: expected[0], b: expected[1]}
 
 
+def test_followers_feed_their_last_samples_and_come_first_in_the_result(driver: Driver, prompts, expected) -> None:
+    """``Step.follows`` (no SeqStep each) decodes as follow SeqSteps do, giving transformers' tokens; the
+    result's arrays are in slot order, followers first, beside a sequence whose prompt starts."""
+    a, b, c = 490, 491, 492
+    result = driver.step([SeqStep(seq_id=a, tokens=prompts[0], sampling=GREEDY),
+                          SeqStep(seq_id=b, tokens=prompts[1], sampling=GREEDY)])
+    got = {a: [result.samples[a].token_id], b: [result.samples[b].token_id]}
+    result = driver.step([SeqStep(seq_id=c, tokens=prompts[2], sampling=GREEDY)], follows=[b, a])
+    assert unpack_tokens(result.tokens) == [result.samples[b].token_id, result.samples[a].token_id,
+                                            result.samples[c].token_id]
+    got[c] = [result.samples[c].token_id]
+    for seq_id in (a, b):
+        got[seq_id].append(result.samples[seq_id].token_id)
+    while len(got[a]) < NEW_TOKENS:
+        result = driver.step([], follows=[a, b, c])
+        assert not result.failures, result.failures
+        for seq_id in got:
+            got[seq_id].append(result.samples[seq_id].token_id)
+    driver.engine.free([a, b, c])
+    assert got == {a: expected[0], b: expected[1], c: expected[2][:NEW_TOKENS - 1]}
+
+
+def test_a_follower_that_cannot_go_on_fails_its_slot_only(driver: Driver, prompts) -> None:
+    result = driver.step([SeqStep(seq_id=495, tokens=prompts[0], sampling=GREEDY),
+                          SeqStep(seq_id=496, tokens=prompts[1], sampling=GREEDY),
+                          SeqStep(seq_id=497, tokens=prompts[2], sampling=GREEDY)])
+    driver.engine.free([497])
+    result = driver.step([SeqStep(seq_id=496, tokens=[], follow=True)], follows=[497, 495, 498, 496])
+    failures = {f.seq_id: f.message for f in result.failures}
+    assert "no sampled token to feed" in failures[497] and "no sampled token to feed" in failures[498]
+    assert "appears 2 times" in failures[496]  # a follower is not sent a SeqStep too
+    tokens = unpack_tokens(result.tokens)
+    assert [t >= 0 for t in tokens] == [False, True, False, False, False] and set(result.samples) == {495}
+    driver.engine.free([495])
+    assert driver.engine.stats().active_seqs == 0
+
+
 def test_follow_without_a_sample_to_feed_fails_only_that_sequence(driver: Driver, prompts) -> None:
     result = driver.step([SeqStep(seq_id=480, tokens=prompts[0], sampling=GREEDY, sample=False),
                           SeqStep(seq_id=481, tokens=prompts[1], sampling=GREEDY),
@@ -267,9 +304,9 @@ def test_free_all_drops_every_sequence_before_the_step(driver: Driver, prompts, 
     driver.step([SeqStep(seq_id=1, tokens=prompts[1], sampling=GREEDY), SeqStep(seq_id=2, tokens=prompts[2], sampling=GREEDY)])
     assert driver.engine.stats().active_seqs == 2
     driver.step_id += 1
-    result = driver.engine.step(Step(step_id=driver.step_id, seqs=[SeqStep(seq_id=1, tokens=prompts[0], sampling=GREEDY)],
-                                     free_all=True))
-    assert driver.engine.stats().active_seqs == 1 and result.samples[1].token_id == expected[0][0]
+    step = Step(step_id=driver.step_id, seqs=[SeqStep(seq_id=1, tokens=prompts[0], sampling=GREEDY)], free_all=True)
+    result = driver.engine.step(step)
+    assert driver.engine.stats().active_seqs == 1 and samples_by_seq(step, result)[1].token_id == expected[0][0]
     driver.engine.free([1])
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from common import wire
-from common.wire import SeqFailure, SeqStep, Step, StepMasks
+from common.wire import SeqFailure, SeqStep, Step, StepMasks, samples_by_seq
 from services.worker.engine import Engine
 from tests.worker.conftest import GREEDY
 from tests.worker.test_worker_service import Scheduler, _start_worker, _stop, scheduler  # noqa: F401 (fixture)
@@ -41,7 +41,8 @@ def test_controlled_and_plain_sequence_in_one_step(engine: Engine, prompt, refer
     vocab = engine.vocab_size
     allowed = [17, 255, 4096]
     want = reference(prompt, 2)
-    plain = engine.step(Step(step_id=1, seqs=[SeqStep(seq_id=600, tokens=prompt, sampling=GREEDY)]))
+    first = Step(step_id=1, seqs=[SeqStep(seq_id=600, tokens=prompt, sampling=GREEDY)])
+    plain = samples_by_seq(first, engine.step(first))
     engine.free([600])
 
     step = Step(step_id=2, masks_follow=True, seqs=[
@@ -51,11 +52,12 @@ def test_controlled_and_plain_sequence_in_one_step(engine: Engine, prompt, refer
     forwarded = engine.forward(step)
     result = engine.sample_with(forwarded, StepMasks(step_id=2), _pack([allowed], vocab))
     assert not result.failures and result.step_id == 2
-    assert result.samples[601].token_id in allowed
-    assert result.samples[602].token_id == plain.samples[600].token_id == want[0]  # the plain one is unaffected
+    samples = samples_by_seq(step, result)
+    assert samples[601].token_id in allowed
+    assert samples[602].token_id == plain[600].token_id == want[0]  # the plain one is unaffected
     # both go on as usual afterwards
-    nxt = engine.step(Step(step_id=3, seqs=[SeqStep(seq_id=602, tokens=[want[0]])]))
-    assert nxt.samples[602].token_id == want[1]
+    nxt = Step(step_id=3, seqs=[SeqStep(seq_id=602, tokens=[want[0]])])
+    assert samples_by_seq(nxt, engine.step(nxt))[602].token_id == want[1]
     engine.free([601, 602])
 
 
@@ -70,10 +72,12 @@ def test_failures_are_fed_but_not_sampled(engine: Engine, prompt, reference) -> 
     frame = _pack([[], [want[0]]], engine.vocab_size)  # row 0 allows nothing, but 610 is not sampled at all
     result = engine.sample_with(forwarded, masks, frame)
     assert not result.failures
-    assert set(result.samples) == {611} and result.samples[611].token_id == want[0]
+    samples = samples_by_seq(step, result)
+    assert set(samples) == {611} and samples[611].token_id == want[0]
     assert engine.seqs[610].tokens == prompt  # fed, KV kept: the next step samples after its next token
-    nxt = engine.step(Step(step_id=5, seqs=[SeqStep(seq_id=610, tokens=[want[0]])]))
-    assert not nxt.failures and nxt.samples[610].token_id == want[1]
+    nxt = Step(step_id=5, seqs=[SeqStep(seq_id=610, tokens=[want[0]])])
+    result = engine.step(nxt)
+    assert not result.failures and samples_by_seq(nxt, result)[610].token_id == want[1]
     engine.free([610, 611])
 
 
@@ -89,7 +93,7 @@ def test_mask_allowing_nothing_or_missing_fails_only_that_sequence(engine: Engin
     failures = {f.seq_id: f.message for f in result.failures}
     assert "mask allows no token" in failures[620]
     assert "mask row 5 is missing" in failures[621]
-    assert result.samples[622].token_id == reference(prompt, 1)[0]
+    assert samples_by_seq(step, result)[622].token_id == reference(prompt, 1)[0]
     assert 620 not in engine.seqs and 621 not in engine.seqs and 622 in engine.seqs
     engine.free([622])
 
@@ -103,31 +107,35 @@ def test_worker_process_waits_for_masks_and_never_hangs(tmp_path: Path, schedule
         want = reference(prompt, 2)
         seqs = [SeqStep(seq_id=1, tokens=prompt, sampling=GREEDY, mask_row=0),
                 SeqStep(seq_id=2, tokens=prompt, sampling=GREEDY)]
-        scheduler.send(wire.encode(Step(step_id=1, seqs=seqs, masks_follow=True)))
+        masked = Step(step_id=1, seqs=seqs, masks_follow=True)
+        scheduler.send(wire.encode(masked))
         # while the worker waits: Health is answered, a Step and a stale StepMasks wait their turn
         health = scheduler.request(wire.Health(mid=5))
         assert isinstance(health, wire.HealthReply) and health.mid == 5 and health.worker.engine.active_seqs == 2
-        scheduler.send(wire.encode(Step(step_id=2, seqs=[SeqStep(seq_id=3, tokens=prompt, sampling=GREEDY)])))
+        plain = Step(step_id=2, seqs=[SeqStep(seq_id=3, tokens=prompt, sampling=GREEDY)])
+        scheduler.send(wire.encode(plain))
         scheduler.send(wire.encode(StepMasks(step_id=99)))
         scheduler.send(wire.encode(StepMasks(step_id=1)), _pack([[want[1]]], hello.vocab_size))
         first = scheduler.request(wire.Health(mid=6))  # queued behind the steps: they answer first
         assert isinstance(first, wire.StepResult) and first.step_id == 1 and not first.failures
-        assert first.samples[1].token_id == want[1] and first.samples[2].token_id == want[0]
+        assert [t.token_id for t in samples_by_seq(masked, first).values()] == [want[1], want[0]]
         second = _reply(scheduler)
-        assert isinstance(second, wire.StepResult) and second.step_id == 2 and second.samples[3].token_id == want[0]
+        assert isinstance(second, wire.StepResult) and second.step_id == 2
+        assert samples_by_seq(plain, second)[3].token_id == want[0]
         health = _reply(scheduler)
         assert isinstance(health, wire.HealthReply) and health.mid == 6
 
         # A StepMasks that never comes: the step's sampling sequences fail, clearly, and the worker goes on.
         step = Step(step_id=3, masks_follow=True, seqs=[SeqStep(seq_id=2, tokens=[want[0]], mask_row=0)])
         result = scheduler.request(step)
-        assert isinstance(result, wire.StepResult) and result.step_id == 3 and not result.samples
+        assert isinstance(result, wire.StepResult) and result.step_id == 3 and not samples_by_seq(step, result)
         assert [f.seq_id for f in result.failures] == [2]
         assert "StepMasks" in result.failures[0].message and "did not come within 3 s" in result.failures[0].message
         scheduler.send(wire.encode(StepMasks(step_id=3)))  # too late: ignored
-        result = scheduler.request(Step(step_id=4, seqs=[SeqStep(seq_id=1, tokens=[want[1]])], free=[3]))
+        step = Step(step_id=4, seqs=[SeqStep(seq_id=1, tokens=[want[1]])], free=[3])
+        result = scheduler.request(step)
         assert isinstance(result, wire.StepResult) and result.step_id == 4 and not result.failures
-        assert 1 in result.samples
+        assert 1 in samples_by_seq(step, result)
         assert process.poll() is None
     finally:
         _stop(process)

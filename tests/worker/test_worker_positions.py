@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.config import Sessions
-from common.wire import SamplingParams, ScoreQuery, SeqStep, Step
+from common.wire import SamplingParams, ScoreQuery, SeqStep, Step, samples_by_seq
 from services.worker.engine import Engine
 from services.worker.readouts import Readouts, default_layers
 
@@ -71,9 +71,9 @@ def test_readouts_are_the_logit_lens(scorer, readouts, reference, loaded, tokeni
     ids, out = reference
     layers = default_layers(loaded.config.num_hidden_layers)
     assert readouts.layers == layers and layers[-1] == loaded.config.num_hidden_layers - 1
-    result = scorer.step(Step(step_id=4, seqs=[SeqStep(seq_id=3, tokens=ids, sample=True, sampling=GREEDY,
-                                                       readouts=[0, 7, len(ids) - 1])]))
-    assert result.samples[3].token_id == out.logits[0, -1].argmax().item()  # sampling still works beside
+    step = Step(step_id=4, seqs=[SeqStep(seq_id=3, tokens=ids, sample=True, sampling=GREEDY, readouts=[0, 7, len(ids) - 1])])
+    result = scorer.step(step)
+    assert samples_by_seq(step, result)[3].token_id == out.logits[0, -1].argmax().item()  # sampling still works beside
     norm, last = loaded.model.model.norm, loaded.config.num_hidden_layers - 1
     with torch.inference_mode():
         for r in result.readouts[3]:

@@ -102,13 +102,15 @@ def test_worker_process_serves_steps_and_survives_garbage(
         result = scheduler.request(step)
         assert isinstance(result, wire.StepResult) and result.mid == 7 and result.step_id == 1
         assert not result.failures and result.forward_ms > 0
-        first = result.samples[1].token_id
+        first = wire.samples_by_seq(step, result)[1].token_id
         assert first == reference(prompt, 1)[0]
 
         scheduler.send(b"\x00 not msgpack")  # malformed: logged and skipped
         scheduler.send(wire.encode(wire.Ok()))  # well-formed but not for a worker: ignored
-        result = scheduler.request(wire.Step(step_id=2, seqs=[wire.SeqStep(seq_id=1, tokens=[first])]))
-        assert isinstance(result, wire.StepResult) and result.step_id == 2 and 1 in result.samples
+        step = wire.Step(step_id=2, follows=wire.pack_ids([1]), seqs=[])  # feeds ``first`` itself
+        result = scheduler.request(step)
+        assert isinstance(result, wire.StepResult) and result.step_id == 2
+        assert wire.samples_by_seq(step, result)[1].token_id == reference(prompt, 2)[1]
 
         health = scheduler.request(wire.Health(mid=9))
         assert isinstance(health, wire.HealthReply) and health.mid == 9 and health.ready
@@ -116,7 +118,7 @@ def test_worker_process_serves_steps_and_survives_garbage(
         assert scheduler.wait_for_stage("ready")  # Health makes the worker re-announce itself
 
         result = scheduler.request(wire.Step(step_id=3, seqs=[], free=[1]))
-        assert isinstance(result, wire.StepResult) and result.samples == {}
+        assert isinstance(result, wire.StepResult) and result.tokens == b"" and not result.failures
 
         # A restarted scheduler hears from the worker without asking.
         scheduler.sock.close(0)
@@ -156,14 +158,17 @@ def test_a_step_that_raises_fails_all_its_sequences_and_frees_them(tmp_path: Pat
         assert "still loading" in result.failures[0].message and len(result.failures) == 2
 
         service.engine = engine
+        assert not service._run_step(step, None).failures  # 70 and 71 have sampled: they may follow
 
         def broken(inputs):
             raise RuntimeError("boom")
 
         monkeypatch.setattr(engine.runner, "forward", broken)
+        step = wire.Step(step_id=2, follows=wire.pack_ids([70]), seqs=[wire.SeqStep(seq_id=71, tokens=[3])])
         result = service._run_step(step, None)
         assert [f.seq_id for f in result.failures] == [70, 71]
         assert all("boom" in f.message for f in result.failures)
+        assert wire.unpack_tokens(result.tokens) == [-1, -1]  # every slot, followers' too
         assert 70 not in engine.seqs and 71 not in engine.tables.seqs
     finally:
         service.sock.close(0)
