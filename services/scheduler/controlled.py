@@ -334,7 +334,7 @@ class ControlledSteps:
         mid = self.mid
         if not (self.settings.pipeline and self.settings.step_ahead) or mid is None or not mid.done:
             return None
-        if self.followed is not None or any(r.submit.controller and not r.paused and not self._bound(r) for r in running):
+        if any(r.submit.controller and not r.paused and not self._bound(r) for r in running):
             return None
         sampling = {b.seq_id for b, _ in mid.runnable if b.seq_id not in mid.skip}
         branches = []

@@ -380,13 +380,12 @@ async def test_a_splice_and_a_stop_under_pipelined_steps(stack, test_module, hf_
     of the one before it): a splice whose backtrack takes out a token such a step fed, and a stop in post_process
     while the next step is in flight, leave the text and the worker's KV as without pipelining (the free tokens are
     transformers' greedy choices on exactly the text the controller sees)."""
-    prompt = "Question: what is six times seven?"
     tok = stack.tokenizer
-    prompt_ids, ff = tok(prompt).input_ids, tok.encode(" forty-two.")
+    prompt_ids, ff = tok(PLAIN_PROMPT).input_ids, tok.encode(" forty-two.")
     free = hf_greedy(prompt_ids, 4)
     last = hf_greedy(prompt_ids + free[:2] + ff, 2)
     before = (await asyncio.to_thread(stack.scheduler_health))["controller_steps"]
-    out = await run(stack, test_module, "follow", prompt=prompt, max_tokens=32)
+    out = await run(stack, test_module, "follow", prompt=PLAIN_PROMPT, max_tokens=32)
     after = (await asyncio.to_thread(stack.scheduler_health))["controller_steps"]
     fork = out.forks[0]
     assert fork.error == "" and fork.finish_reason == "aici-stop", fork
