@@ -351,7 +351,7 @@ class Scheduler:
         It is planned and taken only when every worker running controlled requests is in ``roomy``;
         until then those leave ``roomy``, so that they drain. While controlled steps are in flight, only
         a step that follows them may go (:meth:`_follow_part`)."""
-        if self.calls is not None and not self.calls.done():
+        if self.calls is not None:
             return None  # the calls of the controlled step in flight are under way
         if any(f.controlled for flight in self.flights.values() for f in flight):
             return self._follow_part(roomy)  # the controlled sequences' results are not in yet
@@ -433,7 +433,8 @@ class Scheduler:
 
     async def _controller_calls(self, calls: Coroutine[Any, Any, None]) -> None:
         """A controlled step's main-channel calls, then the masks of the steps sent with ``masks_follow``; then
-        the step loop may plan the next controlled step (it may follow this one)."""
+        the next controlled step may be planned, and the one that follows this step goes at once (the step loop,
+        when it wakes, may first apply the result that step would not have waited for)."""
         try:
             await calls
         except Exception:  # a bug: the workers give the steps up without their masks (limits.worker_step_timeout_s)
@@ -444,7 +445,10 @@ class Scheduler:
                 self.worker_router.post(dispatch.worker, *self.core.controlled.step_masks(dispatch.step))
             except Exception:  # as above
                 log.exception("scheduler.step_masks_failed", step_id=dispatch.step.step_id)
+        self.calls = None
         self.wake()
+        if any(f.controlled for flight in self.flights.values() for f in flight):
+            self._send_steps()
 
     async def run(self) -> None:
         log.info("scheduler.listening", frontend=self.frontend.endpoint, workers=self.worker_router.endpoint)
