@@ -490,6 +490,18 @@ def test_a_step_follows_the_one_in_flight_and_its_calls_wait_for_that_result():
     assert [s.seq_id for s in third[0].step.seqs] == [c, d] and h.core.controlled.followed_steps == 2
 
 
+def test_sampling_changed_while_a_step_is_in_flight_goes_with_the_step_that_follows_it():
+    h, rt = ahead_pair()
+    c = h.core.requests["c"].seq_id
+    first, _ = send(h, rt)
+    h.core.control(b"gw", wire.Modify(rid="c", patch=wire.SamplingPatch(temperature=0.5)))
+    nxt = follow(h)
+    sampling = {s.seq_id: s.sampling for s in nxt[0].step.seqs}
+    assert sampling[c] is not None and sampling[c].temperature == 0.5 and list(sampling.values()).count(None) == 1
+    arrive(h, rt, first, nxt, {"c": LLO, "d": LD})
+    assert all(s.sampling is None for s in follow(h)[0].step.seqs)  # sent once
+
+
 @pytest.mark.parametrize("how", ["stop token", "stop string", "post_process", "worker failure"])
 def test_a_sequence_that_the_token_in_flight_ends_is_fed_not_sampled_and_freed(how):
     fields = {"stop token": {"stop_token_ids": [LLO]}, "stop string": {"stop": ["llo"]}}.get(how, {})
