@@ -160,6 +160,10 @@ class Controllers(BaseModel):
     step_ahead: bool = Field(True, description="with no plain sequence running, a controlled step whose sequences' "
                              "controllers flag pre_process as the default goes out before post_pre_process, which "
                              "then runs with mid_process during the forward pass (the controllers see the same calls)")
+    pipeline: bool = Field(True, description="with step_ahead: such a step goes out even before the result of the "
+                           "step before it is back, as plain decoding steps do (follow), so the worker never waits "
+                           "for the scheduler between controlled steps; a sequence that the token in flight ends, or "
+                           "whose controller then asks for more than the default pre_process, is fed, not sampled")
     side_timeout_s: float = Field(30.0, gt=0, description="how long the gateway waits for a side-channel reply")
 
 

@@ -113,11 +113,13 @@ class WorkerStage(msgspec.Struct, kw_only=True):
 
 
 class ControllerStepStats(msgspec.Struct, kw_only=True):
-    """Main-channel cost so far: wall time of post_pre_process/mid_process calls, sequence-steps run."""
+    """Main-channel cost so far: wall time of post_pre_process/mid_process calls, sequence-steps run, and how
+    many controlled steps went out before the result of the step before them (``controllers.pipeline``)."""
 
     main_s: float = 0.0
     seq_steps: int = 0
     us_per_seq_step: float = 0.0
+    followed_steps: int = 0
 
 
 class WorkerLoad(msgspec.Struct, kw_only=True):

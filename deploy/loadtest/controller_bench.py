@@ -79,7 +79,9 @@ class SchedulerStats:
         if not before or not after or after["seq_steps"] == before["seq_steps"]:
             return ""
         per_seq = (after["main_s"] - before["main_s"]) / (after["seq_steps"] - before["seq_steps"]) * 1e6
-        return f"; {per_seq:6.1f} µs in main-channel calls as the scheduler sees them"
+        followed = after.get("followed_steps", 0) - before.get("followed_steps", 0)
+        return (f"; {per_seq:6.1f} µs in main-channel calls as the scheduler sees them, {followed} steps sent before "
+                "the result of the one before them")
 
 
 @dataclass

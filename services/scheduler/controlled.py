@@ -20,6 +20,12 @@ Each step, for the controlled sequences only (the AICI runtime protocol's main c
    Beside plain sequences, which must not wait for controllers, ``mid_process`` runs before the step
    is built instead, and its mask frame goes with the step (:meth:`ControlledSteps.masks_with`).
 
+With no plain sequence running, a step may go out before its ``post_pre_process`` (:meth:`ControlledSteps.begin`,
+``Plan.ahead``), and even before the result of the step before it (:meth:`ControlledSteps.follow`,
+``Plan.follows``: each sequence ``follow``s, the worker feeding the token it is sampling now): the calls
+then run during its forward pass, and what they decide for a sequence that the step already fed (a stop,
+a pre_process that must run first) makes it fed, not sampled (:meth:`ControlledSteps.ahead_planned`).
+
 This module is pure: it talks to the scheduler core through :class:`Host` and to the runtime through
 the requests it returns and the replies it is given; the service shell does the I/O.
 
@@ -173,6 +179,7 @@ class Plan:
     per_worker: dict[bytes, list[tuple[Branch, wire.SeqStep]]] = field(default_factory=lambda: defaultdict(list))
     tokens: int = 0
     ahead: bool = False  # its sampling sequences go out before their post_pre_process (see ControlledSteps.begin)
+    follows: bool = False  # ... and before the result of the step before it (see ControlledSteps.follow)
 
 
 @dataclass
@@ -216,7 +223,9 @@ class ControlledSteps:
         self.freed: list[int] = []  # ended sequences the runtime has not been told about
         self.free_later: dict[bytes, list[int]] = defaultdict(list)  # worker frees after this step's forks
         self.seq_steps = 0  # controlled sequence-steps (mid_process ops) run so far
+        self.followed_steps = 0  # steps that went out before the result of the one before them (follow)
         self.mid: PendingMid | None = None  # this step's mid_process, once the step went out
+        self.followed: PendingMid | None = None  # a step that went out with follow: its calls wait for the step before
         self.runtime_fresh = True  # the first post_pre_process resets the runtime (seqs of a previous scheduler)
         self.runtime_incarnation = ""  # the runtime's life the bound controllers live in ("": none heard yet)
         self._assign: list[Branch] = []  # roots bound to their controller by the post_pre_process under way
@@ -283,9 +292,22 @@ class ControlledSteps:
             elif chunk > 0:  # a prompt chunk: no controller involved yet
                 self._add(plan, root, request.prompt[request.fed : request.fed + chunk], sample=False)
                 budget -= chunk
-        if not self.requests and not self.freed:
+        if not (assign or self.freed or any(b.assigned for c in self.requests.values() for b in c.live())):
             return plan, None
         ahead = self._going_ahead(assign, may_go_ahead)
+        request = self._request(assign)
+        self.planning = True
+        if ahead:
+            for row, branch in enumerate(ahead):
+                self._add(plan, branch, branch.unfed, sample=True, mask_row=row)
+            plan.ahead = True
+            self.mid = PendingMid([(b, None) for b in ahead], {b.seq_id for b in ahead})
+            request.ahead = [b.seq_id for b in ahead]
+        return plan, request
+
+    def _request(self, assign: list[Branch]) -> aici_wire.PostPreProcess:
+        """The next ``post_pre_process``: what the runtime has not heard yet (post_ops, ended sequences) and the
+        roots to bind to their controllers (``assign``)."""
         post_ops = []
         for controlled in self.requests.values():
             for b in controlled.live():
@@ -294,19 +316,65 @@ class ControlledSteps:
                     b.report_tokens, b.report_backtrack = [], 0
         pre_ops = [aici_wire.PreOp(id=b.seq_id, req_id=b.request.submit.controller) for b in assign]
         freed, self.freed = self.freed, []
-        assigned_any = any(b.assigned for c in self.requests.values() for b in c.live())
-        if not (post_ops or pre_ops or assigned_any or freed):
-            return plan, None
         self._assign, self._post_ops = assign, post_ops
-        self.planning = True
-        request = aici_wire.PostPreProcess(post_ops=post_ops, pre_ops=pre_ops, freed=freed, reset=self.runtime_fresh)
-        if ahead:
-            for row, branch in enumerate(ahead):
-                self._add(plan, branch, branch.unfed, sample=True, mask_row=row)
-            plan.ahead = True
-            self.mid = PendingMid([(b, None) for b in ahead], {b.seq_id for b in ahead})
-            request.ahead = [b.seq_id for b in ahead]
-        return plan, request
+        return aici_wire.PostPreProcess(post_ops=post_ops, pre_ops=pre_ops, freed=freed, reset=self.runtime_fresh)
+
+    def follow(self, running: Iterable[LiveRequest], max_len: int) -> Plan | None:
+        """The next step of the sequences that sample in the step in flight, to send before its result is back
+        (``controllers.pipeline``; the core asks only while no plain sequence runs): each ``follow``s, the worker
+        feeding the token it samples in the step in flight, and samples under this step's masks
+        (``masks_follow``). Its calls wait for that result: :meth:`follow_request` gives its post_pre_process,
+        whose reply goes to :meth:`ahead_planned` as for a step that went ahead in :meth:`begin` (the controllers
+        see the same calls in the same order). A sequence that the token in flight ends (a stop token or
+        string, post_process stopping, a worker failure) or whose pre_process must run first is fed, not
+        sampled, and dropped or sampled again by a step planned the usual way. None: the next step waits for
+        the result, because this one's masks are not settled yet, or a sequence needs more than its sampled
+        token fed (a binding, ff_tokens, a splice, a fork, a suspension, a pre_process not flagged as the
+        default)."""
+        mid = self.mid
+        if not (self.settings.pipeline and self.settings.step_ahead) or mid is None or not mid.done:
+            return None
+        if any(r.submit.controller and not r.paused and not self._bound(r) for r in running):
+            return None
+        sampling = {b.seq_id for b, _ in mid.runnable if b.seq_id not in mid.skip}
+        branches = []
+        for controlled in self.requests.values():
+            for b in controlled.live():
+                if not b.assigned:
+                    continue  # a paused request's root, not bound yet
+                if not (b.seq_id in sampling and b.pre_default and not b.request.paused):
+                    return None
+                after = len(b.tokens) + 1  # once the token in flight is in
+                if not length_reached(b.request.submit, after - len(b.request.prompt), after, max_len):
+                    branches.append(b)  # (one whose token in flight is its last needs no next step)
+        if not branches:
+            return None
+        plan = Plan(ahead=True, follows=True)
+        for row, b in enumerate(branches):
+            seq = wire.SeqStep(seq_id=b.seq_id, tokens=[], follow=True, mask_row=row)
+            if b.request.sampling_dirty:
+                seq.sampling = b.request.submit.sampling
+            plan.per_worker[b.request.worker].append((b, seq))
+            plan.tokens += 1
+        for b in branches:
+            b.request.sampling_dirty = False
+        self.mid = self.followed = PendingMid([(b, None) for b in branches], {b.seq_id for b in branches})
+        self.followed_steps += 1
+        return plan
+
+    def _bound(self, request: LiveRequest) -> bool:
+        controlled = self.requests.get(request.rid)
+        return controlled is not None and controlled.branches[0].assigned
+
+    def follow_request(self) -> aici_wire.PostPreProcess:
+        """The ``post_pre_process`` of the step that went out with ``follow`` (:meth:`follow`), once the results of
+        the step before it are applied (or lost): its sequences that are still live go ``ahead``; pass the
+        reply to :meth:`ahead_planned`. (When none is, the sequences that ended are in ``freed``.)"""
+        mid, self.followed = self.followed, None
+        assert mid is not None and mid is self.mid and not mid.sent
+        request = self._request([])
+        request.ahead = [b.seq_id for b, _ in mid.runnable if b.finished is None]
+        return request
 
     def _going_ahead(self, assign: list[Branch], may_go_ahead: bool) -> list[Branch]:
         """The branches of a step that may go out before its post_pre_process: all the live ones, when each

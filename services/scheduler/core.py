@@ -8,7 +8,8 @@ gateway). One step, as the shell drives it:
 1. :meth:`SchedulerCore.admit` moves queued requests onto workers within their KV budgets
    (``place`` picks the worker of a new sequence; a session turn continues its parked sequence).
 2. :meth:`plan_controlled` / :meth:`controlled_planned`: the controlled sequences' part of the step
-   (the ``post_pre_process`` to send on the main channel, then its reply).
+   (the ``post_pre_process`` to send on the main channel, then its reply); or :meth:`follow_controlled`,
+   the next one sent before the result of the one in flight.
 3. :meth:`build_steps`: one ``Step`` per worker, decoding sequences first (one token each) then
    prompt chunks within ``limits.step_token_budget``, plus the frees owed to each worker.
 4. :meth:`apply` per worker result: stop tokens, lengths, prompt outputs, text; the text of a token
@@ -362,6 +363,15 @@ class SchedulerCore:
         the step at once), to ``controlled.ahead_planned``."""
         return self.controlled.begin(self.controlled_running.values(), self.limits.step_token_budget,
                                      may_go_ahead=not self._plain_running())
+
+    def follow_controlled(self) -> Plan | None:
+        """The next controlled step, to send before the result of the one in flight (``plan.follows``; see
+        ``ControlledSteps.follow``): once that result is applied, send ``controlled.follow_request()`` and pass
+        its reply to ``controlled.ahead_planned``. None: it waits for the result (plain sequences run, or a
+        controlled sequence needs more than its sampled token fed)."""
+        if self._plain_running():
+            return None
+        return self.controlled.follow(self.running.values(), self.max_model_len())
 
     def controlled_workers(self) -> set[bytes]:
         """The workers running controlled requests: a controlled plan needs a step on each of them."""

@@ -17,7 +17,9 @@ then), its mask frame with it. With no plain sequence running, a step with contr
 out with ``masks_follow`` instead: their ``mid_process`` runs while the worker computes the forward
 pass, and its masks follow in a ``StepMasks``. When every controlled sequence just sampled a token and its
 controller flags pre_process as the default (``controllers.step_ahead``), that step goes out as soon as the
-last one's result is in, and its ``post_pre_process`` runs during the forward pass too, before ``mid_process``.
+last one's result is in, and its ``post_pre_process`` runs during the forward pass too, before ``mid_process``;
+with ``controllers.pipeline`` it goes out even before that result, as soon as the masks of the step in flight
+are out (``follow``), and its calls start once that result is applied.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class InFlight:
     worker: WorkerInfo | None  # this life of it: a restart under the same identity is another
     deadline: float  # when the worker counts as lost if it has not answered
     controlled: bool  # planned with controlled sequences: the next plan waits for its result
+    follows: bool = False  # went out before the result of the controlled step before it: its calls wait for that
     done: bool = False
     result: wire.StepResult | None = None  # None when done: the worker was lost, nothing to apply
 
@@ -98,6 +101,8 @@ class Scheduler:
         self.background: set[asyncio.Task[None]] = set()
         self.preparing: asyncio.Task[Plan] | None = None  # the next step's controlled part, while its calls run
         self.ahead: aici_wire.PostPreProcess | None = None  # the post_pre_process of a plan going out ahead of it
+        self.calls: asyncio.Future[None] | None = None  # the controlled step's main-channel calls, then its StepMasks
+        self.masks_owed: list[Dispatch] = []  # steps sent with masks_follow whose StepMasks is not sent yet
 
     def _flush(self) -> None:
         """Send what the core has for gateways; a state change may let the step loop go on."""
@@ -168,7 +173,8 @@ class Scheduler:
         facts.controller_runtime = controller
         facts.controller_steps = wire.ControllerStepStats(
             main_s=round(main_s, 6), seq_steps=seq_steps,
-            us_per_seq_step=round(main_s / seq_steps * 1e6, 1) if seq_steps else 0.0)
+            us_per_seq_step=round(main_s / seq_steps * 1e6, 1) if seq_steps else 0.0,
+            followed_steps=self.core.controlled.followed_steps)
         facts.workers = [self.placement.worker_figures(w) for w in self.core.pool.workers.values()]
         ready = self.core.model_facts() is not None and controller == "ok"
         return wire.HealthReply(service="scheduler", ready=ready, facts=facts, incarnation=self.incarnation)
@@ -272,6 +278,7 @@ class Scheduler:
                     del self.flights[identity]
             if applied:  # not on a mere wake-up mid-step: controlled events then carry only the controllers' time
                 core.end_step()
+            self._follow_calls()
             self._flush()
 
     async def _sleep(self, timeout: float) -> None:
@@ -318,30 +325,36 @@ class Scheduler:
         steps = core.build_steps(plan, roomy)
         if not steps:
             return False
-        mid_done = None
+        calls = None
+        follows = plan is not None and plan.follows  # its calls wait for the result in flight (_follow_calls)
         if self.ahead is not None:  # its post_pre_process, then mid_process, run during the forward pass
-            mid_done = asyncio.ensure_future(self._step_ahead(self.ahead))
-            self.ahead = None
-        elif (mid := core.controlled.mid_request() if any(d.step.masks_follow for d in steps) else None) is not None:
-            mid_done = asyncio.ensure_future(self._mid_process(mid))
+            calls, self.ahead = self._step_ahead(self.ahead), None
+        elif not follows and any(d.step.masks_follow for d in steps):
+            mid = core.controlled.mid_request()
+            calls = None if mid is None else self._mid_process(mid)
         controlled = bool(plan and plan.per_worker)
         deadline = time.monotonic() + self.limits.worker_step_timeout_s
         for dispatch in steps:
             identity, step = dispatch.worker, dispatch.step
-            self.flights[identity].append(InFlight(dispatch, core.pool.workers.get(identity), deadline, controlled))
+            self.flights[identity].append(InFlight(dispatch, core.pool.workers.get(identity), deadline, controlled,
+                                                   follows))
             self.worker_router.post(identity, step, dispatch.frames)
             if step.masks_follow:  # the controllers' mid_process runs while the worker computes the forward pass
-                assert mid_done is not None
-                self._spawn(self._send_masks(identity, step, mid_done))
+                self.masks_owed.append(dispatch)
+        if calls is not None:
+            self.calls = asyncio.ensure_future(self._controller_calls(calls))
         return True
 
     def _controlled_part(self, roomy: set[bytes]) -> Plan | None:
         """The controlled part of the steps being built, when it is ready (None: none this time). Its
         main-channel calls run in the background (:meth:`_prepare`): plain steps do not wait for them.
         It is planned and taken only when every worker running controlled requests is in ``roomy``;
-        until then those leave ``roomy``, so that they drain."""
+        until then those leave ``roomy``, so that they drain. While controlled steps are in flight, only
+        a step that follows them may go (:meth:`_follow_part`)."""
+        if self.calls is not None:
+            return None  # the calls of the controlled step in flight are under way
         if any(f.controlled for flight in self.flights.values() for f in flight):
-            return None  # the controlled sequences' results are not in yet
+            return self._follow_part(roomy)  # the controlled sequences' results are not in yet
         if self.preparing is not None and not self.preparing.done():
             return None
         waiting = self.core.controlled_workers()
@@ -360,6 +373,29 @@ class Scheduler:
         self.preparing = asyncio.get_running_loop().create_task(self._prepare(plan, request))
         self.preparing.add_done_callback(lambda _: self.wake())
         return None
+
+    def _follow_part(self, roomy: set[bytes]) -> Plan | None:
+        """The next controlled step, sent before the results of the one in flight (``controllers.pipeline``,
+        ``core.follow_controlled``) when no step went out so already and every worker running controlled
+        requests has room; None: it waits for them."""
+        if any(f.follows for flight in self.flights.values() for f in flight):
+            return None
+        if not self.core.controlled_workers() <= roomy:
+            return None
+        return self.core.follow_controlled()
+
+    def _follow_calls(self) -> None:
+        """Start the calls of a step that went out with ``follow`` once no controlled step before it is in flight
+        (their results applied, or their worker lost)."""
+        if self.core.controlled.followed is None:
+            return
+        flights = [f for flight in self.flights.values() for f in flight if f.controlled]
+        if any(not f.follows for f in flights):
+            return
+        for f in flights:
+            f.follows = False
+        request = self.core.controlled.follow_request()
+        self.calls = asyncio.ensure_future(self._controller_calls(self._step_ahead(request)))
 
     async def _prepare(self, plan: Plan, request: aici_wire.PostPreProcess) -> Plan:
         plan = self.core.controlled_planned(plan, await self._main_call(request))
@@ -395,13 +431,24 @@ class Scheduler:
         if mid is not None:
             await self._mid_process(mid)
 
-    async def _send_masks(self, identity: bytes, step: wire.Step, mid_done: asyncio.Future[None]) -> None:
-        """The masks of a ``masks_follow`` step, once its controllers' ``mid_process`` is done."""
+    async def _controller_calls(self, calls: Coroutine[Any, Any, None]) -> None:
+        """A controlled step's main-channel calls, then the masks of the steps sent with ``masks_follow``; then
+        the next controlled step may be planned, and the one that follows this step goes at once (the step loop,
+        when it wakes, may first apply the result that step would not have waited for)."""
         try:
-            await asyncio.shield(mid_done)
-            await self.worker_router.send(identity, *self.core.controlled.step_masks(step))
-        except Exception:  # a bug: the worker gives the step up without them (limits.worker_step_timeout_s)
-            log.exception("scheduler.step_masks_failed", step_id=step.step_id)
+            await calls
+        except Exception:  # a bug: the workers give the steps up without their masks (limits.worker_step_timeout_s)
+            log.exception("scheduler.controller_calls_failed")
+        owed, self.masks_owed = self.masks_owed, []
+        for dispatch in owed:
+            try:
+                self.worker_router.post(dispatch.worker, *self.core.controlled.step_masks(dispatch.step))
+            except Exception:  # as above
+                log.exception("scheduler.step_masks_failed", step_id=dispatch.step.step_id)
+        self.calls = None
+        self.wake()
+        if any(f.controlled for flight in self.flights.values() for f in flight):
+            self._send_steps()
 
     async def run(self) -> None:
         log.info("scheduler.listening", frontend=self.frontend.endpoint, workers=self.worker_router.endpoint)

@@ -37,11 +37,14 @@ PLAIN_TOKENS = 24
 #   loop      - mid_process never returns;  trap - traps on its third mid_process;
 #   oom       - grows memory until the limit, then aborts (as an allocator would);
 #   badptr    - hands the host a result pointer outside its memory;  trap_init - traps in init_prompt;
+#   follow    - no pre_process (so the scheduler pipelines its steps): samples 4 free tokens, then mid_process
+#               splices (backtrack 2, ff " forty-two."), samples 2 more, and post_process logs its token list
+#               and stops when it hears of the second;
 #   {...}     - (a JSON object) logs its argument and stops in init_prompt.
 TEST_CONTROLLER = r"""
 #include "aici.h"
-enum { SPLICE, LOOP, TRAP, OOM, BADPTR };
-static int mode, phase, mids;
+enum { SPLICE, LOOP, TRAP, OOM, BADPTR, FOLLOW };
+static int mode, phase, mids, after_splice;
 
 static void init_prompt(const uint32_t *prompt, uint32_t n) {
     uint32_t len;
@@ -52,6 +55,7 @@ static void init_prompt(const uint32_t *prompt, uint32_t n) {
     else if (IS("trap")) mode = TRAP;
     else if (IS("oom")) mode = OOM;
     else if (IS("badptr")) mode = BADPTR;
+    else if (IS("follow")) mode = FOLLOW;
     else if (IS("trap_init")) __builtin_trap();
     else {
         if (len && arg[0] == '{') aici_log(arg, len);
@@ -83,6 +87,10 @@ static aici_mid_result mid_process(const uint32_t *fork_group, uint32_t n) {
     case BADPTR:
         aici_host_return_process_result((const void *)0xFFFFFF00u, 4096);
         return aici_mid_sample();
+    case FOLLOW:
+        if (++mids != 5) return aici_mid_sample();
+        ff = aici_tokenize(" forty-two.", 11, &n_ff);
+        return aici_mid_splice(2, ff, n_ff);
     }
     if (phase == 1 && mids < 3) {
         mids++;
@@ -101,7 +109,7 @@ static aici_mid_result mid_process(const uint32_t *fork_group, uint32_t n) {
 }
 
 static int post_process(const uint32_t *tokens, uint32_t n, uint32_t backtrack) {
-    if (mode != SPLICE || phase != 3) return 0;
+    if (mode == FOLLOW ? mids <= 5 || ++after_splice < 2 : mode != SPLICE || phase != 3) return 0;
     aici_buf b = {0};
     aici_buf_puts(&b, "TOKENS:");
     aici_json_put_u32s(&b, aici_tokens + aici_n_prompt, aici_n_tokens - aici_n_prompt);
@@ -112,7 +120,12 @@ static int post_process(const uint32_t *tokens, uint32_t n, uint32_t backtrack) 
 }
 
 static const aici_ctrl ctrl = {init_prompt, pre_process, mid_process, post_process};
-const aici_ctrl *aici_controller(void) { return &ctrl; }
+static const aici_ctrl follow_ctrl = {init_prompt, NULL, mid_process, post_process};
+const aici_ctrl *aici_controller(void) {
+    uint32_t len;
+    const char *arg = (const char *)aici_read_blob(aici_host_module_arg(), &len);
+    return IS("follow") ? &follow_ctrl : &ctrl;
+}
 """
 
 
@@ -360,6 +373,29 @@ async def test_backtrack_and_ff_tokens(stack, test_module, hf_greedy):
     shown = [tok.decode(ids, skip_special_tokens=True) for ids in (ff1 + free, ff2 + last)]
     assert [before, after] == shown, fork.text
     assert out.usage == {"sampled_tokens": 4, "ff_tokens": len(ff1) + len(ff2), "cost": 8 + len(ff1) + len(ff2)}
+
+
+async def test_a_splice_and_a_stop_under_pipelined_steps(stack, test_module, hf_greedy):
+    """A controller that flags pre_process as the default gets its steps pipelined (each sent before the result
+    of the one before it): a splice whose backtrack takes out a token such a step fed, and a stop in post_process
+    while the next step is in flight, leave the text and the worker's KV as without pipelining (the free tokens are
+    transformers' greedy choices on exactly the text the controller sees)."""
+    tok = stack.tokenizer
+    prompt_ids, ff = tok(PLAIN_PROMPT).input_ids, tok.encode(" forty-two.")
+    free = hf_greedy(prompt_ids, 4)
+    last = hf_greedy(prompt_ids + free[:2] + ff, 2)
+    before = (await asyncio.to_thread(stack.scheduler_health))["controller_steps"]
+    out = await run(stack, test_module, "follow", prompt=PLAIN_PROMPT, max_tokens=32)
+    after = (await asyncio.to_thread(stack.scheduler_health))["controller_steps"]
+    fork = out.forks[0]
+    assert fork.error == "" and fork.finish_reason == "aici-stop", fork
+    logged = json.loads(re.search(r"TOKENS:(\[.*?\])", fork.logs).group(1))
+    assert logged == free[:2] + ff + last
+    before_mark, _, after_mark = fork.text.partition(" \u21a9 ")
+    assert [before_mark, after_mark] == [tok.decode(ids, skip_special_tokens=True) for ids in (free, ff + last)]
+    assert out.usage == {"sampled_tokens": 6, "ff_tokens": len(ff), "cost": 12 + len(ff)}
+    # steps 2-5 (the 5th splices) and 7-8 (the 8th is in flight when post_process stops) went out early
+    assert after["followed_steps"] - before["followed_steps"] == 6
 
 
 async def test_websocket_config_takes_a_controller(stack, modules):

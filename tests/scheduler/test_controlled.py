@@ -50,20 +50,33 @@ class FakeRuntime:
         return reply(request, {"seqs": seqs}, frames=[b"MASKS"])
 
 
-def step(h: Harness, rt: FakeRuntime, tokens: dict[str, int] | None = None
-         ) -> tuple[list[Dispatch], list[tuple[wire.StepMasks, list[bytes]]]]:
+Masks = list[tuple[wire.StepMasks, list[bytes]]]
+
+
+def step(h: Harness, rt: FakeRuntime, tokens: dict[str, int] | None = None) -> tuple[list[Dispatch], Masks]:
     """One whole step as the service shell runs it; the StepMasks sent to workers."""
+    steps, masks = send(h, rt)
+    h.apply(steps, tokens)
+    h.core.emit_deferred()
+    return steps, masks
+
+
+def ahead_calls(h: Harness, rt: FakeRuntime, request: aici_wire.PostPreProcess) -> None:
+    """The calls of a step that went out before its post_pre_process: that, then mid_process."""
+    if (mid := h.core.controlled.ahead_planned(rt.post_pre_process(h, request))) is not None:
+        h.core.controlled.mid_done(rt.mid_process(mid))
+
+
+def send(h: Harness, rt: FakeRuntime) -> tuple[list[Dispatch], Masks]:
+    """A step sent and its main-channel calls run, as the service shell does; the StepMasks sent to workers.
+    Its result is not applied."""
     h.core.admit()
     plan, request = h.core.plan_controlled()
     if plan.ahead:  # the step goes out first; its post_pre_process and mid_process run during the forward pass
         steps = h.core.build_steps(plan)
         assert request is not None and all(d.step.masks_follow for d in steps)
-        if (mid := h.core.controlled.ahead_planned(rt.post_pre_process(h, request))) is not None:
-            h.core.controlled.mid_done(rt.mid_process(mid))
-        masks = [h.core.controlled.step_masks(d.step) for d in steps]
-        h.apply(steps, tokens)
-        h.core.emit_deferred()
-        return steps, masks
+        ahead_calls(h, rt, request)
+        return steps, [h.core.controlled.step_masks(d.step) for d in steps]
     plan = h.core.controlled_planned(plan, None if request is None else rt.post_pre_process(h, request))
     if (first := h.core.mid_first()) is not None:  # plain sequences run: the masks go with the step
         h.core.controlled.mid_done(rt.mid_process(first))
@@ -74,8 +87,6 @@ def step(h: Harness, rt: FakeRuntime, tokens: dict[str, int] | None = None
         assert mid is not None and h.core.controlled.mid_request() is None  # one per step, whatever the workers
         h.core.controlled.mid_done(rt.mid_process(mid))
         masks = [h.core.controlled.step_masks(d.step) for d in steps if d.step.masks_follow]
-    h.apply(steps, tokens)
-    h.core.emit_deferred()
     return steps, masks
 
 
@@ -347,6 +358,17 @@ def ahead_pair(**fields: object) -> tuple[Harness, FakeRuntime]:
     return h, rt
 
 
+def one_default(controllers: Controllers) -> tuple[Harness, FakeRuntime]:
+    """One controlled request whose controller flags pre_process as the default, one step in, under ``controllers``."""
+    h = Harness(controllers=controllers, prefill_chunk_tokens=16)
+    h.worker()
+    h.submit("c", prompt(3), 8, controller="ctl-1")
+    rt = FakeRuntime()
+    rt.pre_default = True
+    step(h, rt, {"c": HE})
+    return h, rt
+
+
 def test_a_step_goes_ahead_when_every_controller_flags_its_pre_process_as_the_default():
     h, rt = ahead_pair()
     ahead_steps, masks = step(h, rt, {"c": LLO, "d": LD})
@@ -369,12 +391,7 @@ def test_no_step_goes_ahead_beside_plain_sequences_or_without_the_flag():
     h2, rt2 = controlled()
     step(h2, rt2, {"c": HE})
     assert not h2.core.plan_controlled()[0].ahead  # its pre_process was called: it may fork, suspend, ...
-    h3 = Harness(controllers=Controllers(step_ahead=False), prefill_chunk_tokens=16)
-    h3.worker()
-    h3.submit("c", prompt(3), 8, controller="ctl-1")
-    rt3 = FakeRuntime()
-    rt3.pre_default = True
-    step(h3, rt3, {"c": HE})
+    h3, _ = one_default(Controllers(step_ahead=False))
     assert not h3.core.plan_controlled()[0].ahead  # switched off
 
 
@@ -422,3 +439,225 @@ def test_a_failed_runtime_call_of_a_step_that_went_ahead_fails_its_requests():
     assert {f.seq_id for f in masks[0][0].failures} == {c, d}  # the worker samples neither
     failed = h.failures("c") + h.failures("d")
     assert len(failed) == 2 and all("did not answer" in f.message for f in failed)
+
+
+# -- steps that follow the one in flight (controllers.pipeline) ---------------------------------------
+
+
+def follow(h: Harness) -> list[Dispatch]:
+    """The next step, built and sent before the result of the one in flight (its calls wait for that)."""
+    plan = h.core.follow_controlled()
+    assert plan is not None and plan.follows
+    steps = h.core.build_steps(plan)
+    assert steps and all(d.step.masks_follow for d in steps)
+    return steps
+
+
+def arrive(h: Harness, rt: FakeRuntime, done: list[Dispatch], following: list[Dispatch],
+           tokens: dict[str, int] | None = None, **kw: object) -> Masks:
+    """``done``'s result comes back while ``following`` runs: it is applied, then ``following``'s calls run;
+    the StepMasks sent for ``following``."""
+    h.apply(done, tokens, **kw)
+    h.core.emit_deferred()
+    ahead_calls(h, rt, h.core.controlled.follow_request())
+    return [h.core.controlled.step_masks(d.step) for d in following]
+
+
+def failed_seqs(masks: Masks) -> list[int]:
+    return [f.seq_id for step_masks, _ in masks for f in step_masks.failures]
+
+
+def test_a_step_follows_the_one_in_flight_and_its_calls_wait_for_that_result():
+    h, rt = ahead_pair()
+    c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
+    first, _ = send(h, rt)
+    calls = len(rt.requests)
+    nxt = follow(h)
+    assert [(s.seq_id, s.tokens, s.follow, s.sample, s.mask_row, s.backtrack) for s in nxt[0].step.seqs] == [
+        (c, [], True, True, 0, 0), (d, [], True, True, 1, 0)]  # each feeds what it samples in the step in flight
+    assert len(rt.requests) == calls and h.core.follow_controlled() is None  # one step follows, its calls wait
+    masks = arrive(h, rt, first, nxt, {"c": LLO, "d": LD})
+    post_pre, mid = rt.requests[-2:]
+    assert isinstance(post_pre, aici_wire.PostPreProcess) and post_pre.ahead == [c, d] and not post_pre.pre_ops
+    assert post_pre.post_ops == [aici_wire.PostOp(id=c, tokens=[LLO]), aici_wire.PostOp(id=d, tokens=[LD])]
+    assert isinstance(mid, aici_wire.MidProcess) and [op.id for op in mid.ops] == [c, d]
+    assert masks == [(wire.StepMasks(step_id=nxt[0].step.step_id), [b"MASKS"])]
+    third = follow(h)
+    h.apply(nxt, {"c": WOR, "d": BANG})
+    assert h.text("c") == " hello wor" and h.text("d") == " world!"
+    branch = h.core.controlled.by_seq[c]
+    assert branch.kv_len == len(branch.tokens) - 1  # the step in flight feeds the last sample
+    assert [s.seq_id for s in third[0].step.seqs] == [c, d] and h.core.controlled.followed_steps == 2
+
+
+def test_sampling_changed_while_a_step_is_in_flight_goes_with_the_step_that_follows_it():
+    h, rt = ahead_pair()
+    c = h.core.requests["c"].seq_id
+    first, _ = send(h, rt)
+    h.core.control(b"gw", wire.Modify(rid="c", patch=wire.SamplingPatch(temperature=0.5)))
+    nxt = follow(h)
+    sampling = {s.seq_id: s.sampling for s in nxt[0].step.seqs}
+    assert sampling[c] is not None and sampling[c].temperature == 0.5 and list(sampling.values()).count(None) == 1
+    arrive(h, rt, first, nxt, {"c": LLO, "d": LD})
+    assert all(s.sampling is None for s in follow(h)[0].step.seqs)  # sent once
+
+
+@pytest.mark.parametrize("how", ["stop token", "stop string", "post_process", "worker failure"])
+def test_a_sequence_that_the_token_in_flight_ends_is_fed_not_sampled_and_freed(how):
+    fields = {"stop token": {"stop_token_ids": [LLO]}, "stop string": {"stop": ["llo"]}}.get(how, {})
+    h, rt = ahead_pair(**fields)
+    c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
+    first, _ = send(h, rt)
+    nxt = follow(h)
+    if how == "post_process":
+        rt.post[c] = {"stop": True}  # when it hears of LLO
+    failures = {"c": "the KV pool is exhausted"} if how == "worker failure" else None
+    masks = arrive(h, rt, first, nxt, {"c": LLO, "d": LD}, failures=failures)
+    assert failed_seqs(masks) == [c]  # the worker does not sample it
+    h.apply(nxt, {"c": WOR, "d": BANG})
+    expected = {"stop token": "eos", "stop string": "stop", "post_process": "aici-stop", "worker failure": "fail"}
+    assert h.final("c").fork_finish == expected[how]
+    assert WOR not in h.generated("c") and h.text("d") == " world!"
+    assert c in follow(h)[0].step.free  # its sequence goes with the next step
+    assert "c" not in h.core.requests and "d" in h.core.requests
+
+
+def test_a_sequence_whose_token_in_flight_is_its_last_needs_no_following_step():
+    h, rt = ahead_pair(max_tokens=2)
+    c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
+    first, _ = send(h, rt)
+    nxt = follow(h)
+    assert [s.seq_id for s in nxt[0].step.seqs] == [d]
+    masks = arrive(h, rt, first, nxt, {"c": LLO, "d": LD})
+    assert rt.requests[-2].ahead == [d] and failed_seqs(masks) == []
+    final = h.final("c")
+    assert (final.finish_reason, final.completion_tokens) == ("length", 2) and h.text("c") == " hello"
+
+
+def test_a_stop_in_mid_process_ends_only_its_sequence_and_the_others_follow():
+    h, rt = ahead_pair()
+    c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
+    rt.mid[c] = "Stop"
+    first, masks = send(h, rt)
+    assert failed_seqs(masks) == [c]
+    nxt = follow(h)
+    assert [s.seq_id for s in nxt[0].step.seqs] == [d]
+    arrive(h, rt, first, nxt, {"c": LLO, "d": LD})
+    assert h.final("c").fork_finish == "aici-stop" and h.text("c") == " he" and h.text("d") == " world"
+
+
+def test_a_pre_process_that_must_run_first_holds_the_sequence_and_its_usual_step_forks_from_the_fed_token():
+    h, rt = ahead_pair()
+    c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
+    first, _ = send(h, rt)
+    nxt = follow(h)
+    rt.waiting = {c}  # its controller no longer flags pre_process as the default
+    masks = arrive(h, rt, first, nxt, {"c": LLO, "d": LD})
+    assert failed_seqs(masks) == [c] and [op.id for op in rt.requests[-1].ops] == [d]
+    assert h.core.follow_controlled() is None  # c needs its pre_process: the next step waits for this result
+    h.apply(nxt, {"c": WOR, "d": BANG})
+    assert h.text("c") == " hello"  # fed, not sampled
+    rt.waiting, rt.pre_default = set(), False
+    rt.pre[c] = {"num_forks": 2}
+    usual, _ = step(h, rt, {"c": WOR, "c/1": LD, "d": HE})
+    post_pre, mid = rt.requests[-2:]
+    assert post_pre.ahead == [] and [op.id for op in post_pre.post_ops] == [d]  # c's LLO was reported already
+    seqs = {s.seq_id: s for s in usual[0].step.seqs}
+    fork = h.core.controlled.requests["c"].branches[1].seq_id
+    # the follower fed LLO: the parent computes it again to sample after it, the fork copies the KV that holds it
+    assert (seqs[c].tokens, seqs[c].backtrack, seqs[c].sample) == ([LLO], 1, True)
+    assert (seqs[fork].fork_of, seqs[fork].tokens, seqs[fork].backtrack) == (c, [], 0)
+    assert [(op.id, op.clone_id) for op in mid.ops] == [(c, None), (fork, c), (d, None)]
+    texts = {i: "".join(e.text for e in h.events("c") if e.index == i) for i in (0, 1)}
+    assert texts == {0: " hello wor", 1: "ld"} and h.text("d") == " world! he"
+
+
+@pytest.mark.parametrize("backtrack", [1, 0])
+def test_a_splice_in_a_following_step_takes_the_fed_token_out_of_the_kv_when_it_backtracks(backtrack):
+    h, rt = ahead_pair()
+    c = h.core.requests["c"].seq_id
+    first, _ = send(h, rt)
+    nxt = follow(h)
+    rt.mid[c] = {"Splice": {"backtrack": backtrack, "ff_tokens": [WOR]}}
+    masks = arrive(h, rt, first, nxt, {"c": LLO, "d": LD})
+    assert failed_seqs(masks) == [c]
+    assert h.core.follow_controlled() is None  # c spliced: its next step is planned the usual way
+    h.apply(nxt, {"c": BANG, "d": BANG})
+    usual, _ = step(h, rt, {"c": LD, "d": HE})
+    (seq,) = [s for s in usual[0].step.seqs if s.seq_id == c]
+    assert (seq.backtrack, seq.tokens, seq.follow) == (backtrack, [WOR], False)  # the follower fed LLO
+    post_pre = [r for r in rt.requests if isinstance(r, aici_wire.PostPreProcess)][-1]
+    assert aici_wire.PostOp(id=c, tokens=[WOR], backtrack=backtrack) in post_pre.post_ops
+    assert h.text("c") == (" hello" + BACKTRACK_MARK + " world" if backtrack else " hello world")
+    assert BANG not in h.generated("c")
+
+
+def test_a_controller_error_in_a_following_steps_calls_fails_only_its_sequence():
+    h, rt = ahead_pair()
+    c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
+    first, _ = send(h, rt)
+    nxt = follow(h)
+    rt.pre_error[c] = "boom in pre_process"
+    masks = arrive(h, rt, first, nxt, {"c": LLO, "d": LD})
+    assert failed_seqs(masks) == [c]
+    third = follow(h)
+    assert [s.seq_id for s in third[0].step.seqs] == [d]
+    rt.fail_next = "the controller runtime did not answer post_pre_process within 5 s"
+    masks = arrive(h, rt, nxt, third, {"c": WOR, "d": BANG})
+    final = h.final("c")
+    assert (final.fork_finish, final.error, h.text("c")) == ("fail", "boom in pre_process", " hello")
+    assert failed_seqs(masks) == [d] and "did not answer" in h.failures("d")[0].message
+    assert h.text("d") == " world!"
+
+
+def test_a_request_cancelled_while_its_following_step_runs_is_fed_not_sampled():
+    h, rt = ahead_pair()
+    c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
+    first, _ = send(h, rt)
+    nxt = follow(h)
+    h.core.control(b"gw", wire.Cancel(rid="c"))
+    masks = arrive(h, rt, first, nxt, {"c": LLO, "d": LD})
+    post_pre = rt.requests[-2]
+    assert failed_seqs(masks) == [c] and post_pre.ahead == [d] and post_pre.freed == [c]
+    assert h.final("c").finish_reason == "cancelled" and h.generated("c") == [HE]
+    assert c in follow(h)[0].step.free
+
+
+def test_a_worker_lost_with_two_controlled_steps_in_flight_leaves_nothing_behind():
+    h, rt = ahead_pair()
+    c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
+    send(h, rt)
+    nxt = follow(h)
+    h.core.worker_lost(b"w1", "the worker died")
+    assert {f.code for rid in "cd" for f in h.failures(rid)} == {"service_unavailable"}
+    # neither result comes; the follower's calls still run: the runtime hears that the sequences ended
+    ahead_calls(h, rt, h.core.controlled.follow_request())
+    post_pre = rt.requests[-1]
+    assert isinstance(post_pre, aici_wire.PostPreProcess) and post_pre.ahead == [] and post_pre.freed == [c, d]
+    assert set(failed_seqs([h.core.controlled.step_masks(nxt[0].step)])) == {c, d}
+    h.worker(b"w2")
+    h.submit("e", prompt(3), 4, controller="ctl-3")
+    steps, _ = step(h, rt, {"e": HE})  # a new request starts the usual way
+    assert steps[0].worker == b"w2" and rt.requests[-2].pre_ops and h.generated("e") == [HE]
+
+
+def test_no_step_follows_before_the_masks_beside_a_binding_or_plain_sequences_or_when_switched_off():
+    h, rt = ahead_pair()
+    h.core.admit()
+    plan, request = h.core.plan_controlled()
+    assert plan.ahead and request is not None
+    h.core.build_steps(plan)
+    assert h.core.follow_controlled() is None  # the masks of the step in flight are not settled yet
+    ahead_calls(h, rt, request)
+    h.submit("e", prompt(3), 4, controller="ctl-3")
+    h.core.admit()
+    assert h.core.follow_controlled() is None  # a new controlled request waits to be bound
+    h.core.control(b"gw", wire.Cancel(rid="e"))
+    h.submit("p", prompt(2), 8)
+    h.core.admit()
+    assert h.core.follow_controlled() is None  # a plain sequence runs: no step may wait for masks
+    h.core.control(b"gw", wire.Cancel(rid="p"))
+    assert h.core.follow_controlled() is not None
+    h2, rt2 = one_default(Controllers(pipeline=False))
+    steps, _ = send(h2, rt2)
+    assert steps[0].step.masks_follow and h2.core.follow_controlled() is None  # switched off
