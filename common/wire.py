@@ -582,6 +582,12 @@ def unpack_logprobs(data: bytes) -> list[float]:
 assert array("q").itemsize == 8 and array("i").itemsize == 4 and array("f").itemsize == 4
 
 
+# The scheduler-worker protocol's version: bump it with any change to the messages between them (Step, StepResult,
+# StepMasks, WorkerHello ...) that a peer running older code would misread. A worker names it in every hello; the
+# scheduler places work only on workers of its own version (another one is shown as a failed worker, with why).
+WIRE_VERSION = 2
+
+
 class WorkerHello(Msg, tag="worker_hello"):
     """A worker announces itself (before loading) and reports loading progress until ready."""
 
@@ -599,6 +605,7 @@ class WorkerHello(Msg, tag="worker_hello"):
     readout_concepts: list[str] = []
     readout_layers: list[int] = []
     incarnation: str = ""  # the worker process's life: a new one holds none of the old one's sequences
+    wire_version: int = 0  # WIRE_VERSION of the worker's code (0: code from before versions)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -253,7 +253,7 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
         step_s[identity] = args.step_ms[i % len(args.step_ms)] / 1000
         core.worker_hello(identity, wire.WorkerHello(worker_id=identity.decode(), stage="ready", vocab_size=49152,
                                                      max_model_len=8192, eos_token_ids=[EOS],
-                                                     kv_capacity_tokens=args.kv_tokens))
+                                                     kv_capacity_tokens=args.kv_tokens, wire_version=wire.WIRE_VERSION))
     workload = Workload(args)
     clients = workload.clients(workers * args.seqs)
     by_rid: dict[str, Client] = {}

@@ -261,7 +261,13 @@ class SchedulerCore:
 
     def worker_hello(self, identity: bytes, hello: wire.WorkerHello) -> bool:
         """A worker announced itself or its loading progress; whether its stage or progress changed.
-        A new incarnation under a known identity is a restarted worker: the old one's requests are lost."""
+        A new incarnation under a known identity is a restarted worker: the old one's requests are lost.
+        A worker of another ``wire.WIRE_VERSION`` counts as failed (never placed on), its message says why."""
+        if hello.wire_version != wire.WIRE_VERSION:  # it would misread our steps, or we its results
+            hello = wire.WorkerHello(
+                worker_id=hello.worker_id, stage="failed", incarnation=hello.incarnation,
+                message=f"worker {hello.worker_id!r} speaks wire version {hello.wire_version}, this scheduler "
+                        f"{wire.WIRE_VERSION}: run the same Tiller version on both")
         known = self.pool.workers.get(identity)
         if known is not None and known.hello.incarnation != hello.incarnation:
             self.worker_lost(identity, "the worker restarted")

@@ -178,7 +178,7 @@ class WorkerService:
                 progress=min(self.loader.progress, 99),
                 message=self.loader.message,
             )
-        hello.incarnation = self.incarnation
+        hello.incarnation, hello.wire_version = self.incarnation, wire.WIRE_VERSION
         self._send(hello)
 
     def _send(self, msg: wire.Msg) -> None:

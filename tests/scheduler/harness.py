@@ -54,7 +54,8 @@ class Harness:
                stage: str = "ready") -> bytes:
         self.core.worker_hello(identity, wire.WorkerHello(
             worker_id=identity.decode(), stage=stage, vocab_size=len(VOCAB), max_model_len=max_model_len,
-            eos_token_ids=[EOS], kv_capacity_tokens=capacity, message="boom" if stage == "failed" else ""))
+            eos_token_ids=[EOS], kv_capacity_tokens=capacity, message="boom" if stage == "failed" else "",
+            wire_version=wire.WIRE_VERSION))
         return identity
 
     def submit(self, rid: str, prompt_ids: list[int], max_tokens: int = 16, *, gateway: bytes = b"gw",

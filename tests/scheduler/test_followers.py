@@ -118,7 +118,8 @@ def test_a_restarted_worker_is_sent_full_steps_and_stale_results_change_nothing(
     first, second = h.build(), h.build()
     assert followed(second, "a")
     h.core.worker_hello(b"w1", wire.WorkerHello(worker_id="w1", stage="ready", vocab_size=64, max_model_len=2048,
-                                                eos_token_ids=[EOS], kv_capacity_tokens=4096, incarnation="new"))
+                                                eos_token_ids=[EOS], kv_capacity_tokens=4096, incarnation="new",
+                                                wire_version=wire.WIRE_VERSION))
     assert h.failures("a")[0].code == "service_unavailable"
     h.submit("b", prompt(3), 10)
     (fresh,) = h.build()

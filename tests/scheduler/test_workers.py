@@ -74,7 +74,8 @@ def test_a_worker_that_restarted_under_the_same_identity_lost_its_requests():
     h.worker()
     h.submit("r", prompt(3), 10)
     h.cycle()
-    h.core.worker_hello(b"w1", wire.WorkerHello(worker_id="w1", stage="loading", incarnation="second-life"))
+    h.core.worker_hello(b"w1", wire.WorkerHello(worker_id="w1", stage="loading", incarnation="second-life",
+                                                wire_version=wire.WIRE_VERSION))
     (failed,) = h.failures("r")
     assert failed.code == SERVICE_UNAVAILABLE and "restarted" in failed.message
     assert h.core.pool.workers[b"w1"].fresh  # its first step will drop whatever it holds
@@ -90,10 +91,11 @@ def test_a_worker_result_reports_its_free_kv():
 
 def test_hello_progress_changes_are_reported_once():
     h = Harness()
-    hello = wire.WorkerHello(worker_id="w", stage="loading", progress=10)
+    hello = wire.WorkerHello(worker_id="w", stage="loading", progress=10, wire_version=wire.WIRE_VERSION)
     assert h.core.worker_hello(b"w", hello)
     assert not h.core.worker_hello(b"w", hello)
-    assert h.core.worker_hello(b"w", wire.WorkerHello(worker_id="w", stage="loading", progress=50))
+    assert h.core.worker_hello(b"w", wire.WorkerHello(worker_id="w", stage="loading", progress=50,
+                                                      wire_version=wire.WIRE_VERSION))
 
 
 def test_health_figures_count_queued_running_paused_and_reserved_kv():
@@ -113,3 +115,21 @@ def test_facts_before_any_worker_carry_the_configured_context():
     h = Harness(max_model_len=512)
     facts = h.core.facts()
     assert facts.worker == wire.WorkerStage() and facts.max_model_len == 512 and facts.vocab_size == 0
+
+
+def test_a_worker_of_another_wire_version_is_never_used_and_says_why():
+    """A worker running other code (an old host joining) would misread our steps: it counts as failed, health
+    and refusals name the mismatch, and a worker of this version is used."""
+    h = Harness()
+    h.core.worker_hello(b"old", wire.WorkerHello(worker_id="old", stage="ready", vocab_size=64, max_model_len=2048,
+                                                 kv_capacity_tokens=4096, wire_version=wire.WIRE_VERSION - 1))
+    refused = h.submit("r", prompt(3), 4)
+    mismatch = f"speaks wire version {wire.WIRE_VERSION - 1}, this scheduler {wire.WIRE_VERSION}"
+    assert isinstance(refused, wire.Error) and mismatch in refused.message
+    assert h.core.facts().worker.stage == "failed" and mismatch in h.core.facts().worker.message
+    assert h.core.requests == {} and h.build() == []
+    h.worker(b"new")
+    assert isinstance(h.submit("r", prompt(3), 4), wire.Queued)
+    (step,) = h.build()
+    assert step.worker == b"new"
+    assert [w.identity for w in h.core.pool.ready()] == [b"new"]  # the old one stays unused
