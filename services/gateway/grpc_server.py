@@ -3,7 +3,9 @@ the auth of :mod:`services.gateway.auth` first."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -18,6 +20,8 @@ from services.gateway.salience import service as salience
 log = structlog.get_logger()
 
 STOP_GRACE_S = 2.0
+# how long a refused client stream may go on sending before its refusal (see _refusing)
+REFUSED_STREAM_DRAIN_S = 0.5
 # the gRPC service (the full name's package) -> the surface whose tokens open it
 SURFACE_OF_SERVICE = {"evergreen": auth.EVERGREEN, "salience": auth.SALIENCE}
 
@@ -44,13 +48,25 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _refusing(handler: grpc.RpcMethodHandler, problem: str) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s kind that ends the call UNAUTHENTICATED without reading its request."""
+    """A handler of ``handler``'s kind that ends the call UNAUTHENTICATED without parsing its request.
 
-    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
+    A client stream is read (as raw bytes, for at most ``REFUSED_STREAM_DRAIN_S``) until the client half-closes
+    before the refusal: grpc's asyncio client reports ``INTERNAL`` instead of the server's status when one of its
+    writes lands after the server ended the call (grpc/grpc#36066), so refusing at once would hide the reason."""
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if handler.request_streaming:
+            with contextlib.suppress(TimeoutError, grpc.aio.AioRpcError):
+                await asyncio.wait_for(_drain(request), REFUSED_STREAM_DRAIN_S)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
 
     kind = HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
     return kind(refuse, response_serializer=handler.response_serializer)
+
+
+async def _drain(requests: AsyncIterator[bytes]) -> None:
+    async for _ in requests:
+        pass
 
 
 async def start_grpc(gw: Gateway) -> grpc.aio.Server:
