@@ -12,6 +12,7 @@ import msgspec
 from common import aici_wire
 from common.config import Controllers
 from controllers.native.base import NativeController
+from services.controller_runtime.budget import CpuShare, OpClock
 from services.controller_runtime.host import HostError, SeqHost
 from services.controller_runtime.wasm import ControllerError, WasmController
 
@@ -155,14 +156,18 @@ class NativeInstance:
         except Exception:  # noqa: BLE001 - pre_process then runs, and fails the sequence as it should
             return False
 
-    def __init__(self, cls: type[NativeController], host: SeqHost, deadlines: Controllers) -> None:
+    def __init__(self, cls: type[NativeController], host: SeqHost, deadlines: Controllers, op_clock: OpClock) -> None:
         self.cls = cls
         self.host = host
         self.d = deadlines
+        self.op_clock = op_clock
         self.obj: NativeController | None = None
         self.dead = ""
 
-    def _run(self, name: str, deadline_ms: float, fn, mask_address: int | None = None):
+    def _run(self, name: str, deadline_ms: float, fn, mask_address: int | None = None, cpu: CpuShare | None = None):
+        """``fn()`` under ``deadline_ms`` of CPU time: past it on the wall clock, the call fails if the CPU time
+        of ``cpu`` (default: the main-channel call in progress) is past it too. Time a busy host held the
+        runtime off the CPU fails no controller."""
         if self.dead:
             raise ControllerError(f"controller already failed: {self.dead}")
         self.host.begin_call(mask_address)
@@ -172,10 +177,11 @@ class NativeInstance:
         except Exception as exc:  # noqa: BLE001 - a controller bug ends only its sequence
             self.dead = f"{name}: {type(exc).__name__}: {exc}" if not isinstance(exc, HostError) else f"{name}: {exc}"
             raise ControllerError(self.dead) from exc
-        elapsed_ms = (time.perf_counter() - start) * 1000
-        if elapsed_ms > deadline_ms:
-            self.dead = f"{name}: deadline of {deadline_ms:g} ms exceeded ({elapsed_ms:.1f} ms)"
-            raise ControllerError(self.dead)
+        if (time.perf_counter() - start) * 1000 > deadline_ms:
+            cpu_ms = (cpu or self.op_clock.cpu).cpu_s() * 1000
+            if cpu_ms > deadline_ms:
+                self.dead = f"{name}: deadline of {deadline_ms:g} ms exceeded ({cpu_ms:.1f} ms of CPU)"
+                raise ControllerError(self.dead)
         return result
 
     def _convert(self, name: str, value: Any, ty: Any) -> Any:
@@ -190,7 +196,7 @@ class NativeInstance:
             self.obj = self.cls(self.host, self.host.request.module_arg)
             self.obj.init_prompt(list(prompt))
 
-        self._run("init_prompt", self.d.init_deadline_ms, init)
+        self._run("init_prompt", self.d.init_deadline_ms, init, cpu=CpuShare())  # on the side channel's thread
 
     def pre_process(self) -> aici_wire.PreProcessResult:
         r = self._run("pre_process", self.d.pre_deadline_ms, self.obj.pre_process)
@@ -221,7 +227,7 @@ class NativeInstance:
     def fork(self, seq_id: int) -> NativeInstance:
         if self.dead:
             raise ControllerError(f"cannot fork a failed controller: {self.dead}")
-        child = NativeInstance(self.cls, self.host.fork(seq_id), self.d)
+        child = NativeInstance(self.cls, self.host.fork(seq_id), self.d, self.op_clock)
         try:
             child.obj = self.obj.fork(child.host)
         except Exception as exc:  # noqa: BLE001

@@ -19,7 +19,7 @@ from common import aici_wire
 from common.config import Controllers
 from common.errors import INVALID_REQUEST, RATE_LIMITED
 from controllers.native.base import NativeController
-from services.controller_runtime.budget import UserBudgets
+from services.controller_runtime.budget import CpuShare, OpClock, UserBudgets
 from services.controller_runtime.host import RequestState, SeqHost
 from services.controller_runtime.instances import SAMPLE, Instance, NativeInstance, WasmInstance
 from services.controller_runtime.registry import ModuleRegistry, RegistryError
@@ -66,12 +66,14 @@ def seq_result(outcome: type[O], host: SeqHost, micros: int, result: Any = None,
 class CallLedger:
     """The controller time of one main-channel call per user, charged to the budgets once at its end. Refusals
     are those of charging every callback as it ends: a user's callbacks are refused from the first one after
-    their credit (as of the call's start) is spent, this call's spending included."""
+    their credit (as of the call's start) is spent, this call's spending included. Callbacks are timed by the
+    wall clock; what is charged is that time scaled by the call's :class:`CpuShare`."""
 
-    __slots__ = ("budgets", "spent", "credit")
+    __slots__ = ("budgets", "spent", "credit", "cpu")
 
-    def __init__(self, budgets: UserBudgets) -> None:
+    def __init__(self, budgets: UserBudgets, cpu: CpuShare) -> None:
         self.budgets = budgets
+        self.cpu = cpu
         self.spent: dict[str, float] = {}
         self.credit: dict[str, float] = {}  # each user's credit when first seen in this call (inf: no limit)
 
@@ -88,21 +90,21 @@ class CallLedger:
         charged ("": the bucket refilled meanwhile, it may run)."""
         now = time.monotonic()
         budgets = self.budgets
-        budgets.charge(user, self.spent.pop(user, 0.0), now)
+        budgets.charge(user, self.spent.pop(user, 0.0) * self.cpu.share(), now)
         refusal = budgets.exhausted(user, now)
         self.credit[user] = -math.inf if refusal else budgets.credit_s(user, now)
         return refusal
 
     def spend(self, user: str, start: float) -> int:
-        """Book the time since ``start`` to ``user``; returns it in µs."""
+        """Book the wall time since ``start`` to ``user``; returns it in µs."""
         elapsed = time.perf_counter() - start
         self.spent[user] = self.spent.get(user, 0.0) + elapsed
         return int(elapsed * 1e6)
 
     def settle(self) -> None:
-        now = time.monotonic()
+        now, share = time.monotonic(), self.cpu.share()
         for user, seconds in self.spent.items():
-            self.budgets.charge(user, seconds, now)
+            self.budgets.charge(user, seconds * share, now)
         self.spent.clear()
 
 
@@ -121,6 +123,7 @@ class Runtime:
         self._mid_full_ms = self._mid_deadline_ms(0.0)
         self._mid_slack_ms = settings.mid_deadline_ms - self._mid_full_ms + settings.epoch_tick_ms
         self.budgets = UserBudgets(settings.user_cpu_share, settings.user_cpu_burst_s, settings.max_controlled_per_user)
+        self.op_clock = OpClock()
 
     # -- side channel: instantiate (runs in a worker thread) ----------------------------------------------
     def instantiate(self, req_id: Any, prompt: Any, module_ref: Any, module_arg: Any,
@@ -143,22 +146,21 @@ class Runtime:
         request = RequestState(req_id, module_arg_bytes(module_arg), user=user)
         host = SeqHost(self.tokenizer, request, CAPABILITIES, self.settings.max_log_bytes, self.settings.max_constraints)
         instance = self._make_instance(module_ref, host)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), CpuShare()
         try:
             instance.setup(prompt)
         except ControllerError as exc:
             instance.close()
-            return False, seq_result(aici_wire.InitOutcome, host, self._charge(host, start), error=str(exc))
+            return False, seq_result(aici_wire.InitOutcome, host, self._charge(host, start, cpu), error=str(exc))
         request.live_seqs = 1
         self.budgets.started(user, time.monotonic())
         self.pending[req_id] = (time.monotonic(), instance)
-        return True, seq_result(aici_wire.InitOutcome, host, self._charge(host, start), result={})
+        return True, seq_result(aici_wire.InitOutcome, host, self._charge(host, start, cpu), result={})
 
-    def _charge(self, host: SeqHost, start: float) -> int:
-        """The microseconds since ``start``, charged to the sequence's user."""
-        micros = _micros(start)
-        self.budgets.charge(host.request.user, micros / 1e6, time.monotonic())
-        return micros
+    def _charge(self, host: SeqHost, start: float, cpu: CpuShare) -> int:
+        """The microseconds since ``start``; their CPU time is charged to the sequence's user."""
+        self.budgets.charge(host.request.user, cpu.cpu_s(), time.monotonic())
+        return _micros(start)
 
     def _ended(self, instance: Instance) -> None:
         request = instance.host.request
@@ -180,7 +182,7 @@ class Runtime:
             if cls is None:
                 raise UserError(f"unknown native controller {module_ref!r}; configured: "
                                 f"{sorted(NATIVE_PREFIX + n for n in self.natives)}")
-            return NativeInstance(cls, host, self.settings)
+            return NativeInstance(cls, host, self.settings, self.op_clock)
         try:
             _, module = self.registry.resolve(module_ref)
         except RegistryError as exc:
@@ -201,7 +203,7 @@ class Runtime:
         if req.reset:  # a restarted scheduler: the sequences bound so far belong to requests that are gone
             self.free(list(self.seqs))
         self.free(req.freed)
-        ledger = CallLedger(self.budgets)
+        ledger = CallLedger(self.budgets, self.op_clock.begin())
         try:
             post_seqs = self._posts(req, ledger)
             pre_seqs: dict[str, aici_wire.PreOutcome] = {}
@@ -354,7 +356,7 @@ class Runtime:
             parent.host.request.live_seqs += 1
             groups.setdefault(op.clone_id, [op.clone_id]).append(op.id)
             groups[op.id] = groups[op.clone_id]
-        ledger = CallLedger(self.budgets)
+        ledger = CallLedger(self.budgets, self.op_clock.begin())
         used_ms: dict[str, float] = {}  # user -> mid_process time of their sequences so far in this step
         row_bytes, live, full_ms, slack_ms = self._row_bytes, self.seqs, self._mid_full_ms, self._mid_slack_ms
         try:

@@ -4,7 +4,7 @@ Store per controlled sequence.
 Calls go through wasmtime's *unchecked* C entry points both ways, which cuts a callback from ~100 µs
 to ~15 µs: export signatures are checked once when a module is prepared and every guest pointer is
 bounds-checked against the memory size. Deadlines use epoch interruption driven by a ticker thread
-(wall clock, about the cost of fuel metering); a timeout, trap, memory limit or host misuse ends only
+(CPU time of the calling thread, about the cost of fuel metering); a timeout, trap, memory limit or host misuse ends only
 the sequence whose call it was.
 """
 
@@ -66,8 +66,10 @@ class ControllerError(Exception):
 
 
 class Ticker:
-    """Advances the engine's epoch every ``period`` seconds while calls happen; sleeps once no call
-    has started for IDLE_TICKS ticks and none is running. Guest calls come in bursts, one per main-channel
+    """Advances the engine's epoch every ``period`` seconds of CPU time of the threads running guest calls
+    (a tick in which none of them got ``period / 2`` of CPU is skipped: a busy host holding the runtime off the
+    CPU fails no controller's deadline); sleeps once no call has started for IDLE_TICKS ticks and none is
+    running. Guest calls come in bursts, one per main-channel
     call (a step's post_process calls; a declared mid_process mask calls no guest), a whole forward pass
     apart through the stack: the ticker sleeps through most of that gap (each tick wakes a thread and takes
     the GIL: ticking through them all cost the runtime twice the CPU of its calls), and the first call of a
@@ -82,6 +84,7 @@ class Ticker:
         # thread id -> the controller whose export runs on it now (None: none); host functions find theirs here
         self.running: dict[int, WasmController | None] = {}
         self.awake = False
+        self._cpu_at: dict[int, float] = {}  # thread running a guest call -> its CPU time at the last tick
         self._wake = threading.Event()
         threading.Thread(target=self._run, name="epoch-ticker", daemon=True).start()
 
@@ -98,13 +101,33 @@ class Ticker:
     def leave(self) -> None:
         self.running[get_ident()] = None
 
+    def _computed(self, least_s: float) -> bool:
+        """Whether a thread running a guest call now had ``least_s`` of CPU since the last tick that saw it
+        running (the first such tick counts: a deadline's ticks already round up by one); no guest call running:
+        true (the tick is then no one's)."""
+        cpu_at, computed, anyone = self._cpu_at, False, False
+        for thread, inst in list(self.running.items()):
+            if inst is None:
+                cpu_at.pop(thread, None)
+                continue
+            anyone = True
+            try:  # (not cached: a thread's id may be reused by the next thread)
+                now = time.clock_gettime(time.pthread_getcpuclockid(thread))
+            except OSError:  # no clock to read: the wall clock's tick counts
+                return True
+            last = cpu_at.get(thread)
+            cpu_at[thread] = now
+            computed = computed or last is None or now - last >= least_s
+        return computed or not anyone
+
     def _run(self) -> None:
         seen, idle = -1, 0
         engine, period, increment = self._engine_addr, self.period, _increment_epoch
         while True:
             self._wake.wait()
             time.sleep(period)
-            increment(engine)  # one GIL hold per tick: the increment keeps it
+            if self._computed(period / 2):
+                increment(engine)  # one GIL hold per tick: the increment keeps it
             idle = idle + 1 if self.calls == seen else 0
             seen = self.calls
             if idle > self.IDLE_TICKS and not any(self.running.values()):

@@ -9,7 +9,7 @@ import pytest
 from common import aici_wire
 from common.config import Controllers
 from common.errors import RATE_LIMITED
-from services.controller_runtime.budget import UserBudgets
+from services.controller_runtime.budget import CpuShare, UserBudgets
 from services.controller_runtime.runtime import CallLedger, OverBudget, Runtime
 from tests.controller_runtime.conftest import wire_runtime
 from tests.controller_runtime.wat import controller
@@ -38,9 +38,20 @@ def test_the_cap_on_live_requests_and_a_share_of_zero_limits_nothing():
     assert b.refusal("u", 1.0) == ""
 
 
+class OnTheCpu(CpuShare):
+    """A main-channel call that spent ``share`` of its wall time on the CPU."""
+
+    def __init__(self, share: float) -> None:
+        super().__init__()
+        self._share = share
+
+    def share(self) -> float:
+        return self._share
+
+
 def test_a_call_ledger_refuses_a_user_once_their_credit_is_spent_and_charges_them_at_its_end():
     b = UserBudgets(share=1e-6, burst_s=1.0, max_live=8)
-    ledger = CallLedger(b)
+    ledger = CallLedger(b, OnTheCpu(1.0))
     assert ledger.allows("mallory") and ledger.allows("alice")
     ledger.spend("mallory", time.perf_counter() - 0.6)  # two callbacks that ran 0.6 s each
     assert ledger.allows("mallory")  # 0.6 of 1.0 spent
@@ -54,6 +65,26 @@ def test_a_call_ledger_refuses_a_user_once_their_credit_is_spent_and_charges_the
     ledger.settle()
     assert b.credit_s("alice", time.monotonic()) == pytest.approx(0.9, abs=1e-2)
     assert b.credit_s("mallory", time.monotonic()) == pytest.approx(-0.2, abs=1e-2)  # charged once
+
+
+def test_a_call_ledger_charges_the_share_of_its_time_the_runtime_was_on_the_cpu():
+    """A busy host that held the runtime off the CPU for three quarters of a call costs its users nothing."""
+    b = UserBudgets(share=1e-6, burst_s=1.0, max_live=8)
+    ledger = CallLedger(b, OnTheCpu(0.25))
+    assert ledger.spend("alice", time.perf_counter() - 0.4) >= 400_000  # the wall time, as the reply reports it
+    ledger.settle()
+    assert b.credit_s("alice", time.monotonic()) == pytest.approx(0.9, abs=1e-2)
+
+
+def test_cpu_share_is_cpu_time_over_wall_time():
+    idle = CpuShare()
+    time.sleep(0.2)
+    assert idle.share() < 0.2 and idle.cpu_s() < 0.04
+    busy = CpuShare()
+    end = time.thread_time() + 0.1
+    while time.thread_time() < end:
+        pass
+    assert busy.cpu_s() >= 0.1 and busy.share() > idle.share()
 
 
 @pytest.fixture
