@@ -148,7 +148,8 @@ class Runtime:
         instance = self._make_instance(module_ref, host)
         start, cpu = time.perf_counter(), CpuShare()
         try:
-            instance.setup(prompt)
+            with self.engine.ticker:  # a span: the epoch ticker stays awake between its guest calls
+                instance.setup(prompt)
         except ControllerError as exc:
             instance.close()
             return False, seq_result(aici_wire.InitOutcome, host, self._charge(host, start, cpu), error=str(exc))
@@ -204,28 +205,29 @@ class Runtime:
             self.free(list(self.seqs))
         self.free(req.freed)
         ledger = CallLedger(self.budgets, self.op_clock.begin())
-        try:
-            post_seqs = self._posts(req, ledger)
-            pre_seqs: dict[str, aici_wire.PreOutcome] = {}
-            for op in req.pre_ops:
-                error = self._bind(op)
-                if error:
-                    pre_seqs[str(op.id)] = aici_wire.PreOutcome(error=error)
-            ahead = set(req.ahead)
-            waiting, defaults = [], []
-            for seq_id, instance in self.seqs.items():
-                key = str(seq_id)
-                if key in pre_seqs:
-                    continue
-                if instance.pre_default:
-                    pre_seqs[key] = PRE_DEFAULT_REPLY
-                    defaults.append(seq_id)
-                elif seq_id in ahead:  # its step went out already: pre_process runs before its next one
-                    waiting.append(seq_id)
-                else:
-                    pre_seqs[key] = self._pre(instance, ledger)
-        finally:
-            ledger.settle()
+        with self.engine.ticker:  # a span: the epoch ticker stays awake between its guest calls
+            try:
+                post_seqs = self._posts(req, ledger)
+                pre_seqs: dict[str, aici_wire.PreOutcome] = {}
+                for op in req.pre_ops:
+                    error = self._bind(op)
+                    if error:
+                        pre_seqs[str(op.id)] = aici_wire.PreOutcome(error=error)
+                ahead = set(req.ahead)
+                waiting, defaults = [], []
+                for seq_id, instance in self.seqs.items():
+                    key = str(seq_id)
+                    if key in pre_seqs:
+                        continue
+                    if instance.pre_default:
+                        pre_seqs[key] = PRE_DEFAULT_REPLY
+                        defaults.append(seq_id)
+                    elif seq_id in ahead:  # its step went out already: pre_process runs before its next one
+                        waiting.append(seq_id)
+                    else:
+                        pre_seqs[key] = self._pre(instance, ledger)
+            finally:
+                ledger.settle()
         return aici_wire.PostPreProcessReply(post_seqs=post_seqs, pre_seqs=pre_seqs, waiting=waiting,
                                              pre_default=defaults)
 
@@ -359,34 +361,35 @@ class Runtime:
         ledger = CallLedger(self.budgets, self.op_clock.begin())
         used_ms: dict[str, float] = {}  # user -> mid_process time of their sequences so far in this step
         row_bytes, live, full_ms, slack_ms = self._row_bytes, self.seqs, self._mid_full_ms, self._mid_slack_ms
-        try:
-            for i, op in enumerate(req.ops):
-                seq_id = op.id
-                instance = live.get(seq_id)
-                if instance is None or (failed and seq_id in failed):
-                    seqs[str(seq_id)] = aici_wire.MidOutcome(error=failed.get(seq_id, f"unknown sequence {seq_id}"))
-                    continue
-                host = instance.host
-                user = host.request.user
-                if not ledger.allows(user) and (refusal := ledger.refusal(user)):
-                    seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, 0, error=refusal)
-                    continue
-                start = time.perf_counter()
-                used = used_ms.get(user, 0.0)
-                deadline_ms = full_ms if used < slack_ms else self._mid_deadline_ms(used)
-                try:
-                    result = instance.mid_process(groups.get(seq_id) if groups else None, base + i * row_bytes,
-                                                  deadline_ms)
-                except ControllerError as exc:
-                    result, error = None, str(exc)
-                else:
-                    error = ""
-                micros = ledger.spend(user, start)
-                used_ms[user] = used_ms.get(user, 0.0) + micros / 1000
-                seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, micros, error=error,
-                                               result=None if error or result is SAMPLE else _as_replied(result))
-        finally:
-            ledger.settle()
+        with self.engine.ticker:  # a span (see post_pre_process)
+            try:
+                for i, op in enumerate(req.ops):
+                    seq_id = op.id
+                    instance = live.get(seq_id)
+                    if instance is None or (failed and seq_id in failed):
+                        seqs[str(seq_id)] = aici_wire.MidOutcome(error=failed.get(seq_id, f"unknown sequence {seq_id}"))
+                        continue
+                    host = instance.host
+                    user = host.request.user
+                    if not ledger.allows(user) and (refusal := ledger.refusal(user)):
+                        seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, 0, error=refusal)
+                        continue
+                    start = time.perf_counter()
+                    used = used_ms.get(user, 0.0)
+                    deadline_ms = full_ms if used < slack_ms else self._mid_deadline_ms(used)
+                    try:
+                        result = instance.mid_process(groups.get(seq_id) if groups else None, base + i * row_bytes,
+                                                      deadline_ms)
+                    except ControllerError as exc:
+                        result, error = None, str(exc)
+                    else:
+                        error = ""
+                    micros = ledger.spend(user, start)
+                    used_ms[user] = used_ms.get(user, 0.0) + micros / 1000
+                    seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, micros, error=error,
+                                                   result=None if error or result is SAMPLE else _as_replied(result))
+            finally:
+                ledger.settle()
         return aici_wire.MidProcessReply(seqs=seqs, num_seqs=len(req.ops)), rows
 
 

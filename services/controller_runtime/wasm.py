@@ -67,30 +67,40 @@ class ControllerError(Exception):
 
 class Ticker:
     """Advances the engine's epoch every ``period`` seconds of CPU time of the threads running guest calls
-    (a tick in which none of them got ``period / 2`` of CPU is skipped: a busy host holding the runtime off the
-    CPU fails no controller's deadline); sleeps once no call has started for IDLE_TICKS ticks and none is
-    running. Guest calls come in bursts, one per main-channel
-    call (a step's post_process calls; a declared mid_process mask calls no guest), a whole forward pass
-    apart through the stack: the ticker sleeps through most of that gap (each tick wakes a thread and takes
-    the GIL: ticking through them all cost the runtime twice the CPU of its calls), and the first call of a
-    burst wakes it. Not after fewer ticks: calls back to back (a busy step's) would pay that wake-up often."""
+    while guest code may run, and sleeps otherwise (a tick in which no running call's thread got ``period / 2``
+    of CPU is skipped: a busy host holding the runtime off the CPU fails no controller's deadline).
 
-    IDLE_TICKS = 20
+    A guest call wakes it when it sleeps (``awake``), and it ticks for as long as any call runs, so every
+    call's deadline is enforced, wherever the call comes from. Between the calls of one *span* (``with
+    ticker:``, reference-counted: the runtime opens one per main-channel op and per instantiate) it stays
+    awake, so a burst of calls pays one wake-up; at its first tick with no call running and no span open it
+    sleeps. Through the stack a step's calls come in one or two such bursts a forward pass apart, and each
+    tick wakes a thread that takes the GIL: ticking through the gaps cost the runtime more CPU than its
+    calls. A span with no guest call (a native controller's, a declared mid_process mask's) wakes nothing."""
 
     def __init__(self, engine: wasmtime.Engine, period: float) -> None:
         self.engine, self.period = engine, period
         self._engine_addr = ctypes.cast(engine.ptr(), c_void_p).value
-        self.calls = 0
         # thread id -> the controller whose export runs on it now (None: none); host functions find theirs here
         self.running: dict[int, WasmController | None] = {}
+        self.spans = 0  # spans open, on every thread
         self.awake = False
         self._cpu_at: dict[int, float] = {}  # thread running a guest call -> its CPU time at the last tick
+        self._spans_lock = threading.Lock()
         self._wake = threading.Event()
         threading.Thread(target=self._run, name="epoch-ticker", daemon=True).start()
 
+    def __enter__(self) -> None:
+        with self._spans_lock:
+            self.spans += 1
+
+    def __exit__(self, *_: object) -> None:
+        with self._spans_lock:
+            self.spans -= 1
+
     def enter(self, inst: WasmController) -> None:
+        """A guest call of ``inst`` begins on this thread (:meth:`leave` when it ends)."""
         self.running[get_ident()] = inst
-        self.calls += 1
         if not self.awake:
             self.wake()
 
@@ -120,23 +130,21 @@ class Ticker:
             computed = computed or last is None or now - last >= least_s
         return computed or not anyone
 
+    def _needed(self) -> bool:
+        return bool(self.spans) or any(self.running.values())
+
     def _run(self) -> None:
-        seen, idle = -1, 0
         engine, period, increment = self._engine_addr, self.period, _increment_epoch
         while True:
             self._wake.wait()
             time.sleep(period)
             if self._computed(period / 2):
                 increment(engine)  # one GIL hold per tick: the increment keeps it
-            idle = idle + 1 if self.calls == seen else 0
-            seen = self.calls
-            if idle > self.IDLE_TICKS and not any(self.running.values()):
+            if not self._needed():
                 self.awake = False
                 self._wake.clear()
-                idle = 0
-                if self.calls != seen or any(self.running.values()):  # a call began meanwhile: stay awake
-                    self.awake = True
-                    self._wake.set()
+                if self._needed():  # a call began meanwhile (it saw the ticker awake): stay awake
+                    self.wake()
 
 
 @dataclass
@@ -285,7 +293,6 @@ class WasmController:
         ticker = engine.ticker
         running, thread = ticker.running, get_ident()
         running[thread] = self  # Ticker.enter, inlined
-        ticker.calls += 1
         if not ticker.awake:
             ticker.wake()
         ctx = self._ctx_addr

@@ -12,7 +12,7 @@ import pytest
 
 from common import aici_wire
 from services.controller_runtime.host import HostError, RequestState, SeqHost, VariableStore
-from services.controller_runtime.wasm import ControllerError, WasmController
+from services.controller_runtime.wasm import ControllerError, Ticker, WasmController
 from tests.controller_runtime.conftest import LIMITS, allowed, mid, row, start
 from tests.controller_runtime.wat import MID_SAMPLE, controller, ret_const, str_data
 
@@ -77,12 +77,50 @@ def test_pre_and_post_have_their_own_deadlines(runtime):
     assert out["post_seqs"]["1"]["result"] == {"stop": False} and out["pre_seqs"]["1"]["error"] == ""
 
 
-def test_long_call_keeps_the_ticker_awake(runtime, engine, monkeypatch):
-    """An infinite loop in init (1000 ms deadline) outlasts the ticker's idle timeout and still times out."""
-    monkeypatch.setattr(engine.ticker, "IDLE_TICKS", 10)
+def ticker_sleeps(ticker: Ticker) -> bool:
+    """Whether the epoch ticker falls asleep (waiting up to 5 s for it)."""
+    for _ in range(500):
+        if not ticker.awake:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_long_call_keeps_the_ticker_awake(runtime):
+    """An infinite loop in init (1000 ms deadline), the one guest call left in its span, still times out."""
     module_id = runtime.registry.create(controller(init_prompt="(loop $l (br $l))"), "t")["module_id"]
     ok, result = runtime.instantiate("spin", [1], module_id, "")
     assert not ok and f"deadline of {LIMITS.init_deadline_ms:g} ms exceeded" in result["error"]
+
+
+def test_a_call_wakes_the_sleeping_ticker(runtime, engine):
+    """Right after the ticker fell asleep, a looping call still meets its deadline: within a main-channel op,
+    and outside any span (the call itself wakes the ticker and keeps it ticking)."""
+    spin = "(loop $l (br $l))"
+    start(runtime, controller(post=spin), 1)
+    start(runtime, controller(post=spin), 2)
+    assert ticker_sleeps(engine.ticker)
+    out = runtime.post_pre_process(aici_wire.PostPreProcess(post_ops=[aici_wire.PostOp(id=1, tokens=[5])]))
+    assert f"aici_post_process: deadline of {LIMITS.post_deadline_ms:g} ms exceeded" in out["post_seqs"]["1"]["error"]
+    assert ticker_sleeps(engine.ticker)
+    with pytest.raises(ControllerError, match="deadline of 50 ms exceeded"):
+        runtime.seqs[2].ctrl.invoke("aici_post_process", b'{"tokens":[5],"backtrack":0}', 50.0)
+
+
+def test_the_ticker_ticks_through_a_span_and_sleeps_after_it(runtime, engine):
+    """A span wakes nothing by itself; its first guest call wakes the ticker, which stays awake between its
+    calls (however long) and falls asleep once the span is closed."""
+    start(runtime, controller(), 1)
+    ticker = engine.ticker
+    assert ticker_sleeps(ticker)
+    post = aici_wire.PostPreProcess(post_ops=[aici_wire.PostOp(id=1, tokens=[5])])
+    with ticker:
+        assert not ticker.awake
+        assert runtime.post_pre_process(post)["post_seqs"]["1"]["error"] == ""
+        assert ticker.awake
+        time.sleep(20 * LIMITS.epoch_tick_ms / 1000)  # ticks with no call running: the open span keeps it awake
+        assert ticker.awake
+    assert ticker.spans == 0 and ticker_sleeps(ticker)
 
 
 def test_trap_in_init_is_an_instantiate_error(runtime):
