@@ -74,8 +74,10 @@ def trivial_wat(io_area: bool) -> str:
   (func (export "aici_mid_process") (param i32) (call $bias (i32.const 4096)) %s)
   (func (export "aici_post_process") (param i32) %s))""" % ("\\ff" * 8192, io, mid_ret, post_ret)
 
-def run_case(runtime: Runtime, ref: str, arg: object, n: int, tokens: list[int]) -> tuple[float, float]:
-    """(wall, CPU) µs per sequence per step for ``n`` sequences of controller ``ref`` fed ``tokens``."""
+def run_case(runtime: Runtime, ref: str, arg: object, n: int, tokens: list[int], gap_s: float = 0.0
+             ) -> tuple[float, float]:
+    """(wall, CPU) µs per sequence per step for ``n`` sequences of controller ``ref`` fed ``tokens``, the steps
+    ``gap_s`` apart (the CPU spent in the gaps counts, the wall time not)."""
     for i in range(n):
         ok, result = runtime.instantiate(f"b{i}", [1], ref, arg)
         assert ok, result.error
@@ -95,11 +97,15 @@ def run_case(runtime: Runtime, ref: str, arg: object, n: int, tokens: list[int])
         assert not errors, errors[:1]
         step = aici_wire.encode({"op": "post_pre_process", "pre_ops": [], "freed": [],
                                  "post_ops": [{"id": i, "tokens": [tok], "backtrack": 0} for i in range(n)]})
+        if gap_s:
+            start_cpu = time.process_time()
+            time.sleep(gap_s)
+            cpu += time.process_time() - start_cpu
     runtime.free(list(range(n)))
     return elapsed / (len(tokens) * n) * 1e6, cpu / (len(tokens) * n) * 1e6
 
 
-def measure(steps: int, levels: list[int]) -> dict[str, list[list[float]]]:
+def measure(steps: int, levels: list[int], gap_s: float) -> dict[str, list[list[float]]]:
     """One repeat in this process: case name -> [wall, CPU] µs per level."""
     settings = Settings()
     # deadlines a busy machine cannot overrun (they cost the same whatever their length)
@@ -122,13 +128,15 @@ def measure(steps: int, levels: list[int]) -> dict[str, list[list[float]]]:
     ]
     for _, ref, arg, tokens in cases:  # warm up: compiled grammars, lazily built lexer states
         run_case(runtime, ref, arg, 1, tokens)
-    return {name: [list(run_case(runtime, ref, arg, n, tokens)) for n in levels] for name, ref, arg, tokens in cases}
+    return {name: [list(run_case(runtime, ref, arg, n, tokens, gap_s)) for n in levels]
+            for name, ref, arg, tokens in cases}
 
 
-def child_run(tree: Path, steps: int, levels: str) -> dict[str, list[list[float]]]:
+def child_run(tree: Path, steps: int, levels: str, gap_ms: float) -> dict[str, list[list[float]]]:
     """One repeat of this script under ``tree``'s code (its PYTHONPATH), in a fresh process."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run([sys.executable, __file__, "--child", "--steps", str(steps), "--levels", levels],
+    out = subprocess.run([sys.executable, __file__, "--child", "--steps", str(steps), "--levels", levels,
+                          "--gap-ms", str(gap_ms)],
                          env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.splitlines()[-1])
 
@@ -144,21 +152,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64, help="steps per case (the JSON document is cut to this)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--levels", default="1,16,64", help="concurrent sequences, comma-separated")
+    parser.add_argument("--gap-ms", type=float, default=0.0,
+                        help="idle time between steps, as a forward pass through the stack (its CPU counts)")
     parser.add_argument("--baseline", type=Path, help="another checkout to measure beside this one, alternately")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     levels = [int(n) for n in args.levels.split(",")]
     if args.child:
-        print(json.dumps(measure(args.steps, levels)))
+        print(json.dumps(measure(args.steps, levels, args.gap_ms / 1000)))
         return
     trees = {"this tree": ROOT} if args.baseline is None else {"baseline": args.baseline.resolve(), "this tree": ROOT}
     runs: dict[str, list] = {label: [] for label in trees}
     for _ in range(args.repeats):
         for label, tree in trees.items():
-            runs[label].append(child_run(tree, args.steps, args.levels))
+            runs[label].append(child_run(tree, args.steps, args.levels, args.gap_ms))
     figures = {label: best(r) for label, r in runs.items()}
     print(f"controller runtime overhead, µs per sequence per step (post_pre_process + mid_process, msgpack "
-          f"included), wall / process CPU, best of {args.repeats} runs; {args.steps} steps at most; "
+          f"included), wall / process CPU, best of {args.repeats} runs; {args.steps} steps at most"
+          f"{f', {args.gap_ms:g} ms apart' if args.gap_ms else ''}; "
           f"target {TARGET_US:g} µs")
     print(f"{'controller':58} " + " ".join(f"{f'n={n}':>13}" for n in levels) + f"   wall vs target at n={levels[-1]}")
     for label, table in figures.items():
