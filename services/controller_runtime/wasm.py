@@ -85,7 +85,8 @@ class Ticker:
         self.running: dict[int, WasmController | None] = {}
         self.spans = 0  # spans open, on every thread
         self.awake = False
-        self._cpu_at: dict[int, float] = {}  # thread running a guest call -> its CPU time at the last tick
+        # thread running a guest call -> (its controller, its CPU time, if read) at the last tick
+        self._seen: dict[int, tuple[WasmController, float | None]] = {}
         self._spans_lock = threading.Lock()
         self._wake = threading.Event()
         threading.Thread(target=self._run, name="epoch-ticker", daemon=True).start()
@@ -112,22 +113,27 @@ class Ticker:
         self.running[get_ident()] = None
 
     def _computed(self, least_s: float) -> bool:
-        """Whether a thread running a guest call now had ``least_s`` of CPU since the last tick that saw it
-        running (the first such tick counts: a deadline's ticks already round up by one); no guest call running:
-        true (the tick is then no one's)."""
-        cpu_at, computed, anyone = self._cpu_at, False, False
+        """Whether a thread running a guest call now had ``least_s`` of CPU since the last tick; no guest call
+        running: true (the tick is then no one's). The CPU clock is read only for a controller seen running at
+        the tick before too (a call that may be long): a tick that finds another call counts without a read,
+        and so does the first read (a deadline's ticks already round up by one)."""
+        seen, computed, anyone = self._seen, False, False
         for thread, inst in list(self.running.items()):
             if inst is None:
-                cpu_at.pop(thread, None)
+                seen.pop(thread, None)
                 continue
             anyone = True
+            last = seen.get(thread)
+            if last is None or last[0] is not inst:
+                seen[thread] = (inst, None)
+                computed = True
+                continue
             try:  # (not cached: a thread's id may be reused by the next thread)
                 now = time.clock_gettime(time.pthread_getcpuclockid(thread))
             except OSError:  # no clock to read: the wall clock's tick counts
                 return True
-            last = cpu_at.get(thread)
-            cpu_at[thread] = now
-            computed = computed or last is None or now - last >= least_s
+            seen[thread] = (inst, now)
+            computed = computed or last[1] is None or now - last[1] >= least_s
         return computed or not anyone
 
     def _needed(self) -> bool:
