@@ -67,8 +67,8 @@ class ControllerError(Exception):
 
 class Ticker:
     """Advances the engine's epoch every ``period`` seconds of CPU time of the threads running guest calls
-    while guest code may run, and sleeps otherwise (a tick in which no running call's thread got ``period / 2``
-    of CPU is skipped: a busy host holding the runtime off the CPU fails no controller's deadline).
+    while guest code may run, and sleeps otherwise (a tick counts only for CPU time a running call's thread
+    had, :meth:`_computed`: a busy host holding the runtime off the CPU fails no controller's deadline).
 
     A guest call wakes it when it sleeps (``awake``), and it ticks for as long as any call runs, so every
     call's deadline is enforced, wherever the call comes from. Between the calls of one *span* (``with
@@ -85,7 +85,7 @@ class Ticker:
         self.running: dict[int, WasmController | None] = {}
         self.spans = 0  # spans open, on every thread
         self.awake = False
-        # thread running a guest call -> (its controller, its CPU time, if read) at the last tick
+        # thread running a guest call -> (its controller, the CPU time its counted ticks took, once read)
         self._seen: dict[int, tuple[WasmController, float | None]] = {}
         self._spans_lock = threading.Lock()
         self._wake = threading.Event()
@@ -112,11 +112,13 @@ class Ticker:
     def leave(self) -> None:
         self.running[get_ident()] = None
 
-    def _computed(self, least_s: float) -> bool:
-        """Whether a thread running a guest call now had ``least_s`` of CPU since the last tick; no guest call
-        running: true (the tick is then no one's). The CPU clock is read only for a controller seen running at
-        the tick before too (a call that may be long): a tick that finds another call counts without a read,
-        and so does the first read (a deadline's ticks already round up by one)."""
+    def _computed(self, period: float) -> bool:
+        """Whether this tick counts: a thread running a guest call has had a tick's worth of CPU (rounded, half a
+        tick or more) that no counted tick took yet; no guest call running: yes (the tick is then no one's). The
+        CPU clock is read only for a controller seen running at the tick before too (a call that may be long): a
+        tick that finds another call counts without a read, and so does the first read (a deadline's ticks
+        already round up by one). A thread's CPU time accrues across ticks, so one on the CPU a third of the
+        time has every third tick counted."""
         seen, computed, anyone = self._seen, False, False
         for thread, inst in list(self.running.items()):
             if inst is None:
@@ -132,8 +134,13 @@ class Ticker:
                 now = time.clock_gettime(time.pthread_getcpuclockid(thread))
             except OSError:  # no clock to read: the wall clock's tick counts
                 return True
-            seen[thread] = (inst, now)
-            computed = computed or last[1] is None or now - last[1] >= least_s
+            counted = last[1]  # the CPU time the counted ticks took
+            if counted is None:
+                seen[thread] = (inst, now)
+                computed = True
+            elif now - counted >= period / 2:
+                seen[thread] = (inst, counted + period)
+                computed = True
         return computed or not anyone
 
     def _needed(self) -> bool:
@@ -144,7 +151,7 @@ class Ticker:
         while True:
             self._wake.wait()
             time.sleep(period)
-            if self._computed(period / 2):
+            if self._computed(period):
                 increment(engine)  # one GIL hold per tick: the increment keeps it
             if not self._needed():
                 self.awake = False

@@ -16,10 +16,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import wasmtime
 
 from common.config import Controllers
 from controllers.native.base import NativeController
 from services.controller_runtime.runtime import Runtime
+from services.controller_runtime.wasm import Ticker
 from tests.controller_runtime.conftest import mid, start, wire_runtime
 from tests.controller_runtime.wat import MID_SAMPLE, controller, ret_const
 
@@ -115,3 +117,21 @@ def test_a_native_deadline_counts_the_controllers_cpu_time_and_so_do_the_charges
     assert f"mid_process: deadline of {DEADLINE_MS:g} ms exceeded" in data["seqs"]["2"]["error"]
     assert "ms of CPU" in data["seqs"]["2"]["error"]
     assert runtime.budgets.credit_s("local", time.monotonic()) < credit - 2 * DEADLINE_MS / 1000 * 0.9
+
+
+@pytest.mark.parametrize("share, counted", [(1.0, 100), (0.4, 41), (0.0, 2)])
+def test_the_ticker_counts_the_cpu_time_a_long_call_had(monkeypatch, share, counted):
+    """A thread on the CPU ``share`` of the time, in 100 ticks of one long call: its CPU time accrues across
+    ticks (the first two ticks count as on the wall clock)."""
+    ticker = Ticker(wasmtime.Engine(), period=0.001)  # asleep: nothing calls it but this test
+    cpu = [0.0]
+    monkeypatch.setattr(time, "pthread_getcpuclockid", lambda thread: 99)
+    monkeypatch.setattr(time, "clock_gettime", lambda clock: cpu[0])
+    ticker.running[12345] = object()  # one controller's call, running throughout
+    ticks = 0
+    for _ in range(100):
+        ticks += ticker._computed(0.001)
+        cpu[0] += share * 0.001
+    assert ticks == counted
+    ticker.running[12345] = None
+    assert ticker._computed(0.001) and 12345 not in ticker._seen
