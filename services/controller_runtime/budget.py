@@ -32,9 +32,12 @@ class CpuShare:
     def cpu_s(self) -> float:
         return time.thread_time() - self.cpu_start
 
+    def wall_s(self) -> float:
+        return time.perf_counter() - self.wall_start
+
     def share(self) -> float:
         """CPU time over wall time so far, at most 1 (1 before any time passed)."""
-        wall = time.perf_counter() - self.wall_start
+        wall = self.wall_s()
         return min(1.0, self.cpu_s() / wall) if wall > 0 else 1.0
 
 

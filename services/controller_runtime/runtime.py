@@ -8,9 +8,11 @@ its error until the scheduler frees it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import time
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import structlog
@@ -146,22 +148,33 @@ class Runtime:
         request = RequestState(req_id, module_arg_bytes(module_arg), user=user)
         host = SeqHost(self.tokenizer, request, CAPABILITIES, self.settings.max_log_bytes, self.settings.max_constraints)
         instance = self._make_instance(module_ref, host)
-        start, cpu = time.perf_counter(), CpuShare()
+        cpu = CpuShare()
         try:
             with self.engine.ticker:  # a span: the epoch ticker stays awake between its guest calls
                 instance.setup(prompt)
         except ControllerError as exc:
             instance.close()
-            return False, seq_result(aici_wire.InitOutcome, host, self._charge(host, start, cpu), error=str(exc))
+            return False, seq_result(aici_wire.InitOutcome, host, self._charge(host, cpu), error=str(exc))
         request.live_seqs = 1
         self.budgets.started(user, time.monotonic())
         self.pending[req_id] = (time.monotonic(), instance)
-        return True, seq_result(aici_wire.InitOutcome, host, self._charge(host, start, cpu), result={})
+        return True, seq_result(aici_wire.InitOutcome, host, self._charge(host, cpu), result={})
 
-    def _charge(self, host: SeqHost, start: float, cpu: CpuShare) -> int:
-        """The microseconds since ``start``; their CPU time is charged to the sequence's user."""
+    def _charge(self, host: SeqHost, cpu: CpuShare) -> int:
+        """The microseconds since ``cpu`` began; their CPU time is charged to the sequence's user."""
         self.budgets.charge(host.request.user, cpu.cpu_s(), time.monotonic())
-        return _micros(start)
+        return int(cpu.wall_s() * 1e6)
+
+    @contextlib.contextmanager
+    def _main_call(self) -> Iterator[CallLedger]:
+        """One main-channel call: its ledger (settled at the end) on the call's CPU clock, within a span of the
+        epoch ticker (which stays awake between the call's guest calls)."""
+        ledger = CallLedger(self.budgets, self.op_clock.begin())
+        with self.engine.ticker:
+            try:
+                yield ledger
+            finally:
+                ledger.settle()
 
     def _ended(self, instance: Instance) -> None:
         request = instance.host.request
@@ -204,30 +217,26 @@ class Runtime:
         if req.reset:  # a restarted scheduler: the sequences bound so far belong to requests that are gone
             self.free(list(self.seqs))
         self.free(req.freed)
-        ledger = CallLedger(self.budgets, self.op_clock.begin())
-        with self.engine.ticker:  # a span: the epoch ticker stays awake between its guest calls
-            try:
-                post_seqs = self._posts(req, ledger)
-                pre_seqs: dict[str, aici_wire.PreOutcome] = {}
-                for op in req.pre_ops:
-                    error = self._bind(op)
-                    if error:
-                        pre_seqs[str(op.id)] = aici_wire.PreOutcome(error=error)
-                ahead = set(req.ahead)
-                waiting, defaults = [], []
-                for seq_id, instance in self.seqs.items():
-                    key = str(seq_id)
-                    if key in pre_seqs:
-                        continue
-                    if instance.pre_default:
-                        pre_seqs[key] = PRE_DEFAULT_REPLY
-                        defaults.append(seq_id)
-                    elif seq_id in ahead:  # its step went out already: pre_process runs before its next one
-                        waiting.append(seq_id)
-                    else:
-                        pre_seqs[key] = self._pre(instance, ledger)
-            finally:
-                ledger.settle()
+        with self._main_call() as ledger:
+            post_seqs = self._posts(req, ledger)
+            pre_seqs: dict[str, aici_wire.PreOutcome] = {}
+            for op in req.pre_ops:
+                error = self._bind(op)
+                if error:
+                    pre_seqs[str(op.id)] = aici_wire.PreOutcome(error=error)
+            ahead = set(req.ahead)
+            waiting, defaults = [], []
+            for seq_id, instance in self.seqs.items():
+                key = str(seq_id)
+                if key in pre_seqs:
+                    continue
+                if instance.pre_default:
+                    pre_seqs[key] = PRE_DEFAULT_REPLY
+                    defaults.append(seq_id)
+                elif seq_id in ahead:  # its step went out already: pre_process runs before its next one
+                    waiting.append(seq_id)
+                else:
+                    pre_seqs[key] = self._pre(instance, ledger)
         return aici_wire.PostPreProcessReply(post_seqs=post_seqs, pre_seqs=pre_seqs, waiting=waiting,
                                              pre_default=defaults)
 
@@ -358,38 +367,34 @@ class Runtime:
             parent.host.request.live_seqs += 1
             groups.setdefault(op.clone_id, [op.clone_id]).append(op.id)
             groups[op.id] = groups[op.clone_id]
-        ledger = CallLedger(self.budgets, self.op_clock.begin())
         used_ms: dict[str, float] = {}  # user -> mid_process time of their sequences so far in this step
         row_bytes, live, full_ms, slack_ms = self._row_bytes, self.seqs, self._mid_full_ms, self._mid_slack_ms
-        with self.engine.ticker:  # a span (see post_pre_process)
-            try:
-                for i, op in enumerate(req.ops):
-                    seq_id = op.id
-                    instance = live.get(seq_id)
-                    if instance is None or (failed and seq_id in failed):
-                        seqs[str(seq_id)] = aici_wire.MidOutcome(error=failed.get(seq_id, f"unknown sequence {seq_id}"))
-                        continue
-                    host = instance.host
-                    user = host.request.user
-                    if not ledger.allows(user) and (refusal := ledger.refusal(user)):
-                        seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, 0, error=refusal)
-                        continue
-                    start = time.perf_counter()
-                    used = used_ms.get(user, 0.0)
-                    deadline_ms = full_ms if used < slack_ms else self._mid_deadline_ms(used)
-                    try:
-                        result = instance.mid_process(groups.get(seq_id) if groups else None, base + i * row_bytes,
-                                                      deadline_ms)
-                    except ControllerError as exc:
-                        result, error = None, str(exc)
-                    else:
-                        error = ""
-                    micros = ledger.spend(user, start)
-                    used_ms[user] = used_ms.get(user, 0.0) + micros / 1000
-                    seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, micros, error=error,
-                                                   result=None if error or result is SAMPLE else _as_replied(result))
-            finally:
-                ledger.settle()
+        with self._main_call() as ledger:
+            for i, op in enumerate(req.ops):
+                seq_id = op.id
+                instance = live.get(seq_id)
+                if instance is None or (failed and seq_id in failed):
+                    seqs[str(seq_id)] = aici_wire.MidOutcome(error=failed.get(seq_id, f"unknown sequence {seq_id}"))
+                    continue
+                host = instance.host
+                user = host.request.user
+                if not ledger.allows(user) and (refusal := ledger.refusal(user)):
+                    seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, 0, error=refusal)
+                    continue
+                start = time.perf_counter()
+                used = used_ms.get(user, 0.0)
+                deadline_ms = full_ms if used < slack_ms else self._mid_deadline_ms(used)
+                try:
+                    result = instance.mid_process(groups.get(seq_id) if groups else None, base + i * row_bytes,
+                                                  deadline_ms)
+                except ControllerError as exc:
+                    result, error = None, str(exc)
+                else:
+                    error = ""
+                micros = ledger.spend(user, start)
+                used_ms[user] = used_ms.get(user, 0.0) + micros / 1000
+                seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, micros, error=error,
+                                               result=None if error or result is SAMPLE else _as_replied(result))
         return aici_wire.MidProcessReply(seqs=seqs, num_seqs=len(req.ops)), rows
 
 
@@ -399,7 +404,3 @@ def _as_replied(result: aici_wire.MidProcessResult) -> aici_wire.MidProcessResul
     if isinstance(result, str) or result.SampleWithBias is None:
         return result
     return None
-
-
-def _micros(start: float) -> int:
-    return int((time.perf_counter() - start) * 1e6)

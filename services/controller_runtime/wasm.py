@@ -4,8 +4,8 @@ Store per controlled sequence.
 Calls go through wasmtime's *unchecked* C entry points both ways, which cuts a callback from ~100 µs
 to ~15 µs: export signatures are checked once when a module is prepared and every guest pointer is
 bounds-checked against the memory size. Deadlines use epoch interruption driven by a ticker thread
-(CPU time of the calling thread, about the cost of fuel metering); a timeout, trap, memory limit or host misuse ends only
-the sequence whose call it was.
+(CPU time of the calling thread, about the cost of fuel metering); a timeout, trap, memory limit or host
+misuse ends only the sequence whose call it was.
 """
 
 from __future__ import annotations
@@ -112,14 +112,14 @@ class Ticker:
     def leave(self) -> None:
         self.running[get_ident()] = None
 
-    def _computed(self, period: float) -> bool:
+    def _computed(self) -> bool:
         """Whether this tick counts: a thread running a guest call has had a tick's worth of CPU (rounded, half a
         tick or more) that no counted tick took yet; no guest call running: yes (the tick is then no one's). The
         CPU clock is read only for a controller seen running at the tick before too (a call that may be long): a
         tick that finds another call counts without a read, and so does the first read (a deadline's ticks
         already round up by one). A thread's CPU time accrues across ticks, so one on the CPU a third of the
         time has every third tick counted."""
-        seen, computed, anyone = self._seen, False, False
+        seen, period, computed, anyone = self._seen, self.period, False, False
         for thread, inst in list(self.running.items()):
             if inst is None:
                 seen.pop(thread, None)
@@ -151,7 +151,7 @@ class Ticker:
         while True:
             self._wake.wait()
             time.sleep(period)
-            if self._computed(period):
+            if self._computed():
                 increment(engine)  # one GIL hold per tick: the increment keeps it
             if not self._needed():
                 self.awake = False

@@ -130,8 +130,8 @@ def test_the_ticker_counts_the_cpu_time_a_long_call_had(monkeypatch, share, coun
     ticker.running[12345] = object()  # one controller's call, running throughout
     ticks = 0
     for _ in range(100):
-        ticks += ticker._computed(0.001)
+        ticks += ticker._computed()
         cpu[0] += share * 0.001
     assert ticks == counted
     ticker.running[12345] = None
-    assert ticker._computed(0.001) and 12345 not in ticker._seen
+    assert ticker._computed() and 12345 not in ticker._seen
