@@ -94,8 +94,7 @@ class TextStream:
     tokenizer: object
     stop: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
-    text: str = ""  # every decoded character so far
-    released: int = 0  # characters of ``text`` already handed out
+    released: int = 0  # characters of ``text`` (every decoded character so far) already handed out
     stopped_by: str | None = None
     _prefix_offset: int = 0
     _read_offset: int = 0
@@ -103,12 +102,31 @@ class TextStream:
     _bytes: list[bytes] | None = field(init=False, repr=False)
     _texts: list[str | None] | None = field(init=False, repr=False)
     _pending: bytes = field(init=False, repr=False)  # with a byte table: the bytes after the last complete character
+    # ``text`` is ``_text`` followed by ``_parts``, the pieces the common case released (appended to a list: a
+    # string grown by ``+=`` in an attribute is copied whole each time), ``_length`` characters in all
+    _text: str = field(init=False, repr=False)
+    _parts: list[str] = field(init=False, repr=False)
+    _length: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._decode = decoder(self.tokenizer)
         self._bytes = byte_table(self.tokenizer)
         self._texts = text_table(self.tokenizer)
         self._pending = b""
+        self._text, self._parts, self._length = "", [], 0
+
+    @property
+    def text(self) -> str:
+        """Every decoded character so far."""
+        if self._parts:
+            self._text += "".join(self._parts)
+            self._parts.clear()
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._parts.clear()
+        self._text, self._length = value, len(value)
 
     def _append_token(self, token_id: int) -> None:
         if self._bytes is not None:  # the same text as below, without the tokenizer
@@ -137,45 +155,53 @@ class TextStream:
         if self.stopped_by is not None:
             return ""
         # the common case inline: a byte table, no stop strings, nothing pending or held back
-        if self._texts is not None and not (self.stop or self._pending) and self.released == len(self.text):
+        if self._texts is not None and not (self.stop or self._pending) and self.released == self._length:
             text = self._texts[token_id] if token_id < len(self._texts) else ""
             if text is None:  # a character goes on in the next token
                 self._pending = self._bytes[token_id]  # type: ignore[index]
                 return ""
-            self.text += text
-            self.released = len(self.text)
+            self._parts.append(text)
+            self._length += len(text)
+            self.released = self._length
             return text
         self._append_token(token_id)
         return self._release()
 
     def _release(self) -> str:
-        start = self.released
+        start, text = self.released, self.text
         if not self.stop:
-            self.released = len(self.text)
-            return self.text[start:]
+            self.released = len(text)
+            return text[start:]
+        # Every match (found from ``start - len(stop) + 1`` on) and every held-back suffix of ``text`` begins
+        # with its stop string's first character, within the last ``longest - 1`` characters before ``start``
+        # or after it: where none of those characters is there, everything is released.
+        window = text[max(0, start - max(map(len, self.stop)) + 1) :]
+        if all(stop and stop[0] not in window for stop in self.stop):
+            self.released = len(text)
+            return text[start:]
         earliest: tuple[int, str] | None = None
         for stop in self.stop:
-            index = self.text.find(stop, max(0, start - len(stop) + 1))
+            index = text.find(stop, max(0, start - len(stop) + 1))
             if index != -1 and (earliest is None or index < earliest[0]):
                 earliest = (index, stop)
         if earliest is not None:
             end = max(earliest[0], start)
             self.stopped_by = earliest[1]
-            self.text = self.text[:end]
+            self.text = text[:end]
             self.released = end
-            return self.text[start:end]
-        end = len(self.text) - self._held_back()
+            return text[start:end]
+        end = len(text) - self._held_back(text)
         if end <= start:
             return ""
         self.released = end
-        return self.text[start:end]
+        return text[start:end]
 
-    def _held_back(self) -> int:
+    def _held_back(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
         held = 0
         for stop in self.stop:
-            for k in range(min(len(stop) - 1, len(self.text)), held, -1):
-                if self.text.endswith(stop[:k]):
+            for k in range(min(len(stop) - 1, len(text)), held, -1):
+                if text.endswith(stop[:k]):
                     held = k
                     break
         return held

@@ -93,3 +93,40 @@ def test_byte_table_decodes_as_the_tokenizer(tokenizer):
         slow._bytes = slow._texts = None
         assert [fast.push([i]) for i in ids] + [fast.flush()] == [slow.push([i]) for i in ids] + [slow.flush()]
         assert fast.text == slow.text
+
+
+def test_streamed_text_is_the_decode_cut_at_the_first_stop_string(tokenizer):
+    """Random texts and stop strings (multi-byte characters, stops that straddle tokens, repeat, or never
+    come), some stops set mid-stream as a Modify does: what streams is the whole decode cut before the
+    earliest stop in the text decoded when the first stop completes (searched from where the stops were set),
+    and never more of it at any point."""
+    rng = random.Random(7)
+    alphabet = list("ab c\n.,") + ["é", "日本", "🙂", "the", " END"]
+    for case in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
+        ids = tokenizer(text).input_ids
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        stops = []
+        for _ in range(rng.randint(0, 3)):
+            start = rng.randrange(len(full))
+            stops.append(full[start : start + rng.randint(1, 5)] if rng.random() < 0.7 else rng.choice(alphabet) + "x")
+        set_at = rng.choice([0, 0, rng.randrange(len(ids))])  # stops from the start, or from this token on
+        stream = TextStream(tokenizer, stop=[] if set_at else list(stops))
+        deltas, released_before = [], 0  # the characters streamed before the stops were set
+        for n, token in enumerate(ids):
+            if n == set_at and set_at:
+                stream.stop, released_before = list(stops), len("".join(deltas))
+            deltas.append(stream.push([token]))
+            assert full.startswith("".join(deltas)), case
+        if stream.stopped_by is None:
+            deltas.append(stream.flush())
+        streamed = "".join(deltas)
+        expected = full  # cut before the earliest stop in the text decoded when the first one completes
+        for n in range(max(set_at, 1), len(ids) + 1):
+            so_far = tokenizer.decode(ids[:n], skip_special_tokens=True).rstrip("\ufffd")
+            found = [i for i in (so_far.find(s, max(0, released_before - len(s) + 1)) for s in stops) if i != -1]
+            if found:
+                expected = full[: max(min(found), released_before)]
+                break
+        assert streamed == expected, (case, text, stops, set_at)
+        assert stream.text == expected, case
