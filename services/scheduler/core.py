@@ -81,23 +81,25 @@ class Outbox:
     ``Events`` per gateway, a ``RequestFailed`` after the events before it."""
 
     def __init__(self) -> None:
-        self._events: dict[bytes, list[wire.TokenEvent]] = defaultdict(list)
+        # gateway -> its events since the last ``message``: the same dict for the outbox's life, so the
+        # core's per-token loop appends to ``by_gateway[gateway]`` (what ``event`` does) without a call
+        self.by_gateway: dict[bytes, list[wire.TokenEvent]] = defaultdict(list)
         self._ready: list[tuple[bytes, wire.Msg]] = []
 
     def event(self, gateway: bytes, event: wire.TokenEvent) -> None:
-        self._events[gateway].append(event)
+        self.by_gateway[gateway].append(event)
 
     def events_of(self, gateway: bytes) -> list[wire.TokenEvent]:
         """Where ``event`` puts ``gateway``'s next events, until the next ``message``."""
-        return self._events[gateway]
+        return self.by_gateway[gateway]
 
     def message(self, gateway: bytes, msg: wire.Msg) -> None:
         self._close()
         self._ready.append((gateway, msg))
 
     def _close(self) -> None:
-        self._ready += [(gateway, wire.Events(events=events)) for gateway, events in self._events.items()]
-        self._events.clear()
+        self._ready += [(gateway, wire.Events(events=events)) for gateway, events in self.by_gateway.items()]
+        self.by_gateway.clear()
 
     def take(self) -> list[tuple[bytes, wire.Msg]]:
         self._close()
@@ -514,7 +516,8 @@ class SchedulerCore:
     def apply(self, dispatch: Dispatch, result: wire.StepResult) -> None:
         """Apply one worker's step result: its SeqSteps' parts (prompt outputs, forks, failures,
         readouts, controlled branches), then every sampled token, followers' first. A token is a
-        handful of operations inline (this runs for every token)."""
+        handful of operations inline (this runs for every token): a request without stop strings
+        has its text and event made here, one with them defers its text (:meth:`emit_deferred`)."""
         dispatch.info.steps_out -= 1
         followers = dispatch.followers
         failures = {f.seq_id: f.message for f in result.failures}
@@ -533,7 +536,7 @@ class SchedulerCore:
                 if request.seq_id in failures:
                     self._seq_failed(request, request.seq_id, failures[request.seq_id])
         taken = self._apply_seqs(dispatch, samples[len(followers):], failures, result)
-        deferred, finished = self.deferred, State.FINISHED
+        deferred, finished, events = self.deferred, State.FINISHED, self.outbox.by_gateway
         for request, sampled in itertools.chain(zip(followers, samples), taken):
             if request.state is finished:  # cancelled while its step ran (or failed above)
                 continue
@@ -543,24 +546,28 @@ class SchedulerCore:
                 continue
             generated = request.generated
             generated.append(token)
-            event = wire.TokenEvent(rid=request.rid, tokens=[sampled])
             n = len(generated)
             if token in request.stop_ids:  # requests.stop_token, its set made at admission
-                self.finish(request, "stop", event, stop_reason=token)
-            elif n >= request.limit:  # requests.length_reached
-                self._emit_text(request, event, last=True)
-            else:
-                if request.follower and n + request.in_flight >= request.limit:
-                    self.batches[request.worker].leave(request)  # a token in flight may be its last
-                if request.text.stop:
-                    # Its text may complete a stop string: it is worked out once the next step is on its
-                    # way (the scan costs more than the lookup of a token's text). A stop string found
-                    # then ends the request, and the token that step samples for it is dropped.
-                    if not request.deferred:
-                        deferred.append(request)
-                    request.deferred.append(event)
-                else:
-                    self._emit_text(request, event, last=False)
+                self.finish(request, "stop", wire.TokenEvent(rid=request.rid, tokens=[sampled]), stop_reason=token)
+                continue
+            if n >= request.limit:  # requests.length_reached
+                self._emit_text(request, wire.TokenEvent(rid=request.rid, tokens=[sampled]), last=True)
+                continue
+            if request.follower and n + request.in_flight >= request.limit:
+                self.batches[request.worker].leave(request)  # a token in flight may be its last
+            text = request.text
+            if text.stop:
+                # Its text may complete a stop string: it is worked out once the next step is on its
+                # way (the scan costs more than the lookup of a token's text). A stop string found
+                # then ends the request, and the token that step samples for it is dropped.
+                if not request.deferred:
+                    deferred.append(request)
+                request.deferred.append(wire.TokenEvent(rid=request.rid, tokens=[sampled]))
+            elif request.deferred:  # its stop strings were taken away (a Modify) with text still to work out
+                self._emit_text(request, wire.TokenEvent(rid=request.rid, tokens=[sampled]), last=False)
+            else:  # _emit_text inline: without stop strings nothing ends it here
+                events[request.gateway].append(
+                    wire.TokenEvent(rid=request.rid, tokens=[sampled], text=text.push_one(token)))
 
     def _apply_seqs(self, dispatch: Dispatch, samples: list[wire.SampledToken], failures: dict[int, str],
                     result: wire.StepResult) -> list[tuple[LiveRequest, wire.SampledToken]]:
