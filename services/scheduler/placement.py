@@ -179,7 +179,9 @@ class KVAwarePlacement:
 
     def __call__(self, request: LiveRequest, workers: Sequence[WorkerInfo]) -> bytes | None:
         candidates = [Candidate(w.identity, w.unreserved, w.running) for w in workers if w.suspect_since is None]
-        keys = list(prefix_keys(request.prompt))
+        keys = request.block_keys
+        if keys is None:  # hashed once: a request that waits for room is placed again at every admission
+            keys = request.block_keys = list(prefix_keys(request.prompt))
         decision = choose(candidates, request.needed_tokens, keys, self.index, balance=self.balance)
         if decision is None:
             return None

@@ -76,6 +76,7 @@ class LiveRequest:
     readout_positions: set[int] = field(default_factory=set)
     scored: dict[int, wire.ScoreResult] = field(default_factory=dict)
     cached_tokens: int = 0  # prompt tokens whose KV was reused (a parked sequence, the prefix cache)
+    block_keys: list[int] | None = None  # the prompt's full blocks' keys (common.blocks), once placement needed them
     # the submit's fields read for every sequence in every step, as attributes of their own
     rid: str = field(init=False)
     prompt: list[int] = field(init=False)

@@ -106,6 +106,7 @@ class SessionKV:
         self._free = free  # (worker identity, seq_id): free a sequence with the worker's next step
         self.clock = clock
         self.parked: OrderedDict[str, Parked] = OrderedDict()  # least recently parked first
+        self._parked_on: dict[bytes, OrderedDict[str, Parked]] = {}  # the same, by worker (eviction for room on one)
         self.pinned: set[int] = set()  # parked sequences a placed fork has not copied yet
         self._held: Counter[bytes] = Counter()  # worker -> tokens parked on it (kept, not summed: many sessions)
 
@@ -176,7 +177,8 @@ class SessionKV:
         if previous is not None:
             self._evict(previous)
         images = [image for image in request.submit.images if image.end <= len(request.kv_tokens)]
-        self.parked[ref.key] = Parked(ref.key, request.seq_id, worker.identity, tokens, self.clock(), images)
+        parked = self.parked[ref.key] = Parked(ref.key, request.seq_id, worker.identity, tokens, self.clock(), images)
+        self._parked_on.setdefault(worker.identity, OrderedDict())[ref.key] = parked
         self._held[worker.identity] += len(tokens)
         worker.reserved_tokens += len(tokens)
         limit = int(worker.capacity * self.config.kv_parked_fraction)
@@ -213,7 +215,7 @@ class SessionKV:
 
     def drop_worker(self, identity: bytes) -> None:
         """A lost worker took its parked sequences with it."""
-        for key in [k for k, p in self.parked.items() if p.worker == identity]:
+        for key in self._parked_on.pop(identity, {}):
             del self.parked[key]
         self._held.pop(identity, None)
 
@@ -221,6 +223,7 @@ class SessionKV:
 
     def _unpark(self, parked: Parked) -> None:
         del self.parked[parked.key]
+        del self._parked_on[parked.worker][parked.key]
         self._held[parked.worker] -= len(parked.tokens)
 
     def _evict(self, parked: Parked) -> None:
@@ -237,8 +240,8 @@ class SessionKV:
 
     def _evict_lru(self, exclude: set[int], worker: bytes | None = None) -> bool:
         """Free the least recently parked sequence (on ``worker`` when given); False: none to free."""
-        for parked in self.parked.values():
-            if parked.seq_id not in exclude and (worker is None or parked.worker == worker):
+        for parked in (self.parked if worker is None else self._parked_on.get(worker, {})).values():
+            if parked.seq_id not in exclude:
                 self._evict(parked)
                 return True
         return False
