@@ -53,7 +53,7 @@ from common.blocks import BLOCK_SIZE, ROOT_HASH, block_hash, block_key, prefix_k
 from common.config import Controllers, Limits, Sessions, Settings
 from common.model_source import load_tokenizer
 from common.service import freeze_startup_heap
-from common.textstream import TextStream
+from common.textstream import TextStream, text_table
 from services.scheduler.core import Dispatch, SchedulerCore
 from services.scheduler.placement import KVAwarePlacement
 from services.scheduler.requests import LiveRequest
@@ -403,6 +403,7 @@ def main() -> None:
                         cache_logger_on_first_use=True)
     settings = Settings()
     tokenizer = load_tokenizer(settings)
+    text_table(tokenizer)  # as the scheduler service builds them at start
     freeze_startup_heap(settings.gc_young_threshold)  # as the scheduler service does once it started
     print(f"{args.seqs} users per worker, {args.sessions} conversations each of ~{args.turns} turns of {args.tokens} "
           f"tokens; prompts: one of {args.system_prompts} system prompts (~{args.system_tokens} tokens, "

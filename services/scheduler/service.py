@@ -42,7 +42,7 @@ from common.errors import INTERNAL_ERROR, INVALID_REQUEST
 from common.incarnation import process_incarnation
 from common.model_source import load_tokenizer
 from common.sockets import Router, reply_mid
-from common.textstream import TextStream, byte_table
+from common.textstream import TextStream, text_table
 from services.scheduler.controlled import MainReply, Plan
 from services.scheduler.core import Dispatch, SchedulerCore
 from services.scheduler.main_channel import MainChannel
@@ -84,7 +84,7 @@ class Scheduler:
         self.incarnation = process_incarnation()
         self.limits = settings.limits
         tokenizer = load_tokenizer(settings)
-        byte_table(tokenizer)  # the text streams' table, built at start rather than by the first request
+        text_table(tokenizer)  # the text streams' tables, built at start rather than by the first request
         self.placement = KVAwarePlacement(settings.distributed.placement_balance)
         self.core = SchedulerCore(settings.limits, settings.sessions, settings.controllers,
                                   lambda stop: TextStream(tokenizer, stop=stop), place=self.placement,
