@@ -29,7 +29,9 @@ tokens (each turn's whole prompt, history included, as an API bills cached token
 placement (the service's) and under random placement (each turn on a random worker with room,
 sessions not parked: a turn finds its history only where the worker's cache still has it), and the
 most any placement could reuse (**hit max**: a turn's own history, else the longest prefix, in full
-blocks, of any prompt sent before it: no placement beats it, so it bounds the ratio too).
+blocks, of any prompt sent before it: no placement beats it, so it bounds the ratio too); and the session
+hit rate (**turns**): of the turns after a conversation's first, those that reused every full block of
+the conversation so far (its history, minus the last token, which a turn always computes).
 
     python deploy/loadtest/scheduler_sim.py                 # 8 and 32 workers x 256 users
     python deploy/loadtest/scheduler_sim.py --workers 2 --seqs 16 --turns 2   # a quick look
@@ -192,6 +194,7 @@ class Client:
     history: list[int] = field(default_factory=list)
     rid: str = ""
     prompt: list[int] = field(default_factory=list)
+    kept: int = 0  # tokens of its conversation before this turn that the turn may reuse (0: a first turn)
     generated: list[int] = field(default_factory=list)
 
     @property
@@ -233,6 +236,8 @@ class Run:
     prompt_tokens: int = 0
     reused_tokens: int = 0
     reusable_tokens: int = 0  # the most any placement could reuse (see ``simulate``'s ``submit``)
+    later_turns: int = 0  # turns after a conversation's first
+    turns_kept: int = 0  # of those, the turns that reused every full block of their conversation so far
     elapsed_s: float = 0.0  # simulated time, first step to last result
     busy_s: dict[float, float] = field(default_factory=lambda: defaultdict(float))  # by worker step time
     idle_s: dict[float, float] = field(default_factory=lambda: defaultdict(float))  # between steps, waiting
@@ -279,6 +284,7 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
         # prefix of any prompt sent before (a cache of unlimited size on the worker it went to)
         kept = len(client.history) - 1 if client.turns_left else 0
         prompt = client.next_prompt(workload)
+        client.kept = kept
         run.prompt_tokens += len(prompt)
         keys = list(prefix_keys(prompt, limit=(len(prompt) - 1) // BLOCK_SIZE))
         known = next((i for i, key in enumerate(keys) if key not in seen), len(keys))
@@ -308,6 +314,9 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
                 run.decode_tokens += len(event.tokens)
                 if event.finish_reason is not None:
                     run.reused_tokens += event.cached_tokens
+                    if client.kept:
+                        run.later_turns += 1
+                        run.turns_kept += event.cached_tokens >= client.kept // BLOCK_SIZE * BLOCK_SIZE
                     del by_rid[event.rid]
                     client.history = client.prompt + client.generated
                     if not client.done:
@@ -415,18 +424,21 @@ def main() -> None:
           "for the slower workers) / its time")
     print(f"{'workers':>7} {'pipelines':>10} {'steps':>7} {'core µs/step':>12} {'µs/seq':>6} {'tok/s':>8} "
           + " ".join(f"{f'idle@{ms:g}ms':>10}" for ms in speeds)
-          + f" {'hit kv':>7} {'hit rnd':>7} {'ratio':>6} {'hit max':>7}")
+          + f" {'hit kv':>7} {'hit rnd':>7} {'ratio':>6} {'hit max':>7} {'turns kv':>8} {'turns rnd':>9} {'ratio':>6}")
     for workers in args.workers:
         rnd = simulate(args, workers, False, False, tokenizer)
         hit_rnd = rnd.reused_tokens / rnd.prompt_tokens
+        turns_rnd = rnd.turns_kept / rnd.later_turns if rnd.later_turns else 0.0
         for lockstep in (True, False):
             kv = simulate(args, workers, True, lockstep, tokenizer)
             hit_kv = kv.reused_tokens / kv.prompt_tokens
+            turns_kv = kv.turns_kept / kv.later_turns if kv.later_turns else 0.0
             idle = " ".join(f"{kv.idle_s[s] / (kv.idle_s[s] + kv.busy_s[s]):>10.1%}" for s in (ms / 1000 for ms in speeds))
             print(f"{workers:>7} {'lockstep' if lockstep else 'per worker':>10} {kv.steps:>7} "
                   f"{kv.core_s / kv.steps * 1e6:>12.1f} {kv.core_s / kv.seq_steps * 1e6:>6.1f} {kv.decode_tokens / kv.elapsed_s:>8,.0f} {idle} "
                   f"{hit_kv:>7.1%} {hit_rnd:>7.1%} {hit_kv / hit_rnd if hit_rnd else float('inf'):>5.1f}x "
-                  f"{kv.reusable_tokens / kv.prompt_tokens:>7.1%}")
+                  f"{kv.reusable_tokens / kv.prompt_tokens:>7.1%} {turns_kv:>8.1%} {turns_rnd:>9.1%} "
+                  f"{turns_kv / turns_rnd if turns_rnd else float('inf'):>5.1f}x")
 
 if __name__ == "__main__":
     main()
