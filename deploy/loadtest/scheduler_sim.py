@@ -44,6 +44,7 @@ import itertools
 import logging
 import random
 import time
+from array import array
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,7 +78,9 @@ class SimWorker:
         self.kv_blocks = kv_blocks
         self.refs: dict[bytes, int] = {}  # blocks live sequences hold -> how many hold them
         self.cached: OrderedDict[bytes, None] = OrderedDict()  # blocks no sequence holds, least recently released first
-        self.seqs: dict[int, list[int]] = {}
+        # token sequences in arrays, which the cyclic garbage collector does not traverse: in the real system they
+        # live in other processes, and as lists they would lengthen the scheduler's collections here
+        self.seqs: dict[int, array] = {}
         self.names: dict[int, list[bytes]] = {}  # each sequence's full blocks
         self.last: dict[int, int] = {}
         self.new: list[int] = []
@@ -105,7 +108,7 @@ class SimWorker:
 
     def _extend(self, seq_id: int, feed: list[int]) -> None:
         tokens, names = self.seqs[seq_id], self.names[seq_id]
-        tokens += feed
+        tokens.extend(feed)
         for j in range(len(names), len(tokens) // BLOCK_SIZE):
             names.append(block_hash(names[-1] if names else ROOT_HASH, tokens[j * BLOCK_SIZE : (j + 1) * BLOCK_SIZE]))
             self._hold(names[-1])
@@ -115,7 +118,7 @@ class SimWorker:
         continue the sequence's own (a real worker looks up every prompt chunk the same way)."""
         tokens, names = self.seqs[seq_id], self.names[seq_id]
         start, j = len(tokens), len(names)  # a partial last block is replaced by a cached full one
-        history, limit = tokens[j * BLOCK_SIZE :] + feed, start + limit
+        history, limit = tokens[j * BLOCK_SIZE :].tolist() + feed, start + limit
         parent, offset = names[-1] if names else ROOT_HASH, 0
         while (j + 1) * BLOCK_SIZE <= limit:
             parent = block_hash(parent, history[offset : offset + BLOCK_SIZE])
@@ -139,7 +142,7 @@ class SimWorker:
         for s in follows + step.seqs:
             if s.seq_id not in self.seqs:
                 parent = s.fork_of
-                self.seqs[s.seq_id] = list(self.seqs[parent]) if parent is not None else []
+                self.seqs[s.seq_id] = array("q", self.seqs[parent] if parent is not None else [])
                 self.names[s.seq_id] = list(self.names[parent]) if parent is not None else []
                 for name in self.names[s.seq_id]:
                     self._hold(name)
@@ -172,8 +175,8 @@ class Workload:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         rng = random.Random(args.seed)
-        self.systems = [[rng.randrange(VOCAB_LOW, VOCAB_HIGH)
-                         for _ in range(rng.randint(args.system_tokens // 2, 3 * args.system_tokens // 2))]
+        self.systems = [tuple(rng.randrange(VOCAB_LOW, VOCAB_HIGH)
+                               for _ in range(rng.randint(args.system_tokens // 2, 3 * args.system_tokens // 2)))
                         for _ in range(args.system_prompts)]
         self.popularity = list(itertools.accumulate(1 / (rank + 1) ** args.zipf for rank in range(len(self.systems))))
 
@@ -191,9 +194,9 @@ class Client:
     sessions_left: int
     key: str = ""
     turns_left: int = 0
-    history: list[int] = field(default_factory=list)
+    history: tuple[int, ...] = ()  # tuples, as the workers' arrays (see SimWorker)
     rid: str = ""
-    prompt: list[int] = field(default_factory=list)
+    prompt: tuple[int, ...] = ()
     kept: int = 0  # tokens of its conversation before this turn that the turn may reuse (0: a first turn)
     generated: list[int] = field(default_factory=list)
 
@@ -201,7 +204,7 @@ class Client:
     def done(self) -> bool:
         return not (self.turns_left or self.sessions_left)
 
-    def next_prompt(self, workload: Workload) -> list[int]:
+    def next_prompt(self, workload: Workload) -> tuple[int, ...]:
         """The next turn's prompt: the conversation so far (a new one: a system prompt, drawn by
         popularity), then a user message."""
         args = workload.args
@@ -212,7 +215,7 @@ class Client:
             self.history = self.rng.choices(workload.systems, cum_weights=workload.popularity)[0]
         self.turns_left -= 1
         user = [self.rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(self.rng.randint(1, 2 * args.user_tokens - 1))]
-        self.prompt = self.history + user
+        self.prompt = self.history + tuple(user)
         self.rid, self.generated = f"{self.key}-{self.turns_left}", []
         return self.prompt
 
@@ -318,7 +321,7 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
                         run.later_turns += 1
                         run.turns_kept += event.cached_tokens >= client.kept // BLOCK_SIZE * BLOCK_SIZE
                     del by_rid[event.rid]
-                    client.history = client.prompt + client.generated
+                    client.history = client.prompt + tuple(client.generated)
                     if not client.done:
                         submit(client)
                         submitted = True
