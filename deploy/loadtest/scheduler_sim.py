@@ -436,7 +436,8 @@ def main() -> None:
             kv = simulate(args, workers, True, lockstep, tokenizer)
             hit_kv = kv.reused_tokens / kv.prompt_tokens
             turns_kv = kv.turns_kept / kv.later_turns if kv.later_turns else 0.0
-            idle = " ".join(f"{kv.idle_s[s] / (kv.idle_s[s] + kv.busy_s[s]):>10.1%}" for s in (ms / 1000 for ms in speeds))
+            idle = " ".join(f"{kv.idle_s[s] / (kv.idle_s[s] + kv.busy_s[s]):>10.1%}" if kv.busy_s[s] else f"{'-':>10}"
+                            for s in (ms / 1000 for ms in speeds))  # "-": fewer workers than step times
             print(f"{workers:>7} {'lockstep' if lockstep else 'per worker':>10} {kv.steps:>7} "
                   f"{kv.core_s / kv.steps * 1e6:>12.1f} {kv.core_s / kv.seq_steps * 1e6:>6.1f} {kv.decode_tokens / kv.elapsed_s:>8,.0f} {idle} "
                   f"{hit_kv:>7.1%} {hit_rnd:>7.1%} {hit_kv / hit_rnd if hit_rnd else float('inf'):>5.1f}x "
