@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from functools import cache, partial
 
 REPLACEMENT_CHAR = "\ufffd"
+KEPT_TAIL = 256  # characters a stream lets its released text run past what a stop string may match, before it moves it
 
 
 @cache
@@ -102,10 +103,11 @@ class TextStream:
     _bytes: list[bytes] | None = field(init=False, repr=False)
     _texts: list[str | None] | None = field(init=False, repr=False)
     _pending: bytes = field(init=False, repr=False)  # with a byte table: the bytes after the last complete character
-    # ``text`` is ``_text`` followed by ``_parts``, the pieces the common case released (appended to a list: a
-    # string grown by ``+=`` in an attribute is copied whole each time), ``_length`` characters in all
-    _text: str = field(init=False, repr=False)
-    _parts: list[str] = field(init=False, repr=False)
+    # ``text`` is the pieces of ``_head`` and then ``_tail``, ``_length`` characters in all: a string grown by
+    # ``+=`` in an attribute is copied whole each time, so released text goes to the list, and ``_tail`` keeps
+    # only what a stop string may still match (from ``released`` less the longest stop string on)
+    _head: list[str] = field(init=False, repr=False)
+    _tail: str = field(init=False, repr=False)
     _length: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -113,20 +115,31 @@ class TextStream:
         self._bytes = byte_table(self.tokenizer)
         self._texts = text_table(self.tokenizer)
         self._pending = b""
-        self._text, self._parts, self._length = "", [], 0
+        self._head, self._tail, self._length = [], "", 0
 
     @property
     def text(self) -> str:
         """Every decoded character so far."""
-        if self._parts:
-            self._text += "".join(self._parts)
-            self._parts.clear()
-        return self._text
+        if self._head:
+            self._tail = "".join(self._head) + self._tail
+            self._head = []
+        return self._tail
 
     @text.setter
     def text(self, value: str) -> None:
-        self._parts.clear()
-        self._text, self._length = value, len(value)
+        self._head, self._tail, self._length = [], value, len(value)
+
+    def _cover(self, position: int) -> int:
+        """Make ``_tail`` hold the text from ``position`` on; returns the offset of ``_tail`` in ``text``."""
+        base = self._length - len(self._tail)
+        if position < base:
+            self.text  # noqa: B018 - joined into _tail (a stop string set late, or longer than the tail kept)
+            return 0
+        return base
+
+    def _append(self, text: str) -> None:
+        self._tail += text
+        self._length += len(text)
 
     def _append_token(self, token_id: int) -> None:
         if self._bytes is not None:  # the same text as below, without the tokenizer
@@ -134,7 +147,7 @@ class TextStream:
             self._pending += self._bytes[token_id] if token_id < len(self._bytes) else b""
             text = self._pending.decode("utf-8", "replace")
             if text and not text.endswith(REPLACEMENT_CHAR):
-                self.text += text
+                self._append(text)
                 self._pending = b""
             return
         self.ids.append(token_id)
@@ -142,7 +155,7 @@ class TextStream:
         new_text = self._decode(self.ids[self._prefix_offset :])
         if new_text.endswith(REPLACEMENT_CHAR) or len(new_text) <= len(prefix_text):
             return  # an incomplete UTF-8 sequence (or a token with no text): wait for more
-        self.text += new_text[len(prefix_text) :]
+        self._append(new_text[len(prefix_text) :])
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.ids)
 
@@ -160,7 +173,10 @@ class TextStream:
             if text is None:  # a character goes on in the next token
                 self._pending = self._bytes[token_id]  # type: ignore[index]
                 return ""
-            self._parts.append(text)
+            if self._tail:
+                self._head.append(self._tail)
+                self._tail = ""
+            self._head.append(text)
             self._length += len(text)
             self.released = self._length
             return text
@@ -168,36 +184,51 @@ class TextStream:
         return self._release()
 
     def _release(self) -> str:
-        start, text = self.released, self.text
+        start = self.released
         if not self.stop:
-            self.released = len(text)
-            return text[start:]
-        # Every match (found from ``start - len(stop) + 1`` on) and every held-back suffix of ``text`` begins
-        # with its stop string's first character, within the last ``longest - 1`` characters before ``start``
-        # or after it: where none of those characters is there, everything is released.
-        window = text[max(0, start - max(map(len, self.stop)) + 1) :]
+            base = self._cover(start)
+            self.released = self._length
+            return self._keep(base, 0)[start - base :]
+        # Every match (found from ``start - len(stop) + 1`` on) and every held-back suffix begins with its stop
+        # string's first character, within the last ``longest - 1`` characters before ``start`` or after it:
+        # where none of those characters is there, everything is released.
+        longest = max(map(len, self.stop))
+        base = self._cover(max(0, start - longest + 1))
+        tail = self._tail
+        window = tail[max(0, start - longest + 1) - base :]
         if all(stop and stop[0] not in window for stop in self.stop):
-            self.released = len(text)
-            return text[start:]
+            self.released = self._length
+            return self._keep(base, longest)[start - base :]
         earliest: tuple[int, str] | None = None
         for stop in self.stop:
-            index = text.find(stop, max(0, start - len(stop) + 1))
-            if index != -1 and (earliest is None or index < earliest[0]):
-                earliest = (index, stop)
+            index = tail.find(stop, max(0, start - len(stop) + 1) - base)
+            if index != -1 and (earliest is None or index + base < earliest[0]):
+                earliest = (index + base, stop)
         if earliest is not None:
             end = max(earliest[0], start)
             self.stopped_by = earliest[1]
-            self.text = text[:end]
+            self._tail, self._length = tail[: end - base], end
             self.released = end
-            return text[start:end]
-        end = len(text) - self._held_back(text)
+            return tail[start - base : end - base]
+        end = self._length - self._held_back(tail)
         if end <= start:
             return ""
         self.released = end
-        return text[start:end]
+        return self._keep(base, longest)[start - base : end - base]
+
+    def _keep(self, base: int, longest: int) -> str:
+        """``_tail`` as it was (returned, at offset ``base``); what a stop string can no longer match (released
+        more than ``longest`` characters ago) moves to ``_head`` when there is much of it."""
+        tail = self._tail
+        old = self.released - base - longest
+        if old > KEPT_TAIL:
+            self._head.append(tail[:old])
+            self._tail = tail[old:]
+        return tail
 
     def _held_back(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        """Length of the longest suffix of ``text`` (which holds the last ``longest - 1`` characters at least) that
+        is a proper prefix of a stop string."""
         held = 0
         for stop in self.stop:
             for k in range(min(len(stop) - 1, len(text)), held, -1):
@@ -210,6 +241,7 @@ class TextStream:
         """Release everything held back (at the end of generation for reasons other than a stop string)."""
         if self.stopped_by is not None:
             return ""
-        tail = self.text[self.released :]
-        self.released = len(self.text)
+        base = self._cover(self.released)
+        tail = self._tail[self.released - base :]
+        self.released = self._length
         return tail

@@ -5,6 +5,7 @@ import random
 import pytest
 
 from common.config import Settings
+from common import textstream
 from common.model_source import load_tokenizer
 from common.textstream import REPLACEMENT_CHAR, TextStream, byte_table, decoder, text_table
 
@@ -95,11 +96,14 @@ def test_byte_table_decodes_as_the_tokenizer(tokenizer):
         assert fast.text == slow.text
 
 
-def test_streamed_text_is_the_decode_cut_at_the_first_stop_string(tokenizer):
+@pytest.mark.parametrize("kept_tail", [textstream.KEPT_TAIL, 0, 3])
+def test_streamed_text_is_the_decode_cut_at_the_first_stop_string(tokenizer, monkeypatch, kept_tail):
     """Random texts and stop strings (multi-byte characters, stops that straddle tokens, repeat, or never
     come), some stops set mid-stream as a Modify does: what streams is the whole decode cut before the
     earliest stop in the text decoded when the first stop completes (searched from where the stops were set),
-    and never more of it at any point."""
+    and never more of it at any point. Also with the released text moved out of the stream's tail at once
+    (``kept_tail`` 0 and 3: the test's texts are shorter than the default)."""
+    monkeypatch.setattr(textstream, "KEPT_TAIL", kept_tail)
     rng = random.Random(7)
     alphabet = list("ab c\n.,") + ["é", "日本", "🙂", "the", " END"]
     for case in range(300):
