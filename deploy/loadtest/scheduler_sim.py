@@ -393,6 +393,20 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
     return run
 
 
+def as_the_scheduler_starts():
+    """This process set up as the scheduler service is when it starts (its tokenizer, with the text streams'
+    tables built and the start-up heap frozen), its per-request info lines off; returns the tokenizer."""
+    # the core's per-request info lines would swamp the output (and a real scheduler writes them to a file)
+    # (and the logger cached, as common.logging configures the service's)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+                        cache_logger_on_first_use=True)
+    settings = Settings()
+    tokenizer = load_tokenizer(settings)
+    text_table(tokenizer)
+    freeze_startup_heap(settings.gc_young_threshold)
+    return tokenizer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 32])
@@ -409,14 +423,7 @@ def main() -> None:
     parser.add_argument("--step-token-budget", type=int, default=Limits().step_token_budget)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    # the core's per-request info lines would swamp the table (and a real scheduler writes them to a file)
-    # (and the logger cached, as common.logging configures the service's)
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-                        cache_logger_on_first_use=True)
-    settings = Settings()
-    tokenizer = load_tokenizer(settings)
-    text_table(tokenizer)  # as the scheduler service builds them at start
-    freeze_startup_heap(settings.gc_young_threshold)  # as the scheduler service does once it started
+    tokenizer = as_the_scheduler_starts()
     print(f"{args.seqs} users per worker, {args.sessions} conversations each of ~{args.turns} turns of {args.tokens} "
           f"tokens; prompts: one of {args.system_prompts} system prompts (~{args.system_tokens} tokens, "
           f"Zipf {args.zipf:g}) + history + ~{args.user_tokens} new; {args.kv_tokens:,} KV tokens per worker; "
