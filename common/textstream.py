@@ -193,9 +193,10 @@ class TextStream:
         # string's first character, within the last ``longest - 1`` characters before ``start`` or after it:
         # where none of those characters is there, everything is released.
         longest = max(map(len, self.stop))
-        base = self._cover(max(0, start - longest + 1))
+        reach = max(0, start - longest + 1)  # where a match or a held-back suffix may begin, at the earliest
+        base = self._cover(reach)
         tail = self._tail
-        window = tail[max(0, start - longest + 1) - base :]
+        window = tail[reach - base :]
         if all(stop and stop[0] not in window for stop in self.stop):
             self.released = self._length
             return self._keep(base, longest)[start - base :]

@@ -31,7 +31,9 @@ sessions not parked: a turn finds its history only where the worker's cache stil
 most any placement could reuse (**hit max**: a turn's own history, else the longest prefix, in full
 blocks, of any prompt sent before it: no placement beats it, so it bounds the ratio too); and the session
 hit rate (**turns**): of the turns after a conversation's first, those that reused every full block of
-the conversation so far (its history, minus the last token, which a turn always computes).
+the conversation so far (its history, minus the last token, which a turn always computes). Last, the
+cyclic garbage collector's pauses in the KV-aware run (the scheduler's objects and the simulation's share
+the process): how many young collections and the longest (ms), then the same for the older generations.
 
     python deploy/loadtest/scheduler_sim.py                 # 8 and 32 workers x 256 users
     python deploy/loadtest/scheduler_sim.py --workers 2 --seqs 16 --turns 2   # a quick look
@@ -40,13 +42,15 @@ the conversation so far (its history, minus the last token, which a turn always 
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import logging
 import random
 import time
 from array import array
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import structlog
@@ -246,6 +250,24 @@ class Run:
     idle_s: dict[float, float] = field(default_factory=lambda: defaultdict(float))  # between steps, waiting
 
 
+@contextmanager
+def collector_pauses(into: dict[int, list[float]]) -> Iterator[None]:
+    """Record each cyclic garbage collection's wall time (ms) by generation while in the block."""
+    started = [0.0]
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            into[info["generation"]].append((time.perf_counter() - started[0]) * 1e3)
+
+    gc.callbacks.append(timed)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(timed)
+
+
 def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: bool, tokenizer) -> Run:
     """One run of the workload; ``lockstep``: every worker's step goes out together and the next
     waits for all of their results (the scheduler before per-worker pipelines), as the baseline."""
@@ -434,13 +456,17 @@ def main() -> None:
           "for the slower workers) / its time")
     print(f"{'workers':>7} {'pipelines':>10} {'steps':>7} {'core µs/step':>12} {'µs/seq':>6} {'tok/s':>8} "
           + " ".join(f"{f'idle@{ms:g}ms':>10}" for ms in speeds)
-          + f" {'hit kv':>7} {'hit rnd':>7} {'ratio':>6} {'hit max':>7} {'turns kv':>8} {'turns rnd':>9} {'ratio':>6}")
+          + f" {'hit kv':>7} {'hit rnd':>7} {'ratio':>6} {'hit max':>7} {'turns kv':>8} {'turns rnd':>9} {'ratio':>6}"
+          + f" {'gc young':>11} {'gc older':>11}")
     for workers in args.workers:
         rnd = simulate(args, workers, False, False, tokenizer)
         hit_rnd = rnd.reused_tokens / rnd.prompt_tokens
         turns_rnd = rnd.turns_kept / rnd.later_turns if rnd.later_turns else 0.0
         for lockstep in (True, False):
-            kv = simulate(args, workers, True, lockstep, tokenizer)
+            pauses: dict[int, list[float]] = defaultdict(list)
+            with collector_pauses(pauses):
+                kv = simulate(args, workers, True, lockstep, tokenizer)
+            gc_ms = " ".join(f"{len(ms):>4} {max(ms, default=0):>6.1f}" for ms in (pauses[0], pauses[1] + pauses[2]))
             hit_kv = kv.reused_tokens / kv.prompt_tokens
             turns_kv = kv.turns_kept / kv.later_turns if kv.later_turns else 0.0
             idle = " ".join(f"{kv.idle_s[s] / (kv.idle_s[s] + kv.busy_s[s]):>10.1%}" if kv.busy_s[s] else f"{'-':>10}"
@@ -449,7 +475,7 @@ def main() -> None:
                   f"{kv.core_s / kv.steps * 1e6:>12.1f} {kv.core_s / kv.seq_steps * 1e6:>6.1f} {kv.decode_tokens / kv.elapsed_s:>8,.0f} {idle} "
                   f"{hit_kv:>7.1%} {hit_rnd:>7.1%} {hit_kv / hit_rnd if hit_rnd else float('inf'):>5.1f}x "
                   f"{kv.reusable_tokens / kv.prompt_tokens:>7.1%} {turns_kv:>8.1%} {turns_rnd:>9.1%} "
-                  f"{turns_kv / turns_rnd if turns_rnd else float('inf'):>5.1f}x")
+                  f"{turns_kv / turns_rnd if turns_rnd else float('inf'):>5.1f}x {gc_ms}")
 
 if __name__ == "__main__":
     main()
