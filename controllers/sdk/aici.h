@@ -244,8 +244,18 @@ int32_t aici_constraint_return_bias(int32_t h);
 /* Declares, until called again, that mid_process for this sequence alone (no fork this step) would only call
  * aici_constraint_return_bias(h) and sample when it returns AICI_C_OK: the host then computes that mask itself
  * and skips the call (it still calls mid_process whenever the constraint says anything else). h <= 0 withdraws
- * the declaration. ABI.md "Fast path", flags bit 1. */
+ * the declaration. ABI.md "Fast path", flags bit 1. Same as aici_declare_constraint(h, 1, 0). */
 void aici_mid_from_constraint(int32_t h);
+/* Declares, until the next declaration (which replaces it whole), what this sequence's callbacks would do with
+ * constraint h (h <= 0 withdraws every declaration): mid (non-zero) as aici_mid_from_constraint; post_tokens
+ * (at most 63): for that many tokens more, post_process with backtrack 0 and no EOS among its tokens would only
+ * commit them to h and return 0 (continue) while the commit returns AICI_C_OK. The host may then commit such
+ * tokens itself and answer for post_process; before it next calls this sequence it hands them over in one
+ * post_process call with aici_post_committed set: they are already committed to h (commit them again and the
+ * constraint rejects them). ABI.md "Fast path", flags bits 2-7. */
+void aici_declare_constraint(int32_t h, int mid, uint32_t post_tokens);
+/* During post_process: 1 when its tokens were already committed to the declared constraint by the host. */
+extern int aici_post_committed;
 static inline int32_t aici_constraint_mask(int32_t h, uint32_t *dst) { return tiller_constraint_mask(h, dst); }
 static inline int32_t aici_constraint_rollback(int32_t h, uint32_t n) { return tiller_constraint_rollback(h, n); }
 static inline void aici_constraint_free(int32_t h) { tiller_constraint_free(h); }
@@ -271,6 +281,11 @@ int aici_gen_init(aici_gen *g, aici_json spec, const char **err);
 int aici_gen_mid(aici_gen *g);
 /* In post_process with the tokens of this step; returns 1 once the generation is over. */
 int aici_gen_post(aici_gen *g, const uint32_t *toks, uint32_t n);
+/* Declares the generation's constraint to the host while it goes on (aici_declare_constraint): its mask as
+ * mid_process, and post_process's commits for as many tokens as max_tokens leaves (none with stop strings,
+ * which need the text of every token). Call it after aici_gen_init and after each aici_gen_mid/_post; a
+ * controller that does so must not do anything else in those callbacks while the generation goes on. */
+void aici_gen_declare(const aici_gen *g);
 /* Generated text (bytes up to the first stop string, without EOS), fresh memory. */
 char *aici_gen_text(aici_gen *g, uint32_t *len);
 void aici_gen_free(aici_gen *g);

@@ -285,6 +285,8 @@ static void tokens_push(const uint32_t *t, uint32_t n) {
 #define TILLER_IO_NONE 0xFFFFFFFFu
 #define TILLER_IO_PRE_DEFAULT 1u   /* flags: pre_process always continues, with no effects: the host may skip it */
 #define TILLER_IO_MID_CONSTRAINT 2u /* flags: mid_process alone is the mask of constraint flags >> 8 (see below) */
+#define TILLER_IO_POST_SHIFT 2      /* flags bits 2-7: tokens whose post_process the host may answer (see below) */
+#define TILLER_IO_POST_MAX 63u
 static struct {
     uint32_t cap, flags, arg_len, result_len;
     uint8_t data[TILLER_IO_CAP];
@@ -292,10 +294,16 @@ static struct {
 
 EXPORT(tiller_io) uint32_t tiller_io(void) { return (uint32_t)&io; }
 
-void aici_mid_from_constraint(int32_t h) {
+void aici_declare_constraint(int32_t h, int mid, uint32_t post_tokens) {
     io.flags &= TILLER_IO_PRE_DEFAULT;
-    if (h > 0 && h < (1 << 24)) io.flags |= TILLER_IO_MID_CONSTRAINT | (uint32_t)h << 8;
+    if (h <= 0 || h >= (1 << 24)) return;
+    if (post_tokens > TILLER_IO_POST_MAX) post_tokens = TILLER_IO_POST_MAX;
+    io.flags |= (mid ? TILLER_IO_MID_CONSTRAINT : 0) | post_tokens << TILLER_IO_POST_SHIFT | (uint32_t)h << 8;
 }
+
+void aici_mid_from_constraint(int32_t h) { aici_declare_constraint(h, 1, 0); }
+
+int aici_post_committed;
 
 static void reply(aici_buf *b) {
     if (io.result_len == TILLER_IO_NONE && b->n <= TILLER_IO_CAP) {
@@ -408,9 +416,11 @@ EXPORT(aici_post_process) void aici_post_process(uint32_t h) {
     uint32_t *toks = aici_json_get(arg, "tokens", &v) ? aici_json_u32s(v, &n) : NULL;
     if (aici_json_get(arg, "backtrack", &v)) aici_json_int(v, &bt);
     if (bt < 0) bt = 0;
+    aici_post_committed = aici_json_get(arg, "committed", &v) && aici_json_type(v) == AICI_J_TRUE;
     aici_n_tokens = (uint32_t)bt > aici_n_tokens ? 0 : aici_n_tokens - (uint32_t)bt;
     tokens_push(toks, n);
     int stop = ctrl->post_process ? ctrl->post_process(toks, n, (uint32_t)bt) : 0;
+    aici_post_committed = 0;
     free(toks);
     free(raw);
     aici_buf b = {0};

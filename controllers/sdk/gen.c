@@ -159,7 +159,7 @@ int aici_gen_post(aici_gen *g, const uint32_t *toks, uint32_t n) {
     if (g->done || !n) return g->done;
     g->n_gen += n;
     g->ended_by_eos = toks[n - 1] == aici_eos();
-    if (g->constraint) {
+    if (g->constraint && !aici_post_committed) {
         int32_t r = aici_constraint_commit(g->constraint, toks, n);
         if (r < 0) aici_logs("aici gen: the constraint rejected the sampled tokens\n");
         if (r != AICI_C_OK) g->done = 1;
@@ -173,6 +173,13 @@ int aici_gen_post(aici_gen *g, const uint32_t *toks, uint32_t n) {
         free(t);
     }
     return g->done;
+}
+
+void aici_gen_declare(const aici_gen *g) {
+    int32_t h = g->done ? 0 : g->constraint;
+    /* not done: n_gen < max_tokens, and max_tokens - n_gen - 1 more tokens cannot reach it */
+    uint32_t post = g->n_stops ? 0 : g->max_tokens ? g->max_tokens - g->n_gen - 1 : UINT32_MAX;
+    aici_declare_constraint(h, 1, post);
 }
 
 char *aici_gen_text(aici_gen *g, uint32_t *len) {

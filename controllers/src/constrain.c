@@ -8,9 +8,6 @@
 static aici_gen gen;
 static int failed;
 
-/* mid_process is the constraint's mask while the generation goes on: the host may compute it without calling */
-static void declare_mid(void) { aici_mid_from_constraint(gen.done ? 0 : gen.constraint); }
-
 static const char *const KEYS[] = {"regex", "rx", "json_schema", "yacc", "lark", "grammar", "syntax", "choices",
                                    "options", "stop", "stop_at", "max_tokens", NULL};
 
@@ -48,18 +45,18 @@ static void init_prompt(const uint32_t *prompt, uint32_t n) {
     }
     /* gen keeps spans into arg only during init; the strings it needs were copied */
     free(arg);
-    declare_mid();
+    aici_gen_declare(&gen);   /* the host may compute the mask and commit the tokens without calling */
 }
 
 static aici_mid_result mid_process(const uint32_t *fork_group, uint32_t n) {
     int sample = aici_gen_mid(&gen);
-    declare_mid();
+    aici_gen_declare(&gen);
     return sample ? aici_mid_sample() : aici_mid_stop();
 }
 
 static int post_process(const uint32_t *tokens, uint32_t n, uint32_t backtrack) {
     int stop = aici_gen_post(&gen, tokens, n);
-    declare_mid();
+    aici_gen_declare(&gen);
     return stop;
 }
 

@@ -105,6 +105,17 @@ class Constraint:
             return FINISHED if m.is_accepting() or m.is_stopped() else REJECTED
         return FINISHED if m.is_stopped() else OK
 
+    def commit_going(self, tokens: list[int]) -> bool:
+        """Commit ``tokens`` (EOS not among them) if the constraint then goes on (:meth:`commit` would return OK);
+        otherwise leave it as it was and return False."""
+        m = self.matcher
+        consumed = m.try_consume_tokens(tokens)
+        if consumed == len(tokens) and not m.is_stopped():
+            return True
+        if consumed:
+            m.rollback(consumed)
+        return False
+
     def rollback(self, n: int) -> int:
         return OK if self.matcher.rollback(n) else REJECTED
 

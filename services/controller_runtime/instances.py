@@ -33,6 +33,8 @@ _pre_decoder = ResultDecoder(aici_wire.PreProcessResult, (b'{"num_forks":1,"susp
 _post_decoder = ResultDecoder(aici_wire.PostProcessResult, (b'{"stop":false}', b'{"stop":true}'))
 _mid_decoder = ResultDecoder(aici_wire.MidProcessResult, (b'{"SampleWithBias":{}}',))
 SAMPLE = _mid_decoder.decode(b'{"SampleWithBias":{}}')
+CONTINUE, STOPPED = _post_decoder.decode(b'{"stop":false}'), _post_decoder.decode(b'{"stop":true}')
+PRE_STOPPED = aici_wire.PreProcessResult(num_forks=0)
 _SAMPLE_DICT = {"SampleWithBias": {}}
 
 
@@ -62,15 +64,39 @@ class WasmInstance:
         self.d = deadlines
         self._alone: tuple[int, bytes] = (-1, b"")  # (seq_id, mid_process's argument while it has no fork)
         self._mask_bytes = ctrl.host.tokenizer.mask_words * 4
+        self._eos = ctrl.host.tokenizer.eos_token
+        # tokens the host committed to the guest's declared constraint for it, not yet handed over
+        self._committed: list[int] = []
 
     def _invoke(self, export: str, arg: bytes, deadline: float, decoder: ResultDecoder,
-                mask_address: int | None = None) -> Any:
+                mask_address: int | None = None, stopped: Any = None) -> Any:
+        """Call ``export``; tokens committed for the guest are handed over first, and when it stops on them
+        the call is not made: ``stopped`` is its result."""
+        if self._committed:
+            return self._hand_over(export, arg, deadline, decoder, mask_address, stopped)
         raw = self.ctrl.invoke(export, arg, deadline, mask_address)
         try:
             return decoder.decode(raw)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             self.ctrl.dead = f"{export} returned an invalid result: {exc}"
             raise ControllerError(self.ctrl.dead) from exc
+
+    def _hand_over(self, export: str, arg: bytes, deadline: float, decoder: ResultDecoder,
+                   mask_address: int | None, stopped: Any) -> Any:
+        """The tokens the host committed for the guest (declared post_process calls it answered) go to it in one
+        post_process marked ``committed``, then ``export`` runs unless that stopped; what both log and store
+        is kept."""
+        tokens, self._committed = self._committed, []
+        arg_over = b'{"tokens":[%s],"backtrack":0,"committed":true}' % ",".join(map(str, tokens)).encode()
+        if self._invoke("aici_post_process", arg_over, deadline, _post_decoder).stop:
+            return stopped
+        host = self.host
+        logs, storage = bytes(host.logs), list(host.storage_log)
+        try:
+            return self._invoke(export, arg, deadline, decoder, mask_address, stopped)
+        finally:
+            host.logs[:0] = logs
+            host.storage_log[:0] = storage
 
     def setup(self, prompt: list[int]) -> None:
         self.ctrl.setup(self.d.init_deadline_ms)
@@ -88,7 +114,7 @@ class WasmInstance:
         return self.ctrl.pre_default
 
     def pre_process(self) -> aici_wire.PreProcessResult:
-        return self._invoke("aici_pre_process", b"{}", self.d.pre_deadline_ms, _pre_decoder)
+        return self._invoke("aici_pre_process", b"{}", self.d.pre_deadline_ms, _pre_decoder, stopped=PRE_STOPPED)
 
     def mid_process(self, fork_group: list[int] | None, mask_address: int,
                     deadline_ms: float) -> aici_wire.MidProcessResult:
@@ -103,7 +129,7 @@ class WasmInstance:
             arg = self._alone[1]
         else:
             arg = b'{"fork_group":[%s]}' % b",".join(b"%d" % i for i in fork_group)
-        result = self._invoke("aici_mid_process", arg, deadline_ms, _mid_decoder, mask_address)
+        result = self._invoke("aici_mid_process", arg, deadline_ms, _mid_decoder, mask_address, stopped="Stop")
         if result is SAMPLE and self.host.mask_set:
             return result
         try:
@@ -126,14 +152,31 @@ class WasmInstance:
     def post_process(self, tokens: list[int], backtrack: int, deadline_ms: float | None = None
                      ) -> aici_wire.PostProcessResult:
         """``deadline_ms`` None: ``post_deadline_ms``."""
+        if not backtrack and (handle := self.ctrl.post_constraint(len(tokens))) and self._commit_for(handle, tokens):
+            return CONTINUE
         if len(tokens) == 1:
             arg = b'{"tokens":[%d],"backtrack":%d}' % (tokens[0], backtrack)
         else:
             arg = b'{"tokens":[%s],"backtrack":%d}' % (",".join(map(str, tokens)).encode(), backtrack)
-        return self._invoke("aici_post_process", arg, deadline_ms or self.d.post_deadline_ms, _post_decoder)
+        return self._invoke("aici_post_process", arg, deadline_ms or self.d.post_deadline_ms, _post_decoder,
+                            stopped=STOPPED)
+
+    def _commit_for(self, handle: int, tokens: list[int]) -> bool:
+        """post_process as the guest declared it (commit ``tokens`` to constraint ``handle``, continue), without
+        calling it; False (nothing done) when that does not hold: then the guest's own post_process decides."""
+        host = self.host
+        constraint = host.constraints.get(handle)
+        if constraint is None or self._eos in tokens or not constraint.commit_going(tokens):
+            return False
+        host.begin_call(None)
+        self.ctrl.posts_answered(len(tokens))
+        self._committed += tokens
+        return True
 
     def fork(self, seq_id: int) -> WasmInstance:
-        return WasmInstance(self.ctrl.fork(seq_id), self.d)
+        child = WasmInstance(self.ctrl.fork(seq_id), self.d)
+        child._committed = list(self._committed)
+        return child
 
     @property
     def dead(self) -> str:

@@ -34,6 +34,7 @@ WASI_BADF, WASI_PERM = 8, 63
 # the optional I/O area (ABI.md "Fast path"): its flags say pre_process is the default / mid_process is the mask
 # of constraint flags >> 8
 IO_HEADER, IO_NONE, IO_PRE_DEFAULT, IO_MID_CONSTRAINT = 16, 0xFFFFFFFF, 1, 2
+IO_POST_SHIFT, IO_POST_TOKENS = 2, 0xFC  # flags bits 2-7: tokens whose post_process the host may answer
 
 # The hot path with plain-address prototypes: no per-call argument conversion. Only the call into the guest
 # releases the GIL (so that the epoch ticker can interrupt it); the quick getters and setters keep it
@@ -384,6 +385,16 @@ class WasmController:
         when the constraint is OK, no other effect); 0: none, call mid_process."""
         flags = self._io_flags.value if self._io_flags is not None else 0
         return flags >> 8 if flags & IO_MID_CONSTRAINT and not self.dead else 0
+
+    def post_constraint(self, n: int) -> int:
+        """The handle of the constraint the guest says its post_process of ``n`` tokens (backtrack 0, no EOS)
+        would only commit them to, continuing when the commit is OK; 0: none, call post_process."""
+        flags = self._io_flags.value if self._io_flags is not None else 0
+        return flags >> 8 if (flags & IO_POST_TOKENS) >> IO_POST_SHIFT >= n and not self.dead else 0
+
+    def posts_answered(self, n: int) -> None:
+        """The host answered a post_process of ``n`` tokens as declared: that many fewer it may answer."""
+        self._io_flags.value -= n << IO_POST_SHIFT
 
     def _call_panic(self) -> None:
         if self._panic is None:

@@ -1,6 +1,7 @@
 """The optional I/O area (ABI.md "Fast path"): process args written into guest memory, results read from
 it, pre_process skipped when the guest flags it as the default, mid_process computed by the host when the guest
-declares it the mask of one of its constraints, and every misuse a clean error."""
+declares it the mask of one of its constraints, post_process answered by the host when the guest declares it that
+constraint's commit (the tokens handed over before the guest's next call), and every misuse a clean error."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import ctypes
 import pytest
 
 from common import aici_wire
-from services.controller_runtime.constraints import Constraint, ConstraintKind
+from services.controller_runtime.constraints import FINISHED, Constraint, ConstraintKind
 from services.controller_runtime.registry import RegistryError
 from tests.controller_runtime.conftest import LIMITS, mid, row, start
-from tests.controller_runtime.wat import POST_OK, controller
+from tests.controller_runtime.wat import POST_OK, controller, str_data
 
 IO = 20000  # header: cap, flags, arg_len, result_len; data from IO + 16
 CAP = 64
@@ -103,17 +104,20 @@ def test_a_tiller_io_export_of_the_wrong_type_is_rejected_at_upload(runtime):
 REGEX = "ab"  # the constraint of the guests below: OK after "a", finished after "ab"
 
 
-def declaring_guest(tokens: list[int], flags: str) -> bytes:
-    """init_prompt creates a regex constraint, commits ``tokens`` to it and stores ``flags`` (a WAT expression of
-    the constraint's handle $c) in its I/O area; mid_process traps, so any call of it shows."""
+def declaring_guest(tokens: list[int], flags: str, regex: str = REGEX, mid: str = "unreachable",
+                    post: str | None = None, data: str = "") -> bytes:
+    """init_prompt creates a ``regex`` constraint, commits ``tokens`` to it and stores ``flags`` (a WAT expression of
+    the constraint's handle $c) in its I/O area (of 256 bytes); mid_process traps by default, so any call of it
+    shows."""
     words = "".join("\\%02x" % b for t in tokens for b in t.to_bytes(4, "little"))
     init = f"""(local $c i32)
-      (local.set $c (call $c_new (i32.const 0) (i32.const 17000) (i32.const {len(REGEX)})))
+      (local.set $c (call $c_new (i32.const 0) (i32.const 17000) (i32.const {len(regex)})))
       (drop (call $c_commit (local.get $c) (i32.const 17100) (i32.const {len(tokens)})))
       (i32.store (i32.const {IO + 4}) {flags})
       (call $ret (i32.const 1024) (i32.const 2))"""
-    return controller(init_prompt=init, mid="unreachable", extra=io_export(),
-                      data=f'{io_header()} (data (i32.const 17000) "{REGEX}") (data (i32.const 17100) "{words}")')
+    return controller(init_prompt=init, mid=mid, post=post, extra=io_export(),
+                      data=f'{io_header(cap=256)} (data (i32.const 17000) "{regex}") (data (i32.const 17100) "{words}")'
+                           + data)
 
 
 MID_FROM_C = "(i32.or (i32.const 2) (i32.shl (local.get $c) (i32.const 8)))"
@@ -142,6 +146,105 @@ def test_mid_process_is_called_when_the_declaration_does_not_hold(runtime, token
     data, _ = mid(runtime, (1, None), *([(2, 1)] if case == "fork" else []))
     assert "aici_mid_process: trap: " in data["seqs"]["1"]["error"]
     assert "unreachable" in data["seqs"]["1"]["error"]
+
+
+def post_from_c(tokens: int, other_flags: int = 1) -> str:
+    """Flags: the host may answer post_process for ``tokens`` tokens by committing them to constraint $c (and by
+    default pre_process is the default, so that only post_process and mid_process call the guest)."""
+    return f"(i32.or (i32.const {tokens << 2 | other_flags}) (i32.shl (local.get $c) (i32.const 8)))"
+
+
+def committed(tokens: list[int]) -> str:
+    """The argument of the post_process that hands over the tokens the host committed for the guest."""
+    return '{"tokens":[%s],"backtrack":0,"committed":true}' % ",".join(map(str, tokens))
+
+
+def plain(tokens: list[int], backtrack: int = 0) -> str:
+    return '{"tokens":[%s],"backtrack":%d}' % (",".join(map(str, tokens)), backtrack)
+
+
+def post_op(runtime, seq_id: int, tokens: list[int], backtrack: int = 0) -> dict:
+    op = aici_wire.PostOp(id=seq_id, tokens=tokens, backtrack=backtrack)
+    return runtime.post_pre_process(aici_wire.PostPreProcess(post_ops=[op]))["post_seqs"][str(seq_id)]
+
+
+def constraint_of(runtime, seq_id: int) -> Constraint:
+    (constraint,) = runtime.seqs[seq_id].host.constraints.values()
+    return constraint
+
+
+def posts_left(runtime, seq_id: int) -> int:
+    """The count of tokens in the guest's flags word (bits 2-7)."""
+    return int.from_bytes(runtime.seqs[seq_id].ctrl.read(IO + 4, 4), "little") >> 2 & 63
+
+
+def test_post_process_declared_as_a_constraints_commit_is_answered_by_the_host(runtime, tokenizer):
+    a, b = tokenizer.tokenize(b"a"), tokenizer.tokenize(b"b")
+    start(runtime, declaring_guest([], post_from_c(3), regex="a{3}b", post=LOG_ARG_AND_REPLY_IN_AREA), 1)
+    for left in (2, 1, 0):
+        result = post(runtime, 1, a)
+        assert result | {"micros": 0} == {"error": "", "result": {"stop": False}, "storage": [], "logs": "",
+                                          "micros": 0}  # the guest, which logs its argument, was not called
+        assert posts_left(runtime, 1) == left
+    # the count used up: the guest gets the three tokens committed for it, then this call
+    assert post(runtime, 1, b)["logs"] == committed(a * 3) + plain(b)
+    constraint = constraint_of(runtime, 1)  # three a's committed (this guest's post_process commits nothing)
+    assert not constraint.commit_going(a) and constraint.commit(b) == FINISHED
+
+
+@pytest.mark.parametrize("case", ["finishing token", "rejected token", "EOS", "backtrack", "beyond the count",
+                                  "no count"])
+def test_post_process_is_called_when_the_declaration_does_not_hold(runtime, tokenizer, case):
+    a, b, c = (tokenizer.tokenize(text) for text in (b"a", b"b", b"c"))
+    start(runtime, declaring_guest([], post_from_c(0 if case == "no count" else 2), regex="a{1,3}b",
+                                   post=LOG_ARG_AND_REPLY_IN_AREA), 1)
+    first = post(runtime, 1, a)["logs"]
+    assert first == (plain(a) if case == "no count" else "")
+    tokens, backtrack = {"finishing token": (b, 0), "rejected token": (c, 0), "EOS": (a + [tokenizer.eos_token], 0),
+                         "backtrack": (a, 1), "beyond the count": (a + a, 0), "no count": (a, 0)}[case]
+    handed = "" if case == "no count" else committed(a)
+    assert post_op(runtime, 1, tokens, backtrack)["logs"] == handed + plain(tokens, backtrack)
+    # the host committed the first a only (left as it was when the declaration did not hold)
+    constraint = constraint_of(runtime, 1)
+    assert constraint.commit_going(a + a) and constraint.commit(b) == FINISHED
+
+
+def test_committed_tokens_are_handed_over_before_the_next_call_and_go_with_a_fork(runtime, tokenizer):
+    a, b = tokenizer.tokenize(b"a"), tokenizer.tokenize(b"b")
+    start(runtime, declaring_guest([], post_from_c(5), regex="a{2}b", mid=None, post=LOG_ARG_AND_REPLY_IN_AREA), 1)
+    assert post(runtime, 1, a)["logs"] == post(runtime, 1, a)["logs"] == ""
+    data, _ = mid(runtime, (1, None), (2, 1))  # 2 forks from 1: both call mid_process (the flags do not declare it)
+    for seq_id in (1, 2):
+        assert data["seqs"][str(seq_id)] | {"micros": 0} == {"error": "", "result": None, "storage": [],
+                                                             "logs": committed(a * 2), "micros": 0}
+        constraint = constraint_of(runtime, seq_id)
+        assert not constraint.commit_going(a) and constraint.commit(b) == FINISHED
+
+
+STOP_IN_AREA = LOG_ARG_AND_REPLY_IN_AREA.replace("(i32.const 1200)", "(i32.const 18000)").replace(
+    f"(i32.const {len(POST_OK)})", "(i32.const 13)")
+
+
+@pytest.mark.parametrize("call", ["pre_process", "mid_process", "post_process"])
+def test_a_guest_stopped_by_the_handed_over_tokens_is_not_called_on(runtime, tokenizer, call):
+    """The guest's post_process says stop on the tokens handed over: the call they preceded is not made (its
+    mid_process traps) and says stop in its own terms."""
+    a = tokenizer.tokenize(b"a")
+    flags = post_from_c(1, 0 if call == "pre_process" else 1)  # bit 0: pre_process is the default (not called)
+    start(runtime, declaring_guest([], flags, regex="a*b", post=STOP_IN_AREA, data=str_data(18000, '{"stop":true}')), 1)
+    out = runtime.post_pre_process(aici_wire.PostPreProcess(post_ops=[aici_wire.PostOp(id=1, tokens=a)]))
+    assert out["post_seqs"]["1"]["result"] == {"stop": False}
+    if call == "pre_process":  # the same call's pre_process: handed over first
+        assert out["pre_seqs"]["1"] | {"micros": 0} == {
+            "error": "", "result": {"num_forks": 0, "suspend": False, "ff_tokens": []}, "storage": [],
+            "logs": committed(a), "micros": 0}
+    elif call == "mid_process":
+        data, _ = mid(runtime, (1, None), (3, 1))  # a fork: mid_process is called
+        assert data["seqs"]["1"]["error"] == "" and data["seqs"]["1"]["result"] == "Stop"
+        assert data["seqs"]["1"]["logs"] == committed(a)
+    else:
+        result = post(runtime, 1, a)
+        assert result["error"] == "" and result["result"] == {"stop": True} and result["logs"] == committed(a)
 
 
 def test_a_sequence_that_went_ahead_gets_pre_process_only_where_flagged_as_the_default(runtime):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import regex as pyregex
 
-from services.controller_runtime.wasm import ControllerError
+from services.controller_runtime.wasm import ControllerError, WasmController
 from tests.controllers.driver import ControllerFailed, Run, module, pick_lowest, pick_text
 
 
@@ -190,6 +190,28 @@ def test_constrain_stop_string_and_max_tokens(host):
     run = Run(host, module("constrain"), {"regex": "[a-z ]+", "stop": ["ee"]}, "Say:",
               pick_text(host, "a tree grows")).run()
     assert "ee" in run.text() and "grows" not in run.text()
+
+
+def test_constrain_lets_the_runtime_commit_its_tokens_and_max_tokens_still_holds(host, monkeypatch):
+    """constrain declares its post_process to be its constraint's commit for as many tokens as max_tokens leaves
+    (at most 63: ABI.md "Fast path", flags bits 2-7): the runtime commits them itself and hands them over before
+    it next calls the guest, which counts them (and stops at max_tokens exactly) without committing them again."""
+    invoked = []
+    invoke = WasmController.invoke
+
+    def counted(self, export, arg, *args, **kwargs):
+        invoked.append((export, b'"committed":true' in arg))
+        return invoke(self, export, arg, *args, **kwargs)
+
+    monkeypatch.setattr(WasmController, "invoke", counted)
+    rng = np.random.default_rng(0)
+    eos = host.tok.eos_token
+    run = Run(host, module("constrain"), {"regex": "[a-z ]+", "max_tokens": 70}, "Say:",
+              lambda seq, allowed: int(rng.choice(allowed[allowed != eos])), max_steps=80).run()
+    assert len(generated_tokens(run)) == 70 and pyregex.fullmatch("[a-z ]+", run.text()), run.text()
+    assert run.seqs[0].events == ["post:stop"] and not run.seqs[0].error
+    # 63 tokens committed by the runtime, handed over with the 64th; then 5 (70 - 64 - 1), handed over with the 70th
+    assert invoked == [("aici_init_prompt", False)] + [("aici_post_process", True), ("aici_post_process", False)] * 2
 
 
 @pytest.mark.parametrize("arg,reason", [
