@@ -7,6 +7,8 @@
  *   {"op":"vars"}                               -> exercises set/append/get, logs what get returned
  *   {"op":"get","doc":text,"keys":[k...]}       -> {"values":[<re-serialization string> | null...]} via aici_json_get
  *   {"op":"oom"}                                -> allocates 1 MiB blocks until the memory limit
+ *   {"op":"declare","calls":[[h,mid,n]...]}     -> {"flags":[u32...]}: the I/O area's flags word after each
+ *                                                  aici_declare_constraint(h, mid, n) ([h]: aici_mid_from_constraint(h))
  */
 #include "aici.h"
 
@@ -206,6 +208,28 @@ static void test_oom(void) {
     }
 }
 
+uint32_t tiller_io(void);   /* the SDK's export: the I/O area's offset (its flags word follows cap) */
+
+static void test_declare(void) {
+    aici_json calls, call, v;
+    aici_json_iter it = {0};
+    aici_buf b = {0};
+    aici_buf_puts(&b, "{\"flags\":[");
+    aici_json_get(arg, "calls", &calls);
+    for (int first = 1; aici_json_next(calls, &it, NULL, &call); first = 0) {
+        int64_t h = 0, mid = 0, tokens = 0;
+        aici_json_iter at = {0};
+        int k = 0;
+        while (aici_json_next(call, &at, NULL, &v)) aici_json_int(v, k == 0 ? &h : k == 1 ? &mid : &tokens), k++;
+        if (k == 1) aici_mid_from_constraint((int32_t)h);
+        else aici_declare_constraint((int32_t)h, (int)mid, (uint32_t)tokens);
+        if (!first) aici_buf_putc(&b, ',');
+        aici_buf_u64(&b, ((const uint32_t *)tiller_io())[1]);
+    }
+    aici_buf_puts(&b, "]}");
+    out(&b);
+}
+
 static void init_prompt(const uint32_t *prompt, uint32_t n) {
     uint32_t len;
     aici_json op;
@@ -217,6 +241,7 @@ static void init_prompt(const uint32_t *prompt, uint32_t n) {
     else if (aici_json_str_eq(op, "vars")) test_vars();
     else if (aici_json_str_eq(op, "get")) test_get();
     else if (aici_json_str_eq(op, "oom")) test_oom();
+    else if (aici_json_str_eq(op, "declare")) test_declare();
 }
 
 static aici_mid_result mid_process(const uint32_t *fork_group, uint32_t n) {
