@@ -64,11 +64,12 @@ def heartbeat(sock: zmq.Socket, interval_s: float, timeout_s: float) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TTL, int(timeout_s * 1000))
 
 
-def _copy_flag(frames: Frames) -> bool:
+def copy_flag(frames: Frames) -> bool:
+    """Whether to send ``frames`` copied (all small) or zero-copy (one is large)."""
     return all(len(f) < _ZERO_COPY_MIN for f in frames)
 
 
-class _LoopReader:
+class LoopReader:
     """A socket read from the event loop's reader callback, without pyzmq's futures: each message
     goes to ``on_frames`` as it is read, with no future, task or coroutine switch per message, and
     sends are plain non-blocking sends (:meth:`send` waits for room when there is none).
@@ -140,7 +141,7 @@ class Router:
         if heartbeat_s is not None:
             heartbeat(self.sock, *heartbeat_s)
         bind(self.sock, endpoint)
-        self._reader: _LoopReader | None = None  # with serve(): the socket, read and written without futures
+        self._reader: LoopReader | None = None  # with serve(): the socket, read and written without futures
 
     async def recv(self) -> tuple[bytes, wire.Message, list[bytes]]:
         """Next well-formed message as (peer identity, header, binary frames).
@@ -178,7 +179,7 @@ class Router:
             except Exception:  # a bug handling one message must not stop the others
                 log.exception("router.handler_failed", endpoint=self.endpoint, type=type(message[1]).__name__)
 
-        self._reader = _LoopReader(self.sock, on_frames)
+        self._reader = LoopReader(self.sock, on_frames)
 
     async def send(self, identity: bytes, msg: wire.Msg, binary: Frames = ()) -> None:
         self.post(identity, msg, binary)
@@ -188,9 +189,9 @@ class Router:
         dropped), so the message is on its way, in order with the others, when this returns."""
         frames = [identity, wire.encode(msg), *binary]
         if self._reader is None:
-            self.sock.send_multipart(frames, copy=_copy_flag(binary))
+            self.sock.send_multipart(frames, copy=copy_flag(binary))
         else:
-            self._reader.try_send(frames, _copy_flag(binary))
+            self._reader.try_send(frames, copy_flag(binary))
 
     def close(self) -> None:
         if self._reader is not None:
@@ -203,7 +204,7 @@ class Dealer:
 
     Replies (messages with a ``mid``) resolve their pending request's future, or are dropped when it
     timed out; unsolicited messages (``mid`` 0) go to ``on_message`` if given, else are dropped. The
-    socket is read from the event loop's reader callback (:class:`_LoopReader`), so ``on_message``
+    socket is read from the event loop's reader callback (:class:`LoopReader`), so ``on_message``
     runs there, once per message, and must not block.
 
     ``immediate``: a message is only queued on a live connection (``ZMQ_IMMEDIATE``): while the peer
@@ -231,11 +232,11 @@ class Dealer:
         self._on_message = on_message
         self._pending: dict[int, asyncio.Future[tuple[wire.Message, list[bytes]]]] = {}
         self._mids = itertools.count(1)
-        self._reader: _LoopReader | None = None
+        self._reader: LoopReader | None = None
 
     def start(self) -> None:
         if self._reader is None:
-            self._reader = _LoopReader(self.sock, self._on_frames)
+            self._reader = LoopReader(self.sock, self._on_frames)
 
     def _on_frames(self, parts: list[bytes]) -> None:
         try:
@@ -261,7 +262,7 @@ class Dealer:
         """Send ``msg``, waiting while the socket has no room (with ``immediate``: no live peer)."""
         self.start()
         assert self._reader is not None
-        await self._reader.send([wire.encode(msg), *binary], _copy_flag(binary))
+        await self._reader.send([wire.encode(msg), *binary], copy_flag(binary))
 
     async def request(self, msg: wire.Msg, binary: Frames = (), *, timeout: float = 10.0) -> tuple[wire.Message, list[bytes]]:
         """Send ``msg`` with a fresh ``mid`` and wait for the reply carrying it."""

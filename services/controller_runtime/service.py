@@ -3,8 +3,9 @@
 
 Main-channel replies are ``[identity, header]``, plus for mid_process one binary frame with the
 packed mask rows (controllers/ABI.md). Main calls run on the event loop (µs each, bounded by the
-per-call deadlines); side calls that compile or run controller code (mk_module, instantiate) run in
-worker threads so they never hold up a step.
+per-call deadlines), answered from its reader callback (``common.sockets.LoopReader``: no future or task
+per message, which cost the runtime more CPU than the calls of a step); side calls that compile or run
+controller code (mk_module, instantiate) run in worker threads so they never hold up a step.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from common.config import Settings
 from common.errors import WireError
 from common.incarnation import process_incarnation
 from common.model_source import resolve_model
-from common.sockets import bind
+from common.sockets import LoopReader, bind, copy_flag
 from controllers.native import load_native_controllers
 from services.controller_runtime.registry import ModuleRegistry, RegistryError
 from services.controller_runtime.runtime import Runtime, UserError
@@ -124,34 +125,40 @@ class ControllerRuntime:
                 return aici_wire.error(f"internal error: {type(exc).__name__}: {exc}", is_user_error=False, **rid)
         return aici_wire.ok(data, **rid)
 
-    async def _serve_main(self) -> None:
-        while True:
-            parts = await self.main.recv_multipart()
-            if len(parts) < 2:
-                continue
+    def _answer_main(self, parts: list[bytes]) -> None:
+        if len(parts) < 2:
+            return
+        try:
             reply, binary = self.handle_main(parts[1])
             reply.incarnation = self.incarnation
-            await self.main.send_multipart([parts[0], aici_wire.encode(reply), *binary])
+            frames = [parts[0], aici_wire.encode(reply), *binary]
+        except Exception:  # noqa: BLE001 - the reader goes on with the next message
+            log.exception("controller_runtime.main_reply_failed")
+            return
+        self._main_io.try_send(frames, copy_flag(binary))  # a ROUTER never waits: it drops for a peer that is gone
 
-    async def _serve_side(self) -> None:
-        tasks: set[asyncio.Task] = set()
-        while True:
-            parts = await self.side.recv_multipart()
-            if len(parts) < 2:
-                continue
-            task = asyncio.create_task(self._answer_side(parts[0], parts[1]))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+    def _answer_side(self, parts: list[bytes]) -> None:
+        if len(parts) < 2:
+            return
+        task = asyncio.create_task(self._side_reply(parts[0], parts[1]))
+        self._side_calls.add(task)
+        task.add_done_callback(self._side_calls.discard)
 
-    async def _answer_side(self, identity: bytes, frame: bytes) -> None:
-        reply = await self.handle_side(frame)
-        await self.side.send_multipart([identity, aici_wire.encode(reply)])
+    async def _side_reply(self, identity: bytes, frame: bytes) -> None:
+        self._side_io.try_send([identity, aici_wire.encode(await self.handle_side(frame))], True)
 
     async def run(self) -> None:
         log.info("controller_runtime.ready", main=self.settings.endpoint("controller_main"),
                  side=self.settings.endpoint("controller_side"), vocab_size=self.vocab_size,
                  natives=sorted(self.runtime.natives), module_dir=str(self.settings.controller_module_dir))
-        await asyncio.gather(self._serve_main(), self._serve_side())
+        self._side_calls: set[asyncio.Task] = set()  # side calls in progress
+        self._main_io = LoopReader(self.main, self._answer_main)
+        self._side_io = LoopReader(self.side, self._answer_side)
+        try:
+            await asyncio.Event().wait()  # the readers answer from the event loop until the service stops
+        finally:
+            self._main_io.close()
+            self._side_io.close()
 
 
 def lower_priority(nice: int) -> None:
