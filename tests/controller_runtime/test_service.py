@@ -177,7 +177,7 @@ async def test_channels_faults_and_restart(tmp_path):
             while await channel.ping() != "ok":  # the first call after the drop is refused
                 await asyncio.sleep(0.1)
         assert channel.incarnation == rt.incarnation
-        channel.sock.close(0)
+        channel.close()
         listed = (await rt.side_call("get_tags"))["data"]["tags"]
         assert [t["tag"] for t in listed] == ["trapper", "alice.good"]
         reply = await rt.side_call("instantiate", req_id="again", prompt=[1], module_id="alice.good", module_arg="")
