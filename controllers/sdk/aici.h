@@ -251,8 +251,8 @@ void aici_mid_from_constraint(int32_t h);
  * (at most 63): for that many tokens more, post_process with backtrack 0 and no EOS among its tokens would only
  * commit them to h and return 0 (continue) while the commit returns AICI_C_OK. The host may then commit such
  * tokens itself and answer for post_process; before it next calls this sequence it hands them over in one
- * post_process call with aici_post_committed set: they are already committed to h (commit them again and the
- * constraint rejects them). ABI.md "Fast path", flags bits 2-7. */
+ * post_process call with aici_post_committed set: they are already committed to h (do not commit them again).
+ * ABI.md "Fast path", flags bits 2-7. */
 void aici_declare_constraint(int32_t h, int mid, uint32_t post_tokens);
 /* During post_process: 1 when its tokens were already committed to the declared constraint by the host. */
 extern int aici_post_committed;
