@@ -286,6 +286,48 @@ async def test_json_schema_constraint(stack, modules):
     jsonschema.validate(json.loads(out.forks[0].text), schema)
 
 
+def greedy_under_regex(hf_model, tokenizer, prompt_ids: list[int], pattern: str, n: int) -> list[int]:
+    """transformers' greedy choices with every token outside the regex's allowed set masked out (llguidance's
+    own matcher and bitmask over the logits), ``n`` tokens."""
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+    matcher = llguidance.LLMatcher(ll_tokenizer, llguidance.LLMatcher.grammar_from_regex(pattern))
+    bitmask = llguidance.torch.allocate_token_bitmask(1, ll_tokenizer.vocab_size)
+
+    class Masked(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if input_ids.shape[1] > len(prompt_ids):
+                assert matcher.consume_token(int(input_ids[0, -1])), "greedy took a masked token"
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask)
+            llguidance.torch.apply_token_bitmask_inplace(scores, bitmask)
+            return scores
+
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                                logits_processor=LogitsProcessorList([Masked()]))
+    return out[0, len(prompt_ids):].tolist()
+
+
+async def test_a_long_constrained_generation_is_greedy_under_the_mask(stack, modules, hf_model):
+    """Longer than the 63 tokens the runtime commits for constrain.wasm between two of its calls (ABI.md "Fast
+    path", the declared post_process): the text is transformers' greedy decoding under the same regex's masks,
+    token for token, to the end the constraint sets. The regex allows no end before 260 characters (past the
+    63 tokens) and none after 300: a token committed twice (by the runtime, then again by the guest when they
+    are handed over) would overrun it and end the generation early."""
+    pattern = "[a-z ]{260,300}"
+    prompt = "Once upon a time"
+    expected = greedy_under_regex(hf_model, stack.tokenizer, stack.tokenizer(prompt).input_ids, pattern, 150)
+    assert 64 < len(expected) < 150 and expected[-1] == stack.tokenizer.eos_token_id, expected
+    out = await run(stack, modules["constrain"], {"regex": pattern}, prompt=prompt, max_tokens=150)
+    fork = out.forks[0]
+    assert fork.error == "" and fork.finish_reason == "aici-stop", fork
+    assert fork.text == stack.tokenizer.decode(expected, skip_special_tokens=True), fork.text
+
+
 GRAMMAR = r"""
 start: expr
 expr: NUMBER OP NUMBER | "(" NUMBER OP NUMBER ")" OP NUMBER
