@@ -7,7 +7,8 @@ request and encoding of the reply, in-process (no socket). Controllers: a trivia
 Wasm controller), the shipped Wasm ``constrain`` controller with a JSON schema (llguidance mask + commit
 every step), and the native ``constrained`` controller with the same schema. Each figure is wall time and,
 beside it, the process's CPU time (all threads, the epoch ticker included), which a busy machine inflates
-less; each the best of ``--repeats`` runs in fresh processes.
+less; each the best of ``--repeats`` runs in fresh processes. Last, what a request costs once: the wall time
+of its instantiate (a 200-token prompt) and free, per sequence.
 
 ``--baseline DIR`` measures another checkout (e.g. ``git worktree add /tmp/base main``) beside this one: each
 repeat runs this script once under each tree's ``PYTHONPATH``, alternately, and both are printed with their
@@ -43,6 +44,8 @@ TARGET_US = 15.0
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},
           "required": ["name", "age", "tags"], "additionalProperties": False}
+PROMPT_TOKENS = 200
+PROMPT = list(range(1000, 1000 + PROMPT_TOKENS))  # a request's prompt, as the scheduler binds it
 DOCUMENT = ('{"name":"Ada Lovelace","age":36,"tags":["math","poetry","engines","notes","analysis","bernoulli",'
             '"babbage","london","countess","programs","music","looms","numbers","cards","mill","store","tables"]}')
 
@@ -75,12 +78,15 @@ def trivial_wat(io_area: bool) -> str:
   (func (export "aici_post_process") (param i32) %s))""" % ("\\ff" * 8192, io, mid_ret, post_ret)
 
 def run_case(runtime: Runtime, ref: str, arg: object, n: int, tokens: list[int], gap_s: float = 0.0
-             ) -> tuple[float, float]:
+             ) -> tuple[float, float, float]:
     """(wall, CPU) µs per sequence per step for ``n`` sequences of controller ``ref`` fed ``tokens``, the steps
-    ``gap_s`` apart (the CPU spent in the gaps counts, the wall time not)."""
+    ``gap_s`` apart (the CPU spent in the gaps counts, the wall time not), and the wall µs per sequence of its
+    instantiate and free (a request's own cost: prompt of PROMPT_TOKENS tokens)."""
+    started = time.perf_counter()
     for i in range(n):
-        ok, result = runtime.instantiate(f"b{i}", [1], ref, arg)
+        ok, result = runtime.instantiate(f"b{i}", PROMPT, ref, arg)
         assert ok, result.error
+    per_request = time.perf_counter() - started
     step = aici_wire.encode({"op": "post_pre_process", "post_ops": [], "freed": [],
                              "pre_ops": [{"id": i, "req_id": f"b{i}"} for i in range(n)]})
     mid = aici_wire.encode({"op": "mid_process", "ops": [{"id": i} for i in range(n)]})
@@ -101,12 +107,14 @@ def run_case(runtime: Runtime, ref: str, arg: object, n: int, tokens: list[int],
             start_cpu = time.process_time()
             time.sleep(gap_s)
             cpu += time.process_time() - start_cpu
+    started = time.perf_counter()
     runtime.free(list(range(n)))
-    return elapsed / (len(tokens) * n) * 1e6, cpu / (len(tokens) * n) * 1e6
+    per_request += time.perf_counter() - started
+    return elapsed / (len(tokens) * n) * 1e6, cpu / (len(tokens) * n) * 1e6, per_request / n * 1e6
 
 
 def measure(steps: int, levels: list[int], gap_s: float) -> dict[str, list[list[float]]]:
-    """One repeat in this process: case name -> [wall, CPU] µs per level."""
+    """One repeat in this process: case name -> [wall, CPU, instantiate + free] µs per level."""
     settings = Settings()
     # deadlines a busy machine cannot overrun (they cost the same whatever their length)
     limits = settings.controllers.model_copy(update={"pre_deadline_ms": 1000.0, "post_deadline_ms": 1000.0,
@@ -142,8 +150,8 @@ def child_run(tree: Path, steps: int, levels: str, gap_ms: float) -> dict[str, l
 
 
 def best(runs: list[dict[str, list[list[float]]]]) -> dict[str, list[list[float]]]:
-    """The fastest of the runs, wall and CPU each: a busy machine only ever adds time."""
-    return {name: [[min(r[name][li][k] for r in runs) for k in (0, 1)]
+    """The fastest of the runs, each figure: a busy machine only ever adds time."""
+    return {name: [[min(r[name][li][k] for r in runs) for k in range(3)]
                    for li in range(len(runs[0][name]))] for name in runs[0]}
 
 
@@ -174,13 +182,19 @@ def main() -> None:
     print(f"{'controller':58} " + " ".join(f"{f'n={n}':>13}" for n in levels) + f"   wall vs target at n={levels[-1]}")
     for label, table in figures.items():
         for name, per_level in table.items():
-            row = " ".join(f"{wall:6.1f} /{cpu:5.1f}" for wall, cpu in per_level)
+            row = " ".join(f"{wall:6.1f} /{cpu:5.1f}" for wall, cpu, _ in per_level)
             print(f"{(name if len(trees) == 1 else f'{label}: {name}'):58} {row}   {per_level[-1][0] / TARGET_US:.2f}x")
     if args.baseline is not None:
         base, this = figures["baseline"], figures["this tree"]
         for name in this:
             row = " ".join(f"{t[0] / b[0]:6.2f} /{t[1] / b[1]:5.2f}" for t, b in zip(this[name], base[name]))
             print(f"{f'this tree / baseline: {name}':58} {row}")
+    print(f"per request: instantiate ({PROMPT_TOKENS}-token prompt) and free, wall µs a sequence, best of "
+          f"{args.repeats}, at n=" + ", ".join(str(n) for n in levels))
+    for label, table in figures.items():
+        for name, per_level in table.items():
+            row = " ".join(f"{request:13.0f}" for _, _, request in per_level)
+            print(f"{(name if len(trees) == 1 else f'{label}: {name}'):58} {row}")
 
 
 if __name__ == "__main__":
