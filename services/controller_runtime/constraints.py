@@ -108,13 +108,10 @@ class Constraint:
     def commit_going(self, tokens: list[int]) -> bool:
         """Commit ``tokens`` (EOS not among them) if the constraint then goes on (:meth:`commit` would return OK);
         otherwise leave it as it was and return False."""
-        m = self.matcher
-        consumed = m.try_consume_tokens(tokens)
-        if consumed == len(tokens) and not m.is_stopped():
-            return True
-        if consumed:
-            m.rollback(consumed)
-        return False
+        result = self.commit(tokens)
+        if result == FINISHED:
+            self.matcher.rollback(len(tokens))
+        return result == OK
 
     def rollback(self, n: int) -> int:
         return OK if self.matcher.rollback(n) else REJECTED

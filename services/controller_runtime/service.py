@@ -4,7 +4,8 @@
 Main-channel replies are ``[identity, header]``, plus for mid_process one binary frame with the
 packed mask rows (controllers/ABI.md). Main calls run on the event loop (µs each, bounded by the
 per-call deadlines), answered from its reader callback (``common.sockets.LoopReader``: no future or task
-per message, which cost the runtime more CPU than the calls of a step); side calls that compile or run
+per message, which took about half of the runtime's main-thread time, py-spy ``--gil`` during
+``controller_bench.py --json 16``); side calls that compile or run
 controller code (mk_module, instantiate) run in worker threads so they never hold up a step.
 """
 
