@@ -275,10 +275,11 @@ class Settings(BaseSettings):
     distributed: Distributed = Field(default_factory=Distributed)
     log_level: str = "info"
     gc_young_threshold: int = Field(
-        10_000, ge=1, description="allocations (less deallocations) of tracked objects between two collections of "
+        50_000, ge=1, description="allocations (less deallocations) of tracked objects between two collections of "
         "the cyclic garbage collector's youngest generation in the scheduler (Python's default is 700: a "
-        "scheduler stepping hundreds of sequences then spends a third of its time collecting; the objects "
-        "alive after start-up are frozen out of its reach anyway)",
+        "scheduler stepping hundreds of sequences then spends a third of its time collecting; at 10,000 one "
+        "with thousands of live requests still collected every few steps, walking their prompts each time; the "
+        "objects alive after start-up are frozen out of its reach anyway; see README 'The collector, again')",
     )
     ready_timeout_s: float = Field(600.0, description="how long `tiller up` waits for every service")
 
