@@ -33,7 +33,8 @@ blocks, of any prompt sent before it: no placement beats it, so it bounds the ra
 hit rate (**turns**): of the turns after a conversation's first, those that reused every full block of
 the conversation so far (its history, minus the last token, which a turn always computes). Last, the
 cyclic garbage collector's pauses in the KV-aware run (the scheduler's objects and the simulation's share
-the process): how many young collections and the longest (ms), then the same for the older generations.
+the process): how many young collections, the longest and all of them together (ms), then the same for the
+older generations.
 
     python deploy/loadtest/scheduler_sim.py                 # 8 and 32 workers x 256 users
     python deploy/loadtest/scheduler_sim.py --workers 2 --seqs 16 --turns 2   # a quick look
@@ -457,7 +458,7 @@ def main() -> None:
     print(f"{'workers':>7} {'pipelines':>10} {'steps':>7} {'core µs/step':>12} {'µs/seq':>6} {'tok/s':>8} "
           + " ".join(f"{f'idle@{ms:g}ms':>10}" for ms in speeds)
           + f" {'hit kv':>7} {'hit rnd':>7} {'ratio':>6} {'hit max':>7} {'turns kv':>8} {'turns rnd':>9} {'ratio':>6}"
-          + f" {'gc young':>11} {'gc older':>11}")
+          + f" {'gc young n/max/all':>18} {'gc older n/max/all':>18}")
     for workers in args.workers:
         rnd = simulate(args, workers, False, False, tokenizer)
         hit_rnd = rnd.reused_tokens / rnd.prompt_tokens
@@ -466,7 +467,8 @@ def main() -> None:
             pauses: dict[int, list[float]] = defaultdict(list)
             with collector_pauses(pauses):
                 kv = simulate(args, workers, True, lockstep, tokenizer)
-            gc_ms = " ".join(f"{len(ms):>4} {max(ms, default=0):>6.1f}" for ms in (pauses[0], pauses[1] + pauses[2]))
+            gc_ms = " ".join(f"{len(ms):>4} {max(ms, default=0):>6.1f} {sum(ms):>6.0f}"
+                             for ms in (pauses[0], pauses[1] + pauses[2]))
             hit_kv = kv.reused_tokens / kv.prompt_tokens
             turns_kv = kv.turns_kept / kv.later_turns if kv.later_turns else 0.0
             idle = " ".join(f"{kv.idle_s[s] / (kv.idle_s[s] + kv.busy_s[s]):>10.1%}" if kv.busy_s[s] else f"{'-':>10}"
