@@ -4,8 +4,10 @@ current mid_process, captured logs, and the per-call result."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from services.controller_runtime.constraints import Constraint, ConstraintError
@@ -93,6 +95,17 @@ class SeqHost:
         self.begin_call(None)
 
     # -- per call -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def keeping_effects(self) -> Iterator[None]:
+        """What the calls so far logged and stored stays, ahead of what the call in the block adds (which
+        begins afresh)."""
+        logs, storage = bytes(self.logs), list(self.storage_log)
+        try:
+            yield
+        finally:
+            self.logs[:0] = logs
+            self.storage_log[:0] = storage
+
     def begin_call(self, mask_address: int | None) -> None:
         if self.logs:  # fresh ones only when used: the last call's may have been handed on
             self.logs = bytearray()

@@ -90,22 +90,13 @@ class WasmInstance:
         arg_over = b'{"tokens":[%s],"backtrack":0,"committed":true}' % ",".join(map(str, tokens)).encode()
         if self._invoke("aici_post_process", arg_over, deadline, _post_decoder).stop:
             return stopped
-        host = self.host
-        logs, storage = bytes(host.logs), list(host.storage_log)
-        try:
+        with self.host.keeping_effects():
             return self._invoke(export, arg, deadline, decoder, mask_address, stopped)
-        finally:
-            host.logs[:0] = logs
-            host.storage_log[:0] = storage
 
     def setup(self, prompt: list[int]) -> None:
         self.ctrl.setup(self.d.init_deadline_ms)
-        logs, storage = bytes(self.host.logs), list(self.host.storage_log)  # what the constructor did
-        try:
+        with self.host.keeping_effects():  # what the constructor did
             self.ctrl.invoke("aici_init_prompt", json.dumps({"prompt": prompt}).encode(), self.d.init_deadline_ms)
-        finally:
-            self.host.logs[:0] = logs
-            self.host.storage_log[:0] = storage
 
     @property
     def pre_default(self) -> bool:
