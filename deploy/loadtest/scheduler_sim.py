@@ -34,7 +34,8 @@ hit rate (**turns**): of the turns after a conversation's first, those that reus
 the conversation so far (its history, minus the last token, which a turn always computes). Last, the
 cyclic garbage collector's pauses in the KV-aware run (the scheduler's objects and the simulation's share
 the process): how many young collections, the longest and all of them together (ms), then the same for the
-older generations.
+older generations. With ``--core-calls``, the core's entry points in the per-worker KV-aware run, each timed
+on the thread's CPU clock (a timer adds about a microsecond to its call, so the small calls read high).
 
     python deploy/loadtest/scheduler_sim.py                 # 8 and 32 workers x 256 users
     python deploy/loadtest/scheduler_sim.py --workers 2 --seqs 16 --turns 2   # a quick look
@@ -249,6 +250,26 @@ class Run:
     elapsed_s: float = 0.0  # simulated time, first step to last result
     busy_s: dict[float, float] = field(default_factory=lambda: defaultdict(float))  # by worker step time
     idle_s: dict[float, float] = field(default_factory=lambda: defaultdict(float))  # between steps, waiting
+    calls: dict[str, list[float]] = field(default_factory=dict)  # with --core-calls: entry point -> [calls, CPU s]
+
+
+CORE_CALLS = ("submit", "admit", "build_steps", "plan_controlled", "step_done", "apply", "emit_deferred",
+              "take_output", "end_step")
+
+
+def time_calls(obj: object, names: Sequence[str], into: dict[str, list[float]]) -> None:
+    """Count and time (thread CPU) each call of ``obj``'s methods ``names`` into ``into``, by an instance
+    attribute that wraps the bound method."""
+    for name in names:
+        def timed(*args, _method=getattr(obj, name), _spent=into.setdefault(name, [0, 0.0]), **kwargs):
+            started = time.thread_time()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                _spent[0] += 1
+                _spent[1] += time.thread_time() - started
+
+        setattr(obj, name, timed)
 
 
 @contextmanager
@@ -290,6 +311,9 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
     by_rid: dict[str, Client] = {}
     sampling = wire.SamplingParams(temperature=0.0)
     run = Run()
+    if args.core_calls and kv_aware and not lockstep:
+        time_calls(core, CORE_CALLS, run.calls)
+        time_calls(place, ("observe",), run.calls)
     encoder, decoder = wire._encoder, wire._decoder
     now = 0.0  # simulated seconds: the scheduler's CPU time moves it, and waiting for workers
     free_at = dict.fromkeys(sims, 0.0)  # when each worker finishes the steps it was sent
@@ -445,6 +469,7 @@ def main() -> None:
     parser.add_argument("--kv-tokens", type=int, default=262144, help="KV pool of one worker (prefix cache included)")
     parser.add_argument("--step-token-budget", type=int, default=Limits().step_token_budget)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--core-calls", action="store_true", help="time the core's calls in the per-worker run")
     args = parser.parse_args()
     tokenizer = as_the_scheduler_starts()
     print(f"{args.seqs} users per worker, {args.sessions} conversations each of ~{args.turns} turns of {args.tokens} "
@@ -478,6 +503,9 @@ def main() -> None:
                   f"{hit_kv:>7.1%} {hit_rnd:>7.1%} {hit_kv / hit_rnd if hit_rnd else float('inf'):>5.1f}x "
                   f"{kv.reusable_tokens / kv.prompt_tokens:>7.1%} {turns_kv:>8.1%} {turns_rnd:>9.1%} "
                   f"{turns_kv / turns_rnd if turns_rnd else float('inf'):>5.1f}x {gc_ms}")
+        for name, (calls, spent) in sorted(kv.calls.items(), key=lambda item: -item[1][1]):
+            print(f"{'':>7} core call {name:>16}: {calls:>8} calls {spent / calls * 1e6 if calls else 0:>8.1f} µs a call "
+                  f"{spent / kv.seq_steps * 1e6:>6.2f} µs a sequence-step")
 
 if __name__ == "__main__":
     main()
