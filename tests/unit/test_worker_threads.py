@@ -78,14 +78,18 @@ def test_the_governor_keeps_at_least_one_thread_and_at_most_its_maximum() -> Non
 
 def test_a_cpu_sample_counts_this_process_in_the_machine() -> None:
     first = read_cpu_sample()
-    deadline = first.own_s + 0.05
+    deadline = first.own_s + 0.3
     while read_cpu_sample().own_s < deadline:  # burn some CPU of our own
         pass
     second = read_cpu_sample()
     assert second.at_s > first.at_s
-    assert second.own_s - first.own_s >= 0.049  # clock ticks, in float seconds
-    # our own seconds are among everything's (tick rounding; both are whole clock ticks, compared as such)
-    assert round((second.busy_s - first.busy_s) * CLOCK_TICKS) >= 0.04 * CLOCK_TICKS
+    own_ticks = round((second.own_s - first.own_s) * CLOCK_TICKS)
+    busy_ticks = round((second.busy_s - first.busy_s) * CLOCK_TICKS)
+    assert own_ticks >= 0.3 * CLOCK_TICKS
+    # our own seconds are among everything's; the machine's counters are sampled at the timer tick while
+    # our own are accounted exactly, so over 0.3 s the machine's may trail ours by a few ticks (a CI
+    # machine once counted 3 of our 5 over 50 ms)
+    assert busy_ticks >= 0.8 * own_ticks
 
 
 def test_applying_after_torch_loaded_is_refused() -> None:
