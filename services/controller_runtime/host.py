@@ -161,24 +161,18 @@ class SeqHost:
             raise HostError(f"storage command is not JSON: {exc}") from exc
         return json.dumps(self.storage_cmd(cmd)).encode()
 
-    def set_result(self, data: bytes) -> None:
-        self.result = bytes(data)
-
     # -- masks -----------------------------------------------------------------------------------------
-    def _mask_target(self) -> int:
+    def mask_target(self) -> int:
+        """Where this op's mask row is (the logit bias is set from now on); HostError outside mid_process."""
         if self.mask_address is None:
             raise HostError("a logit bias can only be returned during mid_process")
         self.mask_set = True
         return self.mask_address
 
-    def return_logit_bias_from(self, address: int) -> None:
-        """Copy ceil(vocab/32) u32 words from ``address`` into this op's mask row."""
-        memmove(self._mask_target(), address, self.tokenizer.mask_words * 4)
-
     def return_logit_bias(self, bitset: bytes) -> None:
         if len(bitset) != self.tokenizer.mask_words * 4:
             raise HostError(f"logit bias must be {self.tokenizer.mask_words * 4} bytes, got {len(bitset)}")
-        memmove(self._mask_target(), bitset, len(bitset))
+        memmove(self.mask_target(), bitset, len(bitset))
 
     # -- constraints -----------------------------------------------------------------------------------
     def constraint_new(self, kind: int, source: str) -> int:
@@ -203,7 +197,7 @@ class SeqHost:
             raise HostError(f"unknown constraint handle {handle}") from None
 
     def constraint_return_bias(self, handle: int) -> int:
-        return self.constraint(handle).fill_mask(self._mask_target(), self.tokenizer.mask_words * 4)
+        return self.constraint(handle).fill_mask(self.mask_target(), self.tokenizer.mask_words * 4)
 
     def constraint_free(self, handle: int) -> None:
         self.constraints.pop(handle, None)

@@ -64,6 +64,7 @@ class WasmInstance:
         self.d = deadlines
         self._alone: tuple[int, bytes] = (-1, b"")  # (seq_id, mid_process's argument while it has no fork)
         self._mask_bytes = ctrl.host.tokenizer.mask_words * 4
+        self._io_area = ctrl.module.has_io  # without one the guest declares nothing: every callback is called
         self._eos = ctrl.host.tokenizer.eos_token
         # tokens the host committed to the guest's declared constraint for it, not yet handed over
         self._committed: list[int] = []
@@ -76,7 +77,7 @@ class WasmInstance:
             return self._hand_over(export, arg, deadline, decoder, mask_address, stopped)
         raw = self.ctrl.invoke(export, arg, deadline, mask_address)
         try:
-            return decoder.decode(raw)
+            return decoder.common.get(raw) or decoder.decoder.decode(raw)  # ResultDecoder.decode, inlined
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             self.ctrl.dead = f"{export} returned an invalid result: {exc}"
             raise ControllerError(self.ctrl.dead) from exc
@@ -102,7 +103,7 @@ class WasmInstance:
     def pre_default(self) -> bool:
         """pre_process would continue with no effect (the guest says so through its I/O area): the runtime
         skips the call."""
-        return self.ctrl.pre_default
+        return self._io_area and self.ctrl.pre_default
 
     def pre_process(self) -> aici_wire.PreProcessResult:
         return self._invoke("aici_pre_process", b"{}", self.d.pre_deadline_ms, _pre_decoder, stopped=PRE_STOPPED)
@@ -112,7 +113,7 @@ class WasmInstance:
         """``fork_group`` None: the sequence alone (no fork this step, the common case)."""
         seq_id = self.host.seq_id
         if fork_group is None or fork_group == [seq_id]:
-            handle = self.ctrl.mid_constraint
+            handle = self._io_area and self.ctrl.mid_constraint
             if handle and self._mask_from(handle, mask_address):
                 return SAMPLE
             if self._alone[0] != seq_id:
@@ -143,7 +144,8 @@ class WasmInstance:
     def post_process(self, tokens: list[int], backtrack: int, deadline_ms: float | None = None
                      ) -> aici_wire.PostProcessResult:
         """``deadline_ms`` None: ``post_deadline_ms``."""
-        if not backtrack and (handle := self.ctrl.post_constraint(len(tokens))) and self._commit_for(handle, tokens):
+        if (self._io_area and not backtrack and (handle := self.ctrl.post_constraint(len(tokens)))
+                and self._commit_for(handle, tokens)):
             return CONTINUE
         if len(tokens) == 1:
             arg = b'{"tokens":[%d],"backtrack":%d}' % (tokens[0], backtrack)
