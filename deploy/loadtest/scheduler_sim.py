@@ -358,6 +358,9 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
         for frame in out:
             msg = decoder.decode(frame)
             assert isinstance(msg, wire.Events), msg
+            for rid, token in zip(msg.rids, wire.unpack_tokens(msg.tokens)):  # the packed events: a token each
+                by_rid[rid].generated.append(token)
+                run.decode_tokens += 1
             for event in msg.events:
                 client = by_rid[event.rid]
                 client.generated += [t.token_id for t in event.tokens]

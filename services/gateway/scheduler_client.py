@@ -133,7 +133,12 @@ class SchedulerClient:
 
     def _on_message(self, msg: wire.Message, _binary: list[bytes]) -> None:
         if isinstance(msg, wire.Events):
-            for event in msg.events:
+            try:
+                events = msg.token_events()
+            except ValueError as exc:  # a scheduler that does not speak this wire: its packed events are lost
+                log.error("scheduler.malformed_events", error=str(exc))
+                events = msg.events
+            for event in events:
                 self._route(event.rid, event)
         elif isinstance(msg, wire.RequestFailed):
             self._route(msg.rid, msg)

@@ -76,14 +76,29 @@ class Dispatch:
     frames: list[bytes] = field(default_factory=list)  # the mask frame, when the masks go with the step
 
 
-class Outbox:
-    """Messages for gateways in the order they arose: a step's token events gathered into one
-    ``Events`` per gateway, a ``RequestFailed`` after the events before it."""
+class PackedEvents:
+    """A gateway's packed token events (``wire.Events``) being gathered: the core's per-token loop
+    appends to the four lists."""
+
+    __slots__ = ("rids", "tokens", "logprobs", "texts")
 
     def __init__(self) -> None:
-        # gateway -> its events since the last ``message``: the same dict for the outbox's life, so the
-        # core's per-token loop appends to ``by_gateway[gateway]`` (what ``event`` does) without a call
+        self.rids: list[str] = []
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.texts: list[str] = []
+
+
+class Outbox:
+    """Messages for gateways in the order they arose: a step's token events gathered into one
+    ``Events`` per gateway (the plain ones packed), a ``RequestFailed`` after the events before it."""
+
+    def __init__(self) -> None:
+        # gateway -> its events since the last ``message``: the same dicts for the outbox's life, so the
+        # core's per-token loop appends to ``by_gateway[gateway]`` (what ``event`` does) and to
+        # ``packed[gateway]``'s lists without a call
         self.by_gateway: dict[bytes, list[wire.TokenEvent]] = defaultdict(list)
+        self.packed: dict[bytes, PackedEvents] = defaultdict(PackedEvents)
         self._ready: list[tuple[bytes, wire.Msg]] = []
 
     def event(self, gateway: bytes, event: wire.TokenEvent) -> None:
@@ -98,8 +113,14 @@ class Outbox:
         self._ready.append((gateway, msg))
 
     def _close(self) -> None:
-        self._ready += [(gateway, wire.Events(events=events)) for gateway, events in self.by_gateway.items()]
-        self.by_gateway.clear()
+        events, packed = self.by_gateway, self.packed
+        for gateway in events.keys() | packed.keys():
+            plain = packed.get(gateway) or PackedEvents()
+            self._ready.append((gateway, wire.Events(
+                events=events.get(gateway, []), rids=plain.rids, tokens=wire.pack_tokens(plain.tokens),
+                logprobs=wire.pack_logprobs(plain.logprobs), texts=plain.texts)))
+        events.clear()
+        packed.clear()
 
     def take(self) -> list[tuple[bytes, wire.Msg]]:
         self._close()
@@ -156,8 +177,8 @@ class SchedulerCore:
     # model facts, from the first ready worker
 
     def model_facts(self) -> wire.WorkerHello | None:
-        ready = self.pool.ready()
-        return ready[0].hello if ready else None
+        first = self.pool.first_ready()
+        return first.hello if first is not None else None
 
     def max_model_len(self) -> int:
         facts = self.model_facts()
@@ -536,7 +557,7 @@ class SchedulerCore:
                 if request.seq_id in failures:
                     self._seq_failed(request, request.seq_id, failures[request.seq_id])
         taken = self._apply_seqs(dispatch, samples[len(followers):], failures, result)
-        deferred, finished, events = self.deferred, State.FINISHED, self.outbox.by_gateway
+        deferred, finished, events, packed = self.deferred, State.FINISHED, self.outbox.by_gateway, self.outbox.packed
         for request, sampled in itertools.chain(zip(followers, samples), taken):
             if request.state is finished:  # cancelled while its step ran (or failed above)
                 continue
@@ -565,7 +586,13 @@ class SchedulerCore:
                 request.deferred.append(wire.TokenEvent(rid=request.rid, tokens=[sampled]))
             elif request.deferred:  # its stop strings were taken away (a Modify) with text still to work out
                 self._emit_text(request, wire.TokenEvent(rid=request.rid, tokens=[sampled]), last=False)
-            else:  # _emit_text inline: without stop strings nothing ends it here
+            elif request.packed:  # _emit_text inline: without stop strings nothing ends it here
+                plain = packed[request.gateway]
+                plain.rids.append(request.rid)
+                plain.tokens.append(token)
+                plain.logprobs.append(sampled.logprob)
+                plain.texts.append(text.push_one(token))
+            else:
                 events[request.gateway].append(
                     wire.TokenEvent(rid=request.rid, tokens=[sampled], text=text.push_one(token)))
 

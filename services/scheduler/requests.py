@@ -77,6 +77,10 @@ class LiveRequest:
     scored: dict[int, wire.ScoreResult] = field(default_factory=dict)
     cached_tokens: int = 0  # prompt tokens whose KV was reused (a parked sequence, the prefix cache)
     block_keys: list[int] | None = None  # the prompt's full blocks' keys (common.blocks), once placement needed them
+    # whether its plain token events may be packed (wire.Events): none of its events carry more than a token
+    # and its text (no top logprobs, prompt outputs or readouts), and its stop strings never changed (so that
+    # none of its events that were not packed comes before one that is, in one Events)
+    packed: bool = True
     # the submit's fields read for every sequence in every step, as attributes of their own
     rid: str = field(init=False)
     prompt: list[int] = field(init=False)
@@ -87,9 +91,11 @@ class LiveRequest:
         self.rid, self.prompt = self.submit.rid, self.submit.prompt_ids
         self.sort_key = (self.submit.priority, self.order)
         self.controlled = bool(self.submit.controller)
+        self.packed = not self.submit.sampling.logprobs  # its tokens carry no top alternatives
         outputs = self.submit.outputs
         if outputs is None:
             return
+        self.packed = self.packed and not (outputs.logprob_ranges or outputs.readout_ranges)
         n = len(self.prompt)
         for span in outputs.logprob_ranges:
             self.logprob_positions.update(range(max(span.start, 0), min(span.end, n)))
@@ -139,4 +145,5 @@ class LiveRequest:
         if patch.stop is not None:
             self.submit.stop = patch.stop
             self.text.stop = list(patch.stop)
+            self.packed = False
         self.sampling_dirty = True

@@ -81,6 +81,10 @@ class WorkerPool:
     def ready(self) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.ready]
 
+    def first_ready(self) -> WorkerInfo | None:
+        """The first ready worker (model facts come from it: every submit and step reads them)."""
+        return next((w for w in self.workers.values() if w.ready), None)
+
     def summary(self) -> wire.WorkerStage:
         """The best stage among workers, for health replies."""
         if not self.workers:

@@ -53,7 +53,7 @@ class EventCollector:
 
     def _on_message(self, msg: wire.Message, _: list[bytes]) -> None:
         if isinstance(msg, wire.Events):
-            for event in msg.events:
+            for event in msg.token_events():
                 self.events.setdefault(event.rid, []).append(event)
                 if event.finish_reason:
                     self.done.setdefault(event.rid, asyncio.Event()).set()

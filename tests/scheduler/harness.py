@@ -126,7 +126,7 @@ class Harness:
 
     def events(self, rid: str) -> list[wire.TokenEvent]:
         self.take()
-        return [e for _, m in self.sent if isinstance(m, wire.Events) for e in m.events if e.rid == rid]
+        return [e for _, m in self.sent if isinstance(m, wire.Events) for e in m.token_events() if e.rid == rid]
 
     def failures(self, rid: str) -> list[wire.RequestFailed]:
         self.take()

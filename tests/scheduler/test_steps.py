@@ -177,7 +177,7 @@ def test_events_of_one_step_go_to_each_gateway_in_one_message():
     out = h.take()
     assert sorted(g for g, _ in out) == [b"g1", b"g2"]
     by_gateway = {g: m for g, m in out}
-    assert sorted(e.rid for e in by_gateway[b"g1"].events) == ["a", "b"]
+    assert sorted(e.rid for e in by_gateway[b"g1"].token_events()) == ["a", "b"]
 
 
 def test_prompt_logprobs_and_readouts_come_back_as_prompt_outputs():
