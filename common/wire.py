@@ -535,16 +535,21 @@ class StepResult(Msg, tag="step_result", gc=False):
     blocks_new: list[int] = []
     blocks_gone: list[int] = []
 
-    def sampled(self) -> list[SampledToken]:
-        """Each slot's sampled token (token -1: none), alternatives included. ValueError: the arrays are
-        malformed (not whole entries, or not one each per slot)."""
+    def slots(self) -> tuple[list[int], list[float]]:
+        """Each slot's sampled token (-1: none) and its logprob (the alternatives are ``top``'s). ValueError:
+        the arrays are malformed (not whole entries, not one each per slot, or ``top`` names a slot past them)."""
         tokens, logprobs = unpack_tokens(self.tokens), unpack_logprobs(self.logprobs)
         if len(tokens) != len(logprobs):
             raise ValueError(f"{len(tokens)} tokens but {len(logprobs)} logprobs")
-        samples = [SampledToken(token, logprob) for token, logprob in zip(tokens, logprobs)]
-        for slot, top in self.top.items():
-            samples[slot].top = top
-        return samples
+        if self.top and not all(0 <= slot < len(tokens) for slot in self.top):
+            raise ValueError(f"top alternatives for slots {sorted(self.top)} of {len(tokens)}")
+        return tokens, logprobs
+
+    def sampled(self) -> list[SampledToken]:
+        """Each slot's sampled token (token -1: none), alternatives included (see :meth:`slots`)."""
+        tokens, logprobs = self.slots()
+        return [SampledToken(token, logprob, self.top.get(slot) or []) for slot, (token, logprob)
+                in enumerate(zip(tokens, logprobs))]
 
 
 def samples_by_seq(step: Step, result: StepResult) -> dict[int, SampledToken]:

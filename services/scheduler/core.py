@@ -60,7 +60,6 @@ from services.scheduler.workers import Place, WorkerInfo, WorkerPool, least_load
 log = structlog.get_logger()
 
 Item = tuple[LiveRequest | Branch, wire.SeqStep]
-NO_SAMPLE = wire.SampledToken(-1, 0.0)  # stands for every slot of a result that does not fit its step
 
 
 @dataclass
@@ -542,26 +541,32 @@ class SchedulerCore:
         dispatch.info.steps_out -= 1
         followers = dispatch.followers
         failures = {f.seq_id: f.message for f in result.failures}
+        slots = len(followers) + len(dispatch.batch)
         try:
-            samples = result.sampled()
-            if len(samples) != len(followers) + len(dispatch.batch):
-                raise ValueError(f"{len(samples)} slots, the step has {len(followers) + len(dispatch.batch)}")
+            tokens, logprobs = result.slots()
+            if len(tokens) != slots:
+                raise ValueError(f"{len(tokens)} slots, the step has {slots}")
         except ValueError as exc:  # a worker that does not speak this wire: its sequences fail
             log.error("scheduler.malformed_result", worker=dispatch.worker.decode(errors="replace"), error=str(exc))
-            samples = [NO_SAMPLE] * (len(followers) + len(dispatch.batch))
+            tokens, logprobs = [-1] * slots, [0.0] * slots
             failures = dict.fromkeys(dispatch.step.slot_ids(), f"its step result does not fit the step: {exc}")
+        top = result.top
+
+        def sampled(slot: int) -> wire.SampledToken:  # a slot's token as events carry it (made only for those)
+            return wire.SampledToken(tokens[slot], logprobs[slot], top.get(slot) or [])
+
         for request in followers:
             request.in_flight -= 1
         if failures:
             for request in followers:
                 if request.seq_id in failures:
                     self._seq_failed(request, request.seq_id, failures[request.seq_id])
-        taken = self._apply_seqs(dispatch, samples[len(followers):], failures, result)
+        taken = self._apply_seqs(dispatch, len(followers), tokens, sampled, failures, result)
         deferred, finished, events, packed = self.deferred, State.FINISHED, self.outbox.by_gateway, self.outbox.packed
-        for request, sampled in itertools.chain(zip(followers, samples), taken):
+        for request, slot in itertools.chain(zip(followers, range(len(followers))), taken):
             if request.state is finished:  # cancelled while its step ran (or failed above)
                 continue
-            token = sampled.token_id
+            token = tokens[slot]
             if token < 0:
                 self.fail(request, INTERNAL_ERROR, "the worker returned no token for this sequence")
                 continue
@@ -569,10 +574,11 @@ class SchedulerCore:
             generated.append(token)
             n = len(generated)
             if token in request.stop_ids:  # requests.stop_token, its set made at admission
-                self.finish(request, "stop", wire.TokenEvent(rid=request.rid, tokens=[sampled]), stop_reason=token)
+                self.finish(request, "stop", wire.TokenEvent(rid=request.rid, tokens=[sampled(slot)]),
+                            stop_reason=token)
                 continue
             if n >= request.limit:  # requests.length_reached
-                self._emit_text(request, wire.TokenEvent(rid=request.rid, tokens=[sampled]), last=True)
+                self._emit_text(request, wire.TokenEvent(rid=request.rid, tokens=[sampled(slot)]), last=True)
                 continue
             if request.follower and n + request.in_flight >= request.limit:
                 self.batches[request.worker].leave(request)  # a token in flight may be its last
@@ -583,28 +589,29 @@ class SchedulerCore:
                 # then ends the request, and the token that step samples for it is dropped.
                 if not request.deferred:
                     deferred.append(request)
-                request.deferred.append(wire.TokenEvent(rid=request.rid, tokens=[sampled]))
+                request.deferred.append(wire.TokenEvent(rid=request.rid, tokens=[sampled(slot)]))
             elif request.deferred:  # its stop strings were taken away (a Modify) with text still to work out
-                self._emit_text(request, wire.TokenEvent(rid=request.rid, tokens=[sampled]), last=False)
+                self._emit_text(request, wire.TokenEvent(rid=request.rid, tokens=[sampled(slot)]), last=False)
             elif request.packed:  # _emit_text inline: without stop strings nothing ends it here
                 plain = packed[request.gateway]
                 plain.rids.append(request.rid)
                 plain.tokens.append(token)
-                plain.logprobs.append(sampled.logprob)
+                plain.logprobs.append(logprobs[slot])
                 plain.texts.append(text.push_one(token))
             else:
                 events[request.gateway].append(
-                    wire.TokenEvent(rid=request.rid, tokens=[sampled], text=text.push_one(token)))
+                    wire.TokenEvent(rid=request.rid, tokens=[sampled(slot)], text=text.push_one(token)))
 
-    def _apply_seqs(self, dispatch: Dispatch, samples: list[wire.SampledToken], failures: dict[int, str],
-                    result: wire.StepResult) -> list[tuple[LiveRequest, wire.SampledToken]]:
-        """The parts of a result that answer the step's SeqSteps, but the plain sequences' tokens:
-        returns those, each with its request."""
+    def _apply_seqs(self, dispatch: Dispatch, first: int, tokens: list[int],
+                    sampled: Callable[[int], wire.SampledToken], failures: dict[int, str],
+                    result: wire.StepResult) -> list[tuple[LiveRequest, int]]:
+        """The parts of a result that answer the step's SeqSteps (their slots from ``first`` on), but the
+        plain sequences' tokens: returns those, each request with its slot."""
         max_len = self.max_model_len()
-        taken: list[tuple[LiveRequest, wire.SampledToken]] = []
-        for (request, seq), sampled in zip(dispatch.batch, samples):
+        taken: list[tuple[LiveRequest, int]] = []
+        for slot, (request, seq) in enumerate(dispatch.batch, first):
             if isinstance(request, Branch):
-                self.controlled.apply(request, seq, sampled if sampled.token_id >= 0 else None,
+                self.controlled.apply(request, seq, sampled(slot) if tokens[slot] >= 0 else None,
                                       failures.get(seq.seq_id), max_len)
                 continue
             request.in_flight -= 1
@@ -625,7 +632,7 @@ class SchedulerCore:
             elif result.readouts:
                 self._decoded_readouts(request, seq, result)
             if seq.sample:
-                taken.append((request, sampled))
+                taken.append((request, slot))
         return taken
 
     def _seq_failed(self, request: LiveRequest, seq_id: int, message: str) -> None:

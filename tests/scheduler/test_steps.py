@@ -167,6 +167,16 @@ def test_a_result_that_does_not_fit_its_step_fails_its_sequences_only():
     assert len(h.generated("d")) == 1  # the worker is still used
 
 
+def test_top_alternatives_for_a_slot_the_step_does_not_have_fail_its_sequences() -> None:
+    h = Harness()
+    h.worker()
+    h.submit("r", prompt(3), 8)
+    (d,) = h.build()
+    h.core.apply(d, wire.StepResult(step_id=d.step.step_id, tokens=wire.pack_tokens([5]),
+                                    logprobs=wire.pack_logprobs([0.0]), top={3: [wire.TokenLogprob(5, 0.0)]}))
+    assert "top alternatives for slots [3] of 1" in h.failures("r")[0].message
+
+
 def test_events_of_one_step_go_to_each_gateway_in_one_message():
     h = Harness()
     h.worker()
