@@ -732,9 +732,8 @@ class ControlledSteps:
             event.text += branch.text.flush()
         request = branch.request
         if error:
-            structlog.contextvars.bind_contextvars(request_id=request.rid)
-            log.info("scheduler.branch_failed", index=branch.index, seq_id=branch.seq_id, error=error)
-            structlog.contextvars.unbind_contextvars("request_id")
+            log.info("scheduler.branch_failed", request_id=request.rid, index=branch.index, seq_id=branch.seq_id,
+                     error=error)
         self._free(branch)
 
     def _free(self, branch: Branch) -> None:

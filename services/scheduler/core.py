@@ -223,9 +223,8 @@ class SchedulerCore:
         )
         self.requests[submit.rid] = request
         self.queue.append(request)
-        structlog.contextvars.bind_contextvars(request_id=submit.rid)
-        log.info("scheduler.submitted", prompt_tokens=len(submit.prompt_ids), max_tokens=submit.max_tokens)
-        structlog.contextvars.unbind_contextvars("request_id")
+        log.info("scheduler.submitted", request_id=submit.rid, prompt_tokens=len(submit.prompt_ids),
+                 max_tokens=submit.max_tokens)
         return wire.Queued(rid=submit.rid, waiting=len(self.queue))
 
     def control(self, gateway: bytes, msg: wire.Cancel | wire.Pause | wire.Resume | wire.Modify) -> wire.Msg:
@@ -711,9 +710,7 @@ class SchedulerCore:
         event.cached_tokens = request.cached_tokens
         self.outbox.event(request.gateway, event)
         self._release(request, park=park and reason != "timeout")
-        structlog.contextvars.bind_contextvars(request_id=request.rid)
-        log.info("scheduler.finished", reason=reason, completion_tokens=len(request.generated))
-        structlog.contextvars.unbind_contextvars("request_id")
+        log.info("scheduler.finished", request_id=request.rid, reason=reason, completion_tokens=len(request.generated))
 
     def fail(self, request: LiveRequest, code: str, message: str) -> None:
         """End ``request`` with an error (a ``RequestFailed`` after the events before it)."""

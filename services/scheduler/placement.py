@@ -76,7 +76,7 @@ class PrefixIndex:
         for key in new:
             keys.add(key)
             promised.pop(key, None)
-            self._holders.setdefault(key, set()).add(worker)
+            self._hold(key, worker)
         for key in gone:
             keys.discard(key)
             if key not in promised:
@@ -90,12 +90,19 @@ class PrefixIndex:
             if key not in reported:
                 promised.pop(key, None)  # the newest promise last
                 promised[key] = None
-                self._holders.setdefault(key, set()).add(worker)
+                self._hold(key, worker)
         while len(promised) > limit:
             key = next(iter(promised))
             del promised[key]
             if key not in reported:
                 self._unhold(key, worker)
+
+    def _hold(self, key: int, worker: bytes) -> None:
+        holders = self._holders.get(key)  # (setdefault would make a set for every key it finds)
+        if holders is None:
+            self._holders[key] = {worker}
+        else:
+            holders.add(worker)
 
     def _unhold(self, key: int, worker: bytes) -> None:
         holders = self._holders.get(key)
