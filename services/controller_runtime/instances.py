@@ -77,7 +77,7 @@ class WasmInstance:
             return self._hand_over(export, arg, deadline, decoder, mask_address, stopped)
         raw = self.ctrl.invoke(export, arg, deadline, mask_address)
         try:
-            return decoder.common.get(raw) or decoder.decoder.decode(raw)  # ResultDecoder.decode, inlined
+            return decoder.decode(raw)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             self.ctrl.dead = f"{export} returned an invalid result: {exc}"
             raise ControllerError(self.ctrl.dead) from exc

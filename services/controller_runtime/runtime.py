@@ -293,14 +293,11 @@ class Runtime:
         if not ledger.allows(host.request.user) and (refusal := ledger.refusal(host.request.user)):
             return seq_result(aici_wire.PreOutcome, host, 0, error=refusal)
         start = time.perf_counter()
-        try:
-            result = instance.pre_process()
-        except ControllerError as exc:
-            return seq_result(aici_wire.PreOutcome, host, ledger.spend(host.request.user, start), error=str(exc))
-        if result.num_forks == 1 and not result.ff_tokens:  # the usual step: no fork, nothing to fast-forward
-            return seq_result(aici_wire.PreOutcome, host, ledger.spend(host.request.user, start), result=result)
         logs, storage, ff = [], [], []
         try:
+            result = instance.pre_process()
+            if result.num_forks == 1 and not result.ff_tokens:  # the usual step: no fork, nothing to fast-forward
+                return seq_result(aici_wire.PreOutcome, host, ledger.spend(host.request.user, start), result=result)
             for round_ in range(self.settings.max_ff_rounds):
                 if round_:
                     result = instance.pre_process()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import zmq.asyncio
 
 from common import wire
@@ -69,12 +70,8 @@ def test_a_request_whose_stop_strings_changed_is_packed_no_more_and_keeps_its_or
 
 def test_packed_arrays_that_do_not_match_are_refused() -> None:
     msg = wire.Events(rids=["a", "b"], tokens=wire.pack_tokens([1]), logprobs=wire.pack_logprobs([0.0]), texts=["x"])
-    try:
+    with pytest.raises(ValueError, match="2 rids, 1 tokens"):
         msg.token_events()
-    except ValueError as exc:
-        assert "2 rids, 1 tokens" in str(exc)
-    else:
-        raise AssertionError("mismatched packed arrays were read")
 
 
 async def test_the_gateway_routes_packed_events_first_and_drops_only_malformed_packed_arrays(tmp_path) -> None:
