@@ -270,6 +270,9 @@ class Submit(Msg, tag="submit"):
     controller: str = ""  # req_id of a controller instantiated on the side channel ("": none)
     session: SessionRef | None = None
     outputs: OutputRequest | None = None  # with max_tokens == 0: prefill only (scoring)
+    # The gateway works out the text of this request's events from their tokens (common.event_text): the
+    # scheduler sends none, until a TextHandover. Only for a request without stop strings or a controller.
+    text_at_gateway: bool = False
 
 
 class Cancel(Msg, tag="cancel"):
@@ -318,6 +321,14 @@ class Queued(Msg, tag="queued"):
 
     rid: str
     waiting: int
+
+
+class TextHandover(Msg, tag="text_handover"):
+    """From the next event on, the scheduler sends the text of a ``text_at_gateway`` request: a Modify gave it
+    stop strings, which only the scheduler can act on. In order among the ``Events``, after every event whose
+    text the gateway works out."""
+
+    rid: str
 
 
 class RequestState(Msg, tag="request_state"):
@@ -374,28 +385,26 @@ class TokenEvent(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
 class Events(Msg, tag="events", gc=False):
     """All token events of one step for one gateway: one message per step, never one per token.
 
-    Most events are a decoding sequence's next token and its text, nothing else: those are packed, as
-    vLLM's engine sends its outputs, entry i of the four arrays being ``TokenEvent(rid=rids[i],
-    tokens=[SampledToken(tokens[i], logprobs[i])], text=texts[i])``: the scheduler appends to four lists
-    where a TokenEvent and a list per token, and the collections they set off, took about a sixth of its
-    time (scheduler_sim). The others (a request's last event, prompt outputs, top logprobs, stop-string text) are in
-    ``events``; a request's packed entries come before its entries there, and :meth:`token_events` gives
-    them all in that order."""
+    Most events are a decoding sequence's next token, nothing else (its text the gateway works out,
+    ``Submit.text_at_gateway``): those are packed, as vLLM's engine sends its outputs, entry i of the three
+    arrays being ``TokenEvent(rid=rids[i], tokens=[SampledToken(tokens[i], logprobs[i])])``: the scheduler
+    appends to three lists where a TokenEvent and a list per token, and the collections they set off, took
+    about a sixth of its time (scheduler_sim). The others (a request's last event, prompt outputs, top
+    logprobs, text the scheduler works out) are in ``events``; a request's packed entries come before its
+    entries there, and :meth:`token_events` gives them all in that order."""
 
     events: list[TokenEvent] = []
     rids: list[str] = []
     tokens: bytes = b""  # pack_tokens
     logprobs: bytes = b""  # pack_logprobs
-    texts: list[str] = []
 
     def token_events(self) -> list[TokenEvent]:
         """The packed entries as TokenEvents, then ``events``. ValueError: the arrays are not one entry each."""
         tokens, logprobs = unpack_tokens(self.tokens), unpack_logprobs(self.logprobs)
-        if not len(self.rids) == len(tokens) == len(logprobs) == len(self.texts):
-            raise ValueError(f"packed events of {len(self.rids)} rids, {len(tokens)} tokens, {len(logprobs)} "
-                             f"logprobs and {len(self.texts)} texts")
-        return [TokenEvent(rid=rid, tokens=[SampledToken(token, logprob)], text=text)
-                for rid, token, logprob, text in zip(self.rids, tokens, logprobs, self.texts)] + self.events
+        if not len(self.rids) == len(tokens) == len(logprobs):
+            raise ValueError(f"packed events of {len(self.rids)} rids, {len(tokens)} tokens and {len(logprobs)} logprobs")
+        return [TokenEvent(rid=rid, tokens=[SampledToken(token, logprob)])
+                for rid, token, logprob in zip(self.rids, tokens, logprobs)] + self.events
 
 
 class RequestFailed(Msg, tag="request_failed"):
@@ -824,6 +833,7 @@ Message = Union[
     Modify,
     Queued,
     RequestState,
+    TextHandover,
     Events,
     RequestFailed,
     Step,

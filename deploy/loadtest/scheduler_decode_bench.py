@@ -42,7 +42,8 @@ def decode_us(tokenizer, args: argparse.Namespace, stop: list[str]) -> float:
         core.submit(b"gw", wire.Submit(rid=f"r{i}", prompt_ids=[rng.randrange(VOCAB_LOW, VOCAB_HIGH)
                                                                 for _ in range(PROMPT_TOKENS)],
                                        sampling=wire.SamplingParams(temperature=0.0), max_tokens=max_tokens,
-                                       ignore_eos=True, stop=stop))
+                                       ignore_eos=True, stop=stop,
+                                       text_at_gateway=not stop))  # as a gateway sends it (common.event_text)
     encoder, decoder = wire._encoder, wire._decoder
     spent, tokens = [0.0], [0]
 

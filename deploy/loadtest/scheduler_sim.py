@@ -342,7 +342,8 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
         seen.update(keys)
         by_rid[client.rid] = client
         frame = encoder.encode(wire.Submit(rid=client.rid, prompt_ids=prompt, sampling=sampling, max_tokens=args.tokens,
-                                           ignore_eos=True, session=wire.SessionRef(key=client.key)))
+                                           ignore_eos=True, session=wire.SessionRef(key=client.key),
+                                           text_at_gateway=True))  # as a gateway sends it (common.event_text)
         started = time.thread_time()
         reply = encoder.encode(core.submit(b"gw", decoder.decode(frame)))
         scheduler(started)

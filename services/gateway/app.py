@@ -37,11 +37,12 @@ def create_app(settings: Settings) -> FastAPI:
         tokenizer = await asyncio.to_thread(load_tokenizer, settings)
         text = TextProcessor(tokenizer, settings.limits.content_filter_patterns)
         await text.load_token_texts()
+        text_streams = await text.event_text_streams()
         release_freed_memory()
         ctx = zmq.asyncio.Context()
         gw = Gateway(
             settings=settings,
-            scheduler=SchedulerClient(settings, ctx),
+            scheduler=SchedulerClient(settings, ctx, text_streams),
             store=StoreClient(settings, ctx),
             text=text,
             limiter=RateLimiter(settings.limits.rate_limit_per_minute),

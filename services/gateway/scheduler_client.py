@@ -1,5 +1,6 @@
 """The gateway's link to the scheduler: one Dealer for request/reply, and routing of the token
-events the scheduler pushes (one ``Events`` message per step) to per-request queues.
+events the scheduler pushes (one ``Events`` message per step) to per-request queues, with their text
+worked out here for the requests submitted ``text_at_gateway`` (common.event_text).
 
 Heartbeats (``GatewayAlive``, answered with the scheduler's incarnation) and the connection's drops
 feed a :class:`common.incarnation.PeerWatch`: when the scheduler restarted, or dropped its connection
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -22,8 +24,10 @@ from zmq.utils.monitor import recv_monitor_message
 from common import wire
 from common.config import Settings
 from common.errors import ERROR_TRAITS, INTERNAL_ERROR, SERVICE_UNAVAILABLE, TillerError
+from common.event_text import EventTexts
 from common.incarnation import PeerWatch, process_incarnation
 from common.sockets import Dealer, PeerLost
+from common.textstream import TextStream
 
 log = structlog.get_logger()
 
@@ -57,7 +61,8 @@ def _as_error(reply: wire.Message, what: str) -> TillerError:
 class SchedulerClient:
     """The gateway's client of the scheduler: commands, health, and the token events routed per request."""
 
-    def __init__(self, settings: Settings, ctx: zmq.asyncio.Context) -> None:
+    def __init__(self, settings: Settings, ctx: zmq.asyncio.Context,
+                 text_streams: Callable[[], TextStream] | None = None) -> None:
         # immediate: a Submit that waited while the scheduler was down, and was failed here meanwhile,
         # must not reach the next scheduler (it would generate it for nobody)
         self._dealer = Dealer(ctx, settings.endpoint("scheduler"), on_message=self._on_message, immediate=True)
@@ -65,6 +70,7 @@ class SchedulerClient:
         self._heartbeat_s = limits.gateway_heartbeat_s
         self._watch = PeerWatch(silence_s=limits.peer_silence_s, suspect_grace_s=limits.peer_suspect_grace_s)
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
+        self._texts = EventTexts(text_streams)  # None: the scheduler works out every request's text
         self._health: wire.HealthReply | None = None
         self._health_at = 0.0
         self._health_refreshing = False
@@ -123,6 +129,7 @@ class SchedulerClient:
         self._dealer.abandon(message)
         traits = ERROR_TRAITS[SERVICE_UNAVAILABLE]
         for rid, queue in self._streams.items():
+            self._texts.close(rid)
             queue.put_nowait(wire.RequestFailed(rid=rid, code=SERVICE_UNAVAILABLE, message=message,
                                                 recoverable=traits[0], recovery_action=traits[1]))
 
@@ -138,10 +145,15 @@ class SchedulerClient:
             except ValueError as exc:  # a scheduler that does not speak this wire: its packed events are lost
                 log.error("scheduler.malformed_events", error=str(exc))
                 events = msg.events
+            fill = self._texts.fill
             for event in events:
+                fill(event)
                 self._route(event.rid, event)
         elif isinstance(msg, wire.RequestFailed):
+            self._texts.close(msg.rid)
             self._route(msg.rid, msg)
+        elif isinstance(msg, wire.TextHandover):
+            self._texts.close(msg.rid)
         else:
             log.warning("scheduler.unexpected_message", type=type(msg).__name__)
 
@@ -160,6 +172,7 @@ class SchedulerClient:
 
     def close_stream(self, rid: str) -> None:
         self._streams.pop(rid, None)
+        self._texts.close(rid)
 
     async def _call(self, msg: wire.Msg, *, timeout: float = COMMAND_TIMEOUT_S) -> wire.Message:
         what = type(msg).__name__
@@ -177,7 +190,12 @@ class SchedulerClient:
             raise _as_error(reply, type(msg).__name__)
 
     async def submit(self, submit: wire.Submit) -> None:
-        await self._command(submit, wire.Queued)
+        self._texts.submitting(submit)
+        try:
+            await self._command(submit, wire.Queued)
+        except BaseException:
+            self._texts.close(submit.rid)
+            raise
 
     async def cancel(self, rid: str) -> None:
         await self._command(wire.Cancel(rid=rid))

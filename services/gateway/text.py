@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jinja2
 
 from common.errors import INVALID_REQUEST
+from common.event_text import gateway_streams
+from common.textstream import TextStream
 from services.gateway.protocol import GatewayError
 from services.gateway.validation import GenerationRequest
 
@@ -36,6 +39,11 @@ class TextProcessor:
         """Decode every vocabulary entry once, so logprob token strings are a list lookup."""
         vocab = len(self._tokenizer)
         self._token_texts = await self._run(self._tokenizer.batch_decode, [[i] for i in range(vocab)])
+
+    async def event_text_streams(self) -> Callable[[], TextStream] | None:
+        """The maker of the streams that work out token events' text here (common.event_text), its
+        tables built on the tokenizer's thread; None when the scheduler must work out every text."""
+        return await self._run(gateway_streams, self._tokenizer)
 
     def token_text(self, token_id: int) -> str:
         return self._token_texts[token_id] if 0 <= token_id < len(self._token_texts) else ""

@@ -260,6 +260,7 @@ class ControlledSteps:
     def track(self, request: LiveRequest) -> Controlled:
         controlled = self.requests.get(request.rid)
         if controlled is None:
+            assert request.text is not None  # a controlled request is never text_at_gateway (SchedulerCore.submit)
             root = Branch(request=request, index=0, seq_id=request.seq_id, tokens=list(request.prompt),
                           text=request.text, text_start=len(request.prompt))
             controlled = self.requests[request.rid] = Controlled(request=request, branches=[root])
@@ -617,7 +618,7 @@ class ControlledSteps:
     def _fork(self, controlled: Controlled, parent: Branch) -> Branch:
         request = parent.request
         child = Branch(request=request, index=next(controlled.indices), seq_id=self.host.new_seq_id(),
-                       tokens=list(parent.tokens), text=TextStream(request.text.tokenizer, stop=list(request.text.stop)),
+                       tokens=list(parent.tokens), text=TextStream(parent.text.tokenizer, stop=list(request.text.stop)),
                        text_start=parent.text_start, assigned=True)
         child.text.push(child.tokens[child.text_start :])
         child.text.released = len(child.text.text)

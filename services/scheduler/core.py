@@ -77,15 +77,14 @@ class Dispatch:
 
 class PackedEvents:
     """A gateway's packed token events (``wire.Events``) being gathered: the core's per-token loop
-    appends to the four lists."""
+    appends to the three lists."""
 
-    __slots__ = ("rids", "tokens", "logprobs", "texts")
+    __slots__ = ("rids", "tokens", "logprobs")
 
     def __init__(self) -> None:
         self.rids: list[str] = []
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
-        self.texts: list[str] = []
 
 
 class Outbox:
@@ -117,7 +116,7 @@ class Outbox:
             plain = packed.get(gateway) or PackedEvents()
             self._ready.append((gateway, wire.Events(
                 events=events.get(gateway, []), rids=plain.rids, tokens=wire.pack_tokens(plain.tokens),
-                logprobs=wire.pack_logprobs(plain.logprobs), texts=plain.texts)))
+                logprobs=wire.pack_logprobs(plain.logprobs))))
         events.clear()
         packed.clear()
 
@@ -196,6 +195,9 @@ class SchedulerCore:
             return refuse(INVALID_REQUEST, f"request id {submit.rid!r} is already live")
         if not submit.prompt_ids:
             return refuse(INVALID_REQUEST, "the prompt has no tokens")
+        if submit.text_at_gateway and (submit.stop or submit.controller):
+            return refuse(INVALID_REQUEST, "text_at_gateway is for requests without stop strings or a controller: "
+                                           "the scheduler works out the text those need")
         facts = self.model_facts()
         stage = self.pool.summary() if facts is None else None
         if stage is not None and stage.stage == "failed":
@@ -218,7 +220,7 @@ class SchedulerCore:
             submit=submit,
             gateway=gateway,
             order=next(self.orders),
-            text=self.text_stream(list(submit.stop)),
+            text=None if submit.text_at_gateway else self.text_stream(list(submit.stop)),
             deadline=self.clock() + timeout,
         )
         self.requests[submit.rid] = request
@@ -245,12 +247,23 @@ class SchedulerCore:
                     context_budget(len(request.prompt), msg.patch.max_tokens, self.max_model_len(), msg.patch.max_tokens)
                 except ContextLengthExceeded as exc:
                     return wire.Error(code=exc.code, message=exc.message, rid=msg.rid)
+            if msg.patch.stop and request.text is None:
+                self._hand_text_over(request)
             request.apply_patch(msg.patch)
             request.limit = token_limit(request.submit, self.max_model_len())
             self._unfollow(request)  # its next step carries the new parameters, or is not wanted
             if request.state is not State.QUEUED and len(request.generated) >= request.submit.max_tokens:
                 self.finish(request, "length")
         return wire.RequestState(rid=request.rid, state=request.state.value, paused=request.paused)
+
+    def _hand_text_over(self, request: LiveRequest) -> None:
+        """A ``text_at_gateway`` request got stop strings: its text is worked out here from now on, by a
+        stream that took every token generated so far (its gateway's holds the same), and its gateway is
+        told so after the events it sent without text (common.event_text)."""
+        request.text = self.text_stream([])
+        request.text.push(request.generated)
+        request.packed = False
+        self.outbox.message(request.gateway, wire.TextHandover(rid=request.rid))
 
     def drop_session(self, key: str) -> None:
         """A closed session: its live turns are cancelled and its parked KV let go."""
@@ -582,7 +595,15 @@ class SchedulerCore:
             if request.follower and n + request.in_flight >= request.limit:
                 self.batches[request.worker].leave(request)  # a token in flight may be its last
             text = request.text
-            if text.stop:
+            if text is None:  # the gateway works out its text (common.event_text)
+                if request.packed:
+                    plain = packed[request.gateway]
+                    plain.rids.append(request.rid)
+                    plain.tokens.append(token)
+                    plain.logprobs.append(logprobs[slot])
+                else:
+                    events[request.gateway].append(wire.TokenEvent(rid=request.rid, tokens=[sampled(slot)]))
+            elif text.stop:
                 # Its text may complete a stop string: it is worked out once the next step is on its
                 # way (the scan costs more than the lookup of a token's text). A stop string found
                 # then ends the request, and the token that step samples for it is dropped.
@@ -591,13 +612,7 @@ class SchedulerCore:
                 request.deferred.append(wire.TokenEvent(rid=request.rid, tokens=[sampled(slot)]))
             elif request.deferred:  # its stop strings were taken away (a Modify) with text still to work out
                 self._emit_text(request, wire.TokenEvent(rid=request.rid, tokens=[sampled(slot)]), last=False)
-            elif request.packed:  # _emit_text inline: without stop strings nothing ends it here
-                plain = packed[request.gateway]
-                plain.rids.append(request.rid)
-                plain.tokens.append(token)
-                plain.logprobs.append(logprobs[slot])
-                plain.texts.append(text.push_one(token))
-            else:
+            else:  # _emit_text inline: without stop strings nothing ends it here
                 events[request.gateway].append(
                     wire.TokenEvent(rid=request.rid, tokens=[sampled(slot)], text=text.push_one(token)))
 
@@ -648,10 +663,13 @@ class SchedulerCore:
             self._emit_deferred_of(request)
             if request.state is State.FINISHED:  # the tokens before it completed a stop string
                 return
-        event.text = request.text.push_one(event.tokens[0].token_id)
-        if request.text.stopped_by is not None:
-            self.finish(request, "stop", event, stop_reason=request.text.stopped_by)
-        elif last:
+        text = request.text
+        if text is not None:
+            event.text = text.push_one(event.tokens[0].token_id)
+            if text.stopped_by is not None:
+                self.finish(request, "stop", event, stop_reason=text.stopped_by)
+                return
+        if last:
             self.finish(request, "length", event)
         else:
             self.outbox.event(request.gateway, event)
@@ -666,9 +684,10 @@ class SchedulerCore:
         """Work out a request's deferred token texts now (or before it ends for another reason):
         ``_emit_text`` inline, as it runs for every token."""
         events, request.deferred = request.deferred, []
-        if request.state is State.FINISHED:  # cancelled or failed since
+        if not events or request.state is State.FINISHED:  # none, or cancelled or failed since
             return
         text = request.text
+        assert text is not None  # only a request with stop strings defers its text
         out = self.outbox.events_of(request.gateway)
         for event in events:
             event.text = text.push_one(event.tokens[0].token_id)
@@ -701,7 +720,7 @@ class SchedulerCore:
         if request.state is State.FINISHED:  # its deferred text completed a stop string
             return
         event = event or wire.TokenEvent(rid=request.rid)
-        if reason != "stop" or isinstance(stop_reason, int):
+        if request.text is not None and (reason != "stop" or isinstance(stop_reason, int)):
             event.text += request.text.flush()
         event.finish_reason = reason
         event.stop_reason = stop_reason

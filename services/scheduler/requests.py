@@ -45,7 +45,7 @@ class LiveRequest:
     submit: wire.Submit
     gateway: bytes
     order: int  # arrival order, the tie-breaker after priority
-    text: TextStream
+    text: TextStream | None  # None: its gateway works out its text (Submit.text_at_gateway), until a TextHandover
     deadline: float
     state: State = State.QUEUED
     paused: bool = False  # a paused request keeps its place (and KV) but is not stepped or admitted
@@ -77,9 +77,9 @@ class LiveRequest:
     scored: dict[int, wire.ScoreResult] = field(default_factory=dict)
     cached_tokens: int = 0  # prompt tokens whose KV was reused (a parked sequence, the prefix cache)
     block_keys: list[int] | None = None  # the prompt's full blocks' keys (common.blocks), once placement needed them
-    # whether its plain token events may be packed (wire.Events): none of its events carry more than a token
-    # and its text (no top logprobs, prompt outputs or readouts), and its stop strings never changed (so that
-    # none of its events that were not packed comes before one that is, in one Events)
+    # whether its plain token events may be packed (wire.Events): its gateway works out its text, and none of
+    # its events carry more than a token (no top logprobs, prompt outputs or readouts); never again once false
+    # (so that none of its events that were not packed comes before one that is, in one Events)
     packed: bool = True
     # the submit's fields read for every sequence in every step, as attributes of their own
     rid: str = field(init=False)
@@ -91,7 +91,7 @@ class LiveRequest:
         self.rid, self.prompt = self.submit.rid, self.submit.prompt_ids
         self.sort_key = (self.submit.priority, self.order)
         self.controlled = bool(self.submit.controller)
-        self.packed = not self.submit.sampling.logprobs  # its tokens carry no top alternatives
+        self.packed = self.text is None and not self.submit.sampling.logprobs  # no top alternatives
         outputs = self.submit.outputs
         if outputs is None:
             return
@@ -142,8 +142,8 @@ class LiveRequest:
                 setattr(sampling, name, value)
         if patch.max_tokens is not None:
             self.submit.max_tokens = patch.max_tokens
-        if patch.stop is not None:
+        if patch.stop is not None:  # (stop strings for a text_at_gateway request: the core took its text first)
             self.submit.stop = patch.stop
-            self.text.stop = list(patch.stop)
-            self.packed = False
+            if self.text is not None:
+                self.text.stop = list(patch.stop)
         self.sampling_dirty = True

@@ -229,6 +229,35 @@ async def test_modify_applies_mid_stream(stack, hf_greedy):
     check_stream(stack, messages, expected, len(ids))
 
 
+async def test_stop_strings_given_mid_stream_end_the_text_where_they_complete(stack, hf_greedy):
+    """The gateway works out a request's text until a modify gives it stop strings; the scheduler then
+    takes it over (common.event_text): the text goes on without a seam and ends before the stop string."""
+    ids = prompt_ids(stack, prompt=PROMPTS[1])
+    expected = hf_greedy(ids, ORACLE_TOKENS)
+    full = stack.tokenizer.decode(expected, skip_special_tokens=True)
+    cut = next(k for k in range(len(full) * 2 // 3, len(full) - 4) if full.find(full[k : k + 4]) == k
+               and full[k : k + 4].strip())
+    stop = full[cut : cut + 4]  # first seen late in the text: after the modify lands
+    async with websockets.connect(stack.ws_url) as ws:
+        await send(ws, {"type": "config", **greedy_config(prompt=PROMPTS[1], max_tokens=ORACLE_TOKENS)})
+        messages = [await receive(ws), await receive(ws)]
+        assert messages[1]["type"] == "token"
+        await send(ws, {"type": "control", "action": "modify", "parameters": {"stop": [stop]}})
+        acks = []
+        while True:
+            message = await receive(ws)
+            (acks if message["type"] == "status" else messages).append(message)
+            if message["type"] == "completion":
+                break
+    assert [a["parameters"] for a in acks] == [{"stop": [stop]}]
+    completion = messages[-1]
+    assert completion["finish_reason"] == "stop", completion
+    streamed = token_ids(messages)
+    assert streamed == expected[: len(streamed)]
+    assert "".join(m["token"] for m in messages if m["type"] == "token") == full[:cut]
+    assert completion["generated_text"] == full[:cut]
+
+
 async def test_regenerate_restarts_with_a_fresh_init(stack, hf_greedy):
     ids = prompt_ids(stack, prompt=PROMPTS[0])
     expected = hf_greedy(ids, MAX_TOKENS)

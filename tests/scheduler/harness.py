@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 
 from common import aici_wire, wire
 from common.config import Controllers, Limits, Sessions
+from common.event_text import EventTexts
 from common.textstream import TextStream
 from services.scheduler.controlled import Branch, MainReply
 from services.scheduler.core import Dispatch, SchedulerCore
@@ -35,7 +36,8 @@ def prompt(n: int, start: int = 13) -> list[int]:
     return [start + i % 40 for i in range(n)]
 
 class Harness:
-    """Drives a ``SchedulerCore`` the way the service shell does, with step results made up by the test."""
+    """Drives a ``SchedulerCore`` the way the service shell does, with step results made up by the test;
+    and reads its output as a gateway does, working out the text of ``text_at_gateway`` requests."""
 
     def __init__(self, *, place: Place = least_loaded, sessions: Sessions | None = None,
                  controllers: Controllers | None = None, worker_gone: Callable[[bytes], None] = lambda identity: None,
@@ -47,6 +49,8 @@ class Harness:
             place=place, worker_gone=worker_gone, clock=self.clock,
         )
         self.sent: list[tuple[bytes, wire.Msg]] = []
+        self.texts = EventTexts(lambda: TextStream(FakeTokenizer()))  # the gateway's side (common.event_text)
+        self.received: list[wire.TokenEvent | wire.RequestFailed] = []  # the events and failures, texts set
 
     # -- peers ----------------------------------------------------------------------------------
 
@@ -59,10 +63,13 @@ class Harness:
         return identity
 
     def submit(self, rid: str, prompt_ids: list[int], max_tokens: int = 16, *, gateway: bytes = b"gw",
-               **fields: object) -> wire.Msg:
+               text_at_gateway: bool = True, **fields: object) -> wire.Msg:
+        """Submit as a gateway does (``text_at_gateway`` False: as one that leaves every text to the scheduler)."""
         sampling = fields.pop("sampling", wire.SamplingParams(temperature=0.0))
-        return self.core.submit(gateway, wire.Submit(rid=rid, prompt_ids=prompt_ids, max_tokens=max_tokens,
-                                                     sampling=sampling, **fields))
+        submit = wire.Submit(rid=rid, prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, **fields)
+        if text_at_gateway:
+            self.texts.submitting(submit)
+        return self.core.submit(gateway, submit)
 
     # -- steps ----------------------------------------------------------------------------------
 
@@ -122,15 +129,25 @@ class Harness:
     def take(self) -> list[tuple[bytes, wire.Msg]]:
         out = self.core.take_output()
         self.sent += out
+        for _, sent in out:  # as services.gateway.scheduler_client reads them, off the wire
+            msg = wire.decode(wire.encode(sent))
+            if isinstance(msg, wire.Events):
+                for event in msg.token_events():
+                    self.texts.fill(event)
+                    self.received.append(event)
+            elif isinstance(msg, (wire.RequestFailed, wire.TextHandover)):
+                self.texts.close(msg.rid)
+                if isinstance(msg, wire.RequestFailed):
+                    self.received.append(msg)
         return out
 
     def events(self, rid: str) -> list[wire.TokenEvent]:
         self.take()
-        return [e for _, m in self.sent if isinstance(m, wire.Events) for e in m.token_events() if e.rid == rid]
+        return [e for e in self.received if isinstance(e, wire.TokenEvent) and e.rid == rid]
 
     def failures(self, rid: str) -> list[wire.RequestFailed]:
         self.take()
-        return [m for _, m in self.sent if isinstance(m, wire.RequestFailed) and m.rid == rid]
+        return [m for m in self.received if isinstance(m, wire.RequestFailed) and m.rid == rid]
 
     def text(self, rid: str) -> str:
         return "".join(e.text for e in self.events(rid))
