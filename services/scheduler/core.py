@@ -361,7 +361,7 @@ class SchedulerCore:
             request.seq_id = placement.seq_id if placement.seq_id is not None else self.new_seq_id()
             request.fork_of, request.backtrack = placement.fork_of, placement.backtrack
             request.fed = request.applied = request.cached_tokens = placement.start
-            request.kv_tokens = list(placement.held or [])
+            request.kv_tokens = placement.held if placement.held is not None else []
             request.worker = worker.identity
             request.stop_ids = stop_tokens(request.submit, worker.hello.eos_token_ids)
             request.limit = token_limit(request.submit, self.max_model_len())

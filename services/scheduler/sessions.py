@@ -52,14 +52,14 @@ class Placement:
     fork_of: int | None = None
     backtrack: int = 0
     start: int = 0
-    held: list[int] | None = None  # the tokens the sequence holds before its first step
+    held: list[int] | None = None  # the tokens the sequence holds before its first step: the request's list from then on
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
     """How many leading tokens ``a`` and ``b`` share (by bisection on slice comparisons, which run
     at C speed: a turn's prompt most often extends what its session holds)."""
     low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; past high, nothing is known to match
-    if a[:high] == b[:high]:
+    if (a if len(a) == high else a[:high]) == (b if len(b) == high else b[:high]):  # (no copy of the shorter)
         return high
     while high - low > 1:  # a[:high] != b[:high]
         mid = (low + high) // 2
@@ -90,7 +90,10 @@ def held_tokens(request: LiveRequest) -> list[int]:
         return list(request.kv_tokens)
     sampled = len(request.generated) + request.in_flight  # once the prompt is fed, every step sent samples it
     fed = max(sampled - 1, 0)
-    return request.kv_tokens + request.generated[:fed] + [UNSEEN] * (fed - len(request.generated))
+    tokens = request.kv_tokens + request.generated[:fed]
+    if fed > len(request.generated):
+        tokens += [UNSEEN] * (fed - len(request.generated))
+    return tokens
 
 
 # ``SessionKV.reuse``'s answer when the request's own parked sequence is busy (a fork of it has not
@@ -154,10 +157,10 @@ class SessionKV:
             self._unpark(base)
             worker.reserved_tokens -= len(base.tokens)
             return Placement(worker, seq_id=base.seq_id, backtrack=len(base.tokens) - common, start=common,
-                             held=base.tokens)
+                             held=base.tokens)  # no longer parked: the request takes its list
         self.pinned.add(base.seq_id)
         return Placement(worker, fork_of=base.seq_id, backtrack=len(base.tokens) - common, start=common,
-                         held=base.tokens)
+                         held=list(base.tokens))
 
     def forked(self, parent: int) -> None:
         """The step carrying a fork of ``parent`` ran (or will never run): it may be evicted again."""
