@@ -109,6 +109,9 @@ class TextStream:
     _head: list[str] = field(init=False, repr=False)
     _tail: str = field(init=False, repr=False)
     _length: int = field(init=False, repr=False)
+    # the ``stop`` list the last release with stop strings scanned the text for (a list set since, by a Modify
+    # or a backtrack, must be scanned for in the text released before it too)
+    _scanned: list[str] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._decode = decoder(self.tokenizer)
@@ -128,6 +131,7 @@ class TextStream:
     @text.setter
     def text(self, value: str) -> None:
         self._head, self._tail, self._length = [], value, len(value)
+        self._scanned = None
 
     def _cover(self, position: int) -> int:
         """Make ``_tail`` hold the text from ``position`` on; returns the offset of ``_tail`` in ``text``."""
@@ -167,19 +171,33 @@ class TextStream:
         """``push([token_id])``."""
         if self.stopped_by is not None:
             return ""
-        # the common case inline: a byte table, no stop strings, nothing pending or held back
-        if self._texts is not None and not (self.stop or self._pending) and self.released == self._length:
+        # the common cases inline: a byte table, nothing pending or held back, and no stop strings, or none
+        # that this token's text could begin (nothing held back: none had begun in the text before it)
+        stop = self.stop
+        if (self._texts is not None and not self._pending and self.released == self._length
+                and (not stop or stop is self._scanned)):
             text = self._texts[token_id] if token_id < len(self._texts) else ""
             if text is None:  # a character goes on in the next token
                 self._pending = self._bytes[token_id]  # type: ignore[index]
                 return ""
-            if self._tail:
-                self._head.append(self._tail)
-                self._tail = ""
-            self._head.append(text)
-            self._length += len(text)
-            self.released = self._length
-            return text
+            if not stop:
+                if self._tail:
+                    self._head.append(self._tail)
+                    self._tail = ""
+                self._head.append(text)
+                self._length += len(text)
+                self.released = self._length
+                return text
+            if not any(s and s[0] in text for s in stop):
+                tail = self._tail + text
+                if len(tail) > 2 * KEPT_TAIL:  # (what _keep does, by length alone)
+                    cut = len(tail) - KEPT_TAIL
+                    self._head.append(tail[:cut])
+                    tail = tail[cut:]
+                self._tail = tail
+                self._length += len(text)
+                self.released = self._length
+                return text
         self._append_token(token_id)
         return self._release()
 
@@ -192,6 +210,7 @@ class TextStream:
         # Every match (found from ``start - len(stop) + 1`` on) and every held-back suffix begins with its stop
         # string's first character, within the last ``longest - 1`` characters before ``start`` or after it:
         # where none of those characters is there, everything is released.
+        self._scanned = self.stop
         longest = max(map(len, self.stop))
         reach = max(0, start - longest + 1)  # where a match or a held-back suffix may begin, at the earliest
         base = self._cover(reach)

@@ -124,12 +124,21 @@ class PrefixIndex:
         """For each of ``workers``, how many of the leading ``keys`` its cache holds in a row."""
         alive = set(workers)
         found = dict.fromkeys(alive, 0)
-        for depth, key in enumerate(keys, 1):
-            alive &= self._holders.get(key, set())
-            if not alive:
+        depth = 0
+        for depth, key in enumerate(keys):  # (each worker's count is written once, when its run ends)
+            holders = self._holders.get(key)
+            if holders is None:
                 break
-            for worker in alive:
-                found[worker] = depth
+            if not alive <= holders:
+                for worker in alive - holders:
+                    found[worker] = depth
+                alive &= holders
+                if not alive:
+                    return found
+        else:
+            depth = len(keys)
+        for worker in alive:
+            found[worker] = depth
         return found
 
 
