@@ -258,7 +258,9 @@ class SessionRef(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class Submit(Msg, tag="submit"):
     rid: str
-    prompt_ids: list[int]
+    # The prompt's token ids as int32 (pack_tokens): what the scheduler checks and compares whole (a session
+    # turn against what its parked sequence holds) it reads as bytes, where a list costs an object per token.
+    prompt: bytes
     sampling: SamplingParams
     max_tokens: int
     stop: list[str] = []
@@ -266,13 +268,18 @@ class Submit(Msg, tag="submit"):
     ignore_eos: bool = False
     priority: int = 0  # 0 interactive ... 10 batch
     timeout_s: float = 0.0  # 0: the scheduler's default
-    images: list[ImageInput] = []  # every image of the prompt, positions in prompt_ids
+    images: list[ImageInput] = []  # every image of the prompt, positions in prompt tokens
     controller: str = ""  # req_id of a controller instantiated on the side channel ("": none)
     session: SessionRef | None = None
     outputs: OutputRequest | None = None  # with max_tokens == 0: prefill only (scoring)
     # The gateway works out the text of this request's events from their tokens (common.event_text): the
     # scheduler sends none, until a TextHandover. Only for a request without stop strings or a controller.
     text_at_gateway: bool = False
+
+    @property
+    def prompt_len(self) -> int:
+        """Tokens in ``prompt``."""
+        return len(self.prompt) // 4
 
 
 class Cancel(Msg, tag="cancel"):

@@ -39,8 +39,8 @@ def decode_us(tokenizer, args: argparse.Namespace, stop: list[str]) -> float:
                                              wire_version=wire.WIRE_VERSION))
     rng = random.Random(0)
     for i in range(args.seqs):
-        core.submit(b"gw", wire.Submit(rid=f"r{i}", prompt_ids=[rng.randrange(VOCAB_LOW, VOCAB_HIGH)
-                                                                for _ in range(PROMPT_TOKENS)],
+        core.submit(b"gw", wire.Submit(rid=f"r{i}", prompt=wire.pack_tokens(
+                                           rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(PROMPT_TOKENS)),
                                        sampling=wire.SamplingParams(temperature=0.0), max_tokens=max_tokens,
                                        ignore_eos=True, stop=stop,
                                        text_at_gateway=not stop))  # as a gateway sends it (common.event_text)

@@ -341,7 +341,7 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
         run.reusable_tokens += max(kept, known * BLOCK_SIZE)
         seen.update(keys)
         by_rid[client.rid] = client
-        frame = encoder.encode(wire.Submit(rid=client.rid, prompt_ids=prompt, sampling=sampling, max_tokens=args.tokens,
+        frame = encoder.encode(wire.Submit(rid=client.rid, prompt=wire.pack_tokens(prompt), sampling=sampling, max_tokens=args.tokens,
                                            ignore_eos=True, session=wire.SessionRef(key=client.key),
                                            text_at_gateway=True))  # as a gateway sends it (common.event_text)
         started = time.thread_time()

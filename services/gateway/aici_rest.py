@@ -308,7 +308,7 @@ async def _start_run(gw: Gateway, run: RunRequest, caller: Caller, admission: Ad
         await gw.scheduler.submit(
             wire.Submit(
                 rid=rid,
-                prompt_ids=prompt_ids,
+                prompt=wire.pack_tokens(prompt_ids),
                 sampling=run.sampling(),
                 max_tokens=max_tokens,
                 timeout_s=gw.settings.limits.request_timeout_s,

@@ -183,7 +183,7 @@ class Generation:
             await gw.scheduler.submit(
                 wire.Submit(
                     rid=self.rid,
-                    prompt_ids=prompt_ids,
+                    prompt=wire.pack_tokens(prompt_ids),
                     sampling=self._sampling(prompt_ids, facts),
                     max_tokens=max_tokens,
                     stop=list(self.request.stop),

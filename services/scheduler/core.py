@@ -37,6 +37,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import structlog
 
 from common import aici_wire, wire
@@ -193,7 +194,9 @@ class SchedulerCore:
 
         if submit.rid in self.requests:
             return refuse(INVALID_REQUEST, f"request id {submit.rid!r} is already live")
-        if not submit.prompt_ids:
+        if len(submit.prompt) % 4:
+            return refuse(INVALID_REQUEST, f"the prompt is {len(submit.prompt)} bytes, not int32 token ids")
+        if not submit.prompt:
             return refuse(INVALID_REQUEST, "the prompt has no tokens")
         if submit.text_at_gateway and (submit.stop or submit.controller):
             return refuse(INVALID_REQUEST, "text_at_gateway is for requests without stop strings or a controller: "
@@ -202,14 +205,16 @@ class SchedulerCore:
         stage = self.pool.summary() if facts is None else None
         if stage is not None and stage.stage == "failed":
             return refuse(MODEL_LOADING_ERROR, f"the model failed to load: {stage.message}")
-        if facts is not None and not (min(submit.prompt_ids) >= 0 and max(submit.prompt_ids) < facts.vocab_size):
-            return refuse(INVALID_REQUEST, f"prompt token ids must lie in [0, {facts.vocab_size})")
+        if facts is not None:
+            ids = np.frombuffer(submit.prompt, dtype="<i4")
+            if ids.min() < 0 or ids.max() >= facts.vocab_size:
+                return refuse(INVALID_REQUEST, f"prompt token ids must lie in [0, {facts.vocab_size})")
         if submit.max_tokens < 0:
             return refuse(INVALID_REQUEST, "max_tokens must be >= 0 (0: prefill only)")
         try:  # the max_tokens policy: what does not fit is refused, never cut
-            context_budget(len(submit.prompt_ids), submit.max_tokens, self.max_model_len(), submit.max_tokens)
+            context_budget(submit.prompt_len, submit.max_tokens, self.max_model_len(), submit.max_tokens)
             if facts is not None and facts.kv_capacity_tokens:  # a worker's whole KV pool could never hold more
-                context_budget(len(submit.prompt_ids), submit.max_tokens, facts.kv_capacity_tokens, submit.max_tokens,
+                context_budget(submit.prompt_len, submit.max_tokens, facts.kv_capacity_tokens, submit.max_tokens,
                                what="the KV cache")
         except ContextLengthExceeded as exc:
             return refuse(exc.code, exc.message)
@@ -225,7 +230,7 @@ class SchedulerCore:
         )
         self.requests[submit.rid] = request
         self.queue.append(request)
-        log.info("scheduler.submitted", request_id=submit.rid, prompt_tokens=len(submit.prompt_ids),
+        log.info("scheduler.submitted", request_id=submit.rid, prompt_tokens=submit.prompt_len,
                  max_tokens=submit.max_tokens)
         return wire.Queued(rid=submit.rid, waiting=len(self.queue))
 

@@ -29,7 +29,7 @@ def length_reached(submit: wire.Submit, generated: int, total: int, max_len: int
 def token_limit(submit: wire.Submit, max_len: int) -> int:
     """How many tokens a plain sequence may generate: ``length_reached`` says yes once it generated
     this many."""
-    return min(submit.max_tokens, max_len - len(submit.prompt_ids))
+    return min(submit.max_tokens, max_len - submit.prompt_len)
 
 
 class State(enum.Enum):
@@ -88,7 +88,7 @@ class LiveRequest:
     controlled: bool = field(init=False)  # its controller decides its steps (services.scheduler.controlled)
 
     def __post_init__(self) -> None:
-        self.rid, self.prompt = self.submit.rid, self.submit.prompt_ids
+        self.rid, self.prompt = self.submit.rid, wire.unpack_tokens(self.submit.prompt)
         self.sort_key = (self.submit.priority, self.order)
         self.controlled = bool(self.submit.controller)
         self.packed = self.text is None and not self.submit.sampling.logprobs  # no top alternatives

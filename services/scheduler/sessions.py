@@ -39,6 +39,10 @@ class Parked:
     tokens: list[int]  # exactly what the worker's sequence holds (UNSEEN: a token the scheduler never saw)
     parked_at: float
     images: list[wire.ImageInput] = field(default_factory=list)  # the images whose blocks ``tokens`` hold
+    packed: bytes = field(init=False)  # ``tokens`` as int32 (wire.pack_tokens), to compare with a turn's prompt
+
+    def __post_init__(self) -> None:
+        self.packed = wire.pack_tokens(self.tokens)
 
 
 @dataclass
@@ -55,15 +59,15 @@ class Placement:
     held: list[int] | None = None  # the tokens the sequence holds before its first step: the request's list from then on
 
 
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share (by bisection on slice comparisons, which run
-    at C speed: a turn's prompt most often extends what its session holds)."""
-    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; past high, nothing is known to match
-    if (a if len(a) == high else a[:high]) == (b if len(b) == high else b[:high]):  # (no copy of the shorter)
+def shared_prefix(a: bytes, b: bytes) -> int:
+    """How many leading tokens two int32 token arrays (wire.pack_tokens) share: by bisection on slice
+    comparisons, each a memcmp (a turn's prompt most often extends what its session holds: one)."""
+    low, high = 0, min(len(a), len(b)) // 4  # a[:low] == b[:low] (in tokens); past high, nothing is known to match
+    if a[: 4 * high] == b[: 4 * high]:
         return high
     while high - low > 1:  # a[:high] != b[:high]
         mid = (low + high) // 2
-        if a[low:mid] == b[low:mid]:
+        if a[4 * low : 4 * mid] == b[4 * low : 4 * mid]:
             low = mid
         else:
             high = mid
@@ -145,7 +149,8 @@ class SessionKV:
         if worker is None or not worker.ready or worker.suspect_since is not None:
             return None
         # never skip a position the request asks outputs about, and always feed at least one token
-        common = min(shared_prefix(base.tokens, request.prompt), request.first_output_position, len(request.prompt) - 1)
+        common = min(shared_prefix(base.packed, request.submit.prompt), request.first_output_position,
+                     len(request.prompt) - 1)
         common = same_images_prefix(base.images, request.submit.images, common)
         if common <= 0 and not own:
             return None

@@ -34,7 +34,7 @@ async def raw_request(endpoint: str, *frames: bytes, timeout: float = 5.0) -> li
 def submit(stack, prompt: str, max_tokens: int = 8, **kwargs) -> wire.Submit:
     return wire.Submit(
         rid=f"test-{uuid.uuid4().hex[:8]}",
-        prompt_ids=stack.tokenizer(prompt).input_ids,
+        prompt=wire.pack_tokens(stack.tokenizer(prompt).input_ids),
         sampling=wire.SamplingParams(temperature=0.0),
         max_tokens=max_tokens,
         **kwargs,
@@ -130,15 +130,18 @@ async def test_scheduler_refuses_bad_submissions(stack):
     endpoint = stack.settings.endpoint("scheduler")
     dealer = Dealer(zmq.asyncio.Context.instance(), endpoint)
     try:
-        too_long = wire.Submit(rid="long", prompt_ids=[1] * 5000, sampling=wire.SamplingParams(), max_tokens=4)
-        reply, _ = await dealer.request(too_long)
+        def submit(rid: str, prompt: bytes) -> wire.Submit:
+            return wire.Submit(rid=rid, prompt=prompt, sampling=wire.SamplingParams(), max_tokens=4)
+
+        reply, _ = await dealer.request(submit("long", wire.pack_tokens([1] * 5000)))
         assert isinstance(reply, wire.Error) and reply.code == "context_length_exceeded"
-        empty = wire.Submit(rid="empty", prompt_ids=[], sampling=wire.SamplingParams(), max_tokens=4)
-        reply, _ = await dealer.request(empty)
+        reply, _ = await dealer.request(submit("empty", b""))
         assert isinstance(reply, wire.Error) and reply.code == "invalid_request"
-        out_of_vocab = wire.Submit(rid="oov", prompt_ids=[10**7], sampling=wire.SamplingParams(), max_tokens=4)
-        reply, _ = await dealer.request(out_of_vocab)
-        assert isinstance(reply, wire.Error) and "token ids" in reply.message
+        reply, _ = await dealer.request(submit("ragged", b"\x01\x00\x00"))  # not whole int32s
+        assert isinstance(reply, wire.Error) and reply.code == "invalid_request" and "int32" in reply.message
+        for rid, ids in (("oov", [10**7]), ("negative", [5, -5])):
+            reply, _ = await dealer.request(submit(rid, wire.pack_tokens(ids)))
+            assert isinstance(reply, wire.Error) and "token ids" in reply.message, rid
         reply, _ = await dealer.request(wire.Cancel(rid="never-submitted"))
         assert isinstance(reply, wire.Error) and "never-submitted" in reply.message
     finally:

@@ -66,7 +66,8 @@ class Harness:
                text_at_gateway: bool = True, **fields: object) -> wire.Msg:
         """Submit as a gateway does (``text_at_gateway`` False: as one that leaves every text to the scheduler)."""
         sampling = fields.pop("sampling", wire.SamplingParams(temperature=0.0))
-        submit = wire.Submit(rid=rid, prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, **fields)
+        submit = wire.Submit(rid=rid, prompt=wire.pack_tokens(prompt_ids), max_tokens=max_tokens, sampling=sampling,
+                             **fields)
         if text_at_gateway:
             self.texts.submitting(submit)
         return self.core.submit(gateway, submit)

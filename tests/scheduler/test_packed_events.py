@@ -55,7 +55,7 @@ def test_text_at_gateway_is_refused_with_stop_strings_or_a_controller() -> None:
     h = Harness()
     h.worker()
     for fields in ({"stop": ["x"]}, {"controller": "ctl"}):
-        reply = h.core.submit(b"gw", wire.Submit(rid="r", prompt_ids=prompt(4), max_tokens=3, text_at_gateway=True,
+        reply = h.core.submit(b"gw", wire.Submit(rid="r", prompt=wire.pack_tokens(prompt(4)), max_tokens=3, text_at_gateway=True,
                                                  sampling=wire.SamplingParams(), **fields))
         assert isinstance(reply, wire.Error) and reply.code == INVALID_REQUEST and "text_at_gateway" in reply.message
     assert not h.core.requests
@@ -123,7 +123,7 @@ async def test_the_gateway_works_out_the_text_routes_packed_events_first_and_dro
 
     async def submitted(rid: str, **fields: object) -> tuple[bytes, wire.Submit]:
         queue = client.open_stream(rid)
-        sending = asyncio.create_task(client.submit(wire.Submit(rid=rid, prompt_ids=prompt(4), max_tokens=8,
+        sending = asyncio.create_task(client.submit(wire.Submit(rid=rid, prompt=wire.pack_tokens(prompt(4)), max_tokens=8,
                                                                 sampling=wire.SamplingParams(), **fields)))
         while True:
             identity, msg, _ = await asyncio.wait_for(scheduler.recv(), 5)

@@ -23,7 +23,7 @@ def event(rid: str, tokens: list[int], **fields: object) -> wire.TokenEvent:
 
 
 def submitted(texts: EventTexts, rid: str, **fields: object) -> wire.Submit:
-    submit = wire.Submit(rid=rid, prompt_ids=[1], sampling=wire.SamplingParams(), max_tokens=8, **fields)
+    submit = wire.Submit(rid=rid, prompt=wire.pack_tokens([1]), sampling=wire.SamplingParams(), max_tokens=8, **fields)
     texts.submitting(submit)
     return submit
 

@@ -10,7 +10,7 @@ IMAGES = [wire.ImageInput(start=5, end=71, data=b"a"), wire.ImageInput(start=80,
 
 
 def request(prompt_len: int = 120) -> LiveRequest:
-    submit = wire.Submit(rid="r", prompt_ids=list(range(prompt_len)), sampling=wire.SamplingParams(), max_tokens=4,
+    submit = wire.Submit(rid="r", prompt=wire.pack_tokens(range(prompt_len)), sampling=wire.SamplingParams(), max_tokens=4,
                          images=IMAGES)
     return LiveRequest(submit=submit, gateway=b"g", order=0, text=None, deadline=0.0)  # type: ignore[arg-type]
 

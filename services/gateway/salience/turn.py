@@ -253,7 +253,7 @@ class Turn:
         req = self.request
         submit = wire.Submit(
             rid=self.rid,
-            prompt_ids=session.tokens,
+            prompt=wire.pack_tokens(session.tokens),
             sampling=sampling,
             max_tokens=req.max_tokens,
             stop_token_ids=list(req.stop_token_ids),
@@ -292,7 +292,7 @@ class Turn:
             waiting = decoded.waiting()
             tail = wire.Submit(
                 rid=f"{self.rid}-tail",
-                prompt_ids=session.tokens + decoded_ids,
+                prompt=wire.pack_tokens(session.tokens + decoded_ids),
                 sampling=sampling,
                 max_tokens=0,
                 priority=req.priority,
