@@ -130,17 +130,17 @@ async def test_scheduler_refuses_bad_submissions(stack):
     endpoint = stack.settings.endpoint("scheduler")
     dealer = Dealer(zmq.asyncio.Context.instance(), endpoint)
     try:
-        def submit(rid: str, prompt: bytes) -> wire.Submit:
+        def raw(rid: str, prompt: bytes) -> wire.Submit:
             return wire.Submit(rid=rid, prompt=prompt, sampling=wire.SamplingParams(), max_tokens=4)
 
-        reply, _ = await dealer.request(submit("long", wire.pack_tokens([1] * 5000)))
+        reply, _ = await dealer.request(raw("long", wire.pack_tokens([1] * 5000)))
         assert isinstance(reply, wire.Error) and reply.code == "context_length_exceeded"
-        reply, _ = await dealer.request(submit("empty", b""))
+        reply, _ = await dealer.request(raw("empty", b""))
         assert isinstance(reply, wire.Error) and reply.code == "invalid_request"
-        reply, _ = await dealer.request(submit("ragged", b"\x01\x00\x00"))  # not whole int32s
+        reply, _ = await dealer.request(raw("ragged", b"\x01\x00\x00"))  # not whole int32s
         assert isinstance(reply, wire.Error) and reply.code == "invalid_request" and "int32" in reply.message
         for rid, ids in (("oov", [10**7]), ("negative", [5, -5])):
-            reply, _ = await dealer.request(submit(rid, wire.pack_tokens(ids)))
+            reply, _ = await dealer.request(raw(rid, wire.pack_tokens(ids)))
             assert isinstance(reply, wire.Error) and "token ids" in reply.message, rid
         reply, _ = await dealer.request(wire.Cancel(rid="never-submitted"))
         assert isinstance(reply, wire.Error) and "never-submitted" in reply.message
@@ -154,7 +154,7 @@ async def test_scheduler_streams_greedy_tokens_equal_to_transformers(stack, hf_g
         request = submit(stack, "The three primary colours are", max_tokens=16)
         events = await collector.run(request)
         tokens = [t.token_id for e in events for t in e.tokens]
-        assert tokens == hf_greedy(request.prompt_ids, 16)
+        assert tokens == hf_greedy(wire.unpack_tokens(request.prompt), 16)
         assert events[-1].finish_reason in ("length", "stop")
         assert events[-1].completion_tokens == len(tokens)
         text = "".join(e.text for e in events)
@@ -216,7 +216,7 @@ async def test_killed_worker_fails_its_requests_cleanly_and_a_new_worker_serves(
             await asyncio.sleep(0.5)
         request = submit(stack, "The capital of Italy is", max_tokens=8)
         events = await collector.run(request)
-        assert [t.token_id for e in events for t in e.tokens] == hf_greedy(request.prompt_ids, 8)
+        assert [t.token_id for e in events for t in e.tokens] == hf_greedy(wire.unpack_tokens(request.prompt), 8)
     finally:
         collector.close()
 
@@ -253,6 +253,6 @@ async def test_a_restarted_scheduler_starts_from_a_clean_worker(stack, hf_greedy
     try:
         request = submit(stack, "The capital of Italy is", max_tokens=8)
         events = await collector.run(request)
-        assert [t.token_id for e in events for t in e.tokens] == hf_greedy(request.prompt_ids, 8)
+        assert [t.token_id for e in events for t in e.tokens] == hf_greedy(wire.unpack_tokens(request.prompt), 8)
     finally:
         collector.close()
