@@ -44,6 +44,10 @@ class EventTexts:
         """``rid``'s text comes from the scheduler (``TextHandover``), or nobody wants it any more."""
         self._open.pop(rid, None)
 
+    def clear(self) -> None:
+        """The scheduler was lost, and every request with it (those whose stream nobody opened too)."""
+        self._open.clear()
+
     def fill(self, event: wire.TokenEvent) -> None:
         """Set the text of ``event`` when it is this gateway's to work out, as the scheduler's core would
         have: a stop token's text is never shown, and the request's last event releases what was held."""

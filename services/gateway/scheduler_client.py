@@ -128,8 +128,8 @@ class SchedulerClient:
         log.warning("scheduler.lost", reason=reason, requests=len(self._streams))
         self._dealer.abandon(message)
         traits = ERROR_TRAITS[SERVICE_UNAVAILABLE]
+        self._texts.clear()
         for rid, queue in self._streams.items():
-            self._texts.close(rid)
             queue.put_nowait(wire.RequestFailed(rid=rid, code=SERVICE_UNAVAILABLE, message=message,
                                                 recoverable=traits[0], recovery_action=traits[1]))
 

@@ -66,8 +66,10 @@ def test_requests_with_stop_strings_or_a_controller_and_handed_over_ones_keep_th
     assert not submitted(texts, "c", controller="ctl").text_at_gateway
     submitted(texts, "h")
     texts.close("h")  # a TextHandover
+    submitted(texts, "lost")
+    texts.clear()  # the scheduler was lost
     hello, = tokenizer.encode(" hello", add_special_tokens=False)
-    for rid in ("s", "c", "h"):
+    for rid in ("s", "c", "h", "lost"):
         given = event(rid, [hello], text="from the scheduler")
         texts.fill(given)
         assert given.text == "from the scheduler"
