@@ -409,7 +409,8 @@ class Events(Msg, tag="events", gc=False):
         """The packed entries as TokenEvents, then ``events``. ValueError: the arrays are not one entry each."""
         tokens, logprobs = unpack_tokens(self.tokens), unpack_logprobs(self.logprobs)
         if not len(self.rids) == len(tokens) == len(logprobs):
-            raise ValueError(f"packed events of {len(self.rids)} rids, {len(tokens)} tokens and {len(logprobs)} logprobs")
+            raise ValueError(f"packed events of {len(self.rids)} rids, {len(tokens)} tokens and "
+                             f"{len(logprobs)} logprobs")
         return [TokenEvent(rid=rid, tokens=[SampledToken(token, logprob)])
                 for rid, token, logprob in zip(self.rids, tokens, logprobs)] + self.events
 

@@ -341,8 +341,9 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
         run.reusable_tokens += max(kept, known * BLOCK_SIZE)
         seen.update(keys)
         by_rid[client.rid] = client
-        frame = encoder.encode(wire.Submit(rid=client.rid, prompt=wire.pack_tokens(prompt), sampling=sampling, max_tokens=args.tokens,
-                                           ignore_eos=True, session=wire.SessionRef(key=client.key),
+        frame = encoder.encode(wire.Submit(rid=client.rid, prompt=wire.pack_tokens(prompt), sampling=sampling,
+                                           max_tokens=args.tokens, ignore_eos=True,
+                                           session=wire.SessionRef(key=client.key),
                                            text_at_gateway=True))  # as a gateway sends it (common.event_text)
         started = time.thread_time()
         reply = encoder.encode(core.submit(b"gw", decoder.decode(frame)))

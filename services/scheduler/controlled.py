@@ -618,7 +618,7 @@ class ControlledSteps:
     def _fork(self, controlled: Controlled, parent: Branch) -> Branch:
         request = parent.request
         child = Branch(request=request, index=next(controlled.indices), seq_id=self.host.new_seq_id(),
-                       tokens=list(parent.tokens), text=TextStream(parent.text.tokenizer, stop=list(request.text.stop)),
+                       tokens=list(parent.tokens), text=TextStream(request.text.tokenizer, stop=list(request.text.stop)),
                        text_start=parent.text_start, assigned=True)
         child.text.push(child.tokens[child.text_start :])
         child.text.released = len(child.text.text)

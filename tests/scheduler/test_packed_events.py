@@ -17,7 +17,7 @@ from common.config import Settings
 from common.errors import INVALID_REQUEST
 from common.sockets import Router, reply_mid
 from common.textstream import TextStream
-from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.scheduler_client import SchedulerClient, StreamItem
 from tests.scheduler.harness import HE, LD, LLO, WOR, FakeTokenizer, Harness, prompt
 
 
@@ -55,8 +55,8 @@ def test_text_at_gateway_is_refused_with_stop_strings_or_a_controller() -> None:
     h = Harness()
     h.worker()
     for fields in ({"stop": ["x"]}, {"controller": "ctl"}):
-        reply = h.core.submit(b"gw", wire.Submit(rid="r", prompt=wire.pack_tokens(prompt(4)), max_tokens=3, text_at_gateway=True,
-                                                 sampling=wire.SamplingParams(), **fields))
+        reply = h.core.submit(b"gw", wire.Submit(rid="r", prompt=wire.pack_tokens(prompt(4)), max_tokens=3,
+                                                 text_at_gateway=True, sampling=wire.SamplingParams(), **fields))
         assert isinstance(reply, wire.Error) and reply.code == INVALID_REQUEST and "text_at_gateway" in reply.message
     assert not h.core.requests
 
@@ -121,10 +121,12 @@ async def test_the_gateway_works_out_the_text_routes_packed_events_first_and_dro
     scheduler = Router(ctx, settings.endpoint("scheduler"))
     client = SchedulerClient(settings, ctx, lambda: TextStream(FakeTokenizer()))
 
-    async def submitted(rid: str, **fields: object) -> tuple[bytes, wire.Submit]:
+    async def submitted(rid: str, **fields: object) -> tuple[bytes, wire.Submit, asyncio.Queue[StreamItem]]:
+        """Submit ``rid`` through the client, answered as the scheduler would: its identity, the Submit, its queue."""
         queue = client.open_stream(rid)
-        sending = asyncio.create_task(client.submit(wire.Submit(rid=rid, prompt=wire.pack_tokens(prompt(4)), max_tokens=8,
-                                                                sampling=wire.SamplingParams(), **fields)))
+        submit = wire.Submit(rid=rid, prompt=wire.pack_tokens(prompt(4)), max_tokens=8,
+                             sampling=wire.SamplingParams(), **fields)
+        sending = asyncio.create_task(client.submit(submit))
         while True:
             identity, msg, _ = await asyncio.wait_for(scheduler.recv(), 5)
             if isinstance(msg, wire.Submit):
