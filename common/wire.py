@@ -588,11 +588,15 @@ def _pack(typecode: str, values: Iterable[Any]) -> bytes:
 
 def _unpack(typecode: str, data: bytes) -> list[Any]:
     """ValueError when ``data`` is not whole entries."""
+    return _unpack_array(typecode, data).tolist()
+
+
+def _unpack_array(typecode: str, data: bytes) -> array:
     packed = array(typecode)
     packed.frombytes(data)
     if _SWAP:
         packed.byteswap()
-    return packed.tolist()
+    return packed
 
 
 def pack_ids(seq_ids: Iterable[int]) -> bytes:
@@ -611,6 +615,21 @@ def pack_tokens(tokens: Iterable[int]) -> bytes:
 
 def unpack_tokens(data: bytes) -> list[int]:
     return _unpack("i", data)
+
+
+def token_array(data: bytes) -> array:
+    """Token ids from :func:`pack_tokens` bytes as an ``array("i")``: how the scheduler keeps a prompt and
+    a sequence's tokens. Unlike a list it holds no objects, so the cyclic garbage collector never walks it
+    (thousands of live prompts as lists made each collection walk millions of ints)."""
+    return _unpack_array("i", data)
+
+
+def token_array_bytes(tokens: array) -> bytes:
+    """An ``array("i")`` of token ids as :func:`pack_tokens` packs them (a copy of its memory)."""
+    if _SWAP:
+        tokens = array("i", tokens)
+        tokens.byteswap()
+    return tokens.tobytes()
 
 
 def pack_logprobs(logprobs: Iterable[float]) -> bytes:

@@ -291,7 +291,7 @@ class ControlledSteps:
             if remaining <= chunk:
                 assign.append(root)
             elif chunk > 0:  # a prompt chunk: no controller involved yet
-                self._add(plan, root, request.prompt[request.fed : request.fed + chunk], sample=False)
+                self._add(plan, root, request.prompt[request.fed : request.fed + chunk].tolist(), sample=False)
                 budget -= chunk
         if not (assign or self.freed or any(b.assigned for c in self.requests.values() for b in c.live())):
             return plan, None

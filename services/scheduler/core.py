@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from array import array
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -366,7 +367,7 @@ class SchedulerCore:
             request.seq_id = placement.seq_id if placement.seq_id is not None else self.new_seq_id()
             request.fork_of, request.backtrack = placement.fork_of, placement.backtrack
             request.fed = request.applied = request.cached_tokens = placement.start
-            request.kv_tokens = placement.held if placement.held is not None else []
+            request.kv_tokens = placement.held if placement.held is not None else array("i")
             request.worker = worker.identity
             request.stop_ids = stop_tokens(request.submit, worker.hello.eos_token_ids)
             request.limit = token_limit(request.submit, self.max_model_len())
@@ -788,7 +789,7 @@ class SchedulerCore:
                 if position in request.readout_positions:
                     seq.readouts = [position]
             return
-        request.kv_tokens += seq.tokens
+        request.kv_tokens.extend(seq.tokens)
         if not (request.logprob_positions or request.readout_positions):
             return
         prompt, start = request.prompt, request.fed

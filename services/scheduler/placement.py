@@ -65,56 +65,69 @@ class PrefixIndex:
     evicted before it was reported)."""
 
     def __init__(self) -> None:
-        self._holders: dict[int, set[bytes]] = {}
+        # block key -> its holders as a bit mask of worker bits: an int, which the cyclic garbage collector
+        # never walks (a set per key made every full collection walk a hundred thousand sets)
+        self._holders: dict[int, int] = {}
+        self._bits: dict[bytes, int] = {}  # worker -> its bit (1 << i)
+        self._workers: dict[int, bytes] = {}  # bit -> worker
         self._keys: dict[bytes, set[int]] = {}
         self._promised: dict[bytes, dict[int, None]] = {}  # worker -> promised keys, oldest first
+
+    def _bit(self, worker: bytes) -> int:
+        bit = self._bits.get(worker)
+        if bit is None:
+            bit = 1
+            while bit in self._workers:  # the lowest free one: a worker forgotten holds nothing any more
+                bit <<= 1
+            self._bits[worker], self._workers[bit] = bit, worker
+        return bit
 
     def apply(self, worker: bytes, new: Iterable[int], gone: Iterable[int]) -> None:
         """A worker's block events: blocks it registered, then blocks it forgot."""
         keys = self._keys.setdefault(worker, set())
         promised = self._promised.get(worker, {})
+        bit, holders = self._bit(worker), self._holders
         for key in new:
             keys.add(key)
             promised.pop(key, None)
-            self._hold(key, worker)
+            holders[key] = holders.get(key, 0) | bit
         for key in gone:
             keys.discard(key)
             if key not in promised:
-                self._unhold(key, worker)
+                self._unhold(key, bit)
 
     def promise(self, worker: bytes, keys: Iterable[int], limit: int) -> None:
         """A prompt of these block keys was placed on ``worker``, which holds at most ``limit`` blocks."""
         reported = self._keys.get(worker, set())
         promised = self._promised.setdefault(worker, {})
+        bit, holders = self._bit(worker), self._holders
         for key in keys:
             if key not in reported:
                 promised.pop(key, None)  # the newest promise last
                 promised[key] = None
-                self._hold(key, worker)
+                holders[key] = holders.get(key, 0) | bit
         while len(promised) > limit:
             key = next(iter(promised))
             del promised[key]
             if key not in reported:
-                self._unhold(key, worker)
+                self._unhold(key, bit)
 
-    def _hold(self, key: int, worker: bytes) -> None:
-        holders = self._holders.get(key)  # (setdefault would make a set for every key it finds)
-        if holders is None:
-            self._holders[key] = {worker}
-        else:
-            holders.add(worker)
-
-    def _unhold(self, key: int, worker: bytes) -> None:
+    def _unhold(self, key: int, bit: int) -> None:
         holders = self._holders.get(key)
         if holders is not None:
-            holders.discard(worker)
-            if not holders:
+            if holders & ~bit:
+                self._holders[key] = holders & ~bit
+            else:
                 del self._holders[key]
 
     def forget(self, worker: bytes) -> None:
         """A worker left, or its cache will be reported afresh."""
+        bit = self._bits.pop(worker, None)
+        if bit is None:
+            return
         for key in self._keys.pop(worker, set()) | self._promised.pop(worker, {}).keys():
-            self._unhold(key, worker)
+            self._unhold(key, bit)
+        del self._workers[bit]
 
     def blocks(self, worker: bytes) -> int:
         """Blocks ``worker`` reported (its promises not counted)."""
@@ -122,23 +135,29 @@ class PrefixIndex:
 
     def matches(self, keys: Sequence[int], workers: Iterable[bytes]) -> dict[bytes, int]:
         """For each of ``workers``, how many of the leading ``keys`` its cache holds in a row."""
-        alive = set(workers)
-        found = dict.fromkeys(alive, 0)
+        found = dict.fromkeys(workers, 0)
+        alive = 0
+        for worker in found:
+            alive |= self._bits.get(worker, 0)
+        names, holders_of = self._workers, self._holders
         depth = 0
         for depth, key in enumerate(keys):  # (each worker's count is written once, when its run ends)
-            holders = self._holders.get(key)
-            if holders is None:
-                break
-            if not alive <= holders:
-                for worker in alive - holders:
-                    found[worker] = depth
+            holders = holders_of.get(key, 0)
+            ended = alive & ~holders
+            if ended:
+                while ended:
+                    low = ended & -ended
+                    found[names[low]] = depth
+                    ended ^= low
                 alive &= holders
                 if not alive:
                     return found
         else:
             depth = len(keys)
-        for worker in alive:
-            found[worker] = depth
+        while alive:
+            low = alive & -alive
+            found[names[low]] = depth
+            alive ^= low
         return found
 
 

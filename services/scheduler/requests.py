@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -65,10 +66,10 @@ class LiveRequest:
     # Session turns (Salience): the first SeqStep forks ``fork_of`` and/or drops ``backtrack``
     # tokens of a parked sequence; ``kv_tokens`` is what the worker's sequence holds of the prompt once
     # every step sent so far has run (``sessions.held_tokens`` adds the generated tokens), ``on_worker``
-    # whether any step was sent.
+    # whether any step was sent. Token arrays (``wire.token_array``), as ``prompt``.
     fork_of: int | None = None
     backtrack: int = 0
-    kv_tokens: list[int] = field(default_factory=list)
+    kv_tokens: array = field(default_factory=lambda: array("i"))
     on_worker: bool = False
     # Per-position outputs: the prompt positions asked about, and the logprobs already computed for
     # some of them (a chunk's first position is scored by the step that fed the previous chunk).
@@ -83,12 +84,12 @@ class LiveRequest:
     packed: bool = True
     # the submit's fields read for every sequence in every step, as attributes of their own
     rid: str = field(init=False)
-    prompt: list[int] = field(init=False)
+    prompt: array = field(init=False)  # wire.token_array: the collector never walks it
     sort_key: tuple[int, int] = field(init=False)  # priority, then arrival order
     controlled: bool = field(init=False)  # its controller decides its steps (services.scheduler.controlled)
 
     def __post_init__(self) -> None:
-        self.rid, self.prompt = self.submit.rid, wire.unpack_tokens(self.submit.prompt)
+        self.rid, self.prompt = self.submit.rid, wire.token_array(self.submit.prompt)
         self.sort_key = (self.submit.priority, self.order)
         self.controlled = bool(self.submit.controller)
         self.packed = self.text is None and not self.submit.sampling.logprobs  # no top alternatives
@@ -116,7 +117,7 @@ class LiveRequest:
 
     def next_chunk(self, chunk: int) -> tuple[list[int], bool]:
         """The prompt tokens to feed this step (at most ``chunk``) and whether to sample after them."""
-        tokens = self.prompt[self.fed : self._chunk_end(self.fed + chunk)]
+        tokens = self.prompt[self.fed : self._chunk_end(self.fed + chunk)].tolist()
         return tokens, self.fed + len(tokens) == len(self.prompt) and self.submit.max_tokens > 0
 
     def _chunk_end(self, end: int) -> int:

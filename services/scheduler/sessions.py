@@ -17,6 +17,7 @@ request needs the room.
 from __future__ import annotations
 
 import time
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,13 +37,13 @@ class Parked:
     key: str
     seq_id: int
     worker: bytes
-    tokens: list[int]  # exactly what the worker's sequence holds (UNSEEN: a token the scheduler never saw)
+    tokens: array  # exactly what the worker's sequence holds (UNSEEN: a token the scheduler never saw), int32
     parked_at: float
     images: list[wire.ImageInput] = field(default_factory=list)  # the images whose blocks ``tokens`` hold
-    packed: bytes = field(init=False)  # ``tokens`` as int32 (wire.pack_tokens), to compare with a turn's prompt
+    packed: bytes = field(init=False)  # ``tokens`` as wire.pack_tokens packs them, to compare with a turn's prompt
 
     def __post_init__(self) -> None:
-        self.packed = wire.pack_tokens(self.tokens)
+        self.packed = wire.token_array_bytes(self.tokens)
 
 
 @dataclass
@@ -56,7 +57,7 @@ class Placement:
     fork_of: int | None = None
     backtrack: int = 0
     start: int = 0
-    held: list[int] | None = None  # the tokens the sequence holds before its first step: the request's list from then on
+    held: array | None = None  # the tokens the sequence holds before its first step: the request's array from then on
 
 
 def shared_prefix(a: bytes, b: bytes) -> int:
@@ -86,17 +87,18 @@ def same_images_prefix(held: list[wire.ImageInput], wanted: list[wire.ImageInput
 # next turn backtracks over it.
 UNSEEN = -1
 
-def held_tokens(request: LiveRequest) -> list[int]:
+def held_tokens(request: LiveRequest) -> array:
     """What a plain request's sequence holds once every step sent with it has run: the prompt tokens fed,
     then every token sampled but the last (each step after a sample feeds it), UNSEEN for those whose
     results are not applied yet."""
+    tokens = array("i", request.kv_tokens)
     if request.fed < len(request.prompt):
-        return list(request.kv_tokens)
+        return tokens
     sampled = len(request.generated) + request.in_flight  # once the prompt is fed, every step sent samples it
     fed = max(sampled - 1, 0)
-    tokens = request.kv_tokens + request.generated[:fed]
+    tokens.extend(request.generated[:fed])
     if fed > len(request.generated):
-        tokens += [UNSEEN] * (fed - len(request.generated))
+        tokens.extend([UNSEEN] * (fed - len(request.generated)))
     return tokens
 
 
@@ -162,10 +164,10 @@ class SessionKV:
             self._unpark(base)
             worker.reserved_tokens -= len(base.tokens)
             return Placement(worker, seq_id=base.seq_id, backtrack=len(base.tokens) - common, start=common,
-                             held=base.tokens)  # no longer parked: the request takes its list
+                             held=base.tokens)  # no longer parked: the request takes its array
         self.pinned.add(base.seq_id)
         return Placement(worker, fork_of=base.seq_id, backtrack=len(base.tokens) - common, start=common,
-                         held=list(base.tokens))
+                         held=array("i", base.tokens))
 
     def forked(self, parent: int) -> None:
         """The step carrying a fork of ``parent`` ran (or will never run): it may be evicted again."""

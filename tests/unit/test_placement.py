@@ -41,6 +41,22 @@ def test_the_index_follows_block_events() -> None:
     assert index.matches(KEYS, [A, B]) == {A: 0, B: 0} and index.blocks(B) == 0
 
 
+def test_a_worker_joining_after_one_left_starts_with_nothing_cached() -> None:
+    """Workers that come and go (the index names holders by small numbers it reuses): a newcomer holds
+    none of the blocks of the worker that left, and the others keep theirs."""
+    index = PrefixIndex()
+    index.apply(A, KEYS, [])
+    index.apply(B, KEYS[:2], [])
+    index.forget(A)
+    index.apply(C, [], [])  # C joins: nothing cached yet
+    assert index.matches(KEYS, [A, B, C]) == {A: 0, B: 2, C: 0}
+    index.apply(C, KEYS[:4], [])
+    index.apply(A, KEYS[:1], [])  # A back, reporting afresh
+    assert index.matches(KEYS, [A, B, C]) == {A: 1, B: 2, C: 4}
+    index.forget(B)
+    assert index.matches(KEYS, [A, B, C]) == {A: 1, B: 0, C: 4}
+
+
 def ranked(keys: list[int], among: list[bytes]) -> list[bytes]:
     """``among`` by how highly the first of ``keys`` ranks them."""
     return sorted(among, key=lambda w: rendezvous(w, keys[0]), reverse=True)
