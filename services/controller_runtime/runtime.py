@@ -214,6 +214,10 @@ class Runtime:
                 self._ended(instance)
 
     def post_pre_process(self, req: aici_wire.PostPreProcess) -> aici_wire.PostPreProcessReply:
+        """The op without ``mid_ahead`` (:meth:`post_pre_mid` takes that)."""
+        return self._post_pre_process(req)
+
+    def _post_pre_process(self, req: aici_wire.PostPreProcess) -> aici_wire.PostPreProcessReply:
         if req.reset:  # a restarted scheduler: the sequences bound so far belong to requests that are gone
             self.free(list(self.seqs))
         self.free(req.freed)
@@ -239,6 +243,24 @@ class Runtime:
                     pre_seqs[key] = self._pre(instance, ledger)
         return aici_wire.PostPreProcessReply(post_seqs=post_seqs, pre_seqs=pre_seqs, waiting=waiting,
                                              pre_default=defaults)
+
+    def post_pre_mid(self, req: aici_wire.PostPreProcess) -> tuple[aici_wire.PostPreProcessReply, bytearray]:
+        """post_pre_process, then (``req.mid_ahead``) mid_process for the ``ahead`` sequences that go on: those whose
+        post_process neither stopped nor failed them and whose pre_process is the default (what the scheduler
+        samples of a step that went ahead), in ``ahead`` order; returns (reply, their mask rows)."""
+        reply = self._post_pre_process(req)
+        if not req.mid_ahead:
+            return reply, bytearray()
+        ended = {int(key) for key, post in reply.post_seqs.items()
+                 if post.error or (post.result is not None and post.result.stop)}
+        defaults = set(reply.pre_default)
+        going = [seq_id for seq_id in req.ahead if seq_id in defaults and seq_id not in ended]
+        if not going:
+            reply.mid = aici_wire.MidProcessReply()
+            return reply, bytearray()
+        reply.mid, rows = self._mid_process(aici_wire.MidProcess(ops=[aici_wire.MidOp(id=s) for s in going]))
+        reply.mid_ids = going
+        return reply, rows
 
     def _bind(self, op: aici_wire.PreOp) -> str:
         """Bind ``op.req_id``'s instance to ``op.id``. The scheduler never reuses a live id, so an id that
@@ -337,6 +359,9 @@ class Runtime:
         return math.ceil(left / s.epoch_tick_ms) * s.epoch_tick_ms
 
     def mid_process(self, req: aici_wire.MidProcess) -> tuple[aici_wire.MidProcessReply, bytearray]:
+        return self._mid_process(req)
+
+    def _mid_process(self, req: aici_wire.MidProcess) -> tuple[aici_wire.MidProcessReply, bytearray]:
         """Fork the clones, then run mid_process for every op in order; returns (reply, mask rows).
         ``mid_deadline_ms`` bounds each user's sequences of the step together (the step waits for the
         masks): once they used it, the user's next ones get a short call's deadline, so a user whose

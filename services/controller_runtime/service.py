@@ -76,7 +76,8 @@ class ControllerRuntime:
                     tokens = aici_wire.TokensReply(vocab_size=self.vocab_size, eos_token_id=self.tokenizer.eos_token)
                     return aici_wire.MainOk(data=tokens), []
                 case aici_wire.PostPreProcess():
-                    return aici_wire.MainOk(data=self.runtime.post_pre_process(request)), []
+                    data, rows = self.runtime.post_pre_mid(request)
+                    return aici_wire.MainOk(data=data), [rows] if request.mid_ahead else []
                 case aici_wire.MidProcess():
                     data, rows = self.runtime.mid_process(request)
                     return aici_wire.MainOk(data=data), [rows]

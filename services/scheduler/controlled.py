@@ -24,7 +24,8 @@ With no plain sequence running, a step may go out before its ``post_pre_process`
 ``Plan.ahead``), and even before the result of the step before it (:meth:`ControlledSteps.follow`,
 ``Plan.follows``: each sequence ``follow``s, the worker feeding the token it is sampling now): the calls
 then run during its forward pass, and what they decide for a sequence that the step already fed (a stop,
-a pre_process that must run first) makes it fed, not sampled (:meth:`ControlledSteps.ahead_planned`).
+a pre_process that must run first) makes it fed, not sampled (:meth:`ControlledSteps.ahead_planned`). Such a
+``post_pre_process`` asks for the step's ``mid_process`` in the same call (``mid_ahead``: one round trip a step).
 
 This module is pure: it talks to the scheduler core through :class:`Host` and to the runtime through
 the requests it returns and the replies it is given; the service shell does the I/O.
@@ -303,7 +304,7 @@ class ControlledSteps:
                 self._add(plan, branch, branch.unfed, sample=True, mask_row=row)
             plan.ahead = True
             self.mid = PendingMid([(b, None) for b in ahead], {b.seq_id for b in ahead})
-            request.ahead = [b.seq_id for b in ahead]
+            request.ahead, request.mid_ahead = [b.seq_id for b in ahead], True
         return plan, request
 
     def _request(self, assign: list[Branch]) -> aici_wire.PostPreProcess:
@@ -374,7 +375,7 @@ class ControlledSteps:
         mid, self.followed = self.followed, None
         assert mid is not None and mid is self.mid and not mid.sent
         request = self._request([])
-        request.ahead = [b.seq_id for b, _ in mid.runnable if b.finished is None]
+        request.ahead, request.mid_ahead = [b.seq_id for b, _ in mid.runnable if b.finished is None], True
         return request
 
     def _going_ahead(self, assign: list[Branch], may_go_ahead: bool) -> list[Branch]:
@@ -553,10 +554,29 @@ class ControlledSteps:
             self._fail_all(exc)
             kept, rows = [], []
         mid.rows, mid.num_rows, mid.runnable = rows, len(mid.runnable), kept
+        if reply.data.mid is not None:  # its mid_process ran in the same call (mid_ahead)
+            mid.sent = True
+            self.seq_steps += len(kept)
+            self.mid_done(MainReply(data=reply.data.mid, frames=self._kept_rows(reply, kept)))
+            return None
         if kept:
             return self.mid_request()
         self.mid_done(MainReply(data=aici_wire.MidProcessReply()))
         return None
+
+    @staticmethod
+    def _kept_rows(reply: MainReply, kept: list[tuple[Branch, int | None]]) -> list[bytes]:
+        """The mask rows of a mid_process run with mid_ahead, for the ``kept`` branches in order: the runtime ran it
+        for the sequences that went on as it saw them, and one this scheduler ended or paused meanwhile is not
+        sampled (a kept one it did not run for fails, as one missing from a reply does)."""
+        frame, ran = reply.frames[0] if reply.frames else b"", reply.data.mid_ids
+        if not (kept and frame and ran):
+            return []
+        if [b.seq_id for b, _ in kept] == ran:
+            return [frame]
+        size, row = len(frame) // len(ran), {seq_id: i for i, seq_id in enumerate(ran)}
+        rows = [row.get(b.seq_id) for b, _ in kept]
+        return [b"".join(bytes(size) if i is None else frame[i * size : (i + 1) * size] for i in rows)]
 
     def _post_outcomes(self, post_ops: list[aici_wire.PostOp], reply: aici_wire.PostPreProcessReply) -> None:
         """The post_process outcomes of a post_pre_process reply: a stop or an error ends the branch."""

@@ -46,6 +46,10 @@ class WireRuntime(Runtime):
         reply, rows = super().mid_process(req)
         return as_sent(reply), rows
 
+    def post_pre_mid(self, req: aici_wire.PostPreProcess) -> tuple[Any, bytearray]:
+        reply, rows = super().post_pre_mid(req)
+        return as_sent(reply), rows
+
 
 def as_sent(reply: object) -> Any:
     return msgspec.msgpack.decode(aici_wire.encode(reply))

@@ -12,8 +12,8 @@ import pytest
 from common import aici_wire
 from services.controller_runtime.constraints import FINISHED, Constraint, ConstraintKind
 from services.controller_runtime.registry import RegistryError
-from tests.controller_runtime.conftest import LIMITS, mid, row, start
-from tests.controller_runtime.wat import POST_OK, controller, str_data
+from tests.controller_runtime.conftest import LIMITS, mid, row, start, wire_runtime
+from tests.controller_runtime.wat import POST_OK, controller, ret_const, str_data
 
 IO = 20000  # header: cap, flags, arg_len, result_len; data from IO + 16
 CAP = 64
@@ -268,3 +268,40 @@ def test_post_process_of_a_sequence_that_went_ahead_has_the_mid_deadline(runtime
     out = runtime.post_pre_process(aici_wire.PostPreProcess(post_ops=posts, ahead=[1]))
     assert f"deadline of {LIMITS.mid_deadline_ms:g} ms exceeded" in out["post_seqs"]["1"]["error"]
     assert f"deadline of {LIMITS.post_deadline_ms:g} ms exceeded" in out["post_seqs"]["2"]["error"]
+
+
+def without_micros(data: object) -> object:
+    """A reply's data with every ``micros`` zeroed (timings differ between two runs of the same calls)."""
+    if isinstance(data, dict):
+        return {k: 0 if k == "micros" else without_micros(v) for k, v in data.items()}
+    return [without_micros(v) for v in data] if isinstance(data, list) else data
+
+
+def test_mid_ahead_runs_mid_process_in_the_same_call_for_the_sequences_that_go_on(runtime, engine, tokenizer, tmp_path):
+    """post_pre_mid (``mid_ahead``): the outcomes and mask rows of post_pre_process, then mid_process of the ``ahead``
+    sequences that go on, in ``ahead`` order: not one whose post_process stopped it, nor one whose pre_process
+    waits (not flagged as the default), nor one not ahead."""
+    a = tokenizer.tokenize(b"a")
+    apart = wire_runtime(LIMITS, tmp_path / "apart", engine, tokenizer)
+    for rt in (runtime, apart):
+        start(rt, "native:constrained", 1, arg={"regex": "a+b"})
+        # pre_process flagged as the default, but post_process stops it
+        start(rt, controller(post=ret_const(16384, '{"stop":true}'), extra=io_export(), data=io_header(flags=1)
+                             + str_data(16384, '{"stop":true}')), 2)
+        start(rt, controller(), 3)  # pre_process not flagged as the default: it waits
+        start(rt, declaring_guest([], "(i32.or (i32.const 3) (i32.shl (local.get $c) (i32.const 8)))"), 4)
+        start(rt, "native:constrained", 5, arg={"regex": "a+b"})  # not ahead
+    posts = [aici_wire.PostOp(id=i, tokens=a) for i in (1, 2, 3, 4, 5)]
+    request = aici_wire.PostPreProcess(post_ops=posts, ahead=[4, 3, 2, 1], mid_ahead=True)
+    merged, rows = runtime.post_pre_mid(request)
+    separate = apart.post_pre_process(request)
+    assert separate["post_seqs"]["2"]["result"] == {"stop": True} and 2 in separate["pre_default"]
+    assert separate["waiting"] == [3]
+    mid_apart, rows_apart = mid(apart, (4, None), (1, None))
+    assert merged["mid_ids"] == [4, 1] and bytes(rows) == bytes(rows_apart) and len(rows) == 2 * tokenizer.mask_words * 4
+    assert without_micros(merged["mid"]) == without_micros(mid_apart)
+    assert without_micros({k: merged[k] for k in separate if "mid" not in k}) == without_micros(
+        {k: v for k, v in separate.items() if "mid" not in k})
+    assert row(rows, 0, tokenizer) != row(rows, 1, tokenizer)  # "ab" after "a" (b only) and "a+b" after "a"
+    plain, rows = runtime.post_pre_mid(aici_wire.PostPreProcess(ahead=[1]))  # no mid_ahead: nothing more
+    assert plain["mid"] is None and plain["mid_ids"] == [] and not rows

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import pytest
 
 from common import aici_wire, wire
@@ -28,6 +29,8 @@ class FakeRuntime:
         self.pre_default = False  # every controller flags pre_process as the default (it is not called)
         self.waiting: set[int] = set()  # of those that go ahead: the ones whose pre_process waits instead
 
+    merged = False  # answer mid_ahead (mid_process in the post_pre_process call) as the runtime does: see the fixture
+
     def post_pre_process(self, h: Harness, request: aici_wire.PostPreProcess) -> MainReply:
         self.requests.append(request)
         if self.fail_next:
@@ -37,12 +40,24 @@ class FakeRuntime:
         bound |= {op.id for op in request.pre_ops}
         waiting = self.waiting & set(request.ahead)
         bound -= waiting
-        return reply(request, {
+        failed = {s for s in bound if s in self.pre_error}
+        data: dict[str, object] = {
             "pre_seqs": {str(s): {"error": self.pre_error.pop(s)} if s in self.pre_error else {"result": self.pre.pop(s, {})}
                          for s in bound},
             "post_seqs": {str(op.id): {"result": self.post.pop(op.id, {})} for op in request.post_ops},
             "waiting": sorted(waiting), "pre_default": sorted(bound) if self.pre_default else [],
-        })
+        }
+        if not (self.merged and request.mid_ahead):
+            return reply(request, data)
+        # as the runtime's post_pre_mid: mid_process for the ahead sequences that go on, in the same call
+        stopped = {int(s) for s, post in data["post_seqs"].items() if post["result"].get("stop")}
+        going = [s for s in request.ahead if s in data["pre_default"] and s not in stopped | failed]
+        if not going:  # (recorded only when it runs: as mid_process apart)
+            data["mid"] = {}
+            return reply(request, data)
+        mid = self.mid_process(aici_wire.MidProcess(ops=[aici_wire.MidOp(id=s) for s in going]))
+        data["mid"], data["mid_ids"] = {"seqs": msgspec.to_builtins(mid.data.seqs)}, going
+        return reply(request, data, frames=mid.frames)
 
     def mid_process(self, request: aici_wire.MidProcess) -> MainReply:
         self.requests.append(request)
@@ -51,6 +66,15 @@ class FakeRuntime:
 
 
 Masks = list[tuple[wire.StepMasks, list[bytes]]]
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["mid_process apart", "mid_ahead"])
+def runtime_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Every test against both runtimes: one that runs a step-ahead's mid_process in its post_pre_process call
+    (mid_ahead), and one that ignores mid_ahead (the scheduler then calls mid_process apart). The fake records
+    the mid_process it ran in the same call among its requests, so the tests read the same calls either way."""
+    monkeypatch.setattr(FakeRuntime, "merged", request.param)
+    return request.param
 
 
 def step(h: Harness, rt: FakeRuntime, tokens: dict[str, int] | None = None) -> tuple[list[Dispatch], Masks]:
@@ -661,3 +685,35 @@ def test_no_step_follows_before_the_masks_beside_a_binding_or_plain_sequences_or
     h2, rt2 = one_default(Controllers(pipeline=False))
     steps, _ = send(h2, rt2)
     assert steps[0].step.masks_follow and h2.core.follow_controlled() is None  # switched off
+
+
+def test_mid_ahead_rows_of_a_sequence_that_ended_while_the_call_ran_are_left_out():
+    """The runtime ran mid_process in the post_pre_process call (mid_ahead) for both sequences, but one was
+    cancelled meanwhile: the worker samples the other under its own row, moved to its place in the step, and a
+    sequence the runtime gave no mid_process result is fed, not sampled."""
+    h, rt = ahead_pair()
+    c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
+    first, _ = send(h, rt)
+    nxt = follow(h)
+    h.apply(first, {"c": LLO, "d": LD})
+    request = h.core.controlled.follow_request()
+    assert request.mid_ahead and request.ahead == [c, d]
+    h.core.control(b"gw", wire.Cancel(rid="c"))  # while the call runs
+    outcome = {"result": None}
+    data = {"pre_seqs": {str(c): {}, str(d): {}}, "post_seqs": {str(c): {}, str(d): {}}, "pre_default": [c, d],
+            "mid": {"seqs": {str(c): outcome, str(d): outcome}}, "mid_ids": [c, d]}
+    assert h.core.controlled.ahead_planned(reply(request, data, frames=[b"CCCCDDDD"])) is None  # no call of its own
+    ((masks, frames),) = [h.core.controlled.step_masks(x.step) for x in nxt]
+    assert [f.seq_id for f in masks.failures] == [c] and frames == [bytes(4) + b"DDDD"]
+    h.apply(nxt, {"d": BANG})
+    assert h.text("d") == " world!" and h.final("c").finish_reason == "cancelled"
+    # a runtime that ran it for one sequence only: the other one has no result, it is fed, not sampled
+    third = follow(h)
+    request = h.core.controlled.follow_request()
+    e_data = {"pre_seqs": {str(d): {}}, "post_seqs": {str(d): {}}, "pre_default": [d], "mid": {"seqs": {}},
+              "mid_ids": []}
+    h.core.controlled.ahead_planned(reply(request, e_data, frames=[]))
+    ((masks, frames),) = [h.core.controlled.step_masks(x.step) for x in third]
+    assert [f.seq_id for f in masks.failures] == [d] and frames == []
+    h.core.end_step()
+    assert "no mid_process result" in h.final("d").error
