@@ -181,8 +181,8 @@ class Workload:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         rng = random.Random(args.seed)
-        self.systems = [tuple(rng.randrange(VOCAB_LOW, VOCAB_HIGH)
-                               for _ in range(rng.randint(args.system_tokens // 2, 3 * args.system_tokens // 2)))
+        self.systems = [array("i", (rng.randrange(VOCAB_LOW, VOCAB_HIGH)
+                                     for _ in range(rng.randint(args.system_tokens // 2, 3 * args.system_tokens // 2))))
                         for _ in range(args.system_prompts)]
         self.popularity = list(itertools.accumulate(1 / (rank + 1) ** args.zipf for rank in range(len(self.systems))))
 
@@ -200,9 +200,11 @@ class Client:
     sessions_left: int
     key: str = ""
     turns_left: int = 0
-    history: tuple[int, ...] = ()  # tuples, as the workers' arrays (see SimWorker)
+    # int32 arrays, as the workers' (see SimWorker): the clients' token lists must not lengthen the scheduler's
+    # collections here either
+    history: array = field(default_factory=lambda: array("i"))
     rid: str = ""
-    prompt: tuple[int, ...] = ()
+    prompt: array = field(default_factory=lambda: array("i"))
     kept: int = 0  # tokens of its conversation before this turn that the turn may reuse (0: a first turn)
     generated: list[int] = field(default_factory=list)
 
@@ -210,7 +212,7 @@ class Client:
     def done(self) -> bool:
         return not (self.turns_left or self.sessions_left)
 
-    def next_prompt(self, workload: Workload) -> tuple[int, ...]:
+    def next_prompt(self, workload: Workload) -> array:
         """The next turn's prompt: the conversation so far (a new one: a system prompt, drawn by
         popularity), then a user message."""
         args = workload.args
@@ -221,7 +223,7 @@ class Client:
             self.history = self.rng.choices(workload.systems, cum_weights=workload.popularity)[0]
         self.turns_left -= 1
         user = [self.rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(self.rng.randint(1, 2 * args.user_tokens - 1))]
-        self.prompt = self.history + tuple(user)
+        self.prompt = self.history + array("i", user)
         self.rid, self.generated = f"{self.key}-{self.turns_left}", []
         return self.prompt
 
@@ -341,7 +343,7 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
         run.reusable_tokens += max(kept, known * BLOCK_SIZE)
         seen.update(keys)
         by_rid[client.rid] = client
-        frame = encoder.encode(wire.Submit(rid=client.rid, prompt=wire.pack_tokens(prompt), sampling=sampling,
+        frame = encoder.encode(wire.Submit(rid=client.rid, prompt=wire.token_array_bytes(prompt), sampling=sampling,
                                            max_tokens=args.tokens, ignore_eos=True,
                                            session=wire.SessionRef(key=client.key),
                                            text_at_gateway=True))  # as a gateway sends it (common.event_text)
@@ -373,7 +375,7 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
                         run.later_turns += 1
                         run.turns_kept += event.cached_tokens >= client.kept // BLOCK_SIZE * BLOCK_SIZE
                     del by_rid[event.rid]
-                    client.history = client.prompt + tuple(client.generated)
+                    client.history = client.prompt + array("i", client.generated)
                     if not client.done:
                         submit(client)
                         submitted = True
