@@ -2,7 +2,8 @@
 
 One step = what the scheduler asks each step: ``post_pre_process`` (post_process of the sampled token,
 then pre_process) and ``mid_process`` (mask into the reply frame), including msgpack decoding of the
-request and encoding of the reply, in-process (no socket). Controllers: a trivial Wasm controller
+request and encoding of the reply, in-process (no socket); once every sequence's controller flags its
+pre_process as the default, in one call (``ahead`` with ``mid_ahead``), as the scheduler sends such steps. Controllers: a trivial Wasm controller
 (all-ones mask), the same through the I/O area (the ABI's fast path, as the C SDK uses it: the floor of a
 Wasm controller), the shipped Wasm ``constrain`` controller with a JSON schema (llguidance mask + commit
 every step), and the native ``constrained`` controller with the same schema. Each figure is wall time and,
@@ -90,19 +91,30 @@ def run_case(runtime: Runtime, ref: str, arg: object, n: int, tokens: list[int],
     step = aici_wire.encode({"op": "post_pre_process", "post_ops": [], "freed": [],
                              "pre_ops": [{"id": i, "req_id": f"b{i}"} for i in range(n)]})
     mid = aici_wire.encode({"op": "mid_process", "ops": [{"id": i} for i in range(n)]})
+    # as the scheduler sends a step: ahead once every sequence's controller flags pre_process as the default, with
+    # its mid_process in the same call (mid_ahead; a tree without it: the two calls)
+    merged = hasattr(runtime, "post_pre_mid")
     elapsed = cpu = 0.0
     for tok in tokens:
         start, start_cpu = time.perf_counter(), time.process_time()
-        reply = runtime.post_pre_process(aici_wire.decode_main(step))
-        aici_wire.encode(aici_wire.MainOk(data=reply))
-        data, rows = runtime.mid_process(aici_wire.decode_main(mid))
-        aici_wire.encode(aici_wire.MainOk(data=data))
+        request = aici_wire.decode_main(step)
+        if request.ahead and merged:
+            reply, rows = runtime.post_pre_mid(request)
+            aici_wire.encode(aici_wire.MainOk(data=reply))
+            data = reply.mid
+        else:
+            reply = runtime.post_pre_process(request)
+            aici_wire.encode(aici_wire.MainOk(data=reply))
+            data, rows = runtime.mid_process(aici_wire.decode_main(mid))
+            aici_wire.encode(aici_wire.MainOk(data=data))
         elapsed += time.perf_counter() - start
         cpu += time.process_time() - start_cpu
         errors = [s.error for s in data.seqs.values() if s.error]
-        assert not errors, errors[:1]
+        assert not errors and len(data.seqs) == n, errors[:1] or data.seqs.keys()
+        ahead = len(reply.pre_default) == n
         step = aici_wire.encode({"op": "post_pre_process", "pre_ops": [], "freed": [],
-                                 "post_ops": [{"id": i, "tokens": [tok], "backtrack": 0} for i in range(n)]})
+                                 "post_ops": [{"id": i, "tokens": [tok], "backtrack": 0} for i in range(n)],
+                                 "ahead": list(range(n)) if ahead else [], "mid_ahead": ahead and merged})
         if gap_s:
             start_cpu = time.process_time()
             time.sleep(gap_s)

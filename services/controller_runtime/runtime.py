@@ -284,11 +284,13 @@ class Runtime:
             return {str(op.id): self._post(op.id, op.tokens, op.backtrack, ledger) for op in req.post_ops}
         ahead, used_ms = set(req.ahead), {}
         posts = {}
+        full_ms, slack_ms = self._mid_full_ms, self._mid_slack_ms
         for op in req.post_ops:
             deadline_ms = None
             if op.id in ahead and (instance := self.seqs.get(op.id)) is not None:
                 user = instance.host.request.user
-                deadline_ms = self._mid_deadline_ms(used_ms.get(user, 0.0))
+                used = used_ms.get(user, 0.0)  # (as in mid_process: the whole deadline while under the slack)
+                deadline_ms = full_ms if used < slack_ms else self._mid_deadline_ms(used)
             posts[str(op.id)] = post = self._post(op.id, op.tokens, op.backtrack, ledger, deadline_ms)
             if deadline_ms is not None:
                 used_ms[user] = used_ms.get(user, 0.0) + post.micros / 1000
