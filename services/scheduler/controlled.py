@@ -121,8 +121,10 @@ class Branch:
     def note(self, outcome: aici_wire.SeqOutcome) -> None:
         """Add a runtime result's logs, storage and time to this step's event."""
         event = self.pending_event()
-        event.logs += outcome.logs
-        event.storage = [*event.storage, *outcome.storage]
+        if outcome.logs:
+            event.logs += outcome.logs
+        if outcome.storage:  # (most steps store nothing: no list made for them)
+            event.storage = [*event.storage, *outcome.storage]
         event.micros += outcome.micros
 
     def report(self, backtrack: int, tokens: list[int]) -> None:
