@@ -16,7 +16,7 @@ from collections.abc import Callable
 from functools import partial
 
 from common import wire
-from common.textstream import TextStream, text_table
+from common.textstream import TextStream, ends_with_flush, text_table
 
 
 def gateway_streams(tokenizer: object) -> Callable[[], TextStream] | None:
@@ -58,7 +58,7 @@ class EventTexts:
         stop_token = reason == "stop" and isinstance(event.stop_reason, int)
         text = "" if stop_token else stream.push([t.token_id for t in event.tokens])
         if reason is not None:
-            if reason != "stop" or stop_token:
+            if ends_with_flush(reason, event.stop_reason):
                 text += stream.flush()
             del self._open[event.rid]
         event.text = text

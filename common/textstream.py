@@ -88,6 +88,12 @@ def _byte_level_chars() -> dict[str, str]:
 _BYTE_LEVEL_CHARS = _byte_level_chars()
 
 
+def ends_with_flush(finish_reason: str, stop_reason: str | int | None) -> bool:
+    """Whether a request's last event releases what its text stream held back (:meth:`TextStream.flush`): always
+    but where a stop string ended it, whose text ends before the stop string (a stop token: the text before it)."""
+    return finish_reason != "stop" or isinstance(stop_reason, int)
+
+
 @dataclass(slots=True)
 class TextStream:
     """Per-request detokenizer; ``tokenizer`` is a transformers tokenizer."""

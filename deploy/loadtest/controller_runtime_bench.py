@@ -3,8 +3,8 @@
 One step = what the scheduler asks each step: ``post_pre_process`` (post_process of the sampled token,
 then pre_process) and ``mid_process`` (mask into the reply frame), including msgpack decoding of the
 request and encoding of the reply, in-process (no socket); once every sequence's controller flags its
-pre_process as the default, in one call (``ahead`` with ``mid_ahead``), as the scheduler sends such steps. Controllers: a trivial Wasm controller
-(all-ones mask), the same through the I/O area (the ABI's fast path, as the C SDK uses it: the floor of a
+pre_process as the default, in one call (``ahead`` with ``mid_ahead``), as the scheduler sends such steps.
+Controllers: a trivial Wasm controller (all-ones mask), the same through the I/O area (the ABI's fast path, as the C SDK uses it: the floor of a
 Wasm controller), the shipped Wasm ``constrain`` controller with a JSON schema (llguidance mask + commit
 every step), and the native ``constrained`` controller with the same schema. Each figure is wall time and,
 beside it, the process's CPU time (all threads, the epoch ticker included), which a busy machine inflates

@@ -52,7 +52,7 @@ from common.errors import (
     MODEL_LOADING_ERROR,
     SERVICE_UNAVAILABLE,
 )
-from common.textstream import TextStream
+from common.textstream import TextStream, ends_with_flush
 from services.scheduler.batch import WorkerBatch
 from services.scheduler.controlled import Branch, ControlledSteps, MainReply, Plan
 from services.scheduler.requests import LiveRequest, State, stop_tokens, token_limit
@@ -726,7 +726,7 @@ class SchedulerCore:
         if request.state is State.FINISHED:  # its deferred text completed a stop string
             return
         event = event or wire.TokenEvent(rid=request.rid)
-        if request.text is not None and (reason != "stop" or isinstance(stop_reason, int)):
+        if request.text is not None and ends_with_flush(reason, stop_reason):
             event.text += request.text.flush()
         event.finish_reason = reason
         event.stop_reason = stop_reason

@@ -37,13 +37,20 @@ class Parked:
     key: str
     seq_id: int
     worker: bytes
-    tokens: array  # exactly what the worker's sequence holds (UNSEEN: a token the scheduler never saw), int32
+    # exactly what the worker's sequence holds (UNSEEN: a token the scheduler never saw), as wire.pack_tokens packs
+    # it: compared whole with a turn's prompt, and made a token array again only when a turn takes the sequence
+    packed: bytes
     parked_at: float
-    images: list[wire.ImageInput] = field(default_factory=list)  # the images whose blocks ``tokens`` hold
-    packed: bytes = field(init=False)  # ``tokens`` as wire.pack_tokens packs them, to compare with a turn's prompt
+    images: list[wire.ImageInput] = field(default_factory=list)  # the images whose blocks it holds
 
-    def __post_init__(self) -> None:
-        self.packed = wire.token_array_bytes(self.tokens)
+    @property
+    def size(self) -> int:
+        """Tokens the sequence holds."""
+        return len(self.packed) // 4
+
+    def tokens(self) -> array:
+        """The tokens the sequence holds, as a new token array."""
+        return wire.token_array(self.packed)
 
 
 @dataclass
@@ -125,7 +132,7 @@ class SessionKV:
         return self._held[worker]
 
     def parked_tokens(self) -> int:
-        return sum(len(p.tokens) for p in self.parked.values())
+        return sum(p.size for p in self.parked.values())
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -156,18 +163,18 @@ class SessionKV:
         common = same_images_prefix(base.images, request.submit.images, common)
         if common <= 0 and not own:
             return None
-        released = len(base.tokens) if own else 0
+        released = base.size if own else 0
         while worker.capacity - worker.reserved_tokens + released < needed:
             if not self._evict_lru(exclude=self.pinned | {base.seq_id}, worker=base.worker):
                 return None
         if own:
             self._unpark(base)
-            worker.reserved_tokens -= len(base.tokens)
-            return Placement(worker, seq_id=base.seq_id, backtrack=len(base.tokens) - common, start=common,
-                             held=base.tokens)  # no longer parked: the request takes its array
+            worker.reserved_tokens -= base.size
+            return Placement(worker, seq_id=base.seq_id, backtrack=base.size - common, start=common,
+                             held=base.tokens())
         self.pinned.add(base.seq_id)
-        return Placement(worker, fork_of=base.seq_id, backtrack=len(base.tokens) - common, start=common,
-                         held=array("i", base.tokens))
+        return Placement(worker, fork_of=base.seq_id, backtrack=base.size - common, start=common,
+                         held=base.tokens())
 
     def forked(self, parent: int) -> None:
         """The step carrying a fork of ``parent`` ran (or will never run): it may be evicted again."""
@@ -187,7 +194,8 @@ class SessionKV:
         if previous is not None:
             self._evict(previous)
         images = [image for image in request.submit.images if image.end <= len(request.kv_tokens)]
-        parked = self.parked[ref.key] = Parked(ref.key, request.seq_id, worker.identity, tokens, self.clock(), images)
+        parked = self.parked[ref.key] = Parked(ref.key, request.seq_id, worker.identity, wire.token_array_bytes(tokens),
+                                               self.clock(), images)
         self._parked_on.setdefault(worker.identity, OrderedDict())[ref.key] = parked
         self._held[worker.identity] += len(tokens)
         worker.reserved_tokens += len(tokens)
@@ -206,7 +214,7 @@ class SessionKV:
                 self._unpark(parked)
                 worker = self.pool.workers.get(parked.worker)
                 if worker is not None:
-                    worker.reserved_tokens -= len(parked.tokens)
+                    worker.reserved_tokens -= parked.size
                 return
 
     def expire(self) -> None:
@@ -234,15 +242,15 @@ class SessionKV:
     def _unpark(self, parked: Parked) -> None:
         del self.parked[parked.key]
         del self._parked_on[parked.worker][parked.key]
-        self._held[parked.worker] -= len(parked.tokens)
+        self._held[parked.worker] -= parked.size
 
     def _evict(self, parked: Parked) -> None:
         self._unpark(parked)
         worker = self.pool.workers.get(parked.worker)
         if worker is not None:
-            worker.reserved_tokens -= len(parked.tokens)
+            worker.reserved_tokens -= parked.size
             self._free(parked.worker, parked.seq_id)
-        log.debug("sessions.evicted", session=parked.key, tokens=len(parked.tokens))
+        log.debug("sessions.evicted", session=parked.key, tokens=parked.size)
 
     def evict_lru(self) -> bool:
         """Free the least recently parked sequence that no placed fork waits for; False: none to free."""

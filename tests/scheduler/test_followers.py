@@ -138,7 +138,7 @@ def test_a_turn_parks_what_its_sequence_holds_at_pipeline_depth_one():
     h.submit("t1", prompt(3), 5, session=wire.SessionRef(key="s1"))
     h.cycle({"t1": HE})
     assert followed(h.cycle({"t1": EOS}), "t1")
-    assert h.core.sessions.parked["s1"].tokens.tolist() == prompt(3) + [HE]
+    assert h.core.sessions.parked["s1"].tokens().tolist() == prompt(3) + [HE]
     h.submit("t2", prompt(3) + [HE, WOR], 2, session=wire.SessionRef(key="s1"))
     (seq,) = seqs_of(h.build(), "t2")
     assert (seq.backtrack, seq.tokens) == (0, [WOR])

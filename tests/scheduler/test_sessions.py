@@ -55,7 +55,7 @@ def test_a_session_turn_follows_and_parks_the_token_its_follow_step_fed():
     h.apply(second, {"t1": EOS})
     assert h.final("t1").finish_reason == "stop"
     # the third step feeds EOS: the sequence holds it, and the next turn backtracks over it
-    assert h.core.sessions.parked["s1"].tokens.tolist() == prompt(3) + [HE, EOS]
+    assert h.core.sessions.parked["s1"].tokens().tolist() == prompt(3) + [HE, EOS]
     h.apply(third)
     h.submit("t2", prompt(3) + [HE, WOR], 2, session=wire.SessionRef(key="s1"))
     (seq,) = seqs_of(h.build(), "t2")
@@ -73,7 +73,7 @@ def test_a_turn_ended_by_a_stop_string_parks_the_unseen_token_its_follow_step_fe
     fourth = h.build()  # feeds what the third samples, a token the scheduler never sees
     h.core.emit_deferred()  # " hello": the stop string ends the turn
     assert h.final("t1").finish_reason == "stop"
-    assert h.core.sessions.parked["s1"].tokens.tolist() == prompt(3) + [HE, LLO, UNSEEN]
+    assert h.core.sessions.parked["s1"].tokens().tolist() == prompt(3) + [HE, LLO, UNSEEN]
     h.apply(third)
     h.apply(fourth)
     h.submit("t2", prompt(3) + [HE, LLO, WOR], 2, session=wire.SessionRef(key="s1"))
