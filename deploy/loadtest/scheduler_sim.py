@@ -15,9 +15,10 @@ recently released are evicted for room; they report cached tokens and block even
 and "sample" pseudo-random tokens. Worker i takes ``--step-ms[i % n]`` per step (by
 default half 5 ms, half 20 ms), in simulated time that the scheduler's own CPU time also moves. The
 core is driven as the service shell drives it (admit, build each worker's next step when its pipeline
-of ``limits.pipeline_depth`` has room, apply each result as it comes back, work out the text), the
-steps and results encoded and decoded as on the wire; as the baseline, the lockstep loop the shell had
-before (every worker's step out together, the next round after all results).
+of ``limits.pipeline_depth`` has room, apply each result as it comes back, work out the text; the
+clients' next turns arrive once the steps after the results applied are out, as the shell reads its
+sockets only then), the steps and results encoded and decoded as on the wire; as the baseline, the
+lockstep loop the shell had before (every worker's step out together, the next round after all results).
 
 Printed per worker count and loop: the scheduler's CPU time (decoding submits and results, the core's
 calls, encoding steps, replies and events; not the simulated clients' or workers' work) per worker step
@@ -384,6 +385,7 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
     for client in clients:
         submit(client)
     now = 0.0
+    held: list[bytes] = []  # events of the results applied last, delivered once the steps after them are out
     while by_rid:
         started = time.thread_time()
         core.admit()
@@ -419,11 +421,12 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
             continue  # queue the steps after them at once, where pipelines have room
         started = time.thread_time()
         core.emit_deferred()
-        out = output()
+        out = held + output()
+        held = []
         scheduler(started)
         submitted = deliver(out)
-        if submitted and not lockstep:
-            continue  # new work may start a worker with room (the shell's wake)
+        if (submitted and not lockstep) or not groups:
+            continue  # new work may start a worker with room (the shell's wake); or every client is done
         # the next result (the oldest round's, in lockstep): a worker's own results come back in order
         now = max(now, groups[0][0] if lockstep else min(at for at, _ in groups))
         ready = [groups.popleft()] if lockstep else sorted((g for g in groups if g[0] <= now), key=lambda g: g[0])
@@ -440,9 +443,10 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
                 if not flights[dispatch.worker] and core.pool.workers[dispatch.worker].running:
                     waiting.add(dispatch.worker)
         core.end_step()
-        out = output()
+        held += output()
         scheduler(started)
-        deliver(out)
+        # as in the shell, whose loop builds the next steps before it reads the gateways' messages again:
+        # a client's next turn reaches the scheduler after the steps of the workers just applied are out
     run.elapsed_s = now
     return run
 
