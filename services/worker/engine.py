@@ -65,7 +65,7 @@ from services.worker.model_loader import LoadedModel
 from services.worker.paged_llama import PagedLlama, unsupported_reason
 from services.worker.readouts import Readouts
 from services.worker.runner import Runner, SeqInput
-from services.worker.sampler import SeqSampler, mask_allows_any, mask_bias, sample, validate_params
+from services.worker.sampler import SeqSampler, mask_allows_any, masked_scores, sample, validate_params
 from services.worker.transfer import to_device
 
 if TYPE_CHECKING:
@@ -405,9 +405,9 @@ class Engine:
             if len(sampling) < len(forwarded.sampling):
                 row_of = {s.seq_id: i for i, s in enumerate(forwarded.sampling)}
                 logits = logits[to_device([row_of[s.seq_id] for s in sampling], logits.device)]
-            bias = self._sampling_bias(sampling, masks)
+            masked = self._masked(logits, sampling, masks)
             seqs = [self.seqs[s.seq_id] for s in sampling]
-            sampled = sample(logits, [q.sampler for q in seqs], [q.tokens for q in seqs], bias)
+            sampled = sample(logits, [q.sampler for q in seqs], [q.tokens for q in seqs], masked)
             for q, t in zip(seqs, sampled):
                 q.last_sample = t.token_id
         tokens, logprobs = [-1] * forwarded.size, [0.0] * forwarded.size
@@ -489,20 +489,21 @@ class Engine:
         words = packed[rows]
         return _Masks({r: i for i, r in enumerate(rows)}, words, mask_allows_any(words, self.vocab_size))
 
-    def _sampling_bias(self, sampling: list[SeqStep], masks: _Masks) -> torch.Tensor | None:
-        """Additive bias ``[len(sampling), vocab]`` from the sequences' mask rows (None: no masks):
-        one host-to-device copy of the packed rows and one table lookup, for all rows at once."""
+    def _masked(self, logits: torch.Tensor, sampling: list[SeqStep], masks: _Masks) -> torch.Tensor | None:
+        """``logits`` (a row per sequence of ``sampling``) with -inf for the tokens the sequences' mask rows
+        do not allow (None: no masks): one host-to-device copy of the packed rows, then ``masked_scores``
+        over the rows that have one."""
         rows = [masks.index[s.mask_row] if s.mask_row >= 0 else -1 for s in sampling]
         if max(rows) < 0:
             return None
         masked = [i for i, r in enumerate(rows) if r >= 0]
         words = to_device(masks.words[[rows[i] for i in masked]], self.device, torch.int32)
-        bias = mask_bias(words, self.vocab_size)
         if len(masked) == len(sampling):
-            return bias
-        full = torch.zeros(len(sampling), self.vocab_size, device=self.device)
-        full[to_device(masked, self.device)] = bias
-        return full
+            return masked_scores(logits, words, self.vocab_size)
+        index = to_device(masked, self.device)
+        scores = logits.clone()
+        scores[index] = masked_scores(logits[index], words, self.vocab_size)
+        return scores
 
     def _fork(self, s: SeqStep) -> None:
         """Start ``s.seq_id`` as a copy of ``s.fork_of`` (see the module docstring)."""

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -358,6 +359,36 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
+// The scores a step samples under the controllers' masks: logits [rows, n] where a token's bit is set, -inf where
+// it is not. words [rows, ceil(n / 32)] int32, bit t % 32 of word t / 32 allowing token t: on a little-endian CPU
+// each 16-bit half of a word is the lane mask of 16 consecutive tokens, so one masked load writes them. One pass
+// over the logits, where an additive bias built from the bits takes several over rows of the vocabulary's size.
+at::Tensor masked_scores(const at::Tensor& logits, const at::Tensor& words) {
+  check_rows(logits, "logits");
+  const int64_t rows = logits.size(0), n = logits.size(1), per_row = (n + 31) / 32;
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt && words.is_contiguous() && words.size(0) == rows &&
+                  words.size(1) == per_row,
+              "words must be contiguous int32 [rows, ceil(n / 32)]");
+  at::Tensor y = at::empty({rows, n}, logits.options());
+  const float* xp = logits.data_ptr<float>();
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(words.data_ptr<int32_t>());
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = logits.stride(0);
+  const __m512 blocked = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  at::parallel_for(0, rows, std::max<int64_t>(1, OP_GRAIN / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = xp + r * ldx;
+      const uint16_t* m = mp + r * 2 * per_row;
+      float* yr = yp + r * n;
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = tail(n - i);
+        _mm512_mask_storeu_ps(yr + i, k, _mm512_mask_loadu_ps(blocked, k & __mmask16(m[i / 16]), x + i));
+      }
+    }
+  });
+  return y;
+}
+
 // In place on qkv [tokens, heads + 2 kv_heads, dim]: the first ``rotated`` heads (queries and keys)
 // rotated, x * cos + roll(x, dim / 2) * sin, with the tables' rows at each token's position (sin's
 // first half negated, as paged_llama lays it out); then each token's keys and values copied to its
@@ -538,6 +569,8 @@ TORCH_LIBRARY(tiller_gguf, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+  m.def("masked_scores(Tensor logits, Tensor words) -> Tensor");
+  m.impl("masked_scores", c10::DispatchKey::CPU, TORCH_FN(masked_scores));
   m.def("rope_store(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor positions, int rotated, Tensor(b!) pool, "
         "Tensor slots) -> ()");
   m.impl("rope_store", c10::DispatchKey::CPU, TORCH_FN(rope_store));

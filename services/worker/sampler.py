@@ -110,6 +110,19 @@ def mask_bias(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bias.view(torch.float32).view(words.shape[0], -1)[:, :vocab_size]
 
 
+def masked_scores(logits: torch.Tensor, words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``logits`` ``[rows, vocab_size]`` (float32) with -inf for every token its row's packed bitset in ``words``
+    does not allow (the layout of :func:`mask_bias`), as a new tensor: in one pass by the kernel library's
+    ``masked_scores`` where it is loaded (CPU, ``services.worker.kernel_build``), else as ``logits`` plus
+    :func:`mask_bias` (several passes over rows of the vocabulary's size; a NaN logit of a token not allowed
+    stays NaN there, where the kernel writes -inf)."""
+    if logits.device.type == "cpu":
+        op = getattr(torch.ops.tiller_gguf, "masked_scores", None)
+        if op is not None:
+            return op(logits, words)
+    return logits + mask_bias(words, vocab_size)
+
+
 def mask_allows_any(words: np.ndarray, vocab_size: int) -> np.ndarray:
     """For packed bitset rows ``[rows, ceil(vocab/32)]`` (host memory): whether each allows at least
     one token below ``vocab_size`` (bits past the vocabulary do not count). No device sync."""
@@ -124,18 +137,19 @@ def sample(
     logits: torch.Tensor,
     samplers: list[SeqSampler],
     histories: list[list[int]],
-    bias: torch.Tensor | None = None,
+    masked: torch.Tensor | None = None,
 ) -> list[SampledToken]:
     """One token per row of ``logits`` ``[n, vocab]`` (float32).
 
-    ``histories[i]`` are row i's tokens so far (for the penalties and min_tokens); ``bias`` is an
-    optional additive float32 ``[n, vocab]`` (-inf: the token may not be sampled; see mask_bias).
+    ``histories[i]`` are row i's tokens so far (for the penalties and min_tokens); ``masked``, when
+    the rows sample under masks, is ``logits`` with -inf for the tokens they may not sample (see
+    masked_scores): sampling reads it, the logprobs the raw logits.
     On a GPU nothing here waits for the device but the final copy of the results to the host.
     """
     n = logits.shape[0]
     device = logits.device
     params = [s.params for s in samplers]
-    scores = logits if bias is None else logits + bias
+    scores = logits if masked is None else masked
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 and histories[i]]
     shaped = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty)

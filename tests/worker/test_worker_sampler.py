@@ -16,6 +16,7 @@ from services.worker.sampler import (
     _warp,
     mask_allows_any,
     mask_bias,
+    masked_scores,
     sample,
     validate_params,
 )
@@ -63,6 +64,36 @@ def test_mask_bias_equals_a_bitwise_reading(vocab: int) -> None:
     assert got.dtype == torch.float32 and got.shape == (6, vocab)
     assert torch.equal(got, _reference_bias(words, vocab))
     assert bool(torch.isneginf(got[3]).all()) and bool((got[4] == 0).all())
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 1024, 31, 33, 49152])
+def test_the_kernels_masked_scores_are_the_logits_where_allowed_and_minus_inf_elsewhere(gguf_kernel, vocab) -> None:
+    """The kernel library's one-pass op (which masked_scores takes once the library is loaded), on logits
+    whose rows are strided (a slice of wider rows), with a NaN where a token is not allowed (-inf, where
+    the additive bias keeps the NaN) and where one is (kept)."""
+    rng = np.random.default_rng(vocab)
+    words = _edge_rows(vocab, rng)
+    allowed = _reference_bias(words, vocab) == 0
+    logits = torch.randn(6, vocab + 7, generator=torch.Generator().manual_seed(vocab))[:, :vocab]
+    logits[0, int(np.flatnonzero(~allowed[0].numpy())[0])] = float("nan")
+    logits[4, vocab // 2] = float("nan")
+    want = torch.where(allowed, logits, torch.tensor(float("-inf")))
+    for got in (torch.ops.tiller_gguf.masked_scores(logits, torch.from_numpy(words)),
+                masked_scores(logits, torch.from_numpy(words), vocab)):
+        assert got.shape == (6, vocab) and got.is_contiguous()
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)) and bool(got[4, vocab // 2].isnan())
+    kept = ~torch.isnan(logits[1:])  # no NaN there: the same as the additive bias
+    assert torch.equal(masked_scores(logits, torch.from_numpy(words), vocab)[1:][kept],
+                       (logits + mask_bias(torch.from_numpy(words), vocab))[1:][kept])
+
+
+def test_the_kernels_masked_scores_refuse_words_of_another_shape(gguf_kernel) -> None:
+    logits, words = torch.randn(2, 64), torch.zeros(2, 2, dtype=torch.int32)
+    for bad in (words[:, :1].contiguous(), words[:1], words.long(), torch.zeros(2, 4, dtype=torch.int32)[:, ::2]):
+        with pytest.raises(RuntimeError, match="words must be contiguous int32"):
+            torch.ops.tiller_gguf.masked_scores(logits, bad)
+    with pytest.raises(RuntimeError, match="logits must be float32"):
+        torch.ops.tiller_gguf.masked_scores(logits.double(), words)
 
 
 @pytest.mark.parametrize("vocab", [VOCAB, 1024, 31, 33])
