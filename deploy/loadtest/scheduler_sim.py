@@ -24,7 +24,8 @@ Printed per worker count and loop: the scheduler's CPU time (decoding submits an
 calls, encoding steps, replies and events; not the simulated clients' or workers' work) per worker step
 and per sequence in a step, the tokens/s of the
 simulated time, each kind of worker's idle share (time between a step and its next while it had
-sequences to run: waiting for the scheduler, or in lockstep for the slower workers), and the **hit
+sequences to run: waiting for the scheduler, or in lockstep for the slower workers) and the longest
+such wait, and the **hit
 rate**: prompt tokens whose KV was reused (a parked session's, or a cached prefix's) over all prompt
 tokens (each turn's whole prompt, history included, as an API bills cached tokens), under KV-aware
 placement (the service's) and under random placement (each turn on a random worker with room,
@@ -253,6 +254,7 @@ class Run:
     elapsed_s: float = 0.0  # simulated time, first step to last result
     busy_s: dict[float, float] = field(default_factory=lambda: defaultdict(float))  # by worker step time
     idle_s: dict[float, float] = field(default_factory=lambda: defaultdict(float))  # between steps, waiting
+    longest_wait_s: dict[float, float] = field(default_factory=lambda: defaultdict(float))  # one such wait
     calls: dict[str, list[float]] = field(default_factory=dict)  # with --core-calls: entry point -> [calls, CPU s]
 
 
@@ -404,6 +406,7 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
             start = max(now, free_at[worker])
             if flights[worker] or worker in waiting:
                 run.idle_s[step_s[worker]] += start - free_at[worker]
+                run.longest_wait_s[step_s[worker]] = max(run.longest_wait_s[step_s[worker]], start - free_at[worker])
             free_at[worker] = start + step_s[worker]
             run.busy_s[step_s[worker]] += step_s[worker]
             flights[worker] += 1
@@ -492,7 +495,7 @@ def main() -> None:
           "between a step and the next while it had sequences to run (waiting for the scheduler, or in lockstep "
           "for the slower workers) / its time")
     print(f"{'workers':>7} {'pipelines':>10} {'steps':>7} {'core µs/step':>12} {'µs/seq':>6} {'tok/s':>8} "
-          + " ".join(f"{f'idle@{ms:g}ms':>10}" for ms in speeds)
+          + " ".join(f"{f'idle@{ms:g}ms, max ms':>17}" for ms in speeds)
           + f" {'hit kv':>7} {'hit rnd':>7} {'ratio':>6} {'hit max':>7} {'turns kv':>8} {'turns rnd':>9} {'ratio':>6}"
           + f" {'gc young n/max/all':>18} {'gc older n/max/all':>18}")
     for workers in args.workers:
@@ -507,7 +510,8 @@ def main() -> None:
                              for ms in (pauses[0], pauses[1] + pauses[2]))
             hit_kv = kv.reused_tokens / kv.prompt_tokens
             turns_kv = kv.turns_kept / kv.later_turns if kv.later_turns else 0.0
-            idle = " ".join(f"{kv.idle_s[s] / (kv.idle_s[s] + kv.busy_s[s]):>10.1%}" if kv.busy_s[s] else f"{'-':>10}"
+            idle = " ".join(f"{kv.idle_s[s] / (kv.idle_s[s] + kv.busy_s[s]):>9.1%} {kv.longest_wait_s[s] * 1000:>7.1f}"
+                            if kv.busy_s[s] else f"{'-':>17}"
                             for s in (ms / 1000 for ms in speeds))  # "-": fewer workers than step times
             print(f"{workers:>7} {'lockstep' if lockstep else 'per worker':>10} {kv.steps:>7} "
                   f"{kv.core_s / kv.steps * 1e6:>12.1f} {kv.core_s / kv.seq_steps * 1e6:>6.1f} {kv.decode_tokens / kv.elapsed_s:>8,.0f} {idle} "
