@@ -111,12 +111,12 @@ def mask_bias(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def masked_scores(logits: torch.Tensor, words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``logits`` ``[rows, vocab_size]`` (float32) with -inf for every token its row's packed bitset in ``words``
-    does not allow (the layout of :func:`mask_bias`), as a new tensor: in one pass by the kernel library's
-    ``masked_scores`` where it is loaded (CPU, ``services.worker.kernel_build``), else as ``logits`` plus
-    :func:`mask_bias` (several passes over rows of the vocabulary's size; a NaN logit of a token not allowed
-    stays NaN there, where the kernel writes -inf)."""
-    if logits.device.type == "cpu":
+    """``logits`` ``[rows, vocab_size]`` with -inf for every token its row's packed bitset in ``words`` does not
+    allow (the layout of :func:`mask_bias`), as a new tensor: in one pass by the kernel library's
+    ``masked_scores`` where it is loaded and the logits are float32 on the CPU (``kernel_build``), else as
+    ``logits`` plus :func:`mask_bias` (several passes over rows of the vocabulary's size; a NaN logit of a
+    token not allowed stays NaN there, where the kernel writes -inf)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1:
         op = getattr(torch.ops.tiller_gguf, "masked_scores", None)
         if op is not None:
             return op(logits, words)

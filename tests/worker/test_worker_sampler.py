@@ -85,6 +85,11 @@ def test_the_kernels_masked_scores_are_the_logits_where_allowed_and_minus_inf_el
     kept = ~torch.isnan(logits[1:])  # no NaN there: the same as the additive bias
     assert torch.equal(masked_scores(logits, torch.from_numpy(words), vocab)[1:][kept],
                        (logits + mask_bias(torch.from_numpy(words), vocab))[1:][kept])
+    # logits the op does not take (another dtype, strided columns) get the additive bias
+    clean = logits.nan_to_num(0.0)
+    for other in (clean.to(torch.bfloat16), torch.stack([clean, clean], dim=-1)[..., 0]):
+        assert torch.equal(masked_scores(other, torch.from_numpy(words), vocab),
+                           other + mask_bias(torch.from_numpy(words), vocab))
 
 
 def test_the_kernels_masked_scores_refuse_words_of_another_shape(gguf_kernel) -> None:
