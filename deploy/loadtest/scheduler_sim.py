@@ -428,6 +428,8 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
         held = []
         scheduler(started)
         submitted = deliver(out)
+        if not groups and by_rid and not submitted:
+            raise RuntimeError(f"the core stalled: {len(by_rid)} requests, none in flight, none built")
         if (submitted and not lockstep) or not groups:
             continue  # new work may start a worker with room (the shell's wake); or every client is done
         # the next result (the oldest round's, in lockstep): a worker's own results come back in order
