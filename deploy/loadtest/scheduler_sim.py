@@ -405,8 +405,9 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
             # sat idle meanwhile waited for the scheduler (or in lockstep for the others)
             start = max(now, free_at[worker])
             if flights[worker] or worker in waiting:
-                run.idle_s[step_s[worker]] += start - free_at[worker]
-                run.longest_wait_s[step_s[worker]] = max(run.longest_wait_s[step_s[worker]], start - free_at[worker])
+                waited, speed = start - free_at[worker], step_s[worker]
+                run.idle_s[speed] += waited
+                run.longest_wait_s[speed] = max(run.longest_wait_s[speed], waited)
             free_at[worker] = start + step_s[worker]
             run.busy_s[step_s[worker]] += step_s[worker]
             flights[worker] += 1
