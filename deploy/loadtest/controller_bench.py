@@ -8,7 +8,9 @@
 2. JSON-schema-constrained generation (the shipped ``constrain`` controller) against unconstrained generation
    of the same prompts and the same token counts, in ``--rounds`` alternated rounds (the order swapping each
    round): aggregate tokens/s and their ratio per round, and per arm the medians of time to first token, time
-   per token after it, and each service process's CPU time per token (the figure a shared machine spoils least).
+   per token after it, time from the last token to the end of the stream (a constrained request that the grammar
+   ends gets its end after its last token), and each service process's CPU time per token (the figure a shared
+   machine spoils least).
    Requests start together but not in step, so per-token times compare only at equal batch sizes: the ratio of
    aggregate tokens/s is the figure to judge.
 
@@ -91,6 +93,7 @@ class Outcome:
     decode_s: float = 0.0  # from its first streamed token to its last event: steady decoding, no admission/prefill
     decode_steps: int = 0  # events in that span
     ttft_s: float = 0.0  # from sending the request to its first streamed token: admission, start, prefill
+    end_s: float = 0.0  # from its last streamed token to the end of its stream (a controller's stop comes after it)
 
 
 async def plain(http: httpx.AsyncClient, prompt: str, tokens: int) -> Outcome:
@@ -110,7 +113,7 @@ async def plain(http: httpx.AsyncClient, prompt: str, tokens: int) -> Outcome:
                 steps += message["type"] == "token"
                 usage = message.get("usage", usage)
     return Outcome(usage["completion_tokens"], decode_s=last - first, decode_steps=max(steps - 1, 1),
-                   ttft_s=first - sent)
+                   ttft_s=first - sent, end_s=time.perf_counter() - last)
 
 
 async def controlled(http: httpx.AsyncClient, module: str, arg: object, prompt: str, tokens: int) -> Outcome:
@@ -136,7 +139,7 @@ async def controlled(http: httpx.AsyncClient, module: str, arg: object, prompt: 
                 if fork["error"]:
                     raise RuntimeError(f"controller failed: {fork['error']}")
     return Outcome(usage["sampled_tokens"] + usage["ff_tokens"], micros, last - first, max(steps - 1, 1),
-                   first - sent)
+                   first - sent, time.perf_counter() - last)
 
 
 @dataclass
@@ -232,8 +235,10 @@ def describe_arm(label: str, arms: list[Arm]) -> str:
     med = statistics.median
     ttft = med(med(o.ttft_s for o in a.outcomes) for a in arms)
     per_token = med(med(o.decode_s / o.decode_steps for o in a.outcomes) for a in arms)
+    end = med(med(o.end_s for o in a.outcomes) for a in arms)
     line = (f"  {label:13s} median of rounds: {med(a.tok_s for a in arms):7.1f} tok/s, wall {med(a.wall_s for a in arms):5.2f} s, "
-            f"TTFT p50 {ttft * 1e3:6.1f} ms, {per_token * 1e3:6.1f} ms per token after the first")
+            f"TTFT p50 {ttft * 1e3:6.1f} ms, {per_token * 1e3:6.1f} ms per token after the first, "
+            f"last token to end p50 {end * 1e3:5.1f} ms")
     if arms[0].cpu:
         cpu = {name: med(a.cpu[name] for a in arms) for name in arms[0].cpu}
         line += "\n" + describe_cpu(cpu)

@@ -774,23 +774,34 @@ class ControlledSteps:
         frees of ended forks go out with the next step (a fork made this step may copy them)."""
         self._release_frees()
         for controlled in list(self.requests.values()):
-            request = controlled.request
-            if request.state is State.FINISHED:
-                continue
-            events = [b.event for b in controlled.branches if b.event is not None]
-            for b in controlled.branches:
-                b.event = None
-            if controlled.live():
-                self.host.emit(request, events)
-                continue
-            root = controlled.branches[0]
-            final = next((e for e in events if e.index == 0), None) or wire.TokenEvent(rid=request.rid)
-            self.host.emit(request, [e for e in events if e is not final])
-            reason = REQUEST_REASON.get(root.finished or "fail", "error")
-            if all(b.finished == "fail" for b in controlled.branches):
-                reason = "error"
-                final.error = final.error or next((e.error for e in events if e.error), "the controller failed")
-            self.host.finish(request, reason, final)
+            self._flush_request(controlled)
+
+    def flush_ended(self) -> None:
+        """After a step's main-channel calls: end the requests whose last branch ended in them (a stop in
+        post_process or mid_process) at once, not a forward pass later when the step in flight, which feeds
+        them but samples nothing for them, is done. The others' events wait for the step's result."""
+        for controlled in list(self.requests.values()):
+            if not controlled.live():
+                self._flush_request(controlled)
+
+    def _flush_request(self, controlled: Controlled) -> None:
+        request = controlled.request
+        if request.state is State.FINISHED:
+            return
+        events = [b.event for b in controlled.branches if b.event is not None]
+        for b in controlled.branches:
+            b.event = None
+        if controlled.live():
+            self.host.emit(request, events)
+            return
+        root = controlled.branches[0]
+        final = next((e for e in events if e.index == 0), None) or wire.TokenEvent(rid=request.rid)
+        self.host.emit(request, [e for e in events if e is not final])
+        reason = REQUEST_REASON.get(root.finished or "fail", "error")
+        if all(b.finished == "fail" for b in controlled.branches):
+            reason = "error"
+            final.error = final.error or next((e.error for e in events if e.error), "the controller failed")
+        self.host.finish(request, reason, final)
 
     def release(self, request: LiveRequest) -> None:
         """The request ended (finished, cancelled, failed): forget it and free every branch."""

@@ -14,7 +14,8 @@ gateway). One step, as the shell drives it:
    prompt chunks within ``limits.step_token_budget``, plus the frees owed to each worker.
 4. :meth:`apply` per worker result: stop tokens, lengths, prompt outputs, text; the text of a token
    that may complete a stop string is worked out later (:meth:`emit_deferred`), while the next step runs.
-5. :meth:`end_step`: controlled requests' events and endings.
+5. :meth:`end_step`: controlled requests' events and endings (:meth:`end_controlled` already after the
+   main-channel calls, for those the calls ended).
 
 Pipelining (``limits.pipeline_depth`` 2): a decoding sequence already in the step in flight gets a
 ``follow`` in the next one (the worker feeds the token it sampled); when that token turns out to end
@@ -705,6 +706,10 @@ class SchedulerCore:
     def end_step(self) -> None:
         """After a step's results: controlled requests' events and endings."""
         self.controlled.flush()
+
+    def end_controlled(self) -> None:
+        """After a step's main-channel calls: the controlled requests they ended (``ControlledSteps.flush_ended``)."""
+        self.controlled.flush_ended()
 
     # ------------------------------------------------------------------------------------------
     # endings

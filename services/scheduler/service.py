@@ -401,6 +401,7 @@ class Scheduler:
         plan = self.core.controlled_planned(plan, await self._main_call(request))
         if (mid := self.core.mid_first()) is not None:
             await self._mid_process(mid)
+        self._end_controlled()
         return plan
 
     async def _main_call(self, request: aici_wire.MainRequest) -> MainReply:
@@ -431,10 +432,16 @@ class Scheduler:
         if mid is not None:
             await self._mid_process(mid)
 
+    def _end_controlled(self) -> None:
+        """The controlled requests that main-channel calls just ended end now, their clients told at once."""
+        self.core.end_controlled()
+        self._flush()
+
     async def _controller_calls(self, calls: Coroutine[Any, Any, None]) -> None:
-        """A controlled step's main-channel calls, then the masks of the steps sent with ``masks_follow``; then
-        the next controlled step may be planned, and the one that follows this step goes at once (the step loop,
-        when it wakes, may first apply the result that step would not have waited for)."""
+        """A controlled step's main-channel calls, then the masks of the steps sent with ``masks_follow`` and the
+        requests the calls ended; then the next controlled step may be planned, and the one that follows this
+        step goes at once (the step loop, when it wakes, may first apply the result that step would not have
+        waited for)."""
         try:
             await calls
         except Exception:  # a bug: the workers give the steps up without their masks (limits.worker_step_timeout_s)
@@ -445,6 +452,7 @@ class Scheduler:
                 self.worker_router.post(dispatch.worker, *self.core.controlled.step_masks(dispatch.step))
             except Exception:  # as above
                 log.exception("scheduler.step_masks_failed", step_id=dispatch.step.step_id)
+        self._end_controlled()
         self.calls = None
         self.wake()
         if any(f.controlled for flight in self.flights.values() for f in flight):

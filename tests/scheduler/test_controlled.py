@@ -546,6 +546,31 @@ def test_a_sequence_that_the_token_in_flight_ends_is_fed_not_sampled_and_freed(h
     assert "c" not in h.core.requests and "d" in h.core.requests
 
 
+@pytest.mark.parametrize("where", ["post_process", "mid_process"])
+def test_a_request_its_calls_end_finishes_at_once_not_when_the_step_feeding_it_is_done(where):
+    h, rt = ahead_pair()
+    c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
+    first, _ = send(h, rt)
+    nxt = follow(h)
+    if where == "post_process":
+        rt.post[c] = {"stop": True}  # when it hears of LLO
+    else:
+        rt.mid[c] = "Stop"
+    masks = arrive(h, rt, first, nxt, {"c": LLO, "d": LD})
+    assert failed_seqs(masks) == [c]  # nxt feeds it, and samples nothing for it
+    assert not [e for e in h.events("c") if e.finish_reason]  # before the shell's call, as before
+    h.core.end_controlled()  # the service shell, once the calls are done (nxt still computing)
+    final = h.final("c")
+    assert (final.fork_finish, final.finish_reason, final.completion_tokens) == ("aici-stop", "stop", 2)
+    assert h.text("c") == " hello" and "c" not in h.core.requests
+    assert h.text("d") == " world" and not [e for e in h.events("d") if e.finish_reason]  # d's events wait
+    events = len(h.events("c"))
+    h.apply(nxt, {"c": WOR, "d": BANG})  # nxt's result changes nothing for c
+    h.core.end_step()
+    assert len(h.events("c")) == events and h.text("d") == " world!"
+    assert c in follow(h)[0].step.free  # its sequence goes with the next step
+
+
 def test_a_sequence_whose_token_in_flight_is_its_last_needs_no_following_step():
     h, rt = ahead_pair(max_tokens=2)
     c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
