@@ -145,8 +145,9 @@ class Controllers(BaseModel):
                                   "0: no limit)")
     user_cpu_burst_s: float = Field(5.0, gt=0, description="controller CPU seconds one user may take in a burst")
     max_controlled_per_user: int = Field(64, ge=1, description="controlled requests one user may have live at once")
-    nice: int = Field(10, ge=0, le=19, description="the runtime's CPU priority (Unix nice, applied at start): "
-                      "controller code yields the CPU to the worker's forward pass on a shared host (0: as started)")
+    nice: int = Field(0, ge=0, le=19, description="the runtime's CPU priority (Unix nice, applied at start; 0: as "
+                      "started): above 0 controller code yields the CPU to the worker's forward pass, and every "
+                      "controlled step waits longer for its calls on a busy host (see README 'Controllers')")
     module_dir: Path | None = Field(None, description="modules, compiled cache and tags (default: <run_dir>/controllers)")
     native: dict[str, str] = Field(
         default_factory=lambda: {"constrained": "controllers.native.constrained:ConstrainedController"},
