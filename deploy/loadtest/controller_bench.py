@@ -9,7 +9,8 @@
    of the same prompts and the same token counts, in ``--rounds`` alternated rounds (the order swapping each
    round): aggregate tokens/s and their ratio per round, and per arm the medians of time to first token, time
    per token after it, time from the last token to the end of the stream (a constrained request that the grammar
-   ends gets its end after its last token), and each service process's CPU time per token (the figure a shared
+   ends gets its end after its last token), how many of the machine's cores were busy (on a saturated machine
+   tokens/s follow the CPU time per token), and each service process's CPU time per token (the figure a shared
    machine spoils least).
    Requests start together but not in step, so per-token times compare only at equal batch sizes: the ratio of
    aggregate tokens/s is the figure to judge.
@@ -42,6 +43,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench_stack import CpuPerToken, describe_cpu  # noqa: E402
 from common.cli import SERVICES  # noqa: E402
+from services.worker.threads import read_cpu_sample  # noqa: E402  (/proc/stat: the machine's busy CPU time)
+
+CORES = os.sched_getaffinity(0)
 
 TOPICS = ["a lighthouse", "a dragon", "the sea", "a robot", "a city", "a garden", "winter", "a train", "a violin",
           "the moon", "a library", "a storm"]
@@ -212,6 +216,7 @@ class Arm:
     wall_s: float
     cpu: dict[str, float]  # CPU seconds per token of each service process
     outcomes: list[Outcome]
+    busy_cores: float  # the machine's CPU time over the batch (everything on it) / wall time
 
     @property
     def tokens(self) -> int:
@@ -224,10 +229,12 @@ class Arm:
 
 async def arm(calls: list, cpu: CpuPerToken) -> Arm:
     cpu.start()
+    machine = read_cpu_sample(CORES)
     started = time.perf_counter()
     outcomes = await asyncio.gather(*calls)
     wall = time.perf_counter() - started
-    return Arm(wall, cpu.stop(sum(o.tokens for o in outcomes)) if cpu.pids else {}, outcomes)
+    busy = read_cpu_sample(CORES).busy_s - machine.busy_s
+    return Arm(wall, cpu.stop(sum(o.tokens for o in outcomes)) if cpu.pids else {}, outcomes, busy / wall)
 
 
 def describe_arm(label: str, arms: list[Arm]) -> str:
@@ -239,6 +246,7 @@ def describe_arm(label: str, arms: list[Arm]) -> str:
     line = (f"  {label:13s} median of rounds: {med(a.tok_s for a in arms):7.1f} tok/s, wall {med(a.wall_s for a in arms):5.2f} s, "
             f"TTFT p50 {ttft * 1e3:6.1f} ms, {per_token * 1e3:6.1f} ms per token after the first, "
             f"last token to end p50 {end * 1e3:5.1f} ms")
+    line += f", machine busy {med(a.busy_cores for a in arms):4.2f} of {len(CORES)} cores"
     if arms[0].cpu:
         cpu = {name: med(a.cpu[name] for a in arms) for name in arms[0].cpu}
         line += "\n" + describe_cpu(cpu)
