@@ -143,5 +143,8 @@ def decode_image(data: bytes, max_pixels: int) -> Any:
 
 
 def read_model_config(directory: Path) -> dict[str, Any]:
-    """A model directory's config.json as plain data (transformers' config classes import torch)."""
-    return json.loads((directory / "config.json").read_text())
+    """A model directory's config.json as plain data (transformers' config classes import torch); {} when it has
+    none yet: the embedded GGUF model's (a text-only model) is written with its weights, by the worker's first
+    load, which the other processes do not wait for (a local model directory without one is refused earlier)."""
+    path = directory / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}

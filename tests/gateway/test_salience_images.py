@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from common.config import Images, Settings
+from common.model_source import resolve_model
 from common.protos.salience.v1.salience_pb2 import ImageAttachment
 from services.gateway.salience.images import ImageError, ImageSupport, check_unattached, prepare_images
 from tests.worker.test_vision import png
@@ -124,6 +125,16 @@ async def test_text_only_model_refuses_every_image() -> None:
     message = await refused(text_only, [1, 2, 3], [attach(png(0), 0, 3)])
     assert "the served model SmolLM2-135M-Instruct is text-only: it takes no images" in message
     assert await prepare_images(text_only, [1, 2, 3], [], appended_from=0) == []
+
+
+async def test_the_default_model_is_text_only_before_the_worker_wrote_its_config(tmp_path) -> None:
+    """On a fresh machine the gateway may start before the worker converted the embedded model's weights, which
+    writes its config.json: the tokenizer the gateway converts is there, the config not yet."""
+    settings = Settings(cache_dir=tmp_path, served_model_name="SmolLM2-135M-Instruct")
+    support = ImageSupport.load(settings)
+    directory = resolve_model(settings).directory
+    assert (directory / "tokenizer.json").is_file() and not (directory / "config.json").exists()
+    assert support.spec is None and "is text-only" in support.refusal
 
 
 async def test_unsupported_vision_language_family_says_so(tmp_path) -> None:
