@@ -6,12 +6,16 @@ from __future__ import annotations
 import copy
 from typing import Any, Protocol
 
+# A grammar's forced tokens worth a Splice (fast forward): a single one costs a step either way, sampled under
+# a mask that allows only it, and a Splice costs the step that found it.
+FF_MIN = 2
+
 
 class Constraint(Protocol):
     def commit(self, tokens: list[int]) -> int: ...  # 0 ok, 1 finished, < 0 rejected (state unchanged)
     def rollback(self, n: int) -> int: ...
     def is_accepting(self) -> bool: ...
-    def ff_tokens(self) -> list[int]: ...
+    def ff_tokens(self, limit: int | None = None) -> list[int]: ...  # forced next (at most limit), none from EOS
 
 
 class Host(Protocol):

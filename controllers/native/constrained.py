@@ -2,14 +2,16 @@
 ``max_tokens``.
 
 module_arg (JSON): {"prefix": str?, one of "regex" | "json_schema" | "lark" | "yacc": grammar,
-"max_tokens": int?, "store_var": str?}. The generated text goes to variable ``store_var`` when done.
+"max_tokens": int?, "store_var": str?, "fast_forward": bool?}. The generated text goes to variable ``store_var``
+when done. With ``fast_forward``, where the grammar forces two tokens or more (llguidance's forced tokens),
+mid_process splices them instead of sampling them one step each.
 """
 
 from __future__ import annotations
 
 import json
 
-from controllers.native.base import Host, NativeController
+from controllers.native.base import FF_MIN, Host, NativeController
 
 _KINDS = {"regex": 0, "json_schema": 1, "lark": 2, "yacc": 3}
 
@@ -33,6 +35,9 @@ class ConstrainedController(NativeController):
         self.prefix = host.tokenize(arg.get("prefix", "").encode()) if arg.get("prefix") else []
         self.max_tokens = int(arg.get("max_tokens", 256))
         self.store_var = arg.get("store_var")
+        self.fast_forward = arg.get("fast_forward", False)
+        if not isinstance(self.fast_forward, bool):
+            raise ValueError("fast_forward must be true or false")
         self.generated: list[int] = []
         self.skip = 0  # our own prefix tokens, fed back to post_process by the runtime
         self.done = False
@@ -50,6 +55,10 @@ class ConstrainedController(NativeController):
     def mid_process(self, fork_group: list[int]) -> str | dict:
         if self.done:
             return "Stop"
+        if self.handle and self.fast_forward:
+            forced = self.host.constraint(self.handle).ff_tokens(self.max_tokens - len(self.generated))
+            if len(forced) >= FF_MIN:
+                return {"Splice": {"backtrack": 0, "ff_tokens": forced}}
         if self.handle:
             if self.host.constraint_return_bias(self.handle) == 1:
                 self.done = True

@@ -36,6 +36,7 @@ AICI_IMPORT(tiller_constraint_new) int32_t tiller_constraint_new(int32_t kind, c
 AICI_IMPORT(tiller_constraint_commit) int32_t tiller_constraint_commit(int32_t h, const uint32_t *toks, uint32_t n);
 AICI_IMPORT(tiller_constraint_return_bias) int32_t tiller_constraint_return_bias(int32_t h);
 AICI_IMPORT(tiller_constraint_mask) int32_t tiller_constraint_mask(int32_t h, uint32_t *dst);
+AICI_IMPORT(tiller_constraint_ff_tokens) int32_t tiller_constraint_ff_tokens(int32_t h, uint32_t *dst, uint32_t cap);
 AICI_IMPORT(tiller_constraint_rollback) int32_t tiller_constraint_rollback(int32_t h, uint32_t n);
 AICI_IMPORT(tiller_constraint_free) void tiller_constraint_free(int32_t h);
 
@@ -239,6 +240,13 @@ static inline int32_t aici_constraint_new(int32_t kind, const char *src, uint32_
 static inline int32_t aici_constraint_commit(int32_t h, const uint32_t *toks, uint32_t n) {
     return tiller_constraint_commit(h, toks, n);
 }
+/* The tokens constraint h forces next (the one continuation its grammar allows, as the tokenizer splits it),
+ * at most cap of them written at dst; returns their number (0: the next token is free). */
+static inline uint32_t aici_constraint_ff_tokens(int32_t h, uint32_t *dst, uint32_t cap) {
+    return (uint32_t)tiller_constraint_ff_tokens(h, dst, cap);
+}
+/* Forced tokens worth a Splice: a single one costs a step either way (sampled under a mask allowing only it). */
+#define AICI_FF_MIN 2
 /* Mask straight to the host for this mid_process (marks the SDK's mask as given). */
 int32_t aici_constraint_return_bias(int32_t h);
 /* Declares, until called again, that mid_process for this sequence alone (no fork this step) would only call
@@ -247,12 +255,16 @@ int32_t aici_constraint_return_bias(int32_t h);
  * the declaration. ABI.md "Fast path", flags bit 1. Same as aici_declare_constraint(h, 1, 0). */
 void aici_mid_from_constraint(int32_t h);
 /* Declares, until the next declaration (which replaces it whole), what this sequence's callbacks would do with
- * constraint h (h <= 0 withdraws every declaration): mid (non-zero) as aici_mid_from_constraint; post_tokens
+ * constraint h (h <= 0 withdraws every declaration): mid AICI_DECLARE_MASK as aici_mid_from_constraint;
+ * AICI_DECLARE_MASK_FF the same, except that where h forces AICI_FF_MIN tokens or more, mid_process would splice
+ * them instead (aici_mid_splice(0, ...) of the first post_tokens + 1, read with aici_constraint_ff_tokens; ABI.md
+ * "Fast path", flags bit 31); post_tokens
  * (at most 63): for that many tokens more, post_process with backtrack 0 and no EOS among its tokens would only
  * commit them to h and return 0 (continue) while the commit returns AICI_C_OK. The host may then commit such
  * tokens itself and answer for post_process; before it next calls this sequence it hands them over in one
  * post_process call with aici_post_committed set: they are already committed to h (do not commit them again).
  * ABI.md "Fast path", flags bits 2-7. */
+enum { AICI_DECLARE_NONE = 0, AICI_DECLARE_MASK = 1, AICI_DECLARE_MASK_FF = 2 };
 void aici_declare_constraint(int32_t h, int mid, uint32_t post_tokens);
 /* During post_process: 1 when its tokens were already committed to the declared constraint by the host. */
 extern int aici_post_committed;
@@ -274,11 +286,16 @@ typedef struct {
     uint32_t n_gen;       /* tokens generated */
     int done;
     int ended_by_eos;     /* the last generated token was EOS */
+    int fast_forward;     /* splice the constraint's forced tokens instead of sampling them */
+    uint32_t ff[64];      /* the last Splice's tokens */
 } aici_gen;
-/* Reads the spec (constraint keys above, "stop"/"stop_at": str|[str], "max_tokens": n); 0 on error (*err). */
+/* Reads the spec (constraint keys above, "stop"/"stop_at": str|[str], "max_tokens": n, "fast_forward": bool);
+ * 0 on error (*err). */
 int aici_gen_init(aici_gen *g, aici_json spec, const char **err);
-/* In mid_process: gives the mask and returns 1 (sample), or 0 if the generation is over. */
-int aici_gen_mid(aici_gen *g);
+/* mid_process of the generation: with fast_forward, a Splice of the tokens the constraint forces when they are at
+ * least AICI_FF_MIN (no more than max_tokens allows; none with stop strings, whose text each token must be
+ * checked against); else the mask given and Sample, or Stop when the generation is over. */
+aici_mid_result aici_gen_mid(aici_gen *g);
 /* In post_process with the tokens of this step; returns 1 once the generation is over. */
 int aici_gen_post(aici_gen *g, const uint32_t *toks, uint32_t n);
 /* Declares the generation's constraint to the host while it goes on (aici_declare_constraint): its mask as

@@ -115,19 +115,39 @@ int aici_gen_init(aici_gen *g, aici_json spec, const char **err) {
             return 0;
         }
     }
+    if (aici_json_get(spec, "fast_forward", &v)) {
+        if (aici_json_type(v) != AICI_J_TRUE && aici_json_type(v) != AICI_J_FALSE) {
+            *err = "fast_forward must be true or false";
+            return 0;
+        }
+        g->fast_forward = aici_json_type(v) == AICI_J_TRUE;
+    }
     g->constraint = aici_constraint_from_json(spec, err);
     if (g->constraint < 0) return 0;
     if (g->max_tokens == 0 && aici_json_get(spec, "max_tokens", &v)) g->done = 1;
     return 1;
 }
 
-int aici_gen_mid(aici_gen *g) {
-    if (g->done) return 0;
-    if (!g->constraint) return 1;   /* the SDK sends an all-allowed mask */
+/* Tokens post_process may take before it must look at them (stop strings) or reach max_tokens (UINT32_MAX: any). */
+static uint32_t room(const aici_gen *g) {
+    return g->n_stops ? 0 : g->max_tokens ? g->max_tokens - g->n_gen - 1 : UINT32_MAX;
+}
+
+#define POST_DECLARED_MAX 63   /* ABI.md "Fast path": flags bits 2-7 */
+
+aici_mid_result aici_gen_mid(aici_gen *g) {
+    if (g->done) return aici_mid_stop();
+    if (!g->constraint) return aici_mid_sample();   /* the SDK sends an all-allowed mask */
+    if (g->fast_forward) {
+        /* as many as the host's fast path splices: the declared post_process tokens + 1 */
+        uint32_t r = room(g), cap = (r < POST_DECLARED_MAX ? r : POST_DECLARED_MAX) + 1;
+        uint32_t n = aici_constraint_ff_tokens(g->constraint, g->ff, cap);
+        if (n >= AICI_FF_MIN) return aici_mid_splice(0, g->ff, n);
+    }
     int32_t r = aici_constraint_return_bias(g->constraint);
     if (r < 0) aici_logs("aici gen: constraint error while computing the mask\n");
     if (r != AICI_C_OK) g->done = 1;
-    return !g->done;
+    return g->done ? aici_mid_stop() : aici_mid_sample();
 }
 
 /* Offset of the first stop string in text, or len. */
@@ -178,8 +198,7 @@ int aici_gen_post(aici_gen *g, const uint32_t *toks, uint32_t n) {
 void aici_gen_declare(const aici_gen *g) {
     int32_t h = g->done ? 0 : g->constraint;
     /* not done: n_gen < max_tokens, and max_tokens - n_gen - 1 more tokens cannot reach it */
-    uint32_t post = g->n_stops ? 0 : g->max_tokens ? g->max_tokens - g->n_gen - 1 : UINT32_MAX;
-    aici_declare_constraint(h, 1, post);
+    aici_declare_constraint(h, g->fast_forward ? AICI_DECLARE_MASK_FF : AICI_DECLARE_MASK, room(g));
 }
 
 char *aici_gen_text(aici_gen *g, uint32_t *len) {

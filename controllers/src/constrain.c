@@ -1,6 +1,7 @@
 /* constrain: constrained generation configured by controller_arg (see controllers/README.md):
  *   {"regex": ...} | {"json_schema": ...} | {"grammar": ..., "syntax": "lark"|"yacc"} | {"choices": [...]}
- *   plus optional "stop": str|[str] and "max_tokens": n.
+ *   plus optional "stop": str|[str], "max_tokens": n and "fast_forward": bool (splice the tokens the grammar
+ *   forces, two or more, instead of sampling them one step each; not with stop strings).
  * Masks come from the host's llguidance constraints; the sequence stops when the constraint is finished, a stop
  * string appears, max_tokens tokens were generated or EOS is sampled. */
 #include "aici.h"
@@ -9,7 +10,7 @@ static aici_gen gen;
 static int failed;
 
 static const char *const KEYS[] = {"regex", "rx", "json_schema", "yacc", "lark", "grammar", "syntax", "choices",
-                                   "options", "stop", "stop_at", "max_tokens", NULL};
+                                   "options", "stop", "stop_at", "max_tokens", "fast_forward", NULL};
 
 /* 1 and the key when spec (an object) has a member constrain does not know: a typo must not pass silently. */
 static int unknown_key(aici_json spec, aici_json *key) {
@@ -49,9 +50,9 @@ static void init_prompt(const uint32_t *prompt, uint32_t n) {
 }
 
 static aici_mid_result mid_process(const uint32_t *fork_group, uint32_t n) {
-    int sample = aici_gen_mid(&gen);
+    aici_mid_result r = aici_gen_mid(&gen);
     aici_gen_declare(&gen);
-    return sample ? aici_mid_sample() : aici_mid_stop();
+    return r;
 }
 
 static int post_process(const uint32_t *tokens, uint32_t n, uint32_t backtrack) {

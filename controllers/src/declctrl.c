@@ -2,7 +2,8 @@
  * {"steps": [step...]}, each step an object with one key (full format in controllers/README.md):
  *   {"Fixed": {"text": str}}                          force text ({{var}} expands a variable)
  *   {"Gen": {"rx"|"regex"|"json_schema"|"grammar"(+"syntax")|"yacc"|"lark": ..., "max_tokens": n,
- *            "stop_at": str, "set_var": name}}        generate (optionally constrained), store the text
+ *            "stop_at": str, "set_var": name, "fast_forward": bool}}   generate (optionally constrained), store
+ *                                                     the text (fast_forward: as in constrain)
  *   {"Choose": {"options": [str...], "set_var": name}} generate exactly one of the options
  *   {"Fork": {"branches": [[step...], ...]}}           fork; branch i runs in fork i, then the steps after Fork
  *   {"Wait": {"vars": [name...], "max_steps": n}}     suspend until every variable is set (fail after n
@@ -334,7 +335,8 @@ static aici_mid_result mid_process(const uint32_t *fork_group, uint32_t n) {
                 gen_active = 1;
                 if (pending_backtrack) return noop();
             }
-            if (aici_gen_mid(&gen)) return aici_mid_sample();
+            aici_mid_result r = aici_gen_mid(&gen);
+            if (r.kind != AICI_MID_STOP) return r;
             finish_gen();
         }
         }

@@ -5,7 +5,8 @@
    controller with one unconstrained ``Gen`` step (``/v1/run``), each sequence producing the same number of
    tokens; overhead = (wall time per step controlled - plain) / sequences. Also what the runtime itself
    reports spending (the ``micros`` of the run events) per sequence per step.
-2. JSON-schema-constrained generation (the shipped ``constrain`` controller) against unconstrained generation
+2. JSON-schema-constrained generation (the shipped ``constrain`` controller; with ``--fast-forward`` it splices the
+   tokens the schema forces instead of sampling them) against unconstrained generation
    of the same prompts and the same token counts, in ``--rounds`` alternated rounds (the order swapping each
    round): aggregate tokens/s and their ratio per round, and per arm the medians of time to first token, time
    per token after it, time from the last token to the end of the stream (a constrained request that the grammar
@@ -18,7 +19,7 @@
 Starts its own stack serving the default weights (the caller's TILLER_* settings win) unless ``--url`` names a running
 gateway (then without the CPU figures).
 
-    python deploy/loadtest/controller_bench.py [--tokens 32] [--levels 1,16,64] [--json 16 --rounds 3]
+    python deploy/loadtest/controller_bench.py [--tokens 32] [--levels 1,16,64] [--json 16 --rounds 3] [--fast-forward]
                                                [--url http://127.0.0.1:8080 --scheduler ipc://run/scheduler.sock]
 """
 
@@ -98,6 +99,7 @@ class Outcome:
     decode_steps: int = 0  # events in that span
     ttft_s: float = 0.0  # from sending the request to its first streamed token: admission, start, prefill
     end_s: float = 0.0  # from its last streamed token to the end of its stream (a controller's stop comes after it)
+    ff: int = 0  # of its tokens, those its controller spliced in (a grammar's forced tokens) rather than sampled
 
 
 async def plain(http: httpx.AsyncClient, prompt: str, tokens: int) -> Outcome:
@@ -143,7 +145,7 @@ async def controlled(http: httpx.AsyncClient, module: str, arg: object, prompt: 
                 if fork["error"]:
                     raise RuntimeError(f"controller failed: {fork['error']}")
     return Outcome(usage["sampled_tokens"] + usage["ff_tokens"], micros, last - first, max(steps - 1, 1),
-                   first - sent, time.perf_counter() - last)
+                   first - sent, time.perf_counter() - last, usage["ff_tokens"])
 
 
 @dataclass
@@ -253,15 +255,18 @@ def describe_arm(label: str, arms: list[Arm]) -> str:
     return line
 
 
-async def constrained_ratio(setup: Setup, constrain: str, n: int, tokens: int, rounds: int) -> list[str]:
+async def constrained_ratio(setup: Setup, constrain: str, n: int, tokens: int, rounds: int,
+                            fast_forward: bool = False) -> list[str]:
     """Constrained and unconstrained batches of the same prompts, alternated (the order swapping every round);
-    the plain requests generate exactly the token counts the constrained ones did (ignore_eos)."""
+    the plain requests generate exactly the token counts the constrained ones did (ignore_eos). With
+    ``fast_forward`` the grammar's forced tokens are spliced in rather than sampled (constrain's option)."""
     http = setup.http
     texts = [p + " Answer as JSON." for p in prompts(n)]
-    arg = {"json_schema": SCHEMA}
+    arg = {"json_schema": SCHEMA, "fast_forward": fast_forward}
     ctrl_calls = lambda: [controlled(http, constrain, arg, p, tokens) for p in texts]  # noqa: E731
     # greedy, so each round's counts are these (batched near-ties aside: the rounds print their totals)
-    counts = [o.tokens for o in (await arm(ctrl_calls(), CpuPerToken({}))).outcomes]
+    first = (await arm(ctrl_calls(), CpuPerToken({}))).outcomes
+    counts = [o.tokens for o in first]
     plain_calls = lambda: [plain(http, p, c) for p, c in zip(texts, counts)]  # noqa: E731
     lines, ctrl_arms, plain_arms = [], [], []
     for r in range(rounds):
@@ -277,23 +282,24 @@ async def constrained_ratio(setup: Setup, constrain: str, n: int, tokens: int, r
                      f"{p.tok_s:7.1f} tok/s ({p.tokens}) -> {c.tok_s / p.tok_s:5.2f}x"
                      f"{SchedulerStats.describe(before, await setup.sched.read())}")
     ratio = statistics.median(c.tok_s / p.tok_s for c, p in zip(ctrl_arms, plain_arms))
-    head = (f"JSON schema, {n} concurrent, {sum(counts)} tokens ({min(counts)}-{max(counts)} a request), {rounds} "
-            f"alternated rounds: constrained / unconstrained tokens/s, median ratio {ratio:5.2f}x")
+    spliced = f"{sum(o.ff for o in first)} spliced as forced tokens" if fast_forward else "fast_forward off"
+    head = (f"JSON schema, {n} concurrent, {sum(counts)} tokens ({min(counts)}-{max(counts)} a request; {spliced}), "
+            f"{rounds} alternated rounds: constrained / unconstrained tokens/s, median ratio {ratio:5.2f}x")
     return [head, *lines, describe_arm("constrained", ctrl_arms), describe_arm("unconstrained", plain_arms)]
 
 
 async def bench(url: str, setup_args: tuple[SchedulerStats, CpuPerToken], levels: list[int], json_n: int,
-                tokens: int, repeat: int, rounds: int) -> None:
+                tokens: int, repeat: int, rounds: int, fast_forward: bool) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as http:
         declctrl, constrain = await upload(http, "declctrl"), await upload(http, "constrain")
         setup = Setup(http, *setup_args, repeat=1)
         if levels:
             await overhead(setup, declctrl, 2, 4)  # warm-up: compile caches, first steps
-        await constrained_ratio(setup, constrain, 2, 8, 1)
+        await constrained_ratio(setup, constrain, 2, 8, 1, fast_forward)
         setup.repeat = repeat
         lines = [await overhead(setup, declctrl, level, tokens) for level in levels]
         if json_n:
-            lines += await constrained_ratio(setup, constrain, json_n, tokens, rounds)
+            lines += await constrained_ratio(setup, constrain, json_n, tokens, rounds, fast_forward)
     for line in lines:
         print(line)
 
@@ -304,6 +310,8 @@ def main() -> None:
     parser.add_argument("--levels", default="1,16,64", help="concurrent controlled sequences ('': none)")
     parser.add_argument("--json", type=int, default=16, help="concurrent JSON-schema requests (0: none)")
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds of the JSON comparison")
+    parser.add_argument("--fast-forward", action="store_true",
+                        help="constrain splices the tokens the schema forces instead of sampling them")
     parser.add_argument("--url", help="a running gateway's HTTP URL; default: start a stack")
     parser.add_argument("--scheduler", help="with --url: the scheduler's endpoint, for its own figures")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each overhead batch; the fastest counts")
@@ -324,7 +332,7 @@ def main() -> None:
         print(f"model {settings.model} ({settings.weights} weights) on {settings.device}, {args.tokens} tokens per "
               f"sequence, greedy; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
         asyncio.run(bench(url, (SchedulerStats(scheduler), cpu), levels, args.json, args.tokens, args.repeat,
-                          args.rounds))
+                          args.rounds, args.fast_forward))
         print(f"load average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     finally:
         if stack is not None:

@@ -141,5 +141,11 @@ class Constraint:
     def is_accepting(self) -> bool:
         return self.matcher.is_accepting()
 
-    def ff_tokens(self) -> list[int]:
-        return self.matcher.compute_ff_tokens()
+    def ff_tokens(self, limit: int | None = None) -> list[int]:
+        """The tokens the grammar forces next (llguidance's fast-forward tokens: the one continuation it allows,
+        as the tokenizer would split it, short of a token that later bytes could still extend), at most
+        ``limit``; none from EOS on."""
+        tokens = self.matcher.compute_ff_tokens()
+        if self.eos in tokens:
+            tokens = tokens[: tokens.index(self.eos)]
+        return tokens if limit is None else tokens[:limit]

@@ -11,7 +11,7 @@ import msgspec
 
 from common import aici_wire
 from common.config import Controllers
-from controllers.native.base import NativeController
+from controllers.native.base import FF_MIN, NativeController
 from services.controller_runtime.budget import CpuShare, OpClock
 from services.controller_runtime.host import HostError, SeqHost
 from services.controller_runtime.wasm import ControllerError, WasmController
@@ -113,9 +113,13 @@ class WasmInstance:
         """``fork_group`` None: the sequence alone (no fork this step, the common case)."""
         seq_id = self.host.seq_id
         if fork_group is None or fork_group == [seq_id]:
-            handle = self._io_area and self.ctrl.mid_constraint
-            if handle and self._mask_from(handle, mask_address):
-                return SAMPLE
+            handle, ff_limit = self.ctrl.mid_constraint if self._io_area else (0, 0)
+            if handle:
+                splice = self._splice_from(handle, ff_limit) if ff_limit else None
+                if splice is not None:
+                    return splice
+                if self._mask_from(handle, mask_address):
+                    return SAMPLE
             if self._alone[0] != seq_id:
                 self._alone = (seq_id, b'{"fork_group":[%d]}' % seq_id)
             arg = self._alone[1]
@@ -129,6 +133,16 @@ class WasmInstance:
         except ControllerError as exc:
             self.ctrl.dead = str(exc)
             raise
+
+    def _splice_from(self, handle: int, limit: int) -> aici_wire.MidBranch | None:
+        """mid_process as the guest declared it when constraint ``handle`` forces FF_MIN tokens or more: a Splice of
+        them (at most ``limit``), without calling it; None when it does not (or is unknown)."""
+        constraint = self.host.constraints.get(handle)
+        tokens = constraint.ff_tokens(limit) if constraint is not None else []
+        if len(tokens) < FF_MIN:
+            return None
+        self.host.begin_call(None)
+        return aici_wire.MidBranch(Splice=aici_wire.Splice(ff_tokens=tokens))
 
     def _mask_from(self, handle: int, mask_address: int) -> bool:
         """mid_process as the guest declared it (the mask of constraint ``handle``), without calling it; False

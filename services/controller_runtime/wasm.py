@@ -32,9 +32,11 @@ I32, I64 = wasmtime.ValType.i32(), wasmtime.ValType.i64()
 BLOB_MODULE_ARG, BLOB_TOKENIZE, BLOB_PROCESS_ARG, BLOB_STORAGE, BLOB_TRIE = 1, 2, 4, 5, 100
 WASI_BADF, WASI_PERM = 8, 63
 # the optional I/O area (ABI.md "Fast path"): its flags say pre_process is the default / mid_process is the mask
-# of constraint flags >> 8
+# of constraint (flags >> 8) & IO_HANDLE
 IO_HEADER, IO_NONE, IO_PRE_DEFAULT, IO_MID_CONSTRAINT = 16, 0xFFFFFFFF, 1, 2
 IO_POST_SHIFT, IO_POST_TOKENS = 2, 0xFC  # flags bits 2-7: tokens whose post_process the host may answer
+IO_HANDLE = 0x7FFFFF  # flags bits 8-30: the constraint
+IO_MID_FF = 1 << 31  # with IO_MID_CONSTRAINT: mid_process splices the constraint's forced tokens (FF_MIN or more)
 
 # The hot path with plain-address prototypes: no per-call argument conversion. Only the call into the guest
 # releases the GIL (so that the epoch ticker can interrupt it); the quick getters and setters keep it
@@ -386,17 +388,21 @@ class WasmController:
         return self._io_flags is not None and bool(self._io_flags.value & IO_PRE_DEFAULT) and not self.dead
 
     @property
-    def mid_constraint(self) -> int:
+    def mid_constraint(self) -> tuple[int, int]:
         """The handle of the constraint whose mask the guest says its mid_process would return (sampling
-        when the constraint is OK, no other effect); 0: none, call mid_process."""
+        when the constraint is OK, no other effect), and how many of the constraint's forced tokens it would
+        splice instead when they are at least FF_MIN (0: it never splices); handle 0: none, call mid_process."""
         flags = self._io_flags.value if self._io_flags is not None else 0
-        return flags >> 8 if flags & IO_MID_CONSTRAINT and not self.dead else 0
+        if not flags & IO_MID_CONSTRAINT or self.dead:
+            return 0, 0
+        ff_limit = ((flags & IO_POST_TOKENS) >> IO_POST_SHIFT) + 1 if flags & IO_MID_FF else 0
+        return (flags >> 8) & IO_HANDLE, ff_limit
 
     def post_constraint(self, n: int) -> int:
         """The handle of the constraint the guest says its post_process of ``n`` tokens (backtrack 0, no EOS)
         would only commit them to, continuing when the commit is OK; 0: none, call post_process."""
         flags = self._io_flags.value if self._io_flags is not None else 0
-        return flags >> 8 if (flags & IO_POST_TOKENS) >> IO_POST_SHIFT >= n and not self.dead else 0
+        return (flags >> 8) & IO_HANDLE if (flags & IO_POST_TOKENS) >> IO_POST_SHIFT >= n and not self.dead else 0
 
     def posts_answered(self, n: int) -> None:
         """The host answered a post_process of ``n`` tokens as declared: that many fewer it may answer."""
@@ -568,6 +574,13 @@ def _define_imports(engine: WasmEngine) -> None:
         nbytes = tok.mask_words * 4
         return inst.host.constraint(v[0]).fill_mask(inst.guest_address(v[4], nbytes), nbytes)
 
+    def constraint_ff_tokens(inst: WasmController, v) -> int:
+        tokens = inst.host.constraint(v[0]).ff_tokens(v[8] & 0xFFFFFFFF)
+        if tokens:
+            data = struct.pack(f"<{len(tokens)}I", *tokens)
+            memmove(inst.guest_address(v[4], len(data)), data, len(data))
+        return len(tokens)
+
     def constraint_rollback(inst: WasmController, v) -> int:
         return inst.host.constraint(v[0]).rollback(v[4] & 0xFFFFFFFF)
 
@@ -592,6 +605,7 @@ def _define_imports(engine: WasmEngine) -> None:
         ("tiller_constraint_commit", 3, 1, constraint_commit),
         ("tiller_constraint_return_bias", 1, 1, constraint_return_bias),
         ("tiller_constraint_mask", 2, 1, constraint_mask),
+        ("tiller_constraint_ff_tokens", 3, 1, constraint_ff_tokens),
         ("tiller_constraint_rollback", 2, 1, constraint_rollback),
         ("tiller_constraint_free", 1, 0, constraint_free),
     ]

@@ -331,38 +331,43 @@ class ControlledSteps:
         whose reply goes to :meth:`ahead_planned` as for a step that went ahead in :meth:`begin` (the controllers
         see the same calls in the same order). A sequence that the token in flight ends (a stop token or
         string, post_process stopping, a worker failure) or whose pre_process must run first is fed, not
-        sampled, and dropped or sampled again by a step planned the usual way. None: the next step waits for
-        the result, because this one's masks are not settled yet, or a sequence needs more than its sampled
-        token fed (a binding, ff_tokens, a splice, a fork, a suspension, a pre_process not flagged as the
-        default)."""
+        sampled, and dropped or sampled again by a step planned the usual way. A sequence whose controller
+        spliced instead of sampling in the step in flight (backtrack 0: a grammar's forced tokens) is fed the
+        splice's tokens and sampled after them. None: the next step waits for the result, because this one's
+        masks are not settled yet, or a sequence needs more than its sampled token or splice fed (a binding,
+        ff_tokens, a backtrack, a fork, a suspension, a pre_process not flagged as the default)."""
         mid = self.mid
         if not (self.settings.pipeline and self.settings.step_ahead) or mid is None or not mid.done:
             return None
         if any(r.submit.controller and not r.paused and not self._bound(r) for r in running):
             return None
         sampling = {b.seq_id for b, _ in mid.runnable if b.seq_id not in mid.skip}
-        branches = []
+        branches: list[tuple[Branch, list[int] | None]] = []  # each with its splice's tokens to feed, or None
         for controlled in self.requests.values():
             for b in controlled.live():
                 if not b.assigned:
                     continue  # a paused request's root, not bound yet
-                if not (b.seq_id in sampling and b.pre_default and not b.request.paused):
+                splice = b.mid_splice[1] if b.mid_splice is not None and not b.mid_splice[0] else None
+                if not ((b.seq_id in sampling or splice) and b.pre_default and not b.request.paused):
                     return None
-                after = len(b.tokens) + 1  # once the token in flight is in
+                after = len(b.tokens) + (len(splice) if splice else 1)  # once the token in flight (or splice) is in
                 if not length_reached(b.request.submit, after - len(b.request.prompt), after, max_len):
-                    branches.append(b)  # (one whose token in flight is its last needs no next step)
+                    branches.append((b, splice))  # (one whose token in flight is its last needs no next step)
         if not branches:
             return None
         plan = Plan(ahead=True, follows=True)
-        for row, b in enumerate(branches):
-            seq = wire.SeqStep(seq_id=b.seq_id, tokens=[], follow=True, mask_row=row)
+        for row, (b, splice) in enumerate(branches):
+            if splice:
+                seq = wire.SeqStep(seq_id=b.seq_id, tokens=list(splice), mask_row=row)
+            else:
+                seq = wire.SeqStep(seq_id=b.seq_id, tokens=[], follow=True, mask_row=row)
             if b.request.sampling_dirty:
                 seq.sampling = b.request.submit.sampling
             plan.per_worker[b.request.worker].append((b, seq))
-            plan.tokens += 1
-        for b in branches:
+            plan.tokens += len(seq.tokens) or 1
+        for b, _ in branches:
             b.request.sampling_dirty = False
-        self.mid = self.followed = PendingMid([(b, None) for b in branches], {b.seq_id for b in branches})
+        self.mid = self.followed = PendingMid([(b, None) for b, _ in branches], {b.seq_id for b, _ in branches})
         self.followed_steps += 1
         return plan
 
@@ -382,8 +387,8 @@ class ControlledSteps:
 
     def _going_ahead(self, assign: list[Branch], may_go_ahead: bool) -> list[Branch]:
         """The branches of a step that may go out before its post_pre_process: all the live ones, when each
-        just sampled a token that is all it needs fed and flags its pre_process as the default; [] when any
-        needs more (a binding, a fork, ff_tokens, a backtrack, a suspension)."""
+        just sampled a token (or spliced tokens) that is all it needs fed and flags its pre_process as the
+        default; [] when any needs more (a binding, a fork, ff_tokens, a backtrack, a suspension)."""
         if assign or not may_go_ahead or not self.settings.step_ahead:
             return []
         ahead = []
@@ -391,7 +396,7 @@ class ControlledSteps:
             for b in controlled.live():
                 if not b.assigned:
                     continue  # a prompt chunk, fed without its controller
-                if not (b.pre_default and len(b.report_tokens) == 1 and not b.report_backtrack
+                if not (b.pre_default and b.report_tokens and not b.report_backtrack
                         and b.unfed == b.report_tokens and not b.kv_backtrack and b.fork_of is None
                         and not b.suspended and not b.request.paused):
                     return []

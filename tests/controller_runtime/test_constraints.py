@@ -153,6 +153,23 @@ def test_native_controller_prefix_then_regex(runtime, tokenizer):
     assert runtime.seqs[1].host.get_var("out") == json.dumps(yes).encode()
 
 
+def test_native_controller_fast_forward_splices_forced_tokens_up_to_max_tokens(runtime, tokenizer):
+    regex = "The quick brown fox jumps over[a-z]*"
+    forced = Constraint.create(tokenizer, 0, regex).ff_tokens()
+    assert len(forced) == 5
+    start(runtime, "native:constrained", 1, arg={"regex": regex, "fast_forward": True, "max_tokens": 3})
+    data, rows = mid(runtime, (1, None))
+    assert data["seqs"]["1"]["result"] == {"Splice": {"backtrack": 0, "ff_tokens": forced[:3]}}
+    assert not any(row(rows, 0, tokenizer))
+    out = runtime.post_pre_process(aici_wire.PostPreProcess(post_ops=[aici_wire.PostOp(id=1, tokens=forced[:3])]))
+    assert out["post_seqs"]["1"]["result"] == {"stop": True}  # max_tokens reached by the splice
+    start(runtime, "native:constrained", 2, arg={"regex": regex, "max_tokens": 3})  # without: sampled
+    data, rows = mid(runtime, (2, None))
+    assert data["seqs"]["2"]["result"] is None and allowed(row(rows, 0, tokenizer)) == {forced[0]}
+    ok, result = runtime.instantiate("bad", [1], "native:constrained", {"regex": "a", "fast_forward": "yes"})
+    assert not ok and "fast_forward must be true or false" in result["error"]
+
+
 def test_native_controllers_pre_process_is_skipped_while_it_would_be_the_default(runtime, tokenizer):
     start(runtime, "native:constrained", 1, arg={"regex": "a+"})
     calls = []

@@ -1,6 +1,6 @@
 """The optional I/O area (ABI.md "Fast path"): process args written into guest memory, results read from
 it, pre_process skipped when the guest flags it as the default, mid_process computed by the host when the guest
-declares it the mask of one of its constraints, post_process answered by the host when the guest declares it that
+declares it the mask of one of its constraints (or the Splice of its forced tokens), post_process answered by the host when the guest declares it that
 constraint's commit (the tokens handed over before the guest's next call), and every misuse a clean error."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from common import aici_wire
 from services.controller_runtime.constraints import FINISHED, Constraint, ConstraintKind
 from services.controller_runtime.registry import RegistryError
-from tests.controller_runtime.conftest import LIMITS, mid, row, start, wire_runtime
+from tests.controller_runtime.conftest import LIMITS, allowed, mid, row, start, wire_runtime
 from tests.controller_runtime.wat import POST_OK, controller, ret_const, str_data
 
 IO = 20000  # header: cap, flags, arg_len, result_len; data from IO + 16
@@ -145,6 +145,40 @@ def test_mid_process_is_called_when_the_declaration_does_not_hold(runtime, token
     start(runtime, declaring_guest(tokens, flags), 1)
     data, _ = mid(runtime, (1, None), *([(2, 1)] if case == "fork" else []))
     assert "aici_mid_process: trap: " in data["seqs"]["1"]["error"]
+    assert "unreachable" in data["seqs"]["1"]["error"]
+
+
+FORCED = "The quick brown fox jumps over[a-z]*"  # forces five tokens ("The" ... " jumps"; " over" may go on)
+
+
+def mid_ff_from_c(posts: int) -> str:
+    """Flags: mid_process is the mask of $c, or (bit 31) the splice of its forced tokens, at most ``posts`` + 1."""
+    return f"(i32.or (i32.const {0x80000002 | posts << 2}) (i32.shl (local.get $c) (i32.const 8)))"
+
+
+@pytest.mark.parametrize("posts, spliced", [(63, 5), (3, 4), (1, 2), (0, 0)])
+def test_mid_process_declared_to_fast_forward_splices_the_forced_tokens_without_a_call(runtime, tokenizer, posts,
+                                                                                        spliced):
+    """Where the constraint forces two tokens or more, the host answers a Splice of them (no more than the declared
+    post_process count + 1), else it computes the mask as declared; the guest's mid_process traps if called."""
+    start(runtime, declaring_guest([], mid_ff_from_c(posts), regex=FORCED), 1)
+    data, rows = mid(runtime, (1, None))
+    forced = Constraint.create(tokenizer, ConstraintKind.REGEX, FORCED).ff_tokens()
+    assert [tokenizer.token_bytes[t] for t in forced] == [b"The", b" quick", b" brown", b" fox", b" jumps"]
+    outcome = data["seqs"]["1"]
+    assert outcome["error"] == "" and outcome["logs"] == ""
+    if spliced:
+        assert outcome["result"] == {"Splice": {"backtrack": 0, "ff_tokens": forced[:spliced]}}
+        assert not any(row(rows, 0, tokenizer))  # a row that does not sample is left empty
+    else:  # one token at most: sampled under a mask that allows only it
+        assert outcome["result"] is None and allowed(row(rows, 0, tokenizer)) == {forced[0]}
+    assert constraint_of(runtime, 1).commit(forced) == 0  # the host committed nothing
+
+
+def test_the_fast_forward_bit_alone_declares_nothing(runtime):
+    start(runtime, declaring_guest([], "(i32.or (i32.const 0x80000000) (i32.shl (local.get $c) (i32.const 8)))",
+                                   regex=FORCED), 1)
+    data, _ = mid(runtime, (1, None))
     assert "unreachable" in data["seqs"]["1"]["error"]
 
 

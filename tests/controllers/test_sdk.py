@@ -178,10 +178,13 @@ def test_regex_recognizer_agrees_with_python_on_random_patterns(host, sdk_test_w
 
 def test_declarations_write_the_io_area_flags_as_the_abi_lays_them_out(host, sdk_test_wasm):
     """aici_declare_constraint(h, mid, n) and aici_mid_from_constraint(h) (ABI.md "Fast path"): bit 0 (this
-    module has no pre_process) kept, bit 1 the mid_process mask, bits 2-7 the post_process token count (at most
-    63), the handle from bit 8; each declaration replaces the last, and a handle out of range withdraws all."""
-    calls = [[5, 1, 10], [5, 0, 100], [7], [3, 1, 0], [0, 1, 9], [1 << 24, 1, 1], [-2, 1, 1], [9, 1, 63]]
+    module has no pre_process) kept, bit 1 the mid_process mask, bit 31 with it the splice of forced tokens (mid
+    AICI_DECLARE_MASK_FF), bits 2-7 the post_process token count (at most 63), the handle in bits 8-30; each
+    declaration replaces the last, and a handle out of range withdraws all."""
+    calls = [[5, 1, 10], [5, 0, 100], [7], [3, 1, 0], [0, 1, 9], [1 << 23, 1, 1], [-2, 1, 1], [9, 1, 63],
+             [(1 << 23) - 1, 2, 4]]
     _, res = run_op(host, sdk_test_wasm, {"op": "declare", "calls": calls})
-    pre, mid = 1, 2
+    pre, mid, ff = 1, 2, 1 << 31
     assert res["flags"] == [pre | mid | 10 << 2 | 5 << 8, pre | 63 << 2 | 5 << 8, pre | mid | 7 << 8,
-                            pre | mid | 3 << 8, pre, pre, pre, pre | mid | 63 << 2 | 9 << 8]
+                            pre | mid | 3 << 8, pre, pre, pre, pre | mid | 63 << 2 | 9 << 8,
+                            pre | mid | ff | 4 << 2 | ((1 << 23) - 1) << 8]

@@ -214,8 +214,67 @@ def test_constrain_lets_the_runtime_commit_its_tokens_and_max_tokens_still_holds
     assert invoked == [("aici_init_prompt", False)] + [("aici_post_process", True), ("aici_post_process", False)] * 2
 
 
+def counted(pick):
+    """``pick``, counting its calls (the steps that sampled) in ``.calls``."""
+    def counting(seq, allowed):
+        counting.calls += 1
+        return pick(seq, allowed)
+    counting.calls = 0
+    return counting
+
+
+def splices(run) -> list[int]:
+    """The token counts of the Splices the controller answered in mid_process (all with backtrack 0)."""
+    events = [e.split(":") for e in run.seqs[0].events if e.startswith("splice:")]
+    assert all(bt == "0" for _, bt, _ in events)
+    return [int(n) for _, _, n in events]
+
+
+def test_constrain_fast_forward_splices_what_the_grammar_forces_in_the_host_and_in_the_guest_alike(host, monkeypatch):
+    """With fast_forward, the tokens the JSON schema forces (two or more) come as one Splice instead of one sampled
+    step each; the host answers the declared mid_process itself, and the guest, when it is called, answers the
+    same; the text is the one the model wanted either way."""
+    want = '{"name":"Ann","age":42,"pet":"dog"}'
+    runs = {}
+    for label, arg in (("sampled", {"json_schema": SCHEMA}), ("host", {"json_schema": SCHEMA, "fast_forward": True})):
+        pick = counted(pick_text(host, want))
+        runs[label] = (Run(host, module("constrain"), arg, "JSON:", pick).run(), pick.calls)
+    monkeypatch.setattr(WasmController, "mid_constraint", property(lambda self: (0, 0)))  # no declared mid_process
+    pick = counted(pick_text(host, want))
+    runs["guest"] = (Run(host, module("constrain"), {"json_schema": SCHEMA, "fast_forward": True}, "JSON:",
+                         pick).run(), pick.calls)
+    (sampled, n_sampled), (fast, n_fast), (guest, n_guest) = runs["sampled"], runs["host"], runs["guest"]
+    assert sampled.text() == fast.text() == guest.text() == want
+    assert splices(sampled) == [] and len(generated_tokens(sampled)) == n_sampled
+    assert splices(fast) and min(splices(fast)) >= 2 and n_fast + sum(splices(fast)) == len(generated_tokens(fast))
+    assert n_fast < n_sampled and (guest.seqs[0].tokens, n_guest) == (fast.seqs[0].tokens, n_fast)
+    assert splices(guest) == splices(fast) and fast.seqs[0].events[-1] in ("post:stop", "mid:stop")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_constrain_fast_forward_with_a_random_model_validates_and_keeps_to_max_tokens(host, seed):
+    run = Run(host, module("constrain"), {"json_schema": SCHEMA, "fast_forward": True}, "JSON:",
+              random_picker(host, seed, True), max_steps=120).run()
+    jsonschema.validate(json.loads(run.text()), SCHEMA)
+    assert splices(run) and not run.seqs[0].error
+    cut = Run(host, module("constrain"), {"json_schema": SCHEMA, "fast_forward": True, "max_tokens": 2}, "JSON:",
+              random_picker(host, seed, True)).run()
+    assert len(generated_tokens(cut)) == 2 and splices(cut) == [2]  # '{"' 'name' forced, no further
+    stops = Run(host, module("constrain"), {"json_schema": SCHEMA, "fast_forward": True, "stop": "zz"}, "JSON:",
+                random_picker(host, seed, True), max_steps=120).run()
+    assert splices(stops) == []  # stop strings need each token's text: nothing spliced past them
+
+
+def test_declctrl_gen_fast_forward_splices_forced_tokens(host):
+    want = '{"name":"Bo","age":7,"pet":"cat"}'
+    prog = {"steps": [{"Gen": {"json_schema": SCHEMA, "fast_forward": True, "set_var": "j"}}]}
+    run = Run(host, module("declctrl"), prog, "JSON:", pick_text(host, want)).run()
+    assert run.text() == want and run.var("j") == want and splices(run) and min(splices(run)) >= 2
+
+
 @pytest.mark.parametrize("arg,reason", [
     ({"regex": "(("}, "host rejected the constraint"),
+    ({"regex": "a+", "fast_forward": 1}, "fast_forward must be true or false"),
     ({"grammar": "start: ", "syntax": "cobol"}, "syntax must be"),
     ({"json_schema": 12}, "json_schema must be"),
     ({"max_tokens": -1}, "max_tokens must be"),

@@ -286,6 +286,59 @@ async def test_json_schema_constraint(stack, modules):
     jsonschema.validate(json.loads(out.forks[0].text), schema)
 
 
+def greedy_fast_forward(hf_model, stack, prompt_ids: list[int], schema: dict, n: int) -> tuple[list[int], list[int]]:
+    """transformers' greedy choices under the JSON schema's masks (llguidance over the runtime's own tokenizer
+    info, compact JSON as the runtime compiles schemas), except that where the grammar forces two tokens or more
+    they are appended as they are instead of sampled; up to ``n`` tokens. Returns (the tokens, each splice's
+    length)."""
+    import llguidance
+    import llguidance.torch
+
+    from common.model_source import resolve_model
+    from services.controller_runtime.tokenizer import TokenizerInfo
+
+    ll = TokenizerInfo.from_directory(resolve_model(stack.settings).directory).ll
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    matcher = llguidance.LLMatcher(ll, grammar)
+    bitmask = llguidance.torch.allocate_token_bitmask(1, ll.vocab_size)
+    out: list[int] = []
+    splices: list[int] = []
+    while len(out) < n and not matcher.is_stopped():
+        forced = matcher.compute_ff_tokens()[: n - len(out)]
+        if len(forced) >= 2:
+            assert matcher.consume_tokens(forced)
+            out += forced
+            splices.append(len(forced))
+            continue
+        llguidance.torch.fill_next_token_bitmask(matcher, bitmask)
+        logits = hf_next(hf_model, prompt_ids + out)[None].clone()
+        llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
+        token = int(logits[0].argmax())
+        assert matcher.consume_token(token)
+        out.append(token)
+    return out, splices
+
+
+async def test_json_schema_fast_forward_is_greedy_with_the_forced_tokens_spliced(stack, modules, hf_model):
+    """constrain's fast_forward through the whole stack: the grammar's forced tokens come as splices (counted as
+    ff_tokens) and the tokens sampled between them are transformers' greedy choices under the schema's masks on
+    exactly that text, so the worker fed each splice where it belongs; the JSON validates."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    prompt = "A person as JSON:"
+    expected, splices = greedy_fast_forward(hf_model, stack, stack.tokenizer(prompt).input_ids, schema, 60)
+    assert splices, "the schema forces tokens"
+    out = await run(stack, modules["constrain"], {"json_schema": schema, "fast_forward": True}, prompt=prompt,
+                    max_tokens=60)
+    fork = out.forks[0]
+    assert fork.error == "" and fork.finish_reason == "aici-stop", fork
+    assert fork.text == stack.tokenizer.decode(expected, skip_special_tokens=True), fork.text
+    jsonschema.validate(json.loads(fork.text), schema)
+    sampled = len(expected) - sum(splices)
+    assert out.usage == {"sampled_tokens": sampled, "ff_tokens": sum(splices), "cost": 2 * sampled + sum(splices)}
+
+
 def greedy_under_regex(hf_model, tokenizer, prompt_ids: list[int], pattern: str, n: int) -> list[int]:
     """transformers' greedy choices with every token outside the regex's allowed set masked out (llguidance's
     own matcher and bitmask over the logits), ``n`` tokens."""

@@ -407,6 +407,19 @@ def test_a_step_goes_ahead_when_every_controller_flags_its_pre_process_as_the_de
     assert h.text("c") == " hello" and h.text("d") == " world"
 
 
+def test_a_step_goes_ahead_after_a_splice_of_forced_tokens_feeding_them():
+    h, rt = one_default(Controllers(pipeline=False))
+    c = h.core.requests["c"].seq_id
+    rt.mid[c] = {"Splice": {"backtrack": 0, "ff_tokens": [LLO, WOR]}}
+    step(h, rt, {"c": BANG})  # went ahead feeding HE; spliced instead of sampling
+    ahead_steps, _ = step(h, rt, {"c": LD})
+    post_pre = rt.requests[-2]
+    assert ahead_steps[0].step.masks_follow and [(s.seq_id, s.tokens) for s in ahead_steps[0].step.seqs] == [
+        (c, [LLO, WOR])]
+    assert post_pre.ahead == [c] and post_pre.post_ops == [aici_wire.PostOp(id=c, tokens=[LLO, WOR])]
+    assert h.text("c") == " hello world"
+
+
 def test_no_step_goes_ahead_beside_plain_sequences_or_without_the_flag():
     h, rt = ahead_pair()
     h.submit("p", prompt(2), 8)
@@ -621,24 +634,62 @@ def test_a_pre_process_that_must_run_first_holds_the_sequence_and_its_usual_step
     assert texts == {0: " hello wor", 1: "ld"} and h.text("d") == " world! he"
 
 
-@pytest.mark.parametrize("backtrack", [1, 0])
-def test_a_splice_in_a_following_step_takes_the_fed_token_out_of_the_kv_when_it_backtracks(backtrack):
+def test_a_splice_that_backtracks_in_a_following_step_takes_the_fed_token_out_of_the_kv():
     h, rt = ahead_pair()
     c = h.core.requests["c"].seq_id
     first, _ = send(h, rt)
     nxt = follow(h)
-    rt.mid[c] = {"Splice": {"backtrack": backtrack, "ff_tokens": [WOR]}}
+    rt.mid[c] = {"Splice": {"backtrack": 1, "ff_tokens": [WOR]}}
     masks = arrive(h, rt, first, nxt, {"c": LLO, "d": LD})
     assert failed_seqs(masks) == [c]
-    assert h.core.follow_controlled() is None  # c spliced: its next step is planned the usual way
+    assert h.core.follow_controlled() is None  # c spliced back: its next step is planned the usual way
     h.apply(nxt, {"c": BANG, "d": BANG})
     usual, _ = step(h, rt, {"c": LD, "d": HE})
     (seq,) = [s for s in usual[0].step.seqs if s.seq_id == c]
-    assert (seq.backtrack, seq.tokens, seq.follow) == (backtrack, [WOR], False)  # the follower fed LLO
+    assert (seq.backtrack, seq.tokens, seq.follow) == (1, [WOR], False)  # the follower fed LLO
     post_pre = [r for r in rt.requests if isinstance(r, aici_wire.PostPreProcess)][-1]
-    assert aici_wire.PostOp(id=c, tokens=[WOR], backtrack=backtrack) in post_pre.post_ops
-    assert h.text("c") == (" hello" + BACKTRACK_MARK + " world" if backtrack else " hello world")
+    assert aici_wire.PostOp(id=c, tokens=[WOR], backtrack=1) in post_pre.post_ops
+    assert h.text("c") == " hello" + BACKTRACK_MARK + " world"
     assert BANG not in h.generated("c")
+
+
+def test_a_splice_of_forced_tokens_in_a_following_step_is_fed_by_the_step_after_it_which_follows_too():
+    """A grammar's forced tokens (a Splice, backtrack 0) keep the steps pipelined: the next step goes out before
+    the result of the one in flight, feeding the splice and sampling after it, and its calls hear of the splice."""
+    h, rt = ahead_pair()
+    c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
+    first, _ = send(h, rt)
+    nxt = follow(h)
+    rt.mid[c] = {"Splice": {"backtrack": 0, "ff_tokens": [WOR, LD]}}
+    masks = arrive(h, rt, first, nxt, {"c": LLO, "d": LD})
+    assert failed_seqs(masks) == [c]  # fed LLO, not sampled
+    third = follow(h)
+    assert [(s.seq_id, s.tokens, s.follow, s.sample, s.mask_row) for s in third[0].step.seqs] == [
+        (c, [WOR, LD], False, True, 0), (d, [], True, True, 1)]
+    masks = arrive(h, rt, nxt, third, {"c": BANG, "d": BANG})  # c's BANG was not sampled: it is dropped
+    post_pre, mid = rt.requests[-2:]
+    assert post_pre.ahead == [c, d] and post_pre.post_ops == [aici_wire.PostOp(id=c, tokens=[WOR, LD]),
+                                                              aici_wire.PostOp(id=d, tokens=[BANG])]
+    assert [op.id for op in mid.ops] == [c, d] and failed_seqs(masks) == []
+    h.apply(third, {"c": BANG, "d": HE})
+    h.core.emit_deferred()
+    assert h.text("c") == " hello world!" and h.text("d") == " world! he"
+    branch = h.core.controlled.by_seq[c]
+    assert branch.tokens[-5:] == [HE, LLO, WOR, LD, BANG] and branch.kv_len == len(branch.tokens) - 1
+
+
+def test_a_splice_that_reaches_max_tokens_needs_no_following_step():
+    h, rt = ahead_pair()
+    c, d = h.core.requests["c"].seq_id, h.core.requests["d"].seq_id
+    first, _ = send(h, rt)
+    nxt = follow(h)
+    rt.mid[c] = {"Splice": {"backtrack": 0, "ff_tokens": [WOR] * 6}}  # 2 generated + 6 = max_tokens 8
+    arrive(h, rt, first, nxt, {"c": LLO, "d": LD})
+    third = follow(h)
+    assert [s.seq_id for s in third[0].step.seqs] == [d]
+    h.apply(nxt, {"c": BANG, "d": BANG})
+    assert h.final("c").finish_reason == "length" and h.text("c") == " hello" + " wor" * 6
+    assert sum(e.ff_tokens for e in h.events("c")) == 6
 
 
 def test_a_controller_error_in_a_following_steps_calls_fails_only_its_sequence():
