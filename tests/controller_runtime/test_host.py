@@ -11,6 +11,7 @@ import llguidance
 import pytest
 
 from common import aici_wire
+from services.controller_runtime.constraints import Constraint
 from services.controller_runtime.host import HostError, RequestState, SeqHost, VariableStore
 from services.controller_runtime.wasm import ControllerError, Ticker, WasmController
 from tests.controller_runtime.conftest import LIMITS, allowed, mid, row, start
@@ -41,6 +42,7 @@ def test_callbacks_and_all_ones_mask(runtime, tokenizer):
     ("(drop (call $read_blob (i32.const 77) (i32.const 0) (i32.const 0)))", "unknown blob id 77"),
     ("(call $stop)", "aici_host_stop"),
     ("(drop (call $c_bias (i32.const 99)))", "unknown constraint handle 99"),
+    ("(drop (call $c_ff (i32.const 98) (i32.const 0) (i32.const 4)))", "unknown constraint handle 98"),
     ("(call $ret (i32.const 1100) (i32.const 10))", "invalid result"),
     (ret_const(1300, MID_SAMPLE), "without returning a logit bias"),
     ("", "aici_host_return_process_result not called"),
@@ -241,6 +243,29 @@ def test_constraint_mask_matches_llguidance(runtime, tokenizer):
     expected = allowed(reference.compute_bitmask())
     got = allowed(row(rows, 0, tokenizer))
     assert got == expected and tokenizer.tokenize(b"yes")[0] in got and tokenizer.tokenize(b"hello")[0] not in got
+
+
+FORCED = "The quick brown fox jumps over[a-z]*"
+
+
+@pytest.mark.parametrize("cap, dst", [(8, 16384), (3, 16384), (0, 16384), (8, 131070)])
+def test_constraint_ff_tokens_writes_the_forced_tokens_up_to_cap(runtime, tokenizer, cap, dst):
+    """tiller_constraint_ff_tokens(h, dst, cap): the tokens the grammar forces next, at most cap, at dst (their count
+    returned, stored here at 16380); a dst outside the guest's memory fails only that sequence."""
+    body = (f"(i32.store (i32.const 16380) (call $c_ff (call $c_new (i32.const 0) (i32.const 2048) "
+            f"(i32.const {len(FORCED)})) (i32.const {dst}) (i32.const {cap})))" + OK_MID)
+    start(runtime, controller(mid=body, data=str_data(2048, FORCED)), 1)
+    start(runtime, controller(), 2)
+    data, _ = mid(runtime, (1, None), (2, None))
+    assert data["seqs"]["2"]["error"] == ""
+    if dst + 4 * cap > 131072:
+        assert "outside its memory" in data["seqs"]["1"]["error"]
+        return
+    forced = Constraint.create(tokenizer, 0, FORCED).ff_tokens()
+    assert data["seqs"]["1"]["error"] == "" and len(forced) == 5
+    n = min(cap, 5)
+    written = runtime.seqs[1].ctrl.read(16380, 4 + 4 * n)
+    assert struct.unpack(f"<{1 + n}I", written) == (n, *forced[:n])
 
 
 def test_invalid_constraint_returns_negative_and_logs(runtime):

@@ -24,6 +24,7 @@ _IMPORTS = """
   (import "env" "tiller_constraint_commit" (func $c_commit (param i32 i32 i32) (result i32)))
   (import "env" "tiller_constraint_return_bias" (func $c_bias (param i32) (result i32)))
   (import "env" "tiller_constraint_mask" (func $c_mask (param i32 i32) (result i32)))
+  (import "env" "tiller_constraint_ff_tokens" (func $c_ff (param i32 i32 i32) (result i32)))
   (import "wasi_snapshot_preview1" "fd_write" (func $fd_write (param i32 i32 i32 i32) (result i32)))
 """
 
