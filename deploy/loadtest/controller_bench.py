@@ -5,8 +5,8 @@
    controller with one unconstrained ``Gen`` step (``/v1/run``), each sequence producing the same number of
    tokens; overhead = (wall time per step controlled - plain) / sequences. Also what the runtime itself
    reports spending (the ``micros`` of the run events) per sequence per step.
-2. JSON-schema-constrained generation (the shipped ``constrain`` controller; with ``--fast-forward`` it splices the
-   tokens the schema forces instead of sampling them) against unconstrained generation
+2. JSON-schema-constrained generation (the shipped ``constrain`` controller; with ``--fast-forward on`` it splices
+   the tokens the schema forces instead of sampling them, ``both`` runs an arm each way) against unconstrained generation
    of the same prompts and the same token counts, in ``--rounds`` alternated rounds (the order swapping each
    round): aggregate tokens/s and their ratio per round, and per arm the medians of time to first token, time
    per token after it, time from the last token to the end of the stream (a constrained request that the grammar
@@ -19,7 +19,8 @@
 Starts its own stack serving the default weights (the caller's TILLER_* settings win) unless ``--url`` names a running
 gateway (then without the CPU figures).
 
-    python deploy/loadtest/controller_bench.py [--tokens 32] [--levels 1,16,64] [--json 16 --rounds 3] [--fast-forward]
+    python deploy/loadtest/controller_bench.py [--tokens 32] [--levels 1,16,64] [--json 16 --rounds 3]
+                                               [--fast-forward off|on|both]
                                                [--url http://127.0.0.1:8080 --scheduler ipc://run/scheduler.sock]
 """
 
@@ -245,7 +246,7 @@ def describe_arm(label: str, arms: list[Arm]) -> str:
     ttft = med(med(o.ttft_s for o in a.outcomes) for a in arms)
     per_token = med(med(o.decode_s / o.decode_steps for o in a.outcomes) for a in arms)
     end = med(med(o.end_s for o in a.outcomes) for a in arms)
-    line = (f"  {label:13s} median of rounds: {med(a.tok_s for a in arms):7.1f} tok/s, wall {med(a.wall_s for a in arms):5.2f} s, "
+    line = (f"  {label:14s} median of rounds: {med(a.tok_s for a in arms):7.1f} tok/s, wall {med(a.wall_s for a in arms):5.2f} s, "
             f"TTFT p50 {ttft * 1e3:6.1f} ms, {per_token * 1e3:6.1f} ms per token after the first, "
             f"last token to end p50 {end * 1e3:5.1f} ms")
     line += f", machine busy {med(a.busy_cores for a in arms):4.2f} of {len(CORES)} cores"
@@ -256,40 +257,49 @@ def describe_arm(label: str, arms: list[Arm]) -> str:
 
 
 async def constrained_ratio(setup: Setup, constrain: str, n: int, tokens: int, rounds: int,
-                            fast_forward: bool = False) -> list[str]:
-    """Constrained and unconstrained batches of the same prompts, alternated (the order swapping every round);
-    the plain requests generate exactly the token counts the constrained ones did (ignore_eos). With
-    ``fast_forward`` the grammar's forced tokens are spliced in rather than sampled (constrain's option)."""
+                            fast_forward: list[bool]) -> list[str]:
+    """Constrained and unconstrained batches of the same prompts, alternated (the order turning every round);
+    the plain requests generate exactly the token counts the first constrained arm did (ignore_eos). One
+    constrained arm per ``fast_forward`` value: with it the grammar's forced tokens are spliced in rather than
+    sampled (constrain's option)."""
     http = setup.http
     texts = [p + " Answer as JSON." for p in prompts(n)]
-    arg = {"json_schema": SCHEMA, "fast_forward": fast_forward}
-    ctrl_calls = lambda: [controlled(http, constrain, arg, p, tokens) for p in texts]  # noqa: E731
+
+    def ctrl_calls(ff: bool) -> list:
+        return [controlled(http, constrain, {"json_schema": SCHEMA, "fast_forward": ff}, p, tokens) for p in texts]
+
     # greedy, so each round's counts are these (batched near-ties aside: the rounds print their totals)
-    first = (await arm(ctrl_calls(), CpuPerToken({}))).outcomes
-    counts = [o.tokens for o in first]
-    plain_calls = lambda: [plain(http, p, c) for p, c in zip(texts, counts)]  # noqa: E731
-    lines, ctrl_arms, plain_arms = [], [], []
+    spliced = {ff: (await arm(ctrl_calls(ff), CpuPerToken({}))).outcomes for ff in fast_forward}
+    counts = [o.tokens for o in spliced[fast_forward[0]]]
+    labels = {None: "unconstrained", False: "constrained", True: "constrained+ff"}
+    calls = {None: lambda: [plain(http, p, c) for p, c in zip(texts, counts)], **{
+        ff: (lambda ff=ff: ctrl_calls(ff)) for ff in fast_forward}}
+    order = [*fast_forward, None]
+    arms: dict[bool | None, list[Arm]] = {key: [] for key in order}
+    lines = []
     for r in range(rounds):
         before = await setup.sched.read()
-        if r % 2 == 0:
-            ctrl_arms.append(await arm(ctrl_calls(), setup.cpu))
-            plain_arms.append(await arm(plain_calls(), setup.cpu))
-        else:
-            plain_arms.append(await arm(plain_calls(), setup.cpu))
-            ctrl_arms.append(await arm(ctrl_calls(), setup.cpu))
-        c, p = ctrl_arms[-1], plain_arms[-1]
-        lines.append(f"  round {r + 1}: constrained {c.tok_s:7.1f} tok/s ({c.tokens} tokens), unconstrained "
-                     f"{p.tok_s:7.1f} tok/s ({p.tokens}) -> {c.tok_s / p.tok_s:5.2f}x"
-                     f"{SchedulerStats.describe(before, await setup.sched.read())}")
-    ratio = statistics.median(c.tok_s / p.tok_s for c, p in zip(ctrl_arms, plain_arms))
-    spliced = f"{sum(o.ff for o in first)} spliced as forced tokens" if fast_forward else "fast_forward off"
-    head = (f"JSON schema, {n} concurrent, {sum(counts)} tokens ({min(counts)}-{max(counts)} a request; {spliced}), "
-            f"{rounds} alternated rounds: constrained / unconstrained tokens/s, median ratio {ratio:5.2f}x")
-    return [head, *lines, describe_arm("constrained", ctrl_arms), describe_arm("unconstrained", plain_arms)]
+        for key in order[r % len(order):] + order[: r % len(order)]:
+            arms[key].append(await arm(calls[key](), setup.cpu))
+        p = arms[None][-1]
+        lines.append(f"  round {r + 1}: " + ", ".join(
+            f"{labels[ff]} {arms[ff][-1].tok_s:6.1f} tok/s ({arms[ff][-1].tokens} tokens)" for ff in fast_forward)
+            + f", unconstrained {p.tok_s:6.1f} tok/s ({p.tokens})"
+            + "".join(f" -> {arms[ff][-1].tok_s / p.tok_s:5.2f}x" for ff in fast_forward)
+            + SchedulerStats.describe(before, await setup.sched.read()))
+    ratios = ", ".join(f"{labels[ff]} {statistics.median(c.tok_s / p.tok_s for c, p in zip(arms[ff], arms[None])):5.2f}x"
+                       for ff in fast_forward)
+    forced = ""
+    if True in spliced:
+        ff_arm = spliced[True]
+        forced = f", {sum(o.ff for o in ff_arm)} of {sum(o.tokens for o in ff_arm)} with fast_forward spliced in"
+    head = (f"JSON schema, {n} concurrent, {sum(counts)} tokens ({min(counts)}-{max(counts)} a request{forced}), "
+            f"{rounds} rounds, the arms' order turning: tokens/s against unconstrained, median ratio {ratios}")
+    return [head, *lines, *(describe_arm(labels[key], arms[key]) for key in order)]
 
 
 async def bench(url: str, setup_args: tuple[SchedulerStats, CpuPerToken], levels: list[int], json_n: int,
-                tokens: int, repeat: int, rounds: int, fast_forward: bool) -> None:
+                tokens: int, repeat: int, rounds: int, fast_forward: list[bool]) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as http:
         declctrl, constrain = await upload(http, "declctrl"), await upload(http, "constrain")
         setup = Setup(http, *setup_args, repeat=1)
@@ -310,8 +320,9 @@ def main() -> None:
     parser.add_argument("--levels", default="1,16,64", help="concurrent controlled sequences ('': none)")
     parser.add_argument("--json", type=int, default=16, help="concurrent JSON-schema requests (0: none)")
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds of the JSON comparison")
-    parser.add_argument("--fast-forward", action="store_true",
-                        help="constrain splices the tokens the schema forces instead of sampling them")
+    parser.add_argument("--fast-forward", choices=["off", "on", "both"], default="off",
+                        help="constrain splices the tokens the schema forces instead of sampling them (both: one "
+                             "constrained arm each way)")
     parser.add_argument("--url", help="a running gateway's HTTP URL; default: start a stack")
     parser.add_argument("--scheduler", help="with --url: the scheduler's endpoint, for its own figures")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each overhead batch; the fastest counts")
@@ -332,7 +343,7 @@ def main() -> None:
         print(f"model {settings.model} ({settings.weights} weights) on {settings.device}, {args.tokens} tokens per "
               f"sequence, greedy; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
         asyncio.run(bench(url, (SchedulerStats(scheduler), cpu), levels, args.json, args.tokens, args.repeat,
-                          args.rounds, args.fast_forward))
+                          args.rounds, {"off": [False], "on": [True], "both": [False, True]}[args.fast_forward]))
         print(f"load average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     finally:
         if stack is not None:
