@@ -46,6 +46,12 @@ def _cpu_flags() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+def cpu_supported() -> bool:
+    """Whether this CPU has AVX-512 (AVX-512F), the instructions the kernel is written in."""
+    flags = _cpu_flags()
+    return "avx512f" in flags.split() or flags == "AVX512"
+
+
 def library_path(cache_dir: Path, compiler: str) -> Path:
     """Where the library for this source, torch, compiler and CPU lives."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -86,6 +92,8 @@ def load(cache_dir: Path) -> bool:
         compiler = _compiler()
         if compiler is None:
             raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH")
+        if not cpu_supported():
+            raise RuntimeError("this CPU has no AVX-512, the instructions the kernel is written in")
         path = library_path(cache_dir, compiler)
         if not path.is_file():
             started = time.monotonic()

@@ -100,13 +100,19 @@ def test_a_packed_layer_round_trips_through_its_tensors(gguf_kernel) -> None:
     assert again.kind == "Q8_0" and again.out_features == 20 and torch.equal(again(x), layer(x))
 
 
-def test_no_compiler_means_no_kernel_and_a_logged_reason(tmp_path) -> None:
-    """In a fresh process with no compiler to be found: load() says False and logs why."""
-    code = ("import pathlib, sys; from services.worker import kernel_build; "
+@pytest.mark.parametrize("cxx, cpu_flags, reason", [
+    ("no-such-compiler-here", None, "no-such-compiler-here"),
+    (None, "flags : fpu sse4_2 avx avx2 fma f16c", "no AVX-512"),
+])
+def test_no_compiler_or_no_avx512_means_no_kernel_and_a_logged_reason(tmp_path, cxx, cpu_flags, reason) -> None:
+    """In a fresh process with no compiler to be found, or on a CPU without AVX-512: load() says False and logs
+    why, and builds nothing."""
+    fake = f"kernel_build._cpu_flags = lambda: {cpu_flags!r}; " if cpu_flags else ""
+    code = ("import pathlib, sys; from services.worker import kernel_build; " + fake +
             f"sys.exit(0 if kernel_build.load(pathlib.Path({str(tmp_path)!r})) else 3)")
-    env = {**os.environ, "CXX": "no-such-compiler-here", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"CXX": cxx} if cxx else {})}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 3, done.stderr
     logged = [json.loads(line) if line.startswith("{") else line for line in (done.stdout + done.stderr).splitlines()]
-    assert any("worker.kernel_unavailable" in str(e) and "no-such-compiler-here" in str(e) for e in logged), logged
+    assert any("worker.kernel_unavailable" in str(e) and reason in str(e) for e in logged), logged
     assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").glob("*.so"))
