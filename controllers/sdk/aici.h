@@ -265,6 +265,7 @@ void aici_mid_from_constraint(int32_t h);
  * post_process call with aici_post_committed set: they are already committed to h (do not commit them again).
  * ABI.md "Fast path", flags bits 2-7. */
 enum { AICI_DECLARE_NONE = 0, AICI_DECLARE_MASK = 1, AICI_DECLARE_MASK_FF = 2 };
+#define AICI_DECLARE_POST_MAX 63u   /* post_tokens beyond this are declared as this many (flags bits 2-7) */
 void aici_declare_constraint(int32_t h, int mid, uint32_t post_tokens);
 /* During post_process: 1 when its tokens were already committed to the declared constraint by the host. */
 extern int aici_post_committed;

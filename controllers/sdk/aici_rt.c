@@ -286,7 +286,6 @@ static void tokens_push(const uint32_t *t, uint32_t n) {
 #define TILLER_IO_PRE_DEFAULT 1u   /* flags: pre_process always continues, with no effects: the host may skip it */
 #define TILLER_IO_MID_CONSTRAINT 2u /* flags: mid_process alone is the mask of constraint flags >> 8 (see below) */
 #define TILLER_IO_POST_SHIFT 2      /* flags bits 2-7: tokens whose post_process the host may answer (see below) */
-#define TILLER_IO_POST_MAX 63u
 #define TILLER_IO_MID_FF 0x80000000u /* flags: with MID_CONSTRAINT, mid_process splices the forced tokens (see below) */
 #define TILLER_IO_HANDLE_LIMIT (1 << 23) /* flags bits 8-30: the handle */
 static struct {
@@ -299,7 +298,7 @@ EXPORT(tiller_io) uint32_t tiller_io(void) { return (uint32_t)&io; }
 void aici_declare_constraint(int32_t h, int mid, uint32_t post_tokens) {
     io.flags &= TILLER_IO_PRE_DEFAULT;
     if (h <= 0 || h >= TILLER_IO_HANDLE_LIMIT) return;
-    if (post_tokens > TILLER_IO_POST_MAX) post_tokens = TILLER_IO_POST_MAX;
+    if (post_tokens > AICI_DECLARE_POST_MAX) post_tokens = AICI_DECLARE_POST_MAX;
     io.flags |= (mid ? TILLER_IO_MID_CONSTRAINT : 0) | (mid == AICI_DECLARE_MASK_FF ? TILLER_IO_MID_FF : 0) |
                 post_tokens << TILLER_IO_POST_SHIFT | (uint32_t)h << 8;
 }

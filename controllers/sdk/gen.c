@@ -133,14 +133,12 @@ static uint32_t room(const aici_gen *g) {
     return g->n_stops ? 0 : g->max_tokens ? g->max_tokens - g->n_gen - 1 : UINT32_MAX;
 }
 
-#define POST_DECLARED_MAX 63   /* ABI.md "Fast path": flags bits 2-7 */
-
 aici_mid_result aici_gen_mid(aici_gen *g) {
     if (g->done) return aici_mid_stop();
     if (!g->constraint) return aici_mid_sample();   /* the SDK sends an all-allowed mask */
     if (g->fast_forward) {
         /* as many as the host's fast path splices: the declared post_process tokens + 1 */
-        uint32_t r = room(g), cap = (r < POST_DECLARED_MAX ? r : POST_DECLARED_MAX) + 1;
+        uint32_t r = room(g), cap = (r < AICI_DECLARE_POST_MAX ? r : AICI_DECLARE_POST_MAX) + 1;
         uint32_t n = aici_constraint_ff_tokens(g->constraint, g->ff, cap);
         if (n >= AICI_FF_MIN) return aici_mid_splice(0, g->ff, n);
     }

@@ -7,9 +7,9 @@
    reports spending (the ``micros`` of the run events) per sequence per step.
 2. JSON-schema-constrained generation (the shipped ``constrain`` controller; with ``--fast-forward on`` it splices
    the tokens the schema forces instead of sampling them, ``both`` runs an arm each way) against unconstrained generation
-   of the same prompts and the same token counts, in ``--rounds`` alternated rounds (the order swapping each
+   of the same prompts and the same token counts, in ``--rounds`` rounds (the arms' order turning each
    round): aggregate tokens/s and their ratio per round, and per arm the medians of time to first token, time
-   per token after it, time from the last token to the end of the stream (a constrained request that the grammar
+   per streamed step after it (a step's token, or a splice's), the streamed steps of a round, time from the last token to the end of the stream (a constrained request that the grammar
    ends gets its end after its last token), how many of the machine's cores were busy (on a saturated machine
    tokens/s follow the CPU time per token), and each service process's CPU time per token (the figure a shared
    machine spoils least).
@@ -97,10 +97,15 @@ class Outcome:
     tokens: int  # tokens the sequence generated (sampled + fast-forwarded)
     micros: int = 0  # time its controller reported
     decode_s: float = 0.0  # from its first streamed token to its last event: steady decoding, no admission/prefill
-    decode_steps: int = 0  # events in that span
+    streamed: int = 0  # events that brought tokens: a step's sampled token, or a splice's (fast forward)
     ttft_s: float = 0.0  # from sending the request to its first streamed token: admission, start, prefill
     end_s: float = 0.0  # from its last streamed token to the end of its stream (a controller's stop comes after it)
     ff: int = 0  # of its tokens, those its controller spliced in (a grammar's forced tokens) rather than sampled
+
+    @property
+    def decode_steps(self) -> int:
+        """The events in ``decode_s``."""
+        return max(self.streamed - 1, 1)
 
 
 async def plain(http: httpx.AsyncClient, prompt: str, tokens: int) -> Outcome:
@@ -119,8 +124,8 @@ async def plain(http: httpx.AsyncClient, prompt: str, tokens: int) -> Outcome:
                 first = first or last
                 steps += message["type"] == "token"
                 usage = message.get("usage", usage)
-    return Outcome(usage["completion_tokens"], decode_s=last - first, decode_steps=max(steps - 1, 1),
-                   ttft_s=first - sent, end_s=time.perf_counter() - last)
+    return Outcome(usage["completion_tokens"], decode_s=last - first, streamed=steps, ttft_s=first - sent,
+                   end_s=time.perf_counter() - last)
 
 
 async def controlled(http: httpx.AsyncClient, module: str, arg: object, prompt: str, tokens: int) -> Outcome:
@@ -135,9 +140,9 @@ async def controlled(http: httpx.AsyncClient, module: str, arg: object, prompt: 
             event = json.loads(line[len("data: "):])
             if event["object"] != "run":
                 continue
-            sampled = usage.get("sampled_tokens", 0)
+            had = usage.get("sampled_tokens", 0) + usage.get("ff_tokens", 0)
             usage = event["usage"]
-            if usage["sampled_tokens"] > sampled:  # a step's token (not an event with only a fork's end or logs)
+            if usage["sampled_tokens"] + usage["ff_tokens"] > had:  # tokens (not only a fork's end or logs)
                 last = time.perf_counter()
                 first = first or last
                 steps += 1
@@ -145,8 +150,8 @@ async def controlled(http: httpx.AsyncClient, module: str, arg: object, prompt: 
                 micros += fork["micros"]
                 if fork["error"]:
                     raise RuntimeError(f"controller failed: {fork['error']}")
-    return Outcome(usage["sampled_tokens"] + usage["ff_tokens"], micros, last - first, max(steps - 1, 1),
-                   first - sent, time.perf_counter() - last, usage["ff_tokens"])
+    return Outcome(usage["sampled_tokens"] + usage["ff_tokens"], micros, last - first, steps, first - sent,
+                   time.perf_counter() - last, usage["ff_tokens"])
 
 
 @dataclass
@@ -247,7 +252,8 @@ def describe_arm(label: str, arms: list[Arm]) -> str:
     per_token = med(med(o.decode_s / o.decode_steps for o in a.outcomes) for a in arms)
     end = med(med(o.end_s for o in a.outcomes) for a in arms)
     line = (f"  {label:14s} median of rounds: {med(a.tok_s for a in arms):7.1f} tok/s, wall {med(a.wall_s for a in arms):5.2f} s, "
-            f"TTFT p50 {ttft * 1e3:6.1f} ms, {per_token * 1e3:6.1f} ms per token after the first, "
+            f"TTFT p50 {ttft * 1e3:6.1f} ms, {per_token * 1e3:6.1f} ms per streamed step after the first, "
+            f"{med(sum(o.streamed for o in a.outcomes) for a in arms):.0f} streamed steps a round, "
             f"last token to end p50 {end * 1e3:5.1f} ms")
     line += f", machine busy {med(a.busy_cores for a in arms):4.2f} of {len(CORES)} cores"
     if arms[0].cpu:
