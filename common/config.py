@@ -234,6 +234,12 @@ class Settings(BaseSettings):
         "output row (CPU, any model); 'auto' picks 'gguf' on the CPU when the model ships as a GGUF and "
         "Tiller's kernel builds, 'gguf-bf16' when it does not, else 'fp32' (see README 'Quantized weights')",
     )
+    gpu_kernels: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="the ops around the native forward's matmuls on a GPU: 'triton' Tiller's Triton kernels "
+        "(norms, rotation with the KV write, paged attention read from the blocks in place, activation); 'torch' "
+        "torch's ops (attention over a gather of the blocks: the exact path, rounding as transformers does); 'auto' "
+        "Triton in 16-bit dtypes, torch in float32",
+    )
     worker_threads: int | None = Field(
         None, ge=1, description="CPU threads of the worker's matmuls (OpenMP); unset: the environment's "
         "OMP_NUM_THREADS if set, else the cores this process may use minus worker_reserved_cores (at least 1)",

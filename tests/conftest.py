@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Tiller's Triton kernels (services/worker/triton_ops.py) then run on CPU tensors in Triton's interpreter;
+    # it must be on before Triton is first imported (transformers' model modules import it)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from common.config import Settings
 from common.model_source import load_tokenizer, resolve_model

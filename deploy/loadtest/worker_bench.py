@@ -17,7 +17,8 @@ and steps are timed one by one (generate through a stopping criterion), so a bus
 the medians less than the totals. It also prints whether the engine's greedy tokens equal
 generate's for the first sequence of each batch. ``--weights`` runs the engine once per weights
 setting (see common/config.py), after the first on the same loaded model, and closes with each
-one's decode tokens/s against the first's.
+one's decode tokens/s against the first's; ``--gpu-kernels torch triton`` likewise runs it once per
+``gpu_kernels`` setting (torch's ops around the matmuls, or Tiller's Triton kernels).
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ def bench_model(spec: str, settings: Settings, batches: list[int], new_tokens: i
     batch_limit = max(batches)
     blocks_per_seq = -(-(len(prompt) + new_tokens + BLOCK_SIZE) // BLOCK_SIZE)
     graphs = batch_limit if settings.limits.cuda_graphs else 0
-    engine = Engine(loaded, num_blocks=batch_limit * blocks_per_seq + 1, cuda_graph_batch=graphs)
+    engine = Engine(loaded, num_blocks=batch_limit * blocks_per_seq + 1, cuda_graph_batch=graphs,
+                    gpu_kernels=settings.gpu_kernels)
     engine.capture_graphs()  # as the worker does at start-up
     n = new_tokens
     print(
@@ -247,20 +249,24 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--repeats", type=int, default=3, help="best of N runs")
     parser.add_argument("--weights", nargs="+", default=None, help="weights settings to run (default: TILLER_WEIGHTS)")
+    parser.add_argument("--gpu-kernels", nargs="+", default=None, choices=["auto", "triton", "torch"],
+                        help="gpu_kernels settings to run (default: TILLER_GPU_KERNELS)")
     args = parser.parse_args()
     settings = get_settings()
+    variants = [{"weights": weights, "gpu_kernels": kernels} for weights in args.weights or [settings.weights]
+                for kernels in args.gpu_kernels or [settings.gpu_kernels]]
     for spec in args.models or [settings.model]:
         engine_rows: dict[str, dict[int, Figures]] = {}
-        for weights in args.weights or [settings.weights]:
-            rows = bench_model(spec, settings.model_copy(update={"weights": weights}), args.batch, args.new_tokens,
-                               args.repeats)
-            engine_rows[weights] = {row.batch: row for row in rows if row.impl == "engine"}
+        for variant in variants:
+            rows = bench_model(spec, settings.model_copy(update=variant), args.batch, args.new_tokens, args.repeats)
+            label = " ".join(f"{key}={value}" for key, value in variant.items())
+            engine_rows[label] = {row.batch: row for row in rows if row.impl == "engine"}
         first, *others = engine_rows
-        for weights in others:
-            for batch, row in engine_rows[weights].items():
+        for label in others:
+            for batch, row in engine_rows[label].items():
                 ratio = row.decode_tok_s / engine_rows[first][batch].decode_tok_s
-                print(f"{spec} batch {batch}: engine decode with weights={weights} {row.decode_tok_s:.1f} tok/s, "
-                      f"{ratio:.2f}x weights={first}'s")
+                print(f"{spec} batch {batch}: engine decode with {label} {row.decode_tok_s:.1f} tok/s, "
+                      f"{ratio:.2f}x {first}'s")
 
 
 if __name__ == "__main__":

@@ -38,13 +38,18 @@ class DecodeGraphs:
     """Captures and replays decode steps of ``forward`` over ``cache`` for up to ``max_batch``
     sequences whose block tables hold up to ``max_blocks`` blocks."""
 
-    def __init__(self, forward: DecodeForward, cache: PagedKVCache, *, max_batch: int, max_blocks: int) -> None:
+    def __init__(
+        self, forward: DecodeForward, cache: PagedKVCache, *, max_batch: int, max_blocks: int, in_place: bool = False
+    ) -> None:
+        """``in_place``: the forward's attention reads the blocks in place (its decode plan is the
+        block tables and lengths, not a flat gather and a key mask)."""
         self.forward = forward
         self.cache = cache
         self.block_size = cache.tables.block_size
         self.max_batch = _bucket(max_batch)
         self.max_width = _bucket(max_blocks)
         self.device = device = cache.kv.device
+        self.in_place = in_place
         # sections of the staging buffers: ids | positions | slots | lengths | block tables (row-major)
         n = self.max_batch
         self._sections = (0, n, 2 * n, 3 * n, 4 * n)
@@ -118,11 +123,15 @@ class DecodeGraphs:
         ids_at, pos_at, slot_at, len_at, blocks_at = self._sections
         buf = self._device
         lengths = buf[len_at : len_at + batch]
-        keys = width * self.block_size
-        mask = (self._key_index[:keys] < lengths.unsqueeze(-1)).view(batch, 1, 1, keys)
+        blocks = buf[blocks_at : blocks_at + batch * width]
+        if self.in_place:
+            decode = (blocks.view(batch, width), lengths)
+        else:
+            keys = width * self.block_size
+            decode = (blocks, (self._key_index[:keys] < lengths.unsqueeze(-1)).view(batch, 1, 1, keys))
         step = StepPlan(
             slots=buf[slot_at : slot_at + batch],
-            decode=(buf[blocks_at : blocks_at + batch * width], mask),
+            decode=decode,
             num_decode=batch,
             prefills=[],
         )

@@ -47,7 +47,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import structlog
@@ -81,6 +81,18 @@ class _Seq:
     forks: int = 0  # forks made of this sequence so far (seeds each fork's generator apart)
     last_sample: int | None = None  # sampled and not fed yet: what a ``follow`` SeqStep feeds
     follow: SeqStep | None = None  # the follow SeqStep that stands for it in ``Step.follows`` (made once)
+
+
+def layer_kernels(loaded: LoadedModel, gpu_kernels: str) -> Literal["torch", "library", "triton"]:
+    """Whose ops run around the native forward's matmuls: the kernel library's with the GGUF
+    kernel's weights (they round as they ship anyway); on a GPU, Triton's unless the setting says
+    torch, or says auto in float32 (torch's ops are the exact path); else torch's."""
+    if loaded.weights == "gguf":
+        return "library"
+    if loaded.device.type == "cuda" and gpu_kernels != "torch":
+        if gpu_kernels == "triton" or loaded.dtype != torch.float32:
+            return "triton"
+    return "torch"
 
 
 def _kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -153,11 +165,13 @@ class Engine:
         cuda_graph_batch: int = 0,
         readouts: Readouts | None = None,
         ranks: Ranks | None = None,
+        gpu_kernels: str = "auto",
     ) -> None:
         """``num_blocks``: KV pool size including the reserved null block. ``native=False`` forces
         the transformers fallback even for a supported architecture. ``cuda_graph_batch`` > 0 on a
         GPU replays decode steps of up to that many sequences from CUDA graphs. ``ranks``: this
-        engine is one rank of a tensor-parallel worker (its shard planned), holding its KV heads."""
+        engine is one rank of a tensor-parallel worker (its shard planned), holding its KV heads.
+        ``gpu_kernels``: the ``gpu_kernels`` setting."""
         self.loaded = loaded
         self.device = loaded.device
         self.vocab_size = loaded.vocab_size
@@ -185,7 +199,7 @@ class Engine:
             if ranks is None:
                 # the GGUF kernel's weights round as they ship anyway: its library's fused ops go with them
                 runner = PagedLlama(loaded.model, cache, loaded.max_model_len, loaded.linears,
-                                    fused=loaded.weights == "gguf")
+                                    kernels=layer_kernels(loaded, gpu_kernels))
             else:
                 runner = ranks.runner(loaded.model, cache, loaded.max_model_len)
             if cuda_graph_batch > 0 and loaded.device.type == "cuda" and ranks is None:
@@ -194,6 +208,8 @@ class Engine:
                 runner.tap_layers = frozenset(readouts.layers)
             self.runner = runner
             self.backend = "paged+cuda_graphs" if runner.graphs is not None else "paged"
+            if getattr(runner, "ops", None) is not None and loaded.device.type == "cuda":
+                self.backend += "+triton"
         else:
             log.info("worker.fallback_forward", reason=reason)
             self.tables = BlockTables(num_blocks, prefix_caching=False)
@@ -232,7 +248,8 @@ class Engine:
             unembedding=loaded.model.get_output_embeddings().weight.detach(),
             tokenizer=loaded.tokenizer if loaded.tokenizer is not None else load_tokenizer(settings),
         )
-        return cls(loaded, num_blocks=num_blocks, cuda_graph_batch=graphs, readouts=readouts, ranks=ranks)
+        return cls(loaded, num_blocks=num_blocks, cuda_graph_batch=graphs, readouts=readouts, ranks=ranks,
+                   gpu_kernels=settings.gpu_kernels)
 
     def capture_graphs(self) -> int:
         """Capture the CUDA graphs of every decode bucket now (a no-op without them); returns

@@ -35,7 +35,7 @@ class FusedOps:
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     rope_store: Callable[..., None]
     decode_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-    decode_layer: Callable[..., torch.Tensor]
+    decode_layer: Callable[..., torch.Tensor] | None  # None: no whole-layer op (the Triton ops)
 
 
 def load(kv: torch.Tensor, head_dim: int, hidden_act: str) -> FusedOps | None:

@@ -10,19 +10,20 @@ padded gather of their cached keys and values, and per sequence for multi-token 
 Per-step index tensors (slots, gathers, masks, rotary cos/sin) are built once and shared by all
 layers.
 
-``fused=True`` (float32 on the CPU, with Tiller's kernel library loaded: see
+``kernels="library"`` (float32 on the CPU, with Tiller's kernel library loaded: see
 :mod:`services.worker.fused_ops`) runs the rest of each layer on the library's ops too: the norms,
 the rotation with the KV write, and the decode rows' attention read from the paged blocks in place
 (no gather, no mask), a few calls per layer where torch takes some twenty-five; and a decode-only
-step over GGUF block weights runs each whole layer as one call. They round
-differently from torch's ops (float32 sums in another order), so the exact path for dense weights
-stays torch's.
+step over GGUF block weights runs each whole layer as one call. ``kernels="triton"`` runs the same
+ops (not the whole layer) as Triton kernels on a GPU (:mod:`services.worker.triton_ops`). Both round
+differently from torch's ops (float32 sums in another order), so the exact path stays torch's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,17 @@ from services.worker.step_plan import Prefill, StepPlan
 from services.worker.transfer import to_device
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+def _ops(kernels: str, kv: torch.Tensor, head_dim: int, hidden_act: str) -> fused_ops.FusedOps | None:
+    """The layer ops ``kernels`` names, where they apply to this pool and model (None: torch's)."""
+    if kernels == "library":
+        return fused_ops.load(kv, head_dim, hidden_act)
+    if kernels == "triton":
+        from services.worker import triton_ops  # Triton comes with torch's CUDA builds, not its CPU ones
+
+        return triton_ops.load(kv, head_dim, hidden_act)
+    return None
 
 
 def unsupported_reason(config: PretrainedConfig, max_model_len: int) -> str | None:
@@ -84,10 +96,11 @@ class PagedLlama:
         cache: PagedKVCache,
         max_positions: int,
         linears: LinearFactory | None = None,
-        fused: bool = False,
+        kernels: Literal["torch", "library", "triton"] = "torch",
     ) -> None:
-        """``linears`` makes the projections (default: the model's dense weights); ``fused``: run the
-        rest of each layer on the kernel library's ops where they apply (see the module docstring)."""
+        """``linears`` makes the projections (default: the model's dense weights); ``kernels``: run
+        the rest of each layer on torch's ops, the kernel library's or Triton's where they apply (see
+        the module docstring)."""
         linears = linears or DenseLinears()
         config = model.config
         self.cache = cache
@@ -105,7 +118,7 @@ class PagedLlama:
             F.silu if config.hidden_act == "silu" else base.layers[0].mlp.act_fn
         )
         self.intermediate = base.layers[0].mlp.gate_proj.out_features
-        self.ops = fused_ops.load(cache.kv, self.head_dim, config.hidden_act) if fused else None
+        self.ops = _ops(kernels, cache.kv, self.head_dim, config.hidden_act)
         self.scale = self.head_dim**-0.5
         self.whole_layers = True  # with ops: decode-only steps run a layer per call where the weights allow
         self.cos_table, self.sin_table = self._rotary_tables(base.rotary_emb, max_positions)
@@ -142,6 +155,7 @@ class PagedLlama:
             self.cache,
             max_batch=max_batch,
             max_blocks=max_blocks,
+            in_place=self.ops is not None,
         )
 
     def forward(self, inputs: list[SeqInput]) -> torch.Tensor:
@@ -210,17 +224,20 @@ class PagedLlama:
             step.positions = positions
         else:
             step.cos, step.sin = self._rotary(positions)
-        whole = self.ops is not None and self.whole_layers and step.decode is not None and not step.prefills
+        # decode-only steps run a layer per call where the ops and the weights allow
+        decode_layer = self.ops.decode_layer if self.ops is not None and self.whole_layers else None
+        if step.decode is None or step.prefills:
+            decode_layer = None
         for index, (layer, kv_slots, kv_blocks) in enumerate(
             zip(self.layers, self.cache.layer_slots, self.cache.layer_blocks)
         ):
             if taps is not None and index - 1 in self.tap_layers:
                 taps[index - 1] = x[taps[-1]]
-            weights = layer.block_weights(self.eps, self.intermediate) if whole else None
-            if weights is not None and self.ops is not None and step.decode is not None:
+            weights = layer.block_weights(self.eps, self.intermediate) if decode_layer is not None else None
+            if weights is not None and decode_layer is not None and step.decode is not None:
                 tables, lengths = step.decode
-                x = self.ops.decode_layer(x, *weights, self.cos_table, self.sin_table, step.positions, self.num_heads,
-                                          kv_blocks, step.slots, tables, lengths, self.scale)
+                x = decode_layer(x, *weights, self.cos_table, self.sin_table, step.positions, self.num_heads,
+                                 kv_blocks, step.slots, tables, lengths, self.scale)
                 continue
             x = self._attention(layer, x, kv_slots, kv_blocks, step)
             h = self._norm(x, layer.post_norm)

@@ -5,8 +5,9 @@ blocks land out of order in the pool) runs steps that mix what the engine mixes:
 continued (chunked) prefills beside decodes, decode rows of different lengths (padded block
 tables) and of one length, and forks that share their parent's blocks and copy the partial last
 one on write. Every logits row must equal the dense model's last-position logits over the
-sequence's whole history: on torch's ops, and on the kernel library's fused ops (norms, rotation
-with the KV write, decode attention reading the blocks in place).
+sequence's whole history: on torch's ops, on the kernel library's fused ops (norms, rotation
+with the KV write, decode attention reading the blocks in place), and on the same ops as Triton
+kernels (in Triton's interpreter on a CPU: see conftest.py).
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ def model() -> LlamaForCausalLM:
 class Paged:
     """What the engine does around the runner: block tables, copy-on-write, token histories."""
 
-    def __init__(self, model: LlamaForCausalLM, fused: bool) -> None:
+    def __init__(self, model: LlamaForCausalLM, kernels: str) -> None:
         config = model.config
         self.cache = PagedKVCache(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
                                   head_dim=config.hidden_size // config.num_attention_heads, num_blocks=40,
                                   dtype=torch.float32, device=torch.device("cpu"), block_size=BLOCK)
         self.tables = self.cache.tables
-        self.runner = PagedLlama(model, self.cache, config.max_position_embeddings, fused=fused)
-        assert (self.runner.ops is not None) == fused
+        self.runner = PagedLlama(model, self.cache, config.max_position_embeddings, kernels=kernels)
+        assert (self.runner.ops is not None) == (kernels != "torch")
         self.history: dict[int, list[int]] = {}
 
     def fork(self, parent: int, child: int) -> None:
@@ -78,15 +79,15 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(params=[False, True], ids=["torch", "fused"])
-def fused(request) -> bool:
-    if request.param:
+@pytest.fixture(params=["torch", "library", "triton"])
+def kernels(request) -> str:
+    if request.param == "library":
         request.getfixturevalue("gguf_kernel")
     return request.param
 
 
-def test_mixed_steps_equal_the_dense_forward(model: LlamaForCausalLM, fused: bool) -> None:
-    paged = Paged(model, fused)
+def test_mixed_steps_equal_the_dense_forward(model: LlamaForCausalLM, kernels: str) -> None:
+    paged = Paged(model, kernels)
     _check(model, paged, paged.step({1: _tokens(11, 1), 2: _tokens(5, 2)}))  # two fresh prefills
     for i in range(3):  # rows of different lengths: padded block tables, masked keys
         _check(model, paged, paged.step({1: _tokens(1, 10 + i), 2: _tokens(1, 20 + i)}))
@@ -96,8 +97,8 @@ def test_mixed_steps_equal_the_dense_forward(model: LlamaForCausalLM, fused: boo
         _check(model, paged, paged.step({1: _tokens(1, 40 + i), 2: _tokens(1, 50 + i), 3: _tokens(1, 60 + i)}))
 
 
-def test_forks_share_blocks_and_decode_apart(model: LlamaForCausalLM, fused: bool) -> None:
-    paged = Paged(model, fused)
+def test_forks_share_blocks_and_decode_apart(model: LlamaForCausalLM, kernels: str) -> None:
+    paged = Paged(model, kernels)
     _check(model, paged, paged.step({1: _tokens(10, 5)}))  # ends inside its third block
     paged.fork(1, 2)
     paged.fork(1, 3)
@@ -123,7 +124,7 @@ def test_whole_decode_layers_equal_the_fused_ops_one_by_one(model: LlamaForCausa
     same ops composed in C++, so the same logits to the bit; prefills and mixed steps go op by op."""
     runs = []
     for whole in (True, False):
-        paged = Paged(model, fused=True)
+        paged = Paged(model, "library")
         for layer, source in zip(paged.runner.layers, model.model.layers):
             attn, mlp = source.self_attn, source.mlp
             layer.qkv, layer.o = _q8_layer([attn.q_proj, attn.k_proj, attn.v_proj]), _q8_layer([attn.o_proj])

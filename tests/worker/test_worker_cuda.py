@@ -1,4 +1,5 @@
-"""The GPU paths of the worker: decode steps replayed from CUDA graphs, masks as device-side bias.
+"""The GPU paths of the worker: decode steps replayed from CUDA graphs, the Triton kernels, masks as
+device-side bias.
 
 Skipped where torch sees no CUDA device (CI has none); run on a GPU machine with
 ``python -m pytest -q tests/worker/test_worker_cuda.py``. Random weights in float32, so the oracle
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from common.wire import SamplingParams, SeqStep
 from services.worker.engine import Engine
 from services.worker.model_loader import LoadedModel
+from services.worker.runner import SeqInput
 from services.worker.sampler import SeqSampler, sample
 from tests.worker.conftest import Driver
 
@@ -86,6 +88,48 @@ def test_graph_decode_equals_eager_and_transformers(loaded: LoadedModel) -> None
     assert got == _decode_batch(graphed, prompts, n, follow=True)
     for prompt, tokens in zip(prompts, got):
         assert tokens == _generate(loaded, prompt, n)
+
+
+def test_triton_kernels_decode_as_torch_ops_do(loaded: LoadedModel) -> None:
+    """The Triton kernels (norms, rotation with the KV write, attention read from the blocks in
+    place), replayed from CUDA graphs and eager, in float32: transformers' greedy tokens, as torch's
+    ops give them (the two differ in float32's last bits only)."""
+    graphed = Engine(loaded, num_blocks=256, cuda_graph_batch=8, gpu_kernels="triton")
+    eager = Engine(loaded, num_blocks=256, gpu_kernels="triton")
+    assert graphed.backend == "paged+cuda_graphs+triton" and eager.backend == "paged+triton"
+    assert Engine(loaded, num_blocks=16).backend == "paged+cuda_graphs"  # auto: torch's ops in float32
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, 2048, size=length).tolist() for length in (3, 15, 16, 40, 70)]
+    n = 40
+    got = _decode_batch(graphed, prompts, n, follow=True)
+    assert graphed.runner.graphs.captured >= 2
+    assert got == _decode_batch(eager, prompts, n)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == _generate(loaded, prompt, n)
+
+
+def test_triton_kernels_in_bfloat16_keep_close_to_torch_ops() -> None:
+    """In bfloat16 (what a GPU serves) the kernels round otherwise than torch's ops: the first
+    step's logits of both stay within bfloat16's tolerance of each other."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=torch.bfloat16).to("cuda").eval()
+    loaded = LoadedModel(model=model, config=model.config, name="tiny-bf16", device=torch.device("cuda"),
+                         dtype=torch.bfloat16, eos_token_ids=[], max_model_len=256)
+    rng = np.random.default_rng(3)
+    inputs = [SeqInput(seq_id=i, tokens=rng.integers(1, 2048, size=length).tolist(), start=0, logits=True)
+              for i, length in enumerate((5, 33, 64), start=1)]
+    logits = {}
+    for kernels in ("torch", "triton"):
+        engine = Engine(loaded, num_blocks=64, gpu_kernels=kernels)
+        assert engine.backend.endswith("+triton") == (kernels == "triton")
+        for item in inputs:
+            engine.tables.reserve(item.seq_id, len(item.tokens) + 1)
+        with torch.inference_mode():
+            prefill = engine.runner.forward(inputs)
+            decode = engine.runner.forward([SeqInput(seq_id=item.seq_id, tokens=[7], start=len(item.tokens),
+                                                     logits=True) for item in inputs])
+        logits[kernels] = torch.cat([prefill, decode])
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=0.05, atol=0.05)
 
 
 def test_graph_batch_larger_than_buckets_falls_back_to_eager(loaded: LoadedModel) -> None:
