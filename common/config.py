@@ -234,11 +234,11 @@ class Settings(BaseSettings):
         "output row (CPU, any model); 'auto' picks 'gguf' on the CPU when the model ships as a GGUF and "
         "Tiller's kernel builds, 'gguf-bf16' when it does not, else 'fp32' (see README 'Quantized weights')",
     )
-    gpu_kernels: Literal["auto", "triton", "torch"] = Field(
-        "auto", description="the ops around the native forward's matmuls on a GPU: 'triton' Tiller's Triton kernels "
-        "(norms, rotation with the KV write, paged attention read from the blocks in place, activation); 'torch' "
-        "torch's ops (attention over a gather of the blocks: the exact path, rounding as transformers does); 'auto' "
-        "Triton in 16-bit dtypes, torch in float32",
+    gpu_kernels: Literal["torch", "triton"] = Field(
+        "torch", description="the ops around the native forward's matmuls on a GPU: 'torch' torch's ops (attention "
+        "over a gather of the KV blocks, rounding as transformers does); 'triton' Tiller's Triton kernels (norms, "
+        "rotation with the KV write, paged attention reading the blocks in place, activation: five kernels a layer "
+        "where torch's ops take some fifteen), checked so far in Triton's interpreter only (see README 'GPU')",
     )
     worker_threads: int | None = Field(
         None, ge=1, description="CPU threads of the worker's matmuls (OpenMP); unset: the environment's "

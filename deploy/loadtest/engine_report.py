@@ -19,7 +19,7 @@ generate, for CI's machine kind) and the GPU targets are not judged.
 On a GPU the defaults are ``--models <TILLER_MODEL> llama-1b --batch 1 16 64 256 --gpu-kernels torch
 triton --stack-tokens 256 --stack-streams 64`` (each model's engine once on torch's ops around the
 matmuls, with attention over a gather of the KV blocks, and once on Tiller's Triton kernels, which
-read them in place; the stack serves the ``gpu_kernels`` setting, auto: Triton in bf16); on a CPU,
+read them in place; the stack serves the ``gpu_kernels`` setting); on a CPU,
 ``--models <TILLER_MODEL> --batch 1 16 --stack-tokens 128 --stack-streams 16``.
 """
 
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", help="batch sizes (default: see above)")
     parser.add_argument("--new-tokens", type=int, default=64, help="decoded tokens per engine run")
     parser.add_argument("--repeats", type=int, default=2, help="best of N engine runs")
-    parser.add_argument("--gpu-kernels", nargs="+", choices=["auto", "triton", "torch"],
+    parser.add_argument("--gpu-kernels", nargs="+", choices=["torch", "triton"],
                         help="gpu_kernels settings to run the engine with (default: see above)")
     parser.add_argument("--stack-tokens", type=int, help="tokens per stream through the stack (default: see above)")
     parser.add_argument("--stack-streams", type=int, help="concurrent streams for the aggregate (default: see above)")

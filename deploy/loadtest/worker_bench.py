@@ -249,7 +249,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--repeats", type=int, default=3, help="best of N runs")
     parser.add_argument("--weights", nargs="+", default=None, help="weights settings to run (default: TILLER_WEIGHTS)")
-    parser.add_argument("--gpu-kernels", nargs="+", default=None, choices=["auto", "triton", "torch"],
+    parser.add_argument("--gpu-kernels", nargs="+", default=None, choices=["torch", "triton"],
                         help="gpu_kernels settings to run (default: TILLER_GPU_KERNELS)")
     args = parser.parse_args()
     settings = get_settings()

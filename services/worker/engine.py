@@ -85,14 +85,11 @@ class _Seq:
 
 def layer_kernels(loaded: LoadedModel, gpu_kernels: str) -> Literal["torch", "library", "triton"]:
     """Whose ops run around the native forward's matmuls: the kernel library's with the GGUF
-    kernel's weights (they round as they ship anyway); on a GPU, Triton's unless the setting says
-    torch, or says auto in float32 (torch's ops are the exact path); else torch's."""
+    kernel's weights (they round as they ship anyway), Triton's on a GPU where the setting asks, else
+    torch's."""
     if loaded.weights == "gguf":
         return "library"
-    if loaded.device.type == "cuda" and gpu_kernels != "torch":
-        if gpu_kernels == "triton" or loaded.dtype != torch.float32:
-            return "triton"
-    return "torch"
+    return "triton" if loaded.device.type == "cuda" and gpu_kernels == "triton" else "torch"
 
 
 def _kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -165,7 +162,7 @@ class Engine:
         cuda_graph_batch: int = 0,
         readouts: Readouts | None = None,
         ranks: Ranks | None = None,
-        gpu_kernels: str = "auto",
+        gpu_kernels: str = "torch",
     ) -> None:
         """``num_blocks``: KV pool size including the reserved null block. ``native=False`` forces
         the transformers fallback even for a supported architecture. ``cuda_graph_batch`` > 0 on a
