@@ -21,7 +21,133 @@
 
 namespace {
 
-constexpr int TILE = 16;   // output features per tile (one zmm of float32)
+// ---- 16 float32 lanes: one zmm with AVX-512, two ymm halves with AVX2 (with FMA and F16C). ----
+// Everything below is written in these; with AVX-512 each is the one intrinsic it wraps.
+#if defined(__AVX512F__)
+using V16 = __m512;
+using M16 = __mmask16;  // bit i: lane i
+constexpr int VREGS = 32;  // vector registers, in V16s
+inline V16 vzero() { return _mm512_setzero_ps(); }
+inline V16 vset(float x) { return _mm512_set1_ps(x); }
+inline V16 vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, V16 v) { _mm512_storeu_ps(p, v); }
+inline V16 vadd(V16 a, V16 b) { return _mm512_add_ps(a, b); }
+inline V16 vsub(V16 a, V16 b) { return _mm512_sub_ps(a, b); }
+inline V16 vmul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
+inline V16 vdiv(V16 a, V16 b) { return _mm512_div_ps(a, b); }
+inline V16 vmin(V16 a, V16 b) { return _mm512_min_ps(a, b); }
+inline V16 vmax(V16 a, V16 b) { return _mm512_max_ps(a, b); }
+inline V16 vfma(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }    // a b + c
+inline V16 vfnma(V16 a, V16 b, V16 c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
+inline M16 vtail(int64_t left) { return left >= 16 ? M16(0xFFFF) : M16((1u << left) - 1); }
+inline V16 vload_z(M16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }  // 0 where m is not set
+inline V16 vload_or(V16 src, M16 m, const float* p) { return _mm512_mask_loadu_ps(src, m, p); }
+inline void vstore_m(float* p, M16 m, V16 v) { _mm512_mask_storeu_ps(p, m, v); }
+inline V16 vkeep(M16 m, V16 v) { return _mm512_maskz_mov_ps(m, v); }
+inline float vsum(V16 v) { return _mm512_reduce_add_ps(v); }
+inline float vmax_of(M16 m, V16 v) { return _mm512_mask_reduce_max_ps(m, v); }
+inline V16 vround(V16 x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline V16 vscale2(V16 p, V16 n) { return _mm512_scalef_ps(p, n); }  // p 2^n, n whole
+// 16 float16 values; 16 signed bytes; 16 bytes' low and high nibbles.
+inline V16 vhalves(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline V16 vsbytes(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline void vnibbles(const uint8_t* p, V16& lo, V16& hi) {
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+}
+#else
+struct V16 {
+  __m256 lo, hi;
+};
+using M16 = uint32_t;  // bit i: lane i
+constexpr int VREGS = 8;
+inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 vset(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, V16 v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 vsub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 vdiv(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline V16 vmin(V16 a, V16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V16 vfnma(V16 a, V16 b, V16 c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline M16 vtail(int64_t left) { return left >= 16 ? M16(0xFFFF) : M16((1u << left) - 1); }
+// eight bits of m as eight lanes of all ones or zeros
+inline __m256i lanes(M16 m) {
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(m)), bit), bit);
+}
+inline V16 vload_z(M16 m, const float* p) {
+  return {_mm256_maskload_ps(p, lanes(m)), _mm256_maskload_ps(p + 8, lanes(m >> 8))};
+}
+inline V16 vload_or(V16 src, M16 m, const float* p) {
+  const __m256i lo = lanes(m), hi = lanes(m >> 8);
+  return {_mm256_blendv_ps(src.lo, _mm256_maskload_ps(p, lo), _mm256_castsi256_ps(lo)),
+          _mm256_blendv_ps(src.hi, _mm256_maskload_ps(p + 8, hi), _mm256_castsi256_ps(hi))};
+}
+inline void vstore_m(float* p, M16 m, V16 v) {
+  _mm256_maskstore_ps(p, lanes(m), v.lo);
+  _mm256_maskstore_ps(p + 8, lanes(m >> 8), v.hi);
+}
+inline V16 vkeep(M16 m, V16 v) {
+  return {_mm256_and_ps(v.lo, _mm256_castsi256_ps(lanes(m))), _mm256_and_ps(v.hi, _mm256_castsi256_ps(lanes(m >> 8)))};
+}
+inline float vsum(V16 v) {
+  const __m256 s = _mm256_add_ps(v.lo, v.hi);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+inline float vmax_of(M16 m, V16 v) {
+  const V16 x = vset(-std::numeric_limits<float>::infinity());
+  const __m256 lo = _mm256_blendv_ps(x.lo, v.lo, _mm256_castsi256_ps(lanes(m)));
+  const __m256 hi = _mm256_blendv_ps(x.hi, v.hi, _mm256_castsi256_ps(lanes(m >> 8)));
+  const __m256 s = _mm256_max_ps(lo, hi);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+inline V16 vround(V16 x) {
+  constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(x.lo, mode), _mm256_round_ps(x.hi, mode)};
+}
+// p 2^n, n whole: 2^n built in the exponent field, n held to float's normal range (exp16's inputs never
+// need more than its ends, where the results are within one normal step of 0 or of overflowing)
+inline __m256 scale2(__m256 p, __m256 n) {
+  const __m256i e = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(n, _mm256_set1_ps(127.0f)), _mm256_set1_ps(-126.0f)));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)));
+}
+inline V16 vscale2(V16 p, V16 n) { return {scale2(p.lo, n.lo), scale2(p.hi, n.hi)}; }
+inline V16 vhalves(const uint8_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+inline V16 vsbytes(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+}
+inline void vnibbles(const uint8_t* p, V16& lo, V16& hi) {
+  const __m256i low = _mm256_set1_epi32(15);
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  lo = {_mm256_cvtepi32_ps(_mm256_and_si256(a, low)), _mm256_cvtepi32_ps(_mm256_and_si256(b, low))};
+  hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
+}
+#endif
+
+constexpr int TILE = 16;   // output features per tile (one V16)
 constexpr int GROUP = 32;  // inputs per block
 enum Kind { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
 
@@ -29,51 +155,44 @@ constexpr int record_bytes(int kind) {
   return kind == Q4_1 ? 64 + 256 : kind == Q4_0 ? 32 + 256 : 32 + 512;
 }
 
-inline __m512 half16(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // The codes of inputs k and k + 1 (k even) in one tile's block record, as floats (unscaled).
 template <int KIND>
-inline void widen(const uint8_t* rec, int k, __m512& q0, __m512& q1) {
+inline void widen(const uint8_t* rec, int k, V16& q0, V16& q1) {
   if constexpr (KIND == Q8_0) {
     const uint8_t* c = rec + 32 + k * TILE;
-    q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
-    q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + TILE))));
+    q0 = vsbytes(c);
+    q1 = vsbytes(c + TILE);
   } else {
-    const uint8_t* c = rec + (KIND == Q4_1 ? 64 : 32) + k / 2 * TILE;
-    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-    q0 = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
-    q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+    vnibbles(rec + (KIND == Q4_1 ? 64 : 32) + k / 2 * TILE, q0, q1);
   }
 }
 
 // The block's minimum per column: Q4_1's own, Q4_0's -8 d (Q8_0 has none).
 template <int KIND>
-inline __m512 minimum(const uint8_t* rec, __m512 d) {
-  if constexpr (KIND == Q4_1) return half16(rec + 32);
-  return _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+inline V16 minimum(const uint8_t* rec, V16 d) {
+  if constexpr (KIND == Q4_1) return vhalves(rec + 32);
+  return vmul(d, vset(-8.0f));
 }
 
 template <int MR, int NV>
-inline void zero(__m512 (&acc)[MR][NV]) {
+inline void zero(V16 (&acc)[MR][NV]) {
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[r][v] = vzero();
 }
 
 // y[r, tile v's columns] = acc[r][v] (+ bias) (+ residual), the last tile's columns past n left out.
 template <int MR, int NV>
-inline void store(__m512 (&acc)[MR][NV], float* y, int64_t ldy, int64_t n0, int64_t n, const float* bias,
+inline void store(V16 (&acc)[MR][NV], float* y, int64_t ldy, int64_t n0, int64_t n, const float* bias,
                   const float* res, int64_t ldr) {
   for (int v = 0; v < NV; ++v) {
     const int64_t col = n0 + v * TILE;
     const int64_t left = n - col;
-    const __mmask16 mask = left >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    const M16 mask = vtail(left);
+    const V16 bv = bias ? vload_z(mask, bias + col) : vzero();
     for (int r = 0; r < MR; ++r) {
-      __m512 out = _mm512_add_ps(acc[r][v], bv);
-      if (res) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, res + r * ldr + col));
-      _mm512_mask_storeu_ps(y + r * ldy + col, mask, out);
+      V16 out = vadd(acc[r][v], bv);
+      if (res) out = vadd(out, vload_z(mask, res + r * ldr + col));
+      vstore_m(y + r * ldy + col, mask, out);
     }
   }
 }
@@ -83,31 +202,31 @@ template <int KIND, int MR, int NV>
 void tile_kernel(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, int64_t tile_stride,
                  float* y, int64_t ldy, int64_t n0, int64_t n, const float* bias, const float* res, int64_t ldr) {
   constexpr int REC = record_bytes(KIND);
-  __m512 acc[MR][NV];
+  V16 acc[MR][NV];
   zero(acc);
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512 d[NV], m[NV];
+    V16 d[NV], m[NV];
     const uint8_t* rec[NV];
     for (int v = 0; v < NV; ++v) {
       rec[v] = w + v * tile_stride + b * REC;
-      d[v] = half16(rec[v]);
+      d[v] = vhalves(rec[v]);
       if constexpr (KIND != Q8_0) m[v] = minimum<KIND>(rec[v], d[v]);
     }
     const float* xb = x + b * GROUP;
     for (int k = 0; k < GROUP; k += 2) {
       for (int v = 0; v < NV; ++v) {
-        __m512 w0, w1;
+        V16 w0, w1;
         widen<KIND>(rec[v], k, w0, w1);
         if constexpr (KIND == Q8_0) {
-          w0 = _mm512_mul_ps(w0, d[v]);
-          w1 = _mm512_mul_ps(w1, d[v]);
+          w0 = vmul(w0, d[v]);
+          w1 = vmul(w1, d[v]);
         } else {
-          w0 = _mm512_fmadd_ps(w0, d[v], m[v]);
-          w1 = _mm512_fmadd_ps(w1, d[v], m[v]);
+          w0 = vfma(w0, d[v], m[v]);
+          w1 = vfma(w1, d[v], m[v]);
         }
         for (int r = 0; r < MR; ++r) {
-          acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), w0, acc[r][v]);
-          acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), w1, acc[r][v]);
+          acc[r][v] = vfma(vset(xb[r * ldx + k]), w0, acc[r][v]);
+          acc[r][v] = vfma(vset(xb[r * ldx + k + 1]), w1, acc[r][v]);
         }
       }
     }
@@ -123,30 +242,30 @@ template <int KIND, int MR, int NV>
 void few_kernel(const float* x, int64_t ldx, const float* sx, int64_t blocks, const uint8_t* w, int64_t tile_stride,
                 float* y, int64_t ldy, int64_t n0, int64_t n, const float* bias, const float* res, int64_t ldr) {
   constexpr int REC = record_bytes(KIND);
-  __m512 acc[MR][NV];
+  V16 acc[MR][NV];
   zero(acc);
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * GROUP;
-    __m512 even[MR][NV], odd[MR][NV];
+    V16 even[MR][NV], odd[MR][NV];
     zero(even);
     zero(odd);
     for (int k = 0; k < GROUP; k += 2) {
       for (int v = 0; v < NV; ++v) {
-        __m512 q0, q1;
+        V16 q0, q1;
         widen<KIND>(w + v * tile_stride + b * REC, k, q0, q1);
         for (int r = 0; r < MR; ++r) {
-          even[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k]), q0, even[r][v]);
-          odd[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + k + 1]), q1, odd[r][v]);
+          even[r][v] = vfma(vset(xb[r * ldx + k]), q0, even[r][v]);
+          odd[r][v] = vfma(vset(xb[r * ldx + k + 1]), q1, odd[r][v]);
         }
       }
     }
     for (int v = 0; v < NV; ++v) {
       const uint8_t* rec = w + v * tile_stride + b * REC;
-      const __m512 d = half16(rec);
+      const V16 d = vhalves(rec);
       for (int r = 0; r < MR; ++r) {
-        acc[r][v] = _mm512_fmadd_ps(d, _mm512_add_ps(even[r][v], odd[r][v]), acc[r][v]);
+        acc[r][v] = vfma(d, vadd(even[r][v], odd[r][v]), acc[r][v]);
         if constexpr (KIND != Q8_0)
-          acc[r][v] = _mm512_fmadd_ps(minimum<KIND>(rec, d), _mm512_set1_ps(sx[r * blocks + b]), acc[r][v]);
+          acc[r][v] = vfma(minimum<KIND>(rec, d), vset(sx[r * blocks + b]), acc[r][v]);
       }
     }
   }
@@ -159,13 +278,19 @@ using Few = void (*)(const float*, int64_t, const float*, int64_t, const uint8_t
 // 23-24 against 17, 2 rows 34 against 30, 3 rows 37-40
 // against 35, 4 rows 41 both.
 constexpr int FEW = 3;
-constexpr int few_wide(int mr) { return mr == 1 ? 4 : mr == 2 ? 3 : 2; }
+constexpr int few_wide(int mr) {
+  if constexpr (VREGS == 32) return mr == 1 ? 4 : mr == 2 ? 3 : 2;
+  return mr == 1 ? 2 : 1;
+}
 
 using Fn = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t,
                     const float*, const float*, int64_t);
 
 // Tiles side by side for MR rows, as many as the registers hold.
-constexpr int wide(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 3 : mr <= 12 ? 2 : 1; }
+constexpr int wide(int mr) {
+  if constexpr (VREGS == 32) return mr <= 2 ? 4 : mr <= 4 ? 3 : mr <= 12 ? 2 : 1;
+  return mr <= 2 ? 2 : 1;
+}
 
 template <int KIND, int... I>
 void tile_table(Fn* one, Fn* many, std::integer_sequence<int, I...>) {
@@ -177,7 +302,7 @@ void few_table(Few* one, Few* many, std::integer_sequence<int, I...>) {
   ((one[I] = &few_kernel<KIND, I + 1, 1>, many[I] = &few_kernel<KIND, I + 1, few_wide(I + 1)>), ...);
 }
 
-constexpr int MAX_ROWS = 16;
+constexpr int MAX_ROWS = VREGS == 32 ? 16 : 8;  // rows a tile's weights are dequantized for at once
 
 // By kind and rows: the kernel over one tile and over as many tiles side by side as the rows allow.
 struct Kernels {
@@ -279,27 +404,22 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t kind, int
 
 constexpr int64_t OP_GRAIN = 1 << 15;  // floats touched per task, about
 
-inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
-
 // exp(x) to about 1 ulp: 2^n exp(r) with n = round(x / ln 2), r = x - n ln 2 (in two parts), exp(r) by
 // Cephes' expf polynomial. The scalar std::exp is a call per value: most of a decode step's softmax.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.37f)), _mm512_set1_ps(-88.37f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+inline V16 exp16(V16 x) {
+  x = vmax(vmin(x, vset(88.37f)), vset(-88.37f));
+  const V16 n = vround(vmul(x, vset(1.44269504088896341f)));
+  V16 r = vfnma(n, vset(0.693359375f), x);
+  r = vfnma(n, vset(-2.12194440e-4f), r);
+  V16 p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset(1.0f)));
+  return vscale2(p, n);
 }
-
-inline __mmask16 tail(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 
 void check_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1, what, " must be float32 [rows, n]",
@@ -320,13 +440,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = xp + r * ldx;
       float* yr = yp + r * n;
-      __m512 acc = _mm512_setzero_ps();
+      V16 acc = vzero();
       int64_t i = 0;
       for (; i + 16 <= n; i += 16) {
-        const __m512 v = _mm512_loadu_ps(xr + i);
-        acc = _mm512_fmadd_ps(v, v, acc);
+        const V16 v = vload(xr + i);
+        acc = vfma(v, v, acc);
       }
-      float ss = hsum(acc);
+      float ss = vsum(acc);
       for (; i < n; ++i) ss += xr[i] * xr[i];
       const float inv = 1.0f / std::sqrt(ss / float(n) + float(eps));
       for (i = 0; i < n; ++i) yr[i] = xr[i] * inv * wp[i];
@@ -349,10 +469,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const float* u = g + m;
       float* yr = yp + r * m;
       for (int64_t i = 0; i < m; i += 16) {
-        const __mmask16 k = tail(m - i);
-        const __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
-        const __m512 e = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-        _mm512_mask_storeu_ps(yr + i, k, _mm512_mul_ps(_mm512_div_ps(gv, e), _mm512_maskz_loadu_ps(k, u + i)));
+        const M16 k = vtail(m - i);
+        const V16 gv = vload_z(k, g + i);
+        const V16 e = vadd(vset(1.0f), exp16(vsub(vzero(), gv)));
+        vstore_m(yr + i, k, vmul(vdiv(gv, e), vload_z(k, u + i)));
       }
     }
   });
@@ -374,15 +494,15 @@ at::Tensor masked_scores(const at::Tensor& logits, const at::Tensor& words) {
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(words.data_ptr<int32_t>());
   float* yp = y.data_ptr<float>();
   const int64_t ldx = logits.stride(0);
-  const __m512 blocked = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const V16 blocked = vset(-std::numeric_limits<float>::infinity());
   at::parallel_for(0, rows, std::max<int64_t>(1, OP_GRAIN / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* x = xp + r * ldx;
       const uint16_t* m = mp + r * 2 * per_row;
       float* yr = yp + r * n;
       for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 k = tail(n - i);
-        _mm512_mask_storeu_ps(yr + i, k, _mm512_mask_loadu_ps(blocked, k & __mmask16(m[i / 16]), x + i));
+        const M16 k = vtail(n - i);
+        vstore_m(yr + i, k, vload_or(blocked, k & M16(m[i / 16]), x + i));
       }
     }
   });
@@ -489,7 +609,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& blocks, const
       std::fill(sum.begin(), sum.end(), 0.0f);
       for (int64_t p0 = 0; p0 < len; p0 += 16) {
         const int64_t count = std::min<int64_t>(16, len - p0);
-        const __mmask16 k16 = tail(count);
+        const M16 k16 = vtail(count);
         for (int64_t j = 0; j < count; ++j) at[j] = bp + row[(p0 + j) / bs] * block_stride + ((p0 + j) % bs) * slot;
         // the next chunk's slots, line by line: its heads' strided reads leave the hardware prefetcher behind
         for (int64_t p = p0 + 16; p < std::min<int64_t>(len, p0 + 32); ++p) {
@@ -501,36 +621,36 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& blocks, const
           const float* qh = qi + h * dim;
           for (int64_t j = 0; j < count; ++j) {
             const float* k = at[j] + g * dim;
-            __m512 d = _mm512_setzero_ps();
+            V16 d = vzero();
             for (int64_t l = 0; l < lanes; ++l)
-              d = _mm512_fmadd_ps(_mm512_loadu_ps(qh + l * 16), _mm512_loadu_ps(k + l * 16), d);
-            s[j] = hsum(d) * float(scale);
+              d = vfma(vload(qh + l * 16), vload(k + l * 16), d);
+            s[j] = vsum(d) * float(scale);
           }
-          const __m512 sv = _mm512_maskz_loadu_ps(k16, s);
-          const float most = std::max(top[h], _mm512_mask_reduce_max_ps(k16, sv));
+          const V16 sv = vload_z(k16, s);
+          const float most = std::max(top[h], vmax_of(k16, sv));
           const float shrink = std::exp(top[h] - most);  // 0 for the first chunk (top -inf)
           top[h] = most;
-          const __m512 e = _mm512_maskz_mov_ps(k16, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(most))));
-          sum[h] = sum[h] * shrink + hsum(e);
-          _mm512_store_ps(s, e);
+          const V16 e = vkeep(k16, exp16(vsub(sv, vset(most))));
+          sum[h] = sum[h] * shrink + vsum(e);
+          vstore(s, e);
           float* oh = acc.data() + h * dim;
-          __m512 o[8];
+          V16 o[8];
           for (int64_t l = 0; l < lanes; ++l)
-            o[l] = _mm512_mul_ps(_mm512_loadu_ps(oh + l * 16), _mm512_set1_ps(shrink));
+            o[l] = vmul(vload(oh + l * 16), vset(shrink));
           for (int64_t j = 0; j < count; ++j) {
             const float* v = at[j] + (kv_heads + g) * dim;
-            const __m512 w = _mm512_set1_ps(s[j]);
-            for (int64_t l = 0; l < lanes; ++l) o[l] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + l * 16), o[l]);
+            const V16 w = vset(s[j]);
+            for (int64_t l = 0; l < lanes; ++l) o[l] = vfma(w, vload(v + l * 16), o[l]);
           }
-          for (int64_t l = 0; l < lanes; ++l) _mm512_storeu_ps(oh + l * 16, o[l]);
+          for (int64_t l = 0; l < lanes; ++l) vstore(oh + l * 16, o[l]);
         }
       }
       float* out_row = op + i * heads * dim;
       for (int64_t h = 0; h < heads; ++h) {
-        const __m512 inv = _mm512_set1_ps(1.0f / sum[h]);
+        const V16 inv = vset(1.0f / sum[h]);
         for (int64_t l = 0; l < lanes; ++l)
-          _mm512_storeu_ps(out_row + h * dim + l * 16,
-                           _mm512_mul_ps(_mm512_loadu_ps(acc.data() + h * dim + l * 16), inv));
+          vstore(out_row + h * dim + l * 16,
+                           vmul(vload(acc.data() + h * dim + l * 16), inv));
       }
     }
   });

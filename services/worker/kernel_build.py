@@ -5,7 +5,7 @@ its code depends on: the source, torch's version, the compiler's version and fla
 feature flags (``-march=native`` compiles for this CPU; a cache shared with another CPU builds
 again). The first build takes about 20 s (the torch headers), later starts load it in milliseconds.
 A compile runs into a temporary file renamed into place, so two workers starting at once each load a
-whole library. Anything that goes wrong (no compiler, a CPU without AVX-512, a failed build or load)
+whole library. Anything that goes wrong (no compiler, a CPU without AVX-512 or AVX2, a failed build or load)
 is logged with the reason and reported as ``False``: the caller serves another kernel instead.
 
 ``python -m services.worker.kernel_build`` builds it ahead of the first start (``make install``).
@@ -47,9 +47,13 @@ def _cpu_flags() -> str:
 
 
 def cpu_supported() -> bool:
-    """Whether this CPU has AVX-512 (AVX-512F), the instructions the kernel is written in."""
+    """Whether this CPU has the vector instructions the kernel is written in: AVX-512 (AVX-512F), or
+    AVX2 with FMA and F16C (its 16-lane vectors then two 8-lane halves)."""
     flags = _cpu_flags()
-    return "avx512f" in flags.split() or flags == "AVX512"
+    if flags in ("AVX512", "AVX2"):  # torch's word for it, where /proc/cpuinfo is not there
+        return True
+    present = set(flags.split())
+    return "avx512f" in present or {"avx2", "fma", "f16c"} <= present
 
 
 def library_path(cache_dir: Path, compiler: str) -> Path:
@@ -93,7 +97,8 @@ def load(cache_dir: Path) -> bool:
         if compiler is None:
             raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH")
         if not cpu_supported():
-            raise RuntimeError("this CPU has no AVX-512, the instructions the kernel is written in")
+            raise RuntimeError("this CPU has neither AVX-512 nor AVX2 with FMA and F16C, the instructions the kernel "
+                                   "is written in")
         path = library_path(cache_dir, compiler)
         if not path.is_file():
             started = time.monotonic()

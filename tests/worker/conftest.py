@@ -32,9 +32,9 @@ def loaded(worker_settings: Settings) -> LoadedModel:
 @pytest.fixture(scope="session")
 def gguf_kernel(worker_settings: Settings) -> None:
     """Tiller's GGUF block kernel, built into the settings' cache (once per machine, ~20 s); its tests skip on a
-    CPU without AVX-512, where the worker serves torch's int4 kernel instead."""
+    CPU with neither AVX-512 nor AVX2, where the worker serves torch's int4 kernel instead."""
     if not kernel_build.cpu_supported():
-        pytest.skip("this CPU has no AVX-512: Tiller's GGUF kernel is not built here")
+        pytest.skip("this CPU has neither AVX-512 nor AVX2 with FMA and F16C: Tiller's GGUF kernel is not built here")
     assert kernel_build.load(worker_settings.cache_dir), "the kernel did not build: see the worker.kernel_unavailable log"
 
 

@@ -102,11 +102,12 @@ def test_a_packed_layer_round_trips_through_its_tensors(gguf_kernel) -> None:
 
 @pytest.mark.parametrize("cxx, cpu_flags, reason", [
     ("no-such-compiler-here", None, "no-such-compiler-here"),
-    (None, "flags : fpu sse4_2 avx avx2 fma f16c", "no AVX-512"),
+    (None, "flags : fpu sse4_2 avx f16c", "neither AVX-512 nor AVX2"),
+    (None, "flags : fpu sse4_2 avx avx2 f16c", "neither AVX-512 nor AVX2"),  # AVX2 without FMA
 ])
-def test_no_compiler_or_no_avx512_means_no_kernel_and_a_logged_reason(tmp_path, cxx, cpu_flags, reason) -> None:
-    """In a fresh process with no compiler to be found, or on a CPU without AVX-512: load() says False and logs
-    why, and builds nothing."""
+def test_no_compiler_or_no_vector_unit_means_no_kernel_and_a_logged_reason(tmp_path, cxx, cpu_flags, reason) -> None:
+    """In a fresh process with no compiler to be found, or on a CPU with neither AVX-512 nor AVX2 (with FMA and
+    F16C): load() says False and logs why, and builds nothing."""
     fake = f"kernel_build._cpu_flags = lambda: {cpu_flags!r}; " if cpu_flags else ""
     code = ("import pathlib, sys; from services.worker import kernel_build; " + fake +
             f"sys.exit(0 if kernel_build.load(pathlib.Path({str(tmp_path)!r})) else 3)")
