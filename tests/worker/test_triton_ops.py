@@ -9,11 +9,14 @@ with the null block; float32 to float32's rounding, bfloat16 to its own.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from services.worker import triton_ops
+from services.worker.engine import layer_kernels
 from services.worker.kv_cache import NULL_BLOCK
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -91,3 +94,13 @@ def test_shapes_the_kernels_cannot_take_are_left_to_torch() -> None:
         triton_ops.decode_attention(q, torch.zeros(4, BS, 6, 64, device=DEVICE),
                                     torch.zeros(2, 1, dtype=torch.long, device=DEVICE),
                                     torch.ones(2, dtype=torch.long, device=DEVICE), 0.125)
+
+
+def test_the_engine_runs_them_only_on_a_gpu_and_when_asked() -> None:
+    def model(weights: str, device: str) -> SimpleNamespace:
+        return SimpleNamespace(weights=weights, device=torch.device(device))
+
+    assert layer_kernels(model("fp32", "cuda"), "triton") == "triton"
+    assert layer_kernels(model("fp32", "cuda"), "torch") == "torch"  # the default setting
+    assert layer_kernels(model("fp32", "cpu"), "triton") == "torch"  # a CPU has the kernel library's ops instead
+    assert layer_kernels(model("gguf", "cpu"), "torch") == "library"
