@@ -1,7 +1,9 @@
 """Tiller's Triton kernels against torch's ops on the same tensors.
 
-On a machine without a GPU they run in Triton's interpreter (``tests/conftest.py`` turns it on);
-on a GPU they are compiled and run there. Shapes are the default model's (9 query heads on 3 KV
+On a machine without a GPU they run in Triton's interpreter (``tests/conftest.py`` turns it on),
+and are also compiled, without running, for an A100's and an H100's instruction sets (Triton
+bundles NVIDIA's assembler), which the interpreter does not check; on a GPU they are compiled and
+run there. Shapes are the default model's (9 query heads on 3 KV
 heads, head_dim 64) and Llama-1B's groups (32 on 8), with 16-token blocks landing out of order in
 the pool, contexts of one key up to several of the attention's 64-key tiles, and tables padded
 with the null block; float32 to float32's rounding, bfloat16 to its own.
@@ -9,6 +11,10 @@ with the null block; float32 to float32's rounding, bfloat16 to its own.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from types import SimpleNamespace
 
 import pytest
@@ -104,3 +110,49 @@ def test_the_engine_runs_them_only_on_a_gpu_and_when_asked() -> None:
     assert layer_kernels(model("fp32", "cuda"), "torch") == "torch"  # the default setting
     assert layer_kernels(model("fp32", "cpu"), "triton") == "torch"  # a CPU has the kernel library's ops instead
     assert layer_kernels(model("gguf", "cpu"), "torch") == "library"
+
+
+COMPILE_FOR_GPUS = textwrap.dedent("""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from services.worker import triton_ops as T
+
+    def build(fn, signature, constants, capability):
+        source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constants, "constexpr")},
+                           constexprs=constants)
+        assert triton.compile(source, target=GPUTarget("cuda", capability, 32)).asm["cubin"]
+
+    for capability in (80, 90):
+        for dt in ("bf16", "fp32"):
+            for heads, kv_heads, hidden, inter in ((9, 3, 576, 1536), (32, 8, 2048, 8192)):  # SmolLM2, Llama-1B
+                group, every = heads // kv_heads, heads + 2 * kv_heads
+                build(T._decode_attention_kernel,
+                      {"q_ptr": f"*{dt}", "q_stride": "i32", "kv_ptr": f"*{dt}", "table_ptr": "*i64",
+                       "table_stride": "i32", "len_ptr": "*i64", "out_ptr": f"*{dt}", "scale": "fp32"},
+                      {"HEADS": heads, "KV_HEADS": kv_heads, "GROUP": group, "BLOCK_G": max(16, group),
+                       "DIM": 64, "BS": 16, "TILE": T.TILE, "PRECISION": "ieee" if dt == "fp32" else "tf32"},
+                      capability)
+                build(T._rope_store_kernel,
+                      {"qkv_ptr": f"*{dt}", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}", "pos_ptr": "*i64",
+                       "pool_ptr": f"*{dt}", "slot_ptr": "*i64"},
+                      {"ALL": every, "ROTATED": heads + kv_heads, "FIRST": heads, "DIM": 64,
+                       "HEADS": triton.next_power_of_2(every)}, capability)
+                build(T._rms_norm_kernel, {"x_ptr": f"*{dt}", "x_stride": "i32", "w_ptr": f"*{dt}",
+                                           "y_ptr": f"*{dt}", "n": "i32", "eps": "fp32"},
+                      {"BLOCK": triton.next_power_of_2(hidden)}, capability)
+                build(T._silu_mul_kernel, {"g_ptr": f"*{dt}", "g_stride": "i32", "y_ptr": f"*{dt}", "m": "i32"},
+                      {"BLOCK": min(1024, triton.next_power_of_2(inter))}, capability)
+""")
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="a GPU compiles and runs them in the tests above")
+def test_the_kernels_compile_for_nvidia_gpus(tmp_path) -> None:
+    """The interpreter runs the kernels' Python; a GPU also needs them to compile (types carried through
+    the loops, tile shapes ``tl.dot`` takes, NVIDIA's assembler): compiled here for sm_80 and sm_90, in
+    bfloat16 and float32, at the default model's shapes and Llama-1B's, in a process of its own (this
+    one runs Triton's interpreter) with an empty cache."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPUS], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
