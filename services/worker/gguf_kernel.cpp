@@ -126,7 +126,8 @@ inline V16 vround(V16 x) {
 // p 2^n, n whole: 2^n built in the exponent field, n held to float's normal range (exp16's inputs never
 // need more than its ends, where the results are within one normal step of 0 or of overflowing)
 inline __m256 scale2(__m256 p, __m256 n) {
-  const __m256i e = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(n, _mm256_set1_ps(127.0f)), _mm256_set1_ps(-126.0f)));
+  const __m256 held = _mm256_max_ps(_mm256_min_ps(n, _mm256_set1_ps(127.0f)), _mm256_set1_ps(-126.0f));
+  const __m256i e = _mm256_cvtps_epi32(held);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)));
 }
 inline V16 vscale2(V16 p, V16 n) { return {scale2(p.lo, n.lo), scale2(p.hi, n.hi)}; }

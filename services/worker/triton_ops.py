@@ -15,9 +15,9 @@ activation in two); these take five:
 
 Arithmetic is float32 inside the kernels (the attention's products on tensor cores in TF32 for
 16-bit tensors, whose values TF32 holds exactly, and in full float32 for float32 ones); results
-round to the tensors' dtype (bfloat16 when serving), so they differ from torch's ops in the last bits. With ``TRITON_INTERPRET=1`` set before
-Triton is imported they run on CPU tensors in Triton's interpreter: that is how the tests check them
-without a GPU (``tests/worker/conftest.py``).
+round to the tensors' dtype (bfloat16 when serving), so they differ from torch's ops in the last
+bits. With ``TRITON_INTERPRET=1`` set before Triton is imported they run on CPU tensors in
+Triton's interpreter: that is how the tests check them without a GPU (``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
         raise ValueError("qkv and pool must be contiguous [.., heads, dim] with the same dim")
     if tokens:
         _rope_store_kernel[(tokens,)](qkv, cos, sin, positions, pool, slots, ALL=heads, ROTATED=rotated,
-                    FIRST=heads - pool.shape[1], DIM=dim, HEADS=triton.next_power_of_2(heads))
+                                      FIRST=heads - pool.shape[1], DIM=dim, HEADS=triton.next_power_of_2(heads))
 
 
 def decode_attention(q: torch.Tensor, blocks: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
@@ -168,10 +168,10 @@ def decode_attention(q: torch.Tensor, blocks: torch.Tensor, tables: torch.Tensor
     out = torch.empty(n, heads * dim, dtype=q.dtype, device=q.device)
     if n:
         group = heads // kv_heads
-        _decode_attention_kernel[(n, kv_heads)](q, q.stride(0), blocks, tables, tables.stride(0), lengths, out, scale,
-                          HEADS=heads, KV_HEADS=kv_heads, GROUP=group,
-                          BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), DIM=dim, BS=block_size, TILE=TILE,
-                          PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        _decode_attention_kernel[(n, kv_heads)](
+            q, q.stride(0), blocks, tables, tables.stride(0), lengths, out, scale, HEADS=heads, KV_HEADS=kv_heads,
+            GROUP=group, BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), DIM=dim, BS=block_size, TILE=TILE,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out
 
 
