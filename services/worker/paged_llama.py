@@ -5,8 +5,9 @@ transformers modules' own weights, q/k/v and gate/up fused into one matrix each 
 parameters re-pointed at views of them, so nothing is stored twice); or weight-only quantized.
 
 One step flattens every token of every sequence into ``[tokens, hidden]``: each projection and the
-MLP is one matmul per step. Attention runs for all single-token inputs (decode) at once, over a
-padded gather of their cached keys and values, and per sequence for multi-token inputs (prefill).
+MLP is one matmul per step. Attention runs for all decode rows at once, over a padded gather of
+their cached keys and values, and per sequence for longer inputs (prefill). Decode rows are the
+tokens of single-token inputs and of short ones (``DECODE_ROWS_MAX``: a controller's splice).
 Per-step index tensors (slots, gathers, masks, rotary cos/sin) are built once and shared by all
 layers.
 
@@ -40,6 +41,12 @@ from services.worker.step_plan import Prefill, StepPlan
 from services.worker.transfer import to_device
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+# Inputs of at most this many tokens (a decode token, a controller's splice, a short turn) run as decode
+# rows, one per token, each attending to the keys up to its own: every row's keys and values are written
+# before any row attends, so row j of an input sees the rows before it. That keeps a step that carries a
+# splice on the decode path (a whole layer per call on GGUF weights); past this, re-reading the context
+# once per row costs more than one causal attention over the input.
+DECODE_ROWS_MAX = 16
 
 
 def _ops(kernels: str, kv: torch.Tensor, head_dim: int, hidden_act: str) -> fused_ops.FusedOps | None:
@@ -169,9 +176,10 @@ class PagedLlama:
                 self.cache.zero_blocks(fresh)
             return self.graphs.run(inputs)
         device = self.device
-        # Decode inputs (one token) first, as one batch; multi-token inputs after, one by one.
-        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].tokens) > 1)
-        decode = [inputs[i] for i in order if len(inputs[i].tokens) == 1]
+        # Short inputs first, their tokens as decode rows of one batch; longer ones after, one by one.
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].tokens) > DECODE_ROWS_MAX)
+        decode = [(item.seq_id, item.start + j + 1) for item in (inputs[i] for i in order)
+                  if len(item.tokens) <= DECODE_ROWS_MAX for j in range(len(item.tokens))]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -189,7 +197,7 @@ class PagedLlama:
             slots += tables.slots(item.seq_id, item.start, item.start + n)
             last_row[i] = row + n - 1
             first_row[i] = row
-            if n > 1:
+            if n > DECODE_ROWS_MAX:
                 prefills.append(self._plan_prefill(item, row))
         if fresh:
             self.cache.zero_blocks(fresh)
@@ -285,18 +293,18 @@ class PagedLlama:
         sin = torch.cat((sin.expand(tokens, rotated, -1), sin.new_zeros(shape)), dim=1)
         return cos, sin
 
-    def _plan_decode(self, decode: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block tables of the decode inputs, padded to the longest with the (zeroed) null
-        block, flattened for one gather; and the key mask ``[n, 1, 1, blocks * block_size]``.
-        Always a mask, even where all inputs have one length: attention over exactly that many
-        keys and no mask differs from this in the last bit, enough to flip a near-tie.
-        Fused: the tables ``[n, blocks]`` and each input's keys ``[n]``, read in place."""
+    def _plan_decode(self, decode: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For decode rows ``(seq_id, keys it attends to)``: their block tables, padded to the longest
+        with the (zeroed) null block, flattened for one gather; and the key mask ``[n, 1, 1, blocks *
+        block_size]``. Always a mask, even where all rows have one length: attention over exactly that
+        many keys and no mask differs from this in the last bit, enough to flip a near-tie.
+        Fused: the tables ``[n, blocks]`` and each row's keys ``[n]``, read in place."""
         tables = self.cache.tables
         bs = tables.block_size
-        width = -(-max(d.start + 1 for d in decode) // bs)
-        rows = [tables.seqs[d.seq_id][:width] for d in decode]
+        width = -(-max(length for _, length in decode) // bs)
+        rows = [tables.seqs[seq_id][:width] for seq_id, _ in decode]
         blocks = to_device([r + [NULL_BLOCK] * (width - len(r)) for r in rows], self.device)
-        lengths = to_device([d.start + 1 for d in decode], self.device)
+        lengths = to_device([length for _, length in decode], self.device)
         if self.ops is not None:
             return blocks, lengths
         valid = torch.arange(width * bs, device=self.device) < lengths.unsqueeze(-1)

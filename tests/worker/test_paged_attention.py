@@ -2,9 +2,9 @@
 
 A tiny random Llama (grouped-query attention, 4-token blocks, so sequences span many blocks and
 blocks land out of order in the pool) runs steps that mix what the engine mixes: fresh and
-continued (chunked) prefills beside decodes, decode rows of different lengths (padded block
-tables) and of one length, and forks that share their parent's blocks and copy the partial last
-one on write. Every logits row must equal the dense model's last-position logits over the
+continued (chunked) prefills beside decodes, short inputs (a controller's splice, a short prompt)
+that run as decode rows, one per token, decode rows of different lengths (padded block tables) and
+of one length, and forks that share their parent's blocks and copy the partial last one on write. Every logits row must equal the dense model's last-position logits over the
 sequence's whole history: on torch's ops, on the kernel library's fused ops (norms, rotation
 with the KV write, decode attention reading the blocks in place), and on the same ops as Triton
 kernels (in Triton's interpreter on a CPU: see conftest.py).
@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from services.worker.gguf_blocks import GROUP, Blocks
 from services.worker.gguf_linear import BlockLinear
 from services.worker.kv_cache import PagedKVCache
-from services.worker.paged_llama import PagedLlama
+from services.worker.paged_llama import DECODE_ROWS_MAX, PagedLlama
 from services.worker.runner import SeqInput
 
 BLOCK = 4
@@ -88,11 +88,14 @@ def kernels(request) -> str:
 
 def test_mixed_steps_equal_the_dense_forward(model: LlamaForCausalLM, kernels: str) -> None:
     paged = Paged(model, kernels)
-    _check(model, paged, paged.step({1: _tokens(11, 1), 2: _tokens(5, 2)}))  # two fresh prefills
+    long = DECODE_ROWS_MAX + 1  # the shortest input that runs as a prefill; shorter ones run as decode rows
+    _check(model, paged, paged.step({1: _tokens(long + 4, 1), 2: _tokens(5, 2)}))  # a fresh prefill, a short prompt
     for i in range(3):  # rows of different lengths: padded block tables, masked keys
         _check(model, paged, paged.step({1: _tokens(1, 10 + i), 2: _tokens(1, 20 + i)}))
-    _check(model, paged, paged.step({3: _tokens(6, 3), 1: _tokens(1, 30)}))  # a prefill beside a decode
-    _check(model, paged, paged.step({3: _tokens(7, 4), 2: _tokens(1, 31)}))  # its second chunk: a continued prefill
+    _check(model, paged, paged.step({3: _tokens(long, 3), 1: _tokens(1, 30)}))  # a prefill beside a decode
+    # its second chunk (a continued prefill) beside a decode and a splice (decode rows of one sequence)
+    _check(model, paged, paged.step({3: _tokens(long + 2, 4), 2: _tokens(1, 31), 1: _tokens(4, 32)}))
+    _check(model, paged, paged.step({2: _tokens(DECODE_ROWS_MAX, 33), 3: _tokens(1, 34)}))  # the longest splice
     for i in range(5):
         _check(model, paged, paged.step({1: _tokens(1, 40 + i), 2: _tokens(1, 50 + i), 3: _tokens(1, 60 + i)}))
 
@@ -108,7 +111,7 @@ def test_forks_share_blocks_and_decode_apart(model: LlamaForCausalLM, kernels: s
     shared = set(paged.tables.seqs[1][:2])
     assert shared == set(paged.tables.seqs[2][:2]) == set(paged.tables.seqs[3][:2])
     assert len({paged.tables.seqs[s][2] for s in (1, 2, 3)}) == 3
-    _check(model, paged, paged.step({2: _tokens(3, 7), 3: _tokens(1, 8)}))  # a fork's prefill beside a decode
+    _check(model, paged, paged.step({2: _tokens(3, 7), 3: _tokens(1, 8)}))  # a fork's splice beside a decode
 
 
 def _q8_layer(modules: list[torch.nn.Linear]) -> BlockLinear:
@@ -120,8 +123,9 @@ def _q8_layer(modules: list[torch.nn.Linear]) -> BlockLinear:
 
 
 def test_whole_decode_layers_equal_the_fused_ops_one_by_one(model: LlamaForCausalLM, gguf_kernel) -> None:
-    """On GGUF block weights a decode-only step runs each layer as one call (``decode_layer``): the
-    same ops composed in C++, so the same logits to the bit; prefills and mixed steps go op by op."""
+    """On GGUF block weights a step of decode rows only (single tokens and short inputs) runs each layer as
+    one call (``decode_layer``): the same ops composed in C++, so the same logits to the bit; a step with a
+    prefill goes op by op."""
     runs = []
     for whole in (True, False):
         paged = Paged(model, "library")
@@ -135,12 +139,13 @@ def test_whole_decode_layers_equal_the_fused_ops_one_by_one(model: LlamaForCausa
         assert paged.runner.ops is not None
         layer_op = paged.runner.ops.decode_layer
         paged.runner.ops = dataclasses.replace(paged.runner.ops, decode_layer=lambda *a: calls.append(1) or layer_op(*a))
-        steps = [paged.step({1: _tokens(9, 1), 2: _tokens(3, 2)})]
+        steps = [paged.step({1: _tokens(DECODE_ROWS_MAX + 3, 1), 2: _tokens(3, 2)})]  # a prefill: op by op
         paged.fork(1, 3)
         steps += [paged.step({s: _tokens(1, 10 * s + i) for s in (1, 2, 3)}) for i in range(6)]
-        steps.append(paged.step({4: _tokens(5, 4), 1: _tokens(1, 5)}))  # mixed: op by op
+        steps.append(paged.step({4: _tokens(5, 4), 1: _tokens(1, 5)}))  # a short input: decode rows
+        steps.append(paged.step({5: _tokens(DECODE_ROWS_MAX + 1, 6), 2: _tokens(1, 7)}))  # mixed: op by op
         runs.append(steps)
-        assert len(calls) == (6 * model.config.num_hidden_layers if whole else 0)
+        assert len(calls) == (7 * model.config.num_hidden_layers if whole else 0)
     for whole_step, op_step in zip(*runs):
         for seq_id, row in whole_step.items():
             assert torch.equal(row, op_step[seq_id]), seq_id

@@ -26,9 +26,10 @@ from tests.worker.conftest import Driver
 NEW_TOKENS = 32
 # logits: a parting where the dense model's top two are closer than this is a near-tie, reported. Tiller's
 # kernel ('gguf') differs from the dense model by float32 rounding only; torch's exact packing
-# ('gguf-int4pack', what 'gguf' falls back to) by bfloat16 activations; rounding the scales too
-# (gguf-bf16) moves logits further (measured: a parting at a gap of 0.13).
-NEAR_TIE = {"gguf": 0.01, "gguf-int4pack": 0.05, "gguf-bf16": 0.25}
+# ('gguf-int4pack', what 'gguf' falls back to) by bfloat16 activations (8 significant bits: about 0.06 on
+# a logit of 15; measured: a parting at a gap of 0.052); rounding the scales too (gguf-bf16) moves logits
+# further (measured: a parting at a gap of 0.13).
+NEAR_TIE = {"gguf": 0.01, "gguf-int4pack": 0.1, "gguf-bf16": 0.25}
 BF16_ROUNDING = 2.0**-8  # relative: a bfloat16 output (8 significant bits) is within half a unit of this
 
 
