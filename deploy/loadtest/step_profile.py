@@ -1,7 +1,7 @@
 """Where a CPU decode step's time goes, with the linear layers set apart.
 
     OMP_NUM_THREADS=1 .venv/bin/python deploy/loadtest/step_profile.py [--shapes 1x128 16x128 16x512]
-        [--steps 20] [--repeats 2] [--no-ops] [--splice N]
+        [--steps 20] [--repeats 2] [--no-ops]
 
 Builds the worker's engine on the configured model and weights (``TILLER_MODEL``, ``TILLER_WEIGHTS``),
 gives each of ``batch`` sequences ``context`` tokens of random keys and values (the values do not
@@ -23,9 +23,6 @@ call, as the worker runs decode steps; its stand-in projections are not block la
 ``--no-ops``, a profile of the non-linear steps follows: each top-level torch op's share of
 the profiled time and its calls per decode step and per layer. The profiler times wall clock
 and adds its own cost per op, so read the shares and counts, not its microseconds.
-
-``--splice N`` feeds the first sequence N tokens a step instead of one, as a controller's splice of forced
-tokens (or a short turn) does: the step's cost beside the plain decode step's shows what the splice adds.
 """
 
 from __future__ import annotations
@@ -80,13 +77,11 @@ class Projections:
         self.runner.head = head
 
 
-def decode_steps(runner: PagedLlama, batch: int, start: int, steps: int, splice: int = 1) -> float:
-    """CPU ms per step of ``steps`` decode steps of sequences 0..batch-1 from position ``start``, the first
-    fed ``splice`` tokens a step."""
+def decode_steps(runner: PagedLlama, batch: int, start: int, steps: int) -> float:
+    """CPU ms per step of ``steps`` decode steps of sequences 0..batch-1 from position ``start``."""
     began = time.process_time()
     for i in range(steps):
-        inputs = [SeqInput(seq_id=0, tokens=[1] * splice, start=start + i * splice, logits=True)]
-        inputs += [SeqInput(seq_id=s, tokens=[1 + s], start=start + i, logits=True) for s in range(1, batch)]
+        inputs = [SeqInput(seq_id=s, tokens=[1 + s], start=start + i, logits=True) for s in range(batch)]
         with torch.inference_mode():
             runner.forward(inputs)
     return (time.process_time() - began) * 1000 / steps
@@ -129,12 +124,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-ops", action="store_true", help="skip the profiler's op table")
-    parser.add_argument("--splice", type=int, default=1, help="tokens the first sequence is fed each step")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
     settings = get_settings()
     loaded = load_model(settings, lambda percent, message: None)
-    longest = max(c for _, c in shapes) + (args.steps + 1) * args.splice
+    longest = max(c for _, c in shapes) + (6 * args.repeats + 2) * (args.steps + 1)  # 3 variants x 2 forwards
     engine = Engine(loaded, num_blocks=max(b for b, _ in shapes) * -(-longest // BLOCK_SIZE) + 1)
     runner = engine.runner
     if not isinstance(runner, PagedLlama):
@@ -144,7 +138,7 @@ def main() -> None:
     if runner.ops is not None:
         variants |= {"fused": (runner.ops, False), "layer": (runner.ops, True)}
     print(f"model={settings.model} weights={loaded.weights} threads={torch.get_num_threads()} "
-          f"steps={args.steps} repeats={args.repeats} splice={args.splice}")
+          f"steps={args.steps} repeats={args.repeats}")
     print(f"{'batch':>6}{'context':>9}{'ops':>7}{'all':>9}{'non-linear':>12}{'linear':>9}{'sample':>9}"
           "   (CPU ms per decode step)")
     generator = torch.Generator().manual_seed(0)
@@ -155,14 +149,15 @@ def main() -> None:
             engine.tables.reserve(seq_id, longest)
         engine.cache.kv.normal_(generator=generator)
         best = {(name, fake): float("inf") for name in variants for fake in (False, True)}
-        for _ in range(args.repeats):  # each run from ``context`` on (the slots' old values do not change its cost)
+        position = context
+        for _ in range(args.repeats):
             for name, (ops, whole) in variants.items():
                 runner.ops, runner.whole_layers = ops, whole
                 for fake in (False, True):
                     projections.use(fake)
-                    decode_steps(runner, batch, context, 1, args.splice)  # warm-up
-                    best[name, fake] = min(best[name, fake], decode_steps(runner, batch, context + args.splice,
-                                                                          args.steps, args.splice))
+                    decode_steps(runner, batch, position, 1)  # warm-up
+                    best[name, fake] = min(best[name, fake], decode_steps(runner, batch, position + 1, args.steps))
+                    position += args.steps + 1
         sampled = sample_ms(batch, loaded.vocab_size)
         for name in variants:
             every, rest = best[name, False], best[name, True]
@@ -170,7 +165,7 @@ def main() -> None:
             print(f"{batch:>6}{context:>9}{name:>7}{every:>9.2f}{rest:>12.2f}{linear}{sampled:>9.2f}", flush=True)
         if not args.no_ops:
             projections.use(True)
-            op_table(runner, batch, context, args.steps)
+            op_table(runner, batch, position, args.steps)
         projections.use(False)
 
 

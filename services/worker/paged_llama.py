@@ -45,8 +45,8 @@ NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 # rows, one per token, each attending to the keys up to its own: every row's keys and values are written
 # before any row attends, so row j of an input sees the rows before it. That keeps a step that carries a
 # splice on the decode path (a whole layer per call on GGUF weights). Each row reads its context again, so
-# longer inputs go as prefills: beside 15 decode rows on the CPU kernel, a 16-token input cost 0.96x the
-# CPU as decode rows, a 24-token one 1.04x (README, "Fused decoder-layer ops").
+# longer inputs go as prefills: about 16 tokens is where the two ways cost the same on the CPU kernel
+# (deploy/loadtest/splice_bench.py).
 DECODE_ROWS_MAX = 16
 
 

@@ -4,10 +4,11 @@ A tiny random Llama (grouped-query attention, 4-token blocks, so sequences span 
 blocks land out of order in the pool) runs steps that mix what the engine mixes: fresh and
 continued (chunked) prefills beside decodes, short inputs (a controller's splice, a short prompt)
 that run as decode rows, one per token, decode rows of different lengths (padded block tables) and
-of one length, and forks that share their parent's blocks and copy the partial last one on write. Every logits row must equal the dense model's last-position logits over the
-sequence's whole history: on torch's ops, on the kernel library's fused ops (norms, rotation
-with the KV write, decode attention reading the blocks in place), and on the same ops as Triton
-kernels (in Triton's interpreter on a CPU: see conftest.py).
+of one length, and forks that share their parent's blocks and copy the partial last one on write.
+Every logits row must equal the dense model's last-position logits over the sequence's whole
+history: on torch's ops, on the kernel library's fused ops (norms, rotation with the KV write,
+decode attention reading the blocks in place), and on the same ops as Triton kernels (in Triton's
+interpreter on a CPU: see conftest.py).
 """
 
 from __future__ import annotations
