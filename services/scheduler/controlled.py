@@ -137,8 +137,8 @@ class Branch:
         self.report_tokens += tokens
 
     def splice(self, backtrack: int, tokens: list[int]) -> None:
-        """Drop ``backtrack`` tokens from the end and append ``tokens`` (logically; fed later)."""
-        backtrack = min(backtrack, len(self.tokens) - 1)  # a sequence never becomes empty
+        """Drop ``backtrack`` tokens from the end (fewer than it holds) and append ``tokens`` (logically;
+        fed later)."""
         if backtrack:
             unfed = len(self.tokens) - self.kv_len
             if backtrack > unfed:
@@ -621,11 +621,8 @@ class ControlledSteps:
         if num_forks == 0:
             self._end(branch, "aici-stop")
             return []
-        ff = pre.ff_tokens
-        if ff:
-            branch.splice(0, ff)
-            self._count_ff(branch, len(ff))
-            self._check_limits(branch, self.host.max_model_len())
+        if pre.ff_tokens:  # fed to its post_process inside the runtime already: not reported
+            self._splice(branch, 0, pre.ff_tokens, report=False)
             if branch.finished:
                 return []
         branch.suspended = pre.suspend
@@ -682,10 +679,23 @@ class ControlledSteps:
         elif isinstance(mid, aici_wire.MidBranch) and mid.Splice is not None:
             branch.mid_splice = (mid.Splice.backtrack, list(mid.Splice.ff_tokens))
 
-    def _splice(self, branch: Branch, backtrack: int, ff: list[int]) -> None:
-        """Apply a mid_process Splice; its tokens are fed on the branch's next step."""
+    def _splice(self, branch: Branch, backtrack: int, ff: list[int], *, report: bool = True) -> None:
+        """Apply a controller's splice (a mid_process Splice, or pre_process's ``ff_tokens``); its tokens
+        are fed on the branch's next step. A backtrack past the sequence's first token fails the branch;
+        forced tokens count as generated ones: those past ``max_tokens`` or the context are cut off and
+        the branch ends with ``length``."""
+        held = len(branch.tokens)
+        if backtrack >= held:
+            self._end(branch, "fail", error=f"the controller backtracked {backtrack} tokens, but the sequence holds "
+                                            f"{held} (its prompt included) and may not become empty")
+            return
+        kept = held - backtrack
+        generated = kept - min(branch.text_start, kept)
+        room = min(branch.request.submit.max_tokens - generated, self.host.max_model_len() - kept)
+        ff = ff[: max(room, 0)]
         branch.splice(backtrack, ff)
-        branch.report(backtrack, ff)
+        if report:
+            branch.report(backtrack, ff)
         self._count_ff(branch, len(ff))
         self._check_limits(branch, self.host.max_model_len())
 
@@ -740,9 +750,10 @@ class ControlledSteps:
         self._check_limits(branch, max_len)
 
     def _check_limits(self, branch: Branch, max_len: int) -> None:
-        """End a branch whose text hit a stop string or whose length hit max_tokens or the context."""
+        """End a branch whose text hit a stop string or whose length hit max_tokens or the context. Its
+        generated tokens are those after its prompt, or after the point a backtrack into the prompt cut."""
         request = branch.request
-        generated = len(branch.tokens) - len(request.prompt)
+        generated = len(branch.tokens) - branch.text_start
         if branch.text.stopped_by is not None:
             self._end(branch, "stop")
         elif length_reached(request.submit, generated, len(branch.tokens), max_len):

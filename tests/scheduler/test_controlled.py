@@ -241,6 +241,55 @@ def test_a_splice_backtracks_after_the_step_and_feeds_its_tokens_next():
     assert h.text("c") == " hello" + BACKTRACK_MARK + " world"
 
 
+def test_forced_tokens_past_max_tokens_are_cut_there_and_end_the_branch_with_length():
+    h, rt = controlled(max_tokens=5)
+    step(h, rt, {"c": HE})
+    seq_id = h.core.requests["c"].seq_id
+    rt.mid[seq_id] = {"Splice": {"backtrack": 0, "ff_tokens": [WOR] * 5000}}
+    step(h, rt, {"c": BANG})  # fed, not sampled
+    final = h.final("c")
+    assert (final.finish_reason, final.fork_finish) == ("length", "length")
+    assert h.text("c") == " he" + " wor" * 4 and sum(e.ff_tokens for e in h.events("c")) == 4
+
+
+def test_pre_process_forced_tokens_past_the_context_are_cut_there():
+    h = Harness(controllers=Controllers(max_forks=4, deadlock_steps=2), prefill_chunk_tokens=16)
+    h.worker(max_model_len=6)
+    h.submit("c", prompt(3), 3, controller="ctl-1")
+    rt = FakeRuntime()
+    rt.pre[next_seq_id(h)] = {"ff_tokens": [WOR] * 50}
+    steps, _ = step(h, rt)
+    assert all(len(s.tokens) <= 6 for s in seqs_of(steps, "c"))  # nothing past the context is fed
+    final = h.final("c")
+    assert final.finish_reason == "length" and h.text("c") == " wor" * 3
+    assert sum(e.ff_tokens for e in h.events("c")) == 3
+
+
+def test_a_backtrack_past_the_first_token_fails_the_branch_and_says_why():
+    h, rt = controlled(n=3)
+    step(h, rt, {"c": HE})
+    seq_id = h.core.requests["c"].seq_id
+    rt.mid[seq_id] = {"Splice": {"backtrack": 1000, "ff_tokens": [WOR]}}
+    step(h, rt, {"c": BANG})
+    final = h.final("c")
+    assert final.finish_reason == "error" and final.fork_finish == "fail"
+    assert "backtracked 1000 tokens, but the sequence holds 4" in final.error
+
+
+def test_after_a_backtrack_into_the_prompt_max_tokens_counts_from_the_cut():
+    h, rt = controlled(max_tokens=3, n=3)
+    step(h, rt, {"c": HE})
+    seq_id = h.core.requests["c"].seq_id
+    rt.mid[seq_id] = {"Splice": {"backtrack": 3, "ff_tokens": [WOR]}}  # the sampled token and 2 of the prompt's
+    step(h, rt, {"c": BANG})
+    for _ in range(4):
+        if "c" in h.core.requests:
+            step(h, rt, {"c": LD})
+    sampled = [t for e in h.events("c") for t in e.tokens]
+    assert h.final("c").finish_reason == "length" and len(sampled) == 3  # HE, LD, LD
+    assert h.text("c") == " he" + BACKTRACK_MARK + " wor" + "ld" * 2  # 3 tokens after the cut: max_tokens
+
+
 def test_beside_plain_sequences_mid_process_runs_first_and_its_masks_go_with_the_step():
     h, rt = controlled()
     h.submit("p", prompt(3), 8)
