@@ -543,18 +543,26 @@ async def test_cancel_of_a_pending_action_and_of_an_unknown_output(stack):
 
 
 async def test_per_action_failures_are_reported_when_asked_for(stack, hf_greedy):
+    unreported = generate("p", "r5", configs=[config(max_tokens=4000)])
+    unreported.name = "TRY_GENERATE"  # without an error output: its failure only ends its output
     result = await run_session(
         stack,
         msg(generate("p", "r1", configs=[config(max_tokens=4000)], error="e1"), text("p", "Hi")),
         msg(generate("img", "r2", error="e2"),
             eg.NodeFragment(id="img", chunk_fragment=eg.Chunk(metadata=eg.ChunkMetadata(mimetype="image/png")))),
         msg(generate("p", "r3", error="e3")),
+        msg(generate("never", "r4", error="e4"), unreported),  # "never" is never sent
     )
     assert result.code == grpc.StatusCode.OK, result.details
     e1 = json.loads(result.text("e1"))
     assert e1["status"] == "OUT_OF_RANGE" and "plus max_tokens (4000)" in e1["message"]
     assert json.loads(result.text("e2"))["message"].startswith("node 'img': mimetype 'image/png' cannot be given")
-    assert result.text("r1") == result.text("r2") == ""
+    assert json.loads(result.text("e4")) == {
+        "status": "INVALID_ARGUMENT",
+        "message": "TRY_GENERATE('never' → 'r4'): the client closed its stream before the action's input 'never' "
+                   "was complete",
+    }
+    assert result.text("r1") == result.text("r2") == result.text("r4") == result.text("r5") == ""
     assert result.text("r3") == expected_greedy(stack, hf_greedy, [{"role": "user", "content": "Hi"}])
     assert "e3" not in result.nodes
 

@@ -12,10 +12,11 @@ SET_TTL     ``node``                           none                             
 CANCEL      ``output`` (a GENERATE's output)   none                                  none
 ==========  =================================  ====================================  =====================
 
-TRY_GENERATE is GENERATE with per-action failure reporting, asked for by its ``error`` output: a
-failure of that action ends its output node and writes ``{"status", "message"}``
-(``application/json``) into the ``error`` node instead of aborting the session. Plain GENERATE
-keeps the spec's rule: any failure aborts, and an ``error`` output is an unknown output name.
+TRY_GENERATE is GENERATE with per-action failure reporting: a failure of that action ends its
+output node and writes ``{"status", "message"}`` (``application/json``) into its ``error`` output
+node, when it names one (as the spec allows any output to be left out), instead of aborting the
+session. Plain GENERATE keeps the spec's rule: any failure aborts, and an ``error`` output is an
+unknown output name.
 """
 
 from __future__ import annotations
@@ -173,13 +174,15 @@ class GenerateRun:
             raise
 
     def fail(self, exc: SessionAbort) -> None:
-        """End this action with ``exc``: reported in its ``error`` node if it has one, else re-raised."""
-        if self.bound.error_id is None:
+        """End this action with ``exc``: a TRY_GENERATE's output ends (and its ``error`` node, if it
+        names one, says why); a GENERATE's failure is re-raised, to abort the session."""
+        if not SIGNATURES[self.bound.action.name].error_output:
             raise exc
         log.info("evergreen.action_failed", action=self.bound.label, status=exc.status.name, error=exc.message)
         self._finish_output()
-        body = json.dumps({"status": exc.status.name, "message": exc.message}).encode()
-        OutputWriter(self.bound.error_id, self._emit, ERROR_MIMETYPE).write(body, final=True)
+        if self.bound.error_id is not None:
+            body = json.dumps({"status": exc.status.name, "message": exc.message}).encode()
+            OutputWriter(self.bound.error_id, self._emit, ERROR_MIMETYPE).write(body, final=True)
 
     def _finish_output(self) -> None:
         if self._output is not None:

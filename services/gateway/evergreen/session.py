@@ -145,8 +145,8 @@ class Session:
         self.graph.add(fragment, from_server=True)
         self._mirror([fragment])
         self._out.put_nowait(eg.SessionMessage(node_fragments=[fragment]))
-        if not fragment.continued:
-            self._advance()
+        if not fragment.continued:  # it may complete another action's input; looked at once this work is done,
+            asyncio.get_running_loop().call_soon(self._advance)  # never inside it (a failing action's error node)
 
     # -- actions --------------------------------------------------------------------------
 

@@ -69,5 +69,5 @@ def to_turns(chunks: list[tuple[str, eg.ChunkMetadata, bytes]]) -> list[dict[str
         open_turn.parts.append(text)
     messages = [{"role": t.role, "content": "".join(t.parts)} for t in turns]
     if not messages:
-        raise SessionAbort.invalid("the GENERATE input holds no text")
+        raise SessionAbort.invalid("the GENERATE input holds no text: no text/* chunk, only end-of-turn markers or none")
     return messages
