@@ -29,7 +29,12 @@ class Limits(BaseModel):
     max_batch_size: int = Field(64, ge=1, description="sequences in one worker step")
     max_queued: int = Field(256, ge=0, description="requests waiting for admission before memory_pressure")
     max_model_len: int = Field(2048, ge=16, description="context cap (clamped to the model's own)")
-    default_max_tokens: int = Field(256, ge=1)
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that names none (the WebSocket "
+                                    "protocol, REST, AICI runs, Evergreen, Salience), capped by the room in the context")
+    completions_default_max_tokens: int = Field(16, ge=1, description="the same for OpenAI /v1/completions (16: "
+                                                "OpenAI's and vLLM's default)")
+    chat_default_max_tokens: int | None = Field(None, ge=1, description="the same for OpenAI /v1/chat/completions; "
+                                                "none: the room left in the context (vLLM's default)")
     max_tokens_cap: int = Field(4096, ge=1)
     prefill_chunk_tokens: int = Field(512, ge=16, description="prompt tokens of one sequence per step")
     step_token_budget: int = Field(2048, ge=16, description="tokens fed to the model in one step")

@@ -156,7 +156,8 @@ class Generation:
             self._max_model_len = facts.max_model_len or gw.settings.limits.max_model_len
             self._check_logit_bias(facts.vocab_size)
             max_tokens = context_budget(
-                len(prompt_ids), self.request.max_tokens, self._max_model_len, gw.settings.limits.default_max_tokens
+                len(prompt_ids), self.request.max_tokens, self._max_model_len,
+                self.request.default_max_tokens or gw.settings.limits.default_max_tokens,
             )
             if self.request.controller:
                 await self._instantiate(prompt_ids)

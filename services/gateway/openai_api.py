@@ -1,7 +1,8 @@
 """The OpenAI-compatible API: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``.
 
 Requests run on the same generation driver as the WebSocket; this module only translates. Defaults
-follow vLLM (temperature 1.0; max_tokens ``limits.default_max_tokens`` capped by the context);
+follow vLLM (temperature 1.0; max_tokens 16 for completions and the room left in the context for chat
+completions, ``limits.completions_default_max_tokens`` and ``limits.chat_default_max_tokens``);
 ``top_k`` and ``repetition_penalty`` are accepted as vLLM's extensions. Errors use OpenAI's body
 ``{"error": {message, type, param, code}}`` with the HTTP status of the error type, so the official
 client raises the matching exception class.
@@ -307,7 +308,9 @@ class CompletionRequest(_OpenAIRequest):
 
     def to_requests(self, context: Context) -> list[GenerationRequest]:
         prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_ids": p} for p in self.prompt]
-        return self._requests(context, prompts, max_tokens=self.max_tokens, top_logprobs=self.logprobs, echo=self.echo,
+        return self._requests(context, prompts, max_tokens=self.max_tokens,
+                              default_max_tokens=context.limits.completions_default_max_tokens,
+                              top_logprobs=self.logprobs, echo=self.echo,
                               prompt_logprobs=self.echo and self.logprobs is not None)
 
 
@@ -387,6 +390,8 @@ class ChatCompletionRequest(ChatTools, _OpenAIRequest, ChatRendering):  # ChatTo
             context,
             [{"messages": self.rendered_messages(), **self.rendering()}],
             max_tokens=self.max_completion_tokens or self.max_tokens,
+            # no default: the room left in the context (the context itself is at least that)
+            default_max_tokens=context.limits.chat_default_max_tokens or context.limits.max_model_len,
             top_logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
 
@@ -430,8 +435,9 @@ class _TextFormat(_Format):
         for sampled, *alternatives in entries:
             out["tokens"].append(sampled.token)
             out["token_logprobs"].append(sampled.logprob)
-            # a prompt's first token has no logprob, nor alternatives (as vLLM and OpenAI's legacy API)
-            top = {alt.token: alt.logprob for alt in alternatives}
+            # the token itself, then its `logprobs` most likely alternatives: up to logprobs + 1 entries, as vLLM
+            # gives them; a prompt's first token has no logprob, nor alternatives (as vLLM and OpenAI's legacy API)
+            top = {sampled.token: sampled.logprob, **{alt.token: alt.logprob for alt in alternatives}}
             out["top_logprobs"].append(None if sampled.logprob is None else top)
             out["text_offset"].append(self.text_offset)
             self.text_offset += len(sampled.token)

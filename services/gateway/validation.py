@@ -231,7 +231,8 @@ class GenerationRequest:
     add_generation_prompt: bool = True  # how ``messages`` end (see ChatRendering)
     continue_final_message: bool = False
     prompt_ids: list[int] | None = None
-    max_tokens: int | None = None  # None: limits.default_max_tokens, capped by the context
+    max_tokens: int | None = None  # None: default_max_tokens, capped by the context
+    default_max_tokens: int | None = None  # the surface's default for max_tokens; None: limits.default_max_tokens
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

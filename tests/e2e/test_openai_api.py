@@ -89,12 +89,22 @@ def test_completion_with_logprobs_and_stop(stack, client, hf_greedy):
     assert choice.text == stack.tokenizer.decode(expected, skip_special_tokens=True)
     assert choice.logprobs.tokens == [stack.tokenizer.decode([t]) for t in expected]
     assert choice.logprobs.text_offset[1] == len(choice.logprobs.tokens[0])
-    assert all(len(top) == 1 for top in choice.logprobs.top_logprobs)
+    assert all(len(top) == 1 for top in choice.logprobs.top_logprobs)  # the greedy token is the favourite
+    sampled = client.completions.create(
+        model=stack.settings.served_model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=2.0, seed=7, logprobs=0
+    ).choices[0].logprobs  # logprobs 0: each token's own logprob only (vLLM)
+    assert sampled.top_logprobs == [{t: lp} for t, lp in zip(sampled.tokens, sampled.token_logprobs, strict=True)]
 
     stopped = client.completions.create(
         model=stack.settings.served_model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop="."
     )
     assert stopped.choices[0].text == " Paris" and stopped.choices[0].finish_reason == "stop"
+
+
+def test_a_completion_without_max_tokens_gets_16_as_from_vllm(stack, client):
+    reply = client.completions.create(model=stack.settings.served_model_name, prompt=PROMPT, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert (reply.usage.completion_tokens, reply.choices[0].finish_reason) == (16, "length")
 
 
 def test_stop_token_ids_end_the_completion(stack, client, hf_greedy):
@@ -163,9 +173,12 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(stack, client, hf_
         assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
         want = [expected[p - 1, ids[p]].item() for p in range(1, len(ids))] + [expected[-1, generated[0]].item()]
         assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=2e-3)
-        for p, top in enumerate(logprobs.top_logprobs[1:], start=1):
+        for p, top in enumerate(logprobs.top_logprobs[1:], start=1):  # the token itself, then the favourite
             favourite = int(expected[p - 1].argmax())
-            assert list(top) == [stack.tokenizer.decode([favourite])]
+            token = logprobs.tokens[p]
+            assert list(top) == list(dict.fromkeys([token, stack.tokenizer.decode([favourite])]))
+            assert top[token] == logprobs.token_logprobs[p]
+        assert any(len(top) == 2 for top in logprobs.top_logprobs[1:])  # some prompt token is not the favourite
         assert logprobs.text_offset[1] == len(logprobs.tokens[0])
         assert choice.text == stack.tokenizer.decode(ids + generated)
         parts = [c.choices[0] for c in streamed if c.choices and c.choices[0].index == choice.index]
