@@ -214,8 +214,15 @@ class WasmEngine:
     def prepare(self, module: wasmtime.Module) -> WasmModule:
         """Check the module against the ABI and resolve its imports; raises ControllerError."""
         exports = {e.name: e.type for e in module.exports}
-        if not isinstance(exports.get("memory"), wasmtime.MemoryType):
+        memory = exports.get("memory")
+        if not isinstance(memory, wasmtime.MemoryType):
             raise ControllerError("module does not export 'memory'")
+        if memory.is_shared:
+            raise ControllerError("the module's memory is shared: a controller's memory must be its own")
+        least = memory.limits.min * memory.page_size
+        if least > self.settings.max_memory_bytes:
+            raise ControllerError(f"the module's memory starts at {least} bytes, past a controller's limit of "
+                                  f"{self.settings.max_memory_bytes} bytes")
         for name, (nparams, nresults) in REQUIRED_EXPORTS.items():
             ty = exports.get(name)
             if not isinstance(ty, wasmtime.FuncType):
@@ -250,10 +257,16 @@ class WasmController:
         self.store = wasmtime.Store(engine.engine)
         self.store.set_limits(memory_size=engine.settings.max_memory_bytes, instances=1, tables=2,
                               table_elements=100_000)
+        init_ms = engine.settings.init_deadline_ms  # a start function runs at instantiation, in the init's time
+        self.store.set_epoch_deadline(engine.ticks(init_ms).value)
+        self._ticker.enter(self)
         try:
             self.instance = module.pre.instantiate(self.store)
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
-            raise ControllerError(f"instantiation failed: {exc}") from exc
+            why = f"its start function ran past the deadline of {init_ms:g} ms" if "interrupt" in str(exc) else exc
+            raise ControllerError(f"instantiation failed: {why}") from exc
+        finally:
+            self._ticker.leave()
         ex = self.instance.exports(self.store)
         self.exports = ex
         self.memory: wasmtime.Memory = ex["memory"]

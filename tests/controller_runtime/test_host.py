@@ -131,6 +131,30 @@ def test_trap_in_init_is_an_instantiate_error(runtime):
     assert not ok and "aici_init_prompt: trap" in result["error"] and "bad" not in runtime.pending
 
 
+@pytest.mark.parametrize("extra, expected", [
+    ("(func $trap unreachable) (start $trap)", "instantiation failed: "),
+    ("(func $spin (loop $l (br $l))) (start $spin)",
+     f"instantiation failed: its start function ran past the deadline of {LIMITS.init_deadline_ms:g} ms"),
+    ("(table 1000000 funcref)", "instantiation failed: "),  # past the store's table limit
+])
+def test_a_module_that_fails_to_instantiate_is_a_failed_start_not_a_refusal(runtime, extra, expected):
+    """As AICI: the request's controller failed to start (its result says why), as a trap in its init would."""
+    module_id = runtime.registry.create(controller(extra=extra), "t")["module_id"]
+    ok, result = runtime.instantiate("bad", [1], module_id, "")
+    assert not ok and result["error"].startswith(expected) and "bad" not in runtime.pending
+    assert runtime.instantiate("good", [1], runtime.registry.create(controller(), "t")["module_id"], "")[0]
+
+
+@pytest.mark.parametrize("pages, expected", [
+    ("2 2 shared", "the module's memory is shared"),
+    (65, f"the module's memory starts at {65 * 65536} bytes, past a controller's limit of {4 << 20} bytes"),
+])
+def test_a_memory_no_controller_could_have_is_refused_at_upload(runtime, pages, expected):
+    with pytest.raises(Exception, match=expected):
+        runtime.registry.create(controller(pages=pages), "t")
+    runtime.registry.create(controller(pages=64), "t")  # exactly the limit
+
+
 def test_unbound_instances_expire(runtime, tokenizer):
     module_id = runtime.registry.create(controller(), "t")["module_id"]
     assert runtime.instantiate("old", [1], module_id, "")[0]
