@@ -23,6 +23,10 @@ class ContextLengthExceeded(TillerError):
 
     param: str | None = None
 
+    @property
+    def recovery_action(self) -> str:
+        return "reduce_max_tokens" if self.param == "max_tokens" else super().recovery_action
+
 
 def context_budget(prompt_tokens: int, max_tokens: int | None, max_model_len: int, default_max_tokens: int, *,
                    what: str = "the model's context") -> int:

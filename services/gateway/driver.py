@@ -56,9 +56,17 @@ STALL_GRACE_S = 10.0
 class Phase(enum.Enum):
     """Where a generation is; control actions and cleanup depend on it."""
 
-    PREPARING = "preparing"  # validating, tokenizing, waiting for the model
+    PREPARING = "preparing"  # validating, tokenizing, starting its controller (moments)
+    LOADING = "loading"  # waiting for the model (as long as it loads)
     RUNNING = "running"  # submitted to the scheduler
     DONE = "done"  # its final message is out
+
+
+class _Resumed:
+    """Put in a paused generation's event queue when it resumes: the events held meanwhile go out."""
+
+
+RESUMED = _Resumed()
 
 
 class Generation:
@@ -72,6 +80,9 @@ class Generation:
         self._gw = gw
         self._client = client
         self._phase = Phase.PREPARING
+        self._prepared = asyncio.Event()  # set once the phase is past PREPARING
+        self._queue: asyncio.Queue[StreamItem | _Resumed] | None = None  # the scheduler's events, once submitted
+        self._paused = False  # paused by the client: events are held until it resumes
         self._initialized = False
         self._stop_requested = False
         self._filtered = False
@@ -119,19 +130,20 @@ class Generation:
             try:
                 async for msg in self._run():
                     if isinstance(msg, CompletionMsg | ErrorMsg):
-                        self._phase = Phase.DONE
+                        self._enter(Phase.DONE)
                         outcome = msg.finish_reason if isinstance(msg, CompletionMsg) else msg.code
                     yield msg
             except Exception as exc:  # a bug or a broken peer socket: answer, never drop the client silently
                 log.exception("request.failed")
                 if self._phase is not Phase.DONE:
-                    self._phase, outcome = Phase.DONE, INTERNAL_ERROR
+                    self._enter(Phase.DONE)
+                    outcome = INTERNAL_ERROR
                     error = TillerError(INTERNAL_ERROR, f"the gateway failed this request: {exc}")
                     yield ErrorMsg.from_error(error, self.rid if self._initialized else None, self._partial())
         finally:
             if self._phase is Phase.RUNNING:
                 gw.scheduler.cancel_soon(self.rid)
-            self._phase = Phase.DONE
+            self._enter(Phase.DONE)
             gw.scheduler.close_stream(self.rid)
             usage = self.usage
             elapsed = self._admission.end(outcome, text=self._text, prompt_tokens=usage.prompt_tokens,
@@ -179,8 +191,8 @@ class Generation:
             if self._stop_requested:
                 yield self._completion("cancelled")
                 return
-            queue = gw.scheduler.open_stream(self.rid)
-            self._phase = Phase.RUNNING
+            queue = self._queue = gw.scheduler.open_stream(self.rid)  # type: ignore[assignment]
+            self._enter(Phase.RUNNING)
             await gw.scheduler.submit(
                 wire.Submit(
                     rid=self.rid,
@@ -217,6 +229,7 @@ class Generation:
             stage = worker.stage
             if stage == "ready":
                 return
+            self._enter(Phase.LOADING)
             if stage == "failed":
                 raise TillerError(
                     MODEL_LOADING_ERROR, f"the model failed to load: {worker.message or 'no detail given'}"
@@ -234,7 +247,12 @@ class Generation:
             await asyncio.sleep(LOADING_POLL_S)
             health = await self._gw.scheduler.health()
 
-    async def _consume(self, queue: asyncio.Queue[StreamItem]) -> AsyncIterator[ServerMsg]:
+    def _enter(self, phase: Phase) -> None:
+        self._phase = phase
+        if phase is not Phase.PREPARING:
+            self._prepared.set()
+
+    async def _consume(self, queue: asyncio.Queue[StreamItem | _Resumed]) -> AsyncIterator[ServerMsg]:
         # a scheduler silent past the request's deadline: one timer per request that queues the
         # failure behind what came before it (not a timeout armed and disarmed per token)
         timeout = self._gw.settings.limits.request_timeout_s
@@ -243,15 +261,25 @@ class Generation:
                                      f"{timeout:.0f} s", recoverable=recoverable, recovery_action=action)
         loop = asyncio.get_running_loop()
         timer = loop.call_at(loop.time() + timeout + STALL_GRACE_S, queue.put_nowait, stalled)
+        held: list[wire.TokenEvent] = []  # what came while the client had paused the generation
         try:
             while True:
                 item = await queue.get()
-                if isinstance(item, wire.RequestFailed):
+                if isinstance(item, _Resumed):
+                    events, held = held, []
+                elif isinstance(item, wire.RequestFailed):
+                    for msg in (m for event in held for m in self._on_event(event)):
+                        yield msg
                     yield ErrorMsg.from_failure(item, self._partial())
                     return
-                for msg in self._on_event(item):
+                elif self._paused and item.finish_reason is None:
+                    held.append(item)  # (a step already in flight when the pause came)
+                    continue
+                else:
+                    events, held = [*held, item], []
+                for msg in (m for event in events for m in self._on_event(event)):
                     yield msg
-                if item.finish_reason is not None:
+                if events and events[-1].finish_reason is not None:
                     return
         finally:
             timer.cancel()
@@ -365,10 +393,16 @@ class Generation:
 
     # -- control ------------------------------------------------------------------------------
 
-    def _require_running(self, action: str) -> None:
+    async def settled(self) -> None:
+        """Return once the generation is past its first moments (submitted, waiting for the model, or over):
+        a control sent right after the config acts on it then."""
+        await self._prepared.wait()
+
+    async def _require_running(self, action: str) -> None:
+        await self.settled()
         if self._phase is Phase.DONE:
             raise GatewayError(INVALID_REQUEST, f"cannot {action}: no generation is running", param="action")
-        if self._phase is Phase.PREPARING:
+        if self._phase is Phase.LOADING:
             raise GatewayError(
                 INVALID_REQUEST, f"cannot {action} yet: the generation waits for the model", param="action"
             )
@@ -390,15 +424,29 @@ class Generation:
             await self._control(self._gw.scheduler.cancel(self.rid))
 
     async def pause(self) -> None:
-        self._require_running("pause")
-        await self._control(self._gw.scheduler.pause(self.rid))
+        """Pause; from its return on, no token goes out until :meth:`resume` (those of a step already in
+        flight are held)."""
+        await self._require_running("pause")
+        self._paused = True
+        try:
+            await self._control(self._gw.scheduler.pause(self.rid))
+        except BaseException:
+            self._release()
+            raise
 
     async def resume(self) -> None:
-        self._require_running("resume")
+        await self._require_running("resume")
         await self._control(self._gw.scheduler.resume(self.rid))
+        self._release()
+
+    def _release(self) -> None:
+        if self._paused:
+            self._paused = False
+            assert self._queue is not None
+            self._queue.put_nowait(RESUMED)
 
     async def modify(self, patch: ParametersPatch) -> None:
-        self._require_running("modify")
+        await self._require_running("modify")
         if patch.max_tokens is not None:
             context_budget(self._prompt_len, patch.max_tokens, self._max_model_len, patch.max_tokens)
         sampling_patch = patch.to_patch()

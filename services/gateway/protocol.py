@@ -157,13 +157,12 @@ class ErrorMsg:
 
     @classmethod
     def from_error(cls, exc: TillerError, request_id: str | None = None, generated_text: str | None = None) -> ErrorMsg:
-        code = exc.code if exc.code in ERROR_TRAITS else INTERNAL_ERROR
-        recoverable, action, _ = ERROR_TRAITS[code]
+        known = exc if exc.code in ERROR_TRAITS else TillerError(INTERNAL_ERROR, exc.message)
         return cls(
-            code=code,
+            code=known.code,
             message=exc.message,
-            recoverable=recoverable,
-            recovery_action=action,
+            recoverable=known.recoverable,
+            recovery_action=known.recovery_action,
             request_id=request_id,
             generated_text=generated_text,
             param=getattr(exc, "param", None),

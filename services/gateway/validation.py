@@ -101,6 +101,14 @@ TopLogprobs = Annotated[Annotated[int, Field(ge=0)] | None, BeforeValidator(_log
 class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data: Any) -> Any:
+        """A field given as JSON null takes its default, as if left out (``"stop": null`` as ``"model": null``)."""
+        if isinstance(data, dict) and None in data.values():
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
 
 class LimitChecks(BaseModel):
     """Checks against the configured limits, for any model with these field names."""
@@ -402,8 +410,11 @@ def parse_client_message(raw: str | bytes, max_depth: int) -> dict[str, Any]:
 
 def flat_body_to_config(body: dict[str, Any]) -> dict[str, Any]:
     """``/v1/generate`` takes the parameters and options at the top level (the WebSocket protocol's REST example)
-    or nested as in the WebSocket config; fold the flat form into the nested one."""
+    or nested as in the WebSocket config (also a whole config message, ``"type": "config"`` included); fold the
+    flat form into the nested one."""
     config = dict(body)
+    if config.get("type") == "config":
+        del config["type"]
     for group, model in (("parameters", Parameters), ("options", Options)):
         nested = config.get(group, {})
         if not isinstance(nested, dict):

@@ -184,6 +184,8 @@ class Connection:
     async def _on_feedback(self, feedback: FeedbackMessage) -> None:
         """Feedback is for the running generation, else the last one that started."""
         gen = self._generation
+        if gen is not None:
+            await gen.settled()  # a config just sent: its request id exists in a moment
         rid = gen.rid if gen is not None and gen.initialized else self._earlier_rid
         if rid is None:
             raise GatewayError(INVALID_REQUEST, "no generation on this connection to give feedback on", param="type")

@@ -9,7 +9,6 @@ import httpx
 import pytest
 import websockets
 
-from common.config import Limits
 from tests.gateway.support import (
     collect,
     generate,
@@ -182,13 +181,10 @@ async def test_pause_holds_the_sequence_and_resume_continues_it(stack, hf_greedy
             "message": "generation paused",
             "request_id": messages[0]["request_id"],
         }
-        # at most the tokens of the steps already under way when the pause landed, then silence
-        late = []
+        # silence after the acknowledgement (the tokens of steps already under way are held until the resume)
         with pytest.raises(asyncio.TimeoutError):
-            while True:
-                late.append(await receive(ws, timeout=1.0))
-        assert set(kinds(late)) <= {"token"} and len(late) <= Limits().pipeline_depth, late
-        messages += late
+            late = await receive(ws, timeout=1.0)
+            pytest.fail(f"a message after the pause was acknowledged: {late}")
         health = await asyncio.to_thread(stack.scheduler_health)
         assert health["paused"] == 1
         await send(ws, {"type": "control", "action": "resume"})
@@ -196,6 +192,30 @@ async def test_pause_holds_the_sequence_and_resume_continues_it(stack, hf_greedy
         assert ack["operation"] == "resume" and ack["message"] == "generation resumed"
         messages += await collect(ws)
     check_stream(stack, messages, expected, len(ids))
+
+
+async def test_controls_sent_right_after_the_config_act_on_its_generation(stack, hf_greedy):
+    """A client cannot know when the generation starts but by its init: controls and feedback sent at once
+    wait the moment it takes to start, and then act on it."""
+    ids = prompt_ids(stack, prompt=PROMPTS[0])
+    expected = hf_greedy(ids, 4)
+    async with websockets.connect(stack.ws_url) as ws:
+        await send(ws, {"type": "config", **greedy_config(prompt=PROMPTS[0], max_tokens=200)})
+        await send(ws, {"type": "control", "action": "modify", "parameters": {"max_tokens": 4}})
+        await send(ws, {"type": "control", "action": "pause"})
+        await send(ws, {"type": "feedback", "rating": 1})
+        seen = []
+        with pytest.raises(asyncio.TimeoutError):
+            while True:
+                seen.append(await receive(ws, timeout=1.5))
+        statuses = [m for m in seen if m["type"] == "status"]
+        assert [s["operation"] for s in statuses] == ["modify", "pause", "feedback"], seen
+        paused_at = seen.index(statuses[1])
+        assert "token" not in kinds(seen[paused_at:]) and "completion" not in kinds(seen)
+        await send(ws, {"type": "control", "action": "resume"})
+        assert (await receive(ws))["operation"] == "resume"
+        rest = await collect(ws)
+    check_stream(stack, [m for m in seen if m["type"] != "status"] + rest, expected, len(ids))
 
 
 async def test_modify_applies_mid_stream(stack, hf_greedy):
@@ -413,7 +433,7 @@ async def test_context_length_exceeded(stack):
             "ask for at most",
             "context_length_exceeded",
         )
-        assert reply["param"] == "max_tokens"
+        assert reply["param"] == "max_tokens" and reply["recovery_action"] == "reduce_max_tokens"
         assert kinds(await generate(ws, {"prompt": "Hello", "parameters": {"max_tokens": 1}}))[-1] == "completion"
 
 

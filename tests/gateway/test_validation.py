@@ -164,6 +164,16 @@ def test_flat_rest_body_folds_into_config():
     }
     with pytest.raises(GatewayError, match="max_tokens: given both"):
         flat_body_to_config({"prompt": "x", "max_tokens": 3, "parameters": {"max_tokens": 4}})
+    message = {"type": "config", "prompt": "x", "parameters": {"max_tokens": 5}}  # a WebSocket config message as is
+    assert flat_body_to_config(message) == {"prompt": "x", "parameters": {"max_tokens": 5}}
+
+
+def test_null_takes_the_default_and_unknown_fields_stay_refused():
+    config = validate(GenerateConfig, {"prompt": "hi", "model": None, "options": None,
+                                       "parameters": {"stop": None, "max_tokens": None, "temperature": None}}, CTX)
+    assert config == validate(GenerateConfig, {"prompt": "hi"}, CTX)
+    assert refusal(GenerateConfig, {"prompt": "hi", "colour": None}).message == "colour: unknown field"
+    assert "give exactly one of 'prompt'" in refusal(GenerateConfig, {"prompt": None, "messages": None}).message
 
 
 def test_context_from_settings():
