@@ -376,8 +376,10 @@ class Generation:
         return self._entries(token.token_id, token.logprob, token.top)
 
     def _entries(self, token_id: int, logprob: float, top: list[wire.TokenLogprob]) -> list[LogprobEntry]:
-        """A token with its logprob, then its ``top_logprobs`` alternatives."""
+        """A token with its logprob, then its ``top_logprobs`` alternatives (see ``alternatives_besides``)."""
         text = self._gw.text.token_text
+        if self.request.alternatives_besides:
+            top = [alt for alt in top if alt.token_id != token_id]
         return [LogprobEntry(text(token_id), token_id, logprob)] + [
             LogprobEntry(text(alt.token_id), alt.token_id, alt.logprob) for alt in top[: self.request.top_logprobs]
         ]

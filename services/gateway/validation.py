@@ -254,6 +254,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: any of these ends the generation (its text is not output)
     top_logprobs: int | None = None  # None: no logprobs
+    # the alternatives are the most likely tokens other than the chosen one (the WebSocket protocol's list, where
+    # the chosen token comes first); else the most likely ones, the chosen one among them if it is (OpenAI's)
+    alternatives_besides: bool = False
     prompt_logprobs: bool = False  # the prompt tokens' logprobs too, with top_logprobs alternatives each
     echo: bool = False
     ignore_eos: bool = False
@@ -268,7 +271,7 @@ class GenerationRequest:
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
             seed=self.seed,
-            logprobs=self.top_logprobs,
+            logprobs=None if self.top_logprobs is None else self.top_logprobs + self.alternatives_besides,
             logit_bias=dict(self.logit_bias or {}),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -325,6 +328,7 @@ class GenerateConfig(StrictModel, LimitChecks):
             prompt=self.prompt,
             messages=None if self.messages is None else [m.model_dump() for m in self.messages],
             top_logprobs=self.options.include_logprobs,
+            alternatives_besides=True,
             echo=self.options.echo_prompt,
             controller=self.controller,
             controller_arg=aici_wire.module_arg_text(self.controller_arg),
