@@ -175,8 +175,8 @@ class Turn:
         """The checks that do not depend on the session's length."""
         req = self.request
         limits = self.gw.settings.limits
-        if not req.session_id:
-            raise _invalid("session_id is required")
+        if not req.session_id:  # no session has that id: NOT_FOUND, as DumpSession and ForkSession answer it
+            raise Abort(grpc.StatusCode.NOT_FOUND, "no session has the empty session_id; open one with OpenSession")
         if vocab_size and any(t >= vocab_size for t in req.append_tokens):
             raise _invalid(f"append_tokens must be token ids in [0, {vocab_size})")
         if not 0 <= req.temperature < math.inf:
