@@ -414,7 +414,8 @@ ABORTS = {
         [msg(generate("p", "r"), eg.NodeFragment(id="p", chunk_fragment=eg.Chunk(metadata=TEXT, data=b"\xff\xfe")))],
         INVALID, "node 'p': text is not valid UTF-8 (invalid start byte at byte 0)",
     ),
-    "input without text": ([msg(generate("p", "r"), eot("p"))], INVALID, "the GENERATE input holds no text"),
+    "input without text": ([msg(generate("p", "r"), eot("p"))], INVALID,
+                           "the GENERATE input holds no text: no text/* chunk, only end-of-turn markers or none"),
     "leaf without metadata": (
         [msg(generate("p", "r"), parent("p", "q"), parent("q", continued=True), text("q", "lost?", seq=1))],
         INVALID, "node 'q': seq 0 of a leaf must carry metadata with a mimetype",
@@ -426,6 +427,11 @@ ABORTS = {
     "input contains its own output": (
         [msg(generate("p", "r"), parent("p", "q", "r"), text("q", "Hi"))], INVALID,
         "GENERATE('p' → 'r'): the input contains the action's own output 'r'",
+    ),
+    "inputs waiting for each other's outputs": (  # found while the client's side is open, not at its close
+        [msg(generate("pa", "r1"), generate("pb", "r2"), parent("pa", "q", "r2"), parent("pb", "q", "r1"),
+             text("q", "Hi")), 1.0],
+        INVALID, "the inputs of GENERATE('pa' → 'r1') and GENERATE('pb' → 'r2') wait for each other's outputs",
     ),
     "bad config": (
         [msg(generate("p", "r", configs=[config(temperature=-1)]))], INVALID,

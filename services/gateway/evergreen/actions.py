@@ -149,6 +149,7 @@ class GenerateRun:
     def __init__(self, gw: Gateway, bound: Bound, params: GenerateParams, emit: Emit, *, client: str) -> None:
         self.bound = bound
         self.phase = Phase.PENDING
+        self.waiting_for: frozenset[str] = frozenset()  # the input's nodes missing at the last look
         self.task: asyncio.Task[None] | None = None
         self._gw = gw
         self._params = params

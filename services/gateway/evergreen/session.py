@@ -204,6 +204,10 @@ class Session:
                     self._try_start(run)
                 except SessionAbort as exc:
                     self._fail(run, exc)
+        if cycle := self._waiting_cycle():
+            labels = " and ".join(run.bound.label for run in cycle)
+            for run in cycle:
+                self._fail(run, SessionAbort.invalid(f"the inputs of {labels} wait for each other's outputs"))
         if self._client_done and not any(r.phase is Phase.RUNNING for r in self._runs.values()):
             for run in self._runs.values():
                 if run.phase is Phase.PENDING:
@@ -214,6 +218,27 @@ class Session:
             if not any(r.phase is not Phase.DONE for r in self._runs.values()):
                 self._out.put_nowait(_END)
 
+    def _waiting_cycle(self) -> list[GenerateRun]:
+        """Pending actions whose inputs wait for each other's outputs, in a ring (none can ever start); []
+        when there is no such ring. The actions that could still start are peeled off first (those waiting
+        for no other pending action's output, then those waiting only for theirs): every action left waits
+        for another one left, so following that from any of them runs into a ring."""
+        pending = [r for r in self._runs.values() if r.phase is Phase.PENDING]
+        writer = {node: r for r in pending for node in (r.bound.output_id, r.bound.error_id) if node is not None}
+        waits = {id(r): [writer[n] for n in r.waiting_for if n in writer] for r in pending}
+        left = {id(r): r for r in pending}
+        while free := [key for key in left if not any(id(w) in left for w in waits[key])]:
+            for key in free:
+                del left[key]
+        if not left:
+            return []
+        seen: list[GenerateRun] = []
+        run = next(iter(left.values()))
+        while run not in seen:
+            seen.append(run)
+            run = next(w for w in waits[id(run)] if id(w) in left)
+        return seen[seen.index(run):]
+
     def _try_start(self, run: GenerateRun) -> None:
         bound = run.bound
         flat = self.graph.flatten(bound.input_id, max_visits=self._gw.settings.evergreen.max_session_nodes)
@@ -222,6 +247,7 @@ class Session:
         own = {bound.output_id, bound.error_id} & set(flat.missing)
         if own:
             raise SessionAbort.invalid(f"{bound.label}: the input contains the action's own output {own.pop()!r}")
+        run.waiting_for = frozenset(flat.missing)
         if not flat.complete:
             return
         if bound.output_id is None and bound.error_id is None:
