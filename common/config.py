@@ -34,7 +34,8 @@ class Limits(BaseModel):
     completions_default_max_tokens: int = Field(16, ge=1, description="the same for OpenAI /v1/completions (16: "
                                                 "OpenAI's and vLLM's default)")
     chat_default_max_tokens: int | None = Field(None, ge=1, description="the same for OpenAI /v1/chat/completions; "
-                                                "none: the room left in the context (vLLM's default)")
+                                                "none: default_max_tokens (vLLM's default, the room left in the "
+                                                "context, would reserve a whole context of KV for every choice)")
     max_tokens_cap: int = Field(4096, ge=1)
     prefill_chunk_tokens: int = Field(512, ge=16, description="prompt tokens of one sequence per step")
     step_token_budget: int = Field(2048, ge=16, description="tokens fed to the model in one step")

@@ -1,8 +1,9 @@
 """The OpenAI-compatible API: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``.
 
 Requests run on the same generation driver as the WebSocket; this module only translates. Defaults
-follow vLLM (temperature 1.0; max_tokens 16 for completions and the room left in the context for chat
-completions, ``limits.completions_default_max_tokens`` and ``limits.chat_default_max_tokens``);
+follow vLLM (temperature 1.0; max_tokens 16 for completions, ``limits.completions_default_max_tokens``), but
+chat completions' max_tokens defaults to ``limits.chat_default_max_tokens`` (unset: ``limits.default_max_tokens``)
+rather than vLLM's room left in the context, as the scheduler reserves a request's whole KV at admission.
 ``top_k`` and ``repetition_penalty`` are accepted as vLLM's extensions. Errors use OpenAI's body
 ``{"error": {message, type, param, code}}`` with the HTTP status of the error type, so the official
 client raises the matching exception class.
@@ -390,8 +391,7 @@ class ChatCompletionRequest(ChatTools, _OpenAIRequest, ChatRendering):  # ChatTo
             context,
             [{"messages": self.rendered_messages(), **self.rendering()}],
             max_tokens=self.max_completion_tokens or self.max_tokens,
-            # no default: the room left in the context (the context itself is at least that)
-            default_max_tokens=context.limits.chat_default_max_tokens or context.limits.max_model_len,
+            default_max_tokens=context.limits.chat_default_max_tokens,
             top_logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
 

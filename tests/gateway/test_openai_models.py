@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from common.admission import context_budget
 from common.config import Limits
 from common.errors import INVALID_REQUEST
 from services.gateway.openai_api import ChatCompletionRequest, CompletionRequest
@@ -60,13 +59,10 @@ def test_defaults_like_vllm():
         None,
         None,
     )
-    # max_tokens: 16 for completions; for chat the room left in the context (the context caps it, see context_budget)
+    # max_tokens: 16 for completions; for chat limits.default_max_tokens (the driver's fallback), or the setting
     assert request.default_max_tokens == 16
     (chat,) = validate(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}, CTX).to_requests(CTX)
-    assert (chat.max_tokens, chat.default_max_tokens) == (None, CTX.limits.max_model_len)
-    assert context_budget(100, chat.max_tokens, CTX.limits.max_model_len, chat.default_max_tokens) == (
-        CTX.limits.max_model_len - 100
-    )
+    assert (chat.max_tokens, chat.default_max_tokens) == (None, None)
     capped = Context(limits=Limits(chat_default_max_tokens=50), served_model_name="tiny")
     (chat,) = validate(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}, capped).to_requests(capped)
     assert chat.default_max_tokens == 50
