@@ -23,17 +23,23 @@ from common.supervisor import SERVICES, program_status, supervisorctl
 COMMANDS = ("ps", "restart", "logs", "check", "cache")
 
 
+def _service(name: str) -> str:
+    """A service as named on the command line: ``session-store`` as the architecture's prose names it, or
+    ``session_store`` as its package is named."""
+    return name.replace("-", "_")
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     ps = sub.add_parser("ps", help="each service's state, pid and uptime")
-    ps.add_argument("service", nargs="?", choices=SERVICES)
+    ps.add_argument("service", nargs="?", type=_service, choices=SERVICES)
     restart = sub.add_parser("restart", help="restart one service (or all) under the running supervisord")
-    restart.add_argument("service", choices=(*SERVICES, "all"))
+    restart.add_argument("service", type=_service, choices=(*SERVICES, "all"))
     logs = sub.add_parser("logs", help="the last lines of a service's log (all services without one)")
-    logs.add_argument("service", nargs="?", choices=(*SERVICES, "supervisord"))
+    logs.add_argument("service", nargs="?", type=_service, choices=(*SERVICES, "supervisord"))
     logs.add_argument("-n", "--lines", type=int, default=50)
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     check = sub.add_parser("check", help="exit 0 when the service answers its health check as ready (healthchecks)")
-    check.add_argument("service", choices=SERVICES)
+    check.add_argument("service", type=_service, choices=SERVICES)
     cache = sub.add_parser("cache", help="list the converted models in cache_dir; `clean` removes stale ones")
     cache.add_argument("action", nargs="?", choices=("list", "clean"), default="list")
     cache.add_argument("--all", action="store_true", help="with clean: also the current model's conversion")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DIGESTS = ".digests"
+KERNELS = "kernels"  # the worker's compiled kernel libraries (each named by a digest of what built it)
 
 
 def content_digest(path: Path, cache_dir: Path) -> str:

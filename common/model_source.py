@@ -60,7 +60,7 @@ def _gguf_cache_dir(settings: Settings) -> Path:
 
 def cache_entries_in_use(settings: Settings) -> set[str]:
     """The names of the ``cache_dir`` entries this code reads (``tiller cache clean`` keeps them)."""
-    return {_gguf_cache_dir(settings).name, tiny_vl.cache_name()}
+    return {_gguf_cache_dir(settings).name, tiny_vl.cache_name(), model_cache.KERNELS}
 
 
 def _convert_tokenizer(gguf: Path, target: Path) -> None:

@@ -21,6 +21,7 @@ from common.config import Settings
 
 HOME = Path(__file__).resolve().parents[1]
 SUPERVISOR_TEMPLATE = HOME / "deploy" / "supervisord.conf"
+MORE_WORKERS_TEMPLATE = HOME / "deploy" / "supervisord.more_workers.conf"  # appended for `--workers N`, N > 1
 SERVICES = ("session_store", "controller_runtime", "scheduler", "worker", "gateway")
 _ENV_REF = re.compile(r"%\(ENV_(\w+)\)s")
 
@@ -42,13 +43,13 @@ def supervisor_env(settings: Settings, foreground: bool, base: dict[str, str] | 
 
 
 def _local_workers_env(count: int, env: dict[str, str]) -> dict[str, str]:
-    """What deploy/supervisord.conf needs to start ``count`` local workers (worker, then
-    worker_1 .. worker_<count-1>); several CPU workers split the cores instead of each taking all."""
+    """What the templates need to start ``count`` local workers (worker, then worker_1 .. worker_<count-1>);
+    several CPU workers split the cores instead of each taking all."""
     more = max(count - 1, 0)
     extra = {
         "TILLER_WORKER_AUTOSTART": str(count >= 1).lower(),
-        "TILLER_MORE_WORKERS": str(max(more, 1)),  # supervisord needs numprocs >= 1: one stays stopped
-        "TILLER_MORE_WORKERS_AUTOSTART": str(more >= 1).lower(),
+        "TILLER_MORE_WORKERS": str(more),
+        "TILLER_MORE_WORKERS_MEMBER": ",more_workers" if more else "",  # the group's programs
     }
     if count > 1 and "OMP_NUM_THREADS" not in env:
         extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // count))
@@ -76,7 +77,10 @@ def write_conf(settings: Settings, foreground: bool) -> Path:
     """Write ``<run_dir>/supervisord.conf`` for this start; returns its path."""
     path = conf_path(settings)
     env = supervisor_env(settings, foreground)
-    path.write_text(render_conf(SUPERVISOR_TEMPLATE.read_text(), env))
+    template = SUPERVISOR_TEMPLATE.read_text()
+    if settings.distributed.local_workers > 1:
+        template += "\n" + MORE_WORKERS_TEMPLATE.read_text()
+    path.write_text(render_conf(template, env))
     return path
 
 

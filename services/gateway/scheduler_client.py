@@ -75,9 +75,11 @@ class SchedulerClient:
         self._health_at = 0.0
         self._health_refreshing = False
         self._background: set[asyncio.Task[None]] = set()
+        self._monitor: zmq.asyncio.Socket | None = None  # the dealer's disconnect events, once started
 
     def start(self) -> None:
         self._dealer.start()
+        self._monitor = self._dealer.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         for loop in (self._heartbeat(), self._judge(), self._watch_disconnects()):
             self._spawn(loop)
 
@@ -110,14 +112,10 @@ class SchedulerClient:
 
     async def _watch_disconnects(self) -> None:
         """A dropped connection to the scheduler (it died, or the network dropped) is checked at once."""
-        monitor = self._dealer.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        try:
-            while True:
-                await recv_monitor_message(monitor)
-                self._watch.disconnected(time.monotonic())
-                self._spawn(self._beat())
-        finally:
-            monitor.close(0)
+        while True:
+            await recv_monitor_message(self._monitor)
+            self._watch.disconnected(time.monotonic())
+            self._spawn(self._beat())
 
     def _lost(self, reason: str | None) -> None:
         """The scheduler lost the requests it had: each live one ends now with a retryable error."""
@@ -134,8 +132,13 @@ class SchedulerClient:
                                                 recoverable=traits[0], recovery_action=traits[1]))
 
     def close(self) -> None:
+        """Close the sockets now (the context's ``term`` waits for every socket: a task's ``finally`` would
+        run only once the loop turns again)."""
         for task in self._background:
             task.cancel()
+        if self._monitor is not None:
+            self._dealer.sock.disable_monitor()
+            self._monitor.close(0)
         self._dealer.close()
 
     def _on_message(self, msg: wire.Message, _binary: list[bytes]) -> None:

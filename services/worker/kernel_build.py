@@ -24,6 +24,8 @@ from pathlib import Path
 import structlog
 import torch
 
+from common import model_cache
+
 SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
 FLAGS = ("-O3", "-march=native", "-std=c++20", "-fopenmp", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 300
@@ -63,7 +65,7 @@ def library_path(cache_dir: Path, compiler: str) -> Path:
     for part in (SOURCE.read_bytes(), torch.__version__.encode(), version.encode(), " ".join(FLAGS).encode(),
                  _cpu_flags().encode()):
         sha.update(hashlib.sha256(part).digest())
-    return cache_dir / "kernels" / f"gguf_kernel-{sha.hexdigest()[:16]}.so"
+    return cache_dir / model_cache.KERNELS / f"gguf_kernel-{sha.hexdigest()[:16]}.so"
 
 
 def _compile(compiler: str, target: Path) -> None:
