@@ -14,6 +14,7 @@ import json
 from controllers.native.base import FF_MIN, Host, NativeController
 
 _KINDS = {"regex": 0, "json_schema": 1, "lark": 2, "yacc": 3}
+_KEYS = {*_KINDS, "prefix", "max_tokens", "store_var", "fast_forward"}
 
 
 class ConstrainedController(NativeController):
@@ -22,6 +23,9 @@ class ConstrainedController(NativeController):
         arg = json.loads(module_arg or b"{}")
         if not isinstance(arg, dict):
             raise ValueError("module_arg must be a JSON object")
+        unknown = sorted(set(arg) - _KEYS)
+        if unknown:  # a typo must never generate unconstrained
+            raise ValueError(f"unknown key {unknown[0]!r}; the keys are {', '.join(sorted(_KEYS))}")
         kinds = [k for k in _KINDS if k in arg]
         if len(kinds) > 1:
             raise ValueError(f"give at most one of {sorted(_KINDS)}")

@@ -190,6 +190,8 @@ def test_native_controller_fork_and_errors(runtime):
     assert runtime.seqs[2].obj.host is runtime.seqs[2].host and runtime.seqs[1].obj.host is runtime.seqs[1].host
     ok, result = runtime.instantiate("bad", [1], "native:constrained", {"regex": "(", "prefix": "x"})
     assert not ok and "invalid regex constraint" in result["error"] and "constraint error" in result["logs"]
+    ok, result = runtime.instantiate("typo", [1], "native:constrained", {"choices": ["red", "green"]})
+    assert not ok and "unknown key 'choices'; the keys are fast_forward, json_schema" in result["error"]
     with pytest.raises(UserError, match="unknown native controller"):
         runtime.instantiate("bad2", [1], "native:nope", "")
     with pytest.raises(NativeLoadError):
