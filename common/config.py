@@ -51,6 +51,9 @@ class Limits(BaseModel):
     max_json_depth: int = Field(64, ge=2, le=512, description="deepest nesting of arrays and objects in a JSON "
                                 "request body or WebSocket message; deeper ones are refused with invalid_request")
     request_timeout_s: float = Field(600.0, gt=0, description="a generation running longer ends with timeout")
+    worker_absent_s: float = Field(30.0, gt=0, description="a request waiting for the model fails (retryable) once "
+                                   "no worker has been connected for this long (a loading worker is waited for until "
+                                   "request_timeout_s)")
     rate_limit_per_minute: int = Field(0, ge=0, description="requests per client address; 0 disables")
     worker_step_timeout_s: float = Field(60.0, gt=0)
     gateway_heartbeat_s: float = Field(1.0, gt=0, description="a gateway tells the scheduler (and the session store "
@@ -271,6 +274,9 @@ class Settings(BaseSettings):
     http_host: str = "127.0.0.1"
     http_port: int = 8080
     grpc_port: int = 50051
+    shutdown_grace_s: float = Field(2.0, ge=0, description="on SIGTERM the gateway lets its HTTP streams run this "
+                                    "long, then ends them (then its gRPC streams get as long): well within "
+                                    "supervisord's 10 s before SIGKILL")
 
     # ZeroMQ endpoints; empty means an ipc:// socket in run_dir.
     scheduler_endpoint: str = ""

@@ -20,6 +20,7 @@ def main() -> None:
         log_config=None,
         access_log=False,
         log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
 
 

@@ -59,7 +59,7 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             yield
         finally:
-            await stop_grpc(grpc_server)
+            await stop_grpc(grpc_server, settings.shutdown_grace_s)
             gw.scheduler.close()
             gw.side.close()
             gw.store.close()

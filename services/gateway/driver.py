@@ -24,6 +24,7 @@ from common.errors import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
     MODEL_LOADING_ERROR,
+    SERVICE_UNAVAILABLE,
     TIMEOUT,
     TillerError,
 )
@@ -222,8 +223,10 @@ class Generation:
 
     async def _wait_for_model(self, health: wire.HealthReply) -> AsyncIterator[StatusMsg]:
         """``status: model_loading`` every poll until the worker is ready; its failure is an error."""
-        timeout = self._gw.settings.limits.request_timeout_s
+        limits = self._gw.settings.limits
+        timeout = limits.request_timeout_s
         first: tuple[float, int] | None = None  # (time, progress) of the first poll, for the ETA
+        absent_since: float | None = None
         while not self._stop_requested:
             worker = worker_stage(health)
             stage = worker.stage
@@ -235,6 +238,10 @@ class Generation:
                     MODEL_LOADING_ERROR, f"the model failed to load: {worker.message or 'no detail given'}"
                 )
             now = time.monotonic()
+            absent_since = (absent_since or now) if stage == "absent" else None
+            if absent_since is not None and now - absent_since > limits.worker_absent_s:
+                raise TillerError(SERVICE_UNAVAILABLE, f"no model worker has been connected for "
+                                  f"{limits.worker_absent_s:g} s; retry later")
             if now - self._started > timeout:
                 raise TillerError(TIMEOUT, f"the model was still loading after {timeout:.0f} s")
             progress = worker.progress

@@ -19,7 +19,6 @@ from services.gateway.salience import service as salience
 
 log = structlog.get_logger()
 
-STOP_GRACE_S = 2.0
 # how long a refused client stream may go on sending before its refusal (see _refusing)
 REFUSED_STREAM_DRAIN_S = 0.5
 # the gRPC service (the full name's package) -> the surface whose tokens open it
@@ -95,5 +94,5 @@ async def start_grpc(gw: Gateway) -> grpc.aio.Server:
     return server
 
 
-async def stop_grpc(server: grpc.aio.Server) -> None:
-    await server.stop(STOP_GRACE_S)
+async def stop_grpc(server: grpc.aio.Server, grace_s: float) -> None:
+    await server.stop(grace_s)

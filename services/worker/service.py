@@ -6,8 +6,9 @@ loaded it announces ``ready`` and runs each Step on the main thread. A Step with
 runs its forward pass, then waits (at most ``limits.worker_step_timeout_s``) for its StepMasks before
 sampling, answering Health meanwhile and keeping any other message for after the step. A failed load keeps the
 process up, announcing ``failed`` every few seconds and failing every Step with the reason, so the
-scheduler can report it to clients. A hello also goes out on every (re)connection and after every
-Health, so a restarted scheduler finds its workers.
+scheduler can report it to clients. A hello also goes out on every (re)connection, after every
+Health and after a silence of the scheduler's (``SILENT_SCHEDULER_HELLO_S``), so a restarted scheduler finds its
+workers, and one that dropped a worker while it stalled takes it back.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ from services.worker.threads import thread_governor
 
 LOADING_HELLO_INTERVAL_S = 1.0
 FAILED_HELLO_INTERVAL_S = 2.0
+SILENT_SCHEDULER_HELLO_S = 5.0
+"""A ready worker that heard nothing from its scheduler for this long says hello again. The scheduler pings an
+idle worker every 2 s, so such silence means it is gone or dropped this worker: a scheduler that stalled for
+longer than its liveness limit takes its workers for dead when it wakes, and would never hear from them again."""
 
 
 class _Loader(threading.Thread):
@@ -119,10 +124,12 @@ class WorkerService:
         poller.register(self.sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         next_hello = time.monotonic() + LOADING_HELLO_INTERVAL_S
+        heard = time.monotonic()  # when the scheduler last sent something
         try:
             while True:
-                # Ready: block. Loading or failed: wake often so completion and hellos are timely.
-                timeout = 0 if self.backlog else None if self.engine is not None else 100
+                # Ready: block, but not past the silence that calls for a hello. Loading or failed: wake often
+                # so completion and hellos are timely.
+                timeout = 0 if self.backlog else SILENT_SCHEDULER_HELLO_S * 1000 if self.engine is not None else 100
                 events = dict(poller.poll(timeout))
                 if monitor in events:
                     recv_monitor_message(monitor)
@@ -130,8 +137,12 @@ class WorkerService:
                 if self.backlog:
                     self._handle(self.backlog.popleft())
                 elif self.sock in events:
+                    heard = time.monotonic()
                     self._handle(self.sock.recv_multipart())
                 if self.engine is not None:
+                    if time.monotonic() - heard >= SILENT_SCHEDULER_HELLO_S:
+                        self._hello()
+                        heard = time.monotonic()
                     continue
                 if self.loader.engine is not None:
                     self.engine = self.loader.engine

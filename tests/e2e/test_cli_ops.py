@@ -89,6 +89,30 @@ async def test_restart_one_service(stack):
         await wait_for(recorded, 10, "the request record")
 
 
+async def test_restarting_the_gateway_ends_its_streams_instead_of_waiting_for_them(stack):
+    """A restart under a live stream: the stream is cut after ``shutdown_grace_s`` and the gateway exits on its
+    own; supervisord never has to SIGKILL it (it waited for the stream, then was killed 10 s later)."""
+    supervisord_log = stack.run_dir / "logs" / "supervisord.log"
+    kills_before = supervisord_log.read_text().count("killing 'gateway'")
+    async with httpx.AsyncClient(base_url=stack.http_url, timeout=60) as client:
+        body = {"prompt": "Count to a thousand:", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", "/v1/generate", json=body) as reply:
+            lines = reply.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")  # streaming
+            restart = asyncio.create_task(asyncio.to_thread(tiller, stack.env, "restart", "gateway"))
+            with pytest.raises(httpx.HTTPError):
+                async for _ in lines:  # cut, not finished (1500 tokens take longer than the test)
+                    pass
+        result = await restart
+    assert result.returncode == 0 and "gateway: started" in result.stdout, result
+    assert supervisord_log.read_text().count("killing 'gateway'") == kills_before
+
+    async def ready() -> bool:
+        return (await asyncio.to_thread(tiller, stack.env, "check", "gateway")).returncode == 0
+
+    await wait_for(ready, 60, "the restarted gateway to answer")
+
+
 def test_up_names_a_busy_port(tmp_path: Path):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

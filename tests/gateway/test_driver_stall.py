@@ -88,3 +88,31 @@ async def test_a_generation_that_ended_in_time_leaves_no_deadline_behind() -> No
     assert [type(m) for m in out] == [InitMsg, TokenMsg, CompletionMsg]
     await asyncio.sleep(TIMEOUT_S * 2)
     assert scheduler.queues["gen_1"].empty()
+
+
+class WorkerlessScheduler(SilentScheduler):
+    """A scheduler whose worker is in ``stage`` (absent: none connected)."""
+
+    def __init__(self, stage: str) -> None:
+        super().__init__([])
+        self.stage = stage
+
+    async def health(self, max_age: float = 0.0) -> wire.HealthReply:
+        facts = wire.ModelFacts(worker=wire.WorkerStage(stage=self.stage), vocab_size=8, max_model_len=64)
+        return wire.HealthReply(service="scheduler", ready=False, facts=facts)
+
+
+@pytest.mark.parametrize(("stage", "code"), [("absent", "service_unavailable"), ("loading", "timeout")])
+async def test_a_request_waits_for_a_loading_worker_but_not_long_for_a_missing_one(
+    monkeypatch: pytest.MonkeyPatch, stage: str, code: str
+) -> None:
+    monkeypatch.setattr(driver, "LOADING_POLL_S", 0.02)
+    settings = Settings(limits={"request_timeout_s": 0.5, "worker_absent_s": 0.1})
+    gw = Gateway(settings=settings, scheduler=WorkerlessScheduler(stage), store=FakeStore(), text=FakePrompts(),
+                 limiter=RateLimiter(0), metrics=Metrics(), created=0)
+    gen = Generation(gw, GenerationRequest(prompt="hi", max_tokens=4), rid="gen_1", surface="websocket",
+                     client="test")
+    out = await asyncio.wait_for(messages(gen), 10)
+    assert isinstance(out[-1], ErrorMsg) and out[-1].code == code and out[-1].recoverable, out[-1]
+    if stage == "absent":
+        assert out[-1].message == "no model worker has been connected for 0.1 s; retry later"

@@ -15,7 +15,7 @@ import zmq
 
 from common import wire
 from common.config import Settings
-from services.worker.service import WorkerService
+from services.worker.service import SILENT_SCHEDULER_HELLO_S, WorkerService
 from tests.worker.conftest import GREEDY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,6 +119,11 @@ def test_worker_process_serves_steps_and_survives_garbage(
 
         result = scheduler.request(wire.Step(step_id=3, seqs=[], free=[1]))
         assert isinstance(result, wire.StepResult) and result.tokens == b"" and not result.failures
+
+        # A scheduler that went silent (it stalled past its liveness limit and dropped the worker on waking)
+        # hears from the worker without asking.
+        quiet = scheduler.recv(timeout_s=SILENT_SCHEDULER_HELLO_S + 5)
+        assert isinstance(quiet, wire.WorkerHello) and quiet.stage == "ready"
 
         # A restarted scheduler hears from the worker without asking.
         scheduler.sock.close(0)
