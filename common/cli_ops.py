@@ -79,7 +79,8 @@ def restart(settings: Settings, service: str) -> int:
     print(result.stdout.strip() or result.stderr.strip())
     ok = result.returncode == 0 and "ERROR" not in result.stdout
     if ok:
-        print("restarted; `tiller status` shows when it serves again (the worker reloads the model)")
+        reload = " (the worker reloads the model)" if service in ("worker", "all") else ""
+        print(f"restarted; `tiller status` shows when it serves again{reload}")
     return 0 if ok else 1
 
 

@@ -44,6 +44,12 @@ class Metrics:
         self.active_streams = Gauge(
             "tiller:active_streams", "Generations in progress", ["surface"], registry=self.registry
         )
+        self.scheduler_up = Gauge(
+            "tiller:scheduler_up",
+            "1 while the scheduler answers (the engine gauges are then current), 0 when it has not answered "
+            "lately (they hold its last answer)",
+            registry=self.registry,
+        )
         # the engine's state, as the scheduler's health reports it when /metrics is scraped
         self.engine_state = {
             key: Gauge(f"tiller:{key}", doc, registry=self.registry)

@@ -78,6 +78,7 @@ async def metrics(request: Request) -> Response:
     health = gw.scheduler.recent_health(max_age=1.0)  # never waits: without a scheduler the gauges stay as they were
     if health is not None:
         gw.metrics.observe_engine(facts_of(health))
+    gw.metrics.scheduler_up.set(gw.scheduler.health_age() <= gw.settings.limits.peer_silence_s)
     return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

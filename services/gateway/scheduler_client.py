@@ -235,6 +235,10 @@ class SchedulerClient:
             task.add_done_callback(self._background.discard)
         return self._health
 
+    def health_age(self) -> float:
+        """Seconds since the scheduler last answered Health (infinite if it never did)."""
+        return time.monotonic() - self._health_at if self._health is not None else float("inf")
+
     async def _refresh_health(self) -> None:
         try:
             await self.health()

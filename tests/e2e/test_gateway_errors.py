@@ -162,6 +162,7 @@ async def test_missing_scheduler_then_loading_then_failed_model(tmp_path: Path):
             assert "scheduler did not answer" in messages[0]["message"]
             reply = await client.get("/health")
             assert reply.status_code == 503 and reply.json()["status"] == "unavailable"
+            assert "tiller:scheduler_up 0.0" in (await client.get("/metrics")).text
 
             with service("services.scheduler", env, tmp_path / "scheduler.log"):
                 # a scheduler without a worker: the model is "loading" until the request times out

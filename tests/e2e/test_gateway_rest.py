@@ -166,7 +166,8 @@ async def test_metrics_report_the_kv_pool(client):
     capacity = (await client.get("/health")).json()["scheduler"]["kv_capacity_tokens"]
     text = (await client.get("/metrics")).text
     gauges = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-              if line.startswith(("tiller:kv_", "tiller:queued", "tiller:running"))}
+              if line.startswith(("tiller:kv_", "tiller:queued", "tiller:running", "tiller:scheduler_up"))}
+    assert gauges["tiller:scheduler_up"] == 1
     assert gauges["tiller:kv_capacity_tokens"] == capacity > 0
     assert 0 <= gauges["tiller:kv_free_tokens"] <= capacity
     parts = ("tiller:kv_free_tokens", "tiller:kv_cached_tokens", "tiller:kv_used_tokens")
