@@ -27,7 +27,8 @@ class Limits(BaseModel):
     """Admission, batching and input-size limits."""
 
     max_batch_size: int = Field(64, ge=1, description="sequences in one worker step")
-    max_queued: int = Field(256, ge=0, description="requests waiting for admission before memory_pressure")
+    max_queued: int = Field(4096, ge=0, description="requests waiting for admission before memory_pressure (load "
+                            "tools made for vLLM, which queues without a bound, send a thousand requests at once)")
     max_model_len: int = Field(2048, ge=16, description="context cap (clamped to the model's own)")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that names none (the WebSocket "
                                     "protocol, REST, AICI runs, Evergreen, Salience), capped by the room in the context")
