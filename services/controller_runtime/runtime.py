@@ -12,7 +12,7 @@ import contextlib
 import ctypes
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import structlog
@@ -147,12 +147,11 @@ class Runtime:
             raise OverBudget(refusal)
         request = RequestState(req_id, module_arg_bytes(module_arg), user=user)
         host = SeqHost(self.tokenizer, request, CAPABILITIES, self.settings.max_log_bytes, self.settings.max_constraints)
-        make = self._instance_maker(module_ref)
         cpu = CpuShare()
         instance: Instance | None = None
         try:
             with self.engine.ticker:  # a span: the epoch ticker stays awake between its guest calls
-                instance = make(host)  # (a Wasm start function runs here)
+                instance = self._make_instance(module_ref, host)  # (a Wasm start function runs here)
                 instance.setup(prompt)
         except ControllerError as exc:  # as in AICI: a failed start is the sequence's result, not a refusal
             if instance is not None:
@@ -193,20 +192,20 @@ class Runtime:
             if created < cutoff and self.pending.pop(req_id, None) is not None:
                 self._ended(instance)
 
-    def _instance_maker(self, module_ref: str) -> Callable[[SeqHost], Instance]:
-        """What makes a sequence's controller from ``module_ref``; an unknown module raises UserError, a
-        module that fails to instantiate raises ControllerError when called."""
+    def _make_instance(self, module_ref: str, host: SeqHost) -> Instance:
+        """A sequence's controller from ``module_ref``: an unknown module raises UserError (a refusal), a
+        module that fails to instantiate ControllerError (a failed start)."""
         if module_ref.startswith(NATIVE_PREFIX):
             cls = self.natives.get(module_ref[len(NATIVE_PREFIX):])
             if cls is None:
                 raise UserError(f"unknown native controller {module_ref!r}; configured: "
                                 f"{sorted(NATIVE_PREFIX + n for n in self.natives)}")
-            return lambda host: NativeInstance(cls, host, self.settings, self.op_clock)
+            return NativeInstance(cls, host, self.settings, self.op_clock)
         try:
             _, module = self.registry.resolve(module_ref)
         except RegistryError as exc:
             raise UserError(str(exc)) from exc
-        return lambda host: WasmInstance(WasmController(self.engine, module, host), self.settings)
+        return WasmInstance(WasmController(self.engine, module, host), self.settings)
 
     # -- main channel ----------------------------------------------------------------------------------
     def free(self, seq_ids: list[int]) -> None:

@@ -69,6 +69,12 @@ class ControllerError(Exception):
     """Ends one sequence; the message goes into its result's ``error``."""
 
 
+def _cause(text: str) -> str:
+    """The cause in a wasmtime error's text: its last line, after the backtrace ('' if none)."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
 class Ticker:
     """Advances the engine's epoch every ``period`` seconds of CPU time of the threads running guest calls
     while guest code may run, and sleeps otherwise (a tick counts only for CPU time a running call's thread
@@ -263,7 +269,10 @@ class WasmController:
         try:
             self.instance = module.pre.instantiate(self.store)
         except (wasmtime.WasmtimeError, wasmtime.Trap) as exc:
-            why = f"its start function ran past the deadline of {init_ms:g} ms" if "interrupt" in str(exc) else exc
+            if isinstance(exc, wasmtime.Trap) and exc.trap_code == wasmtime.TrapCode.INTERRUPT:
+                why = f"its start function ran past the deadline of {init_ms:g} ms"
+            else:
+                why = _cause(str(exc))
             raise ControllerError(f"instantiation failed: {why}") from exc
         finally:
             self._ticker.leave()
@@ -352,8 +361,7 @@ class WasmController:
             return f"{export}: {self.host.error}"
         if code == wasmtime.TrapCode.INTERRUPT:
             return f"{export}: deadline of {deadline_ms:g} ms exceeded"
-        lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-        message = lines[-1] if lines else str(code)  # the cause, after wasmtime's backtrace
+        message = _cause(text) or str(code)
         size = _memory_size(self._ctx_addr, self._mem_addr)  # a failed memory.grow shows up as a trap later
         return f"{export}: trap: {message} (memory {size} of {self.engine.settings.max_memory_bytes} bytes)"
 

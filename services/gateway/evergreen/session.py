@@ -225,18 +225,17 @@ class Session:
         for another one left, so following that from any of them runs into a ring."""
         pending = [r for r in self._runs.values() if r.phase is Phase.PENDING]
         writer = {node: r for r in pending for node in (r.bound.output_id, r.bound.error_id) if node is not None}
-        waits = {id(r): [writer[n] for n in r.waiting_for if n in writer] for r in pending}
-        left = {id(r): r for r in pending}
-        while free := [key for key in left if not any(id(w) in left for w in waits[key])]:
-            for key in free:
-                del left[key]
+        waits = {r: [writer[n] for n in r.waiting_for if n in writer] for r in pending}
+        left = set(pending)
+        while free := {r for r in left if not any(w in left for w in waits[r])}:
+            left -= free
         if not left:
             return []
         seen: list[GenerateRun] = []
-        run = next(iter(left.values()))
+        run = next(r for r in pending if r in left)  # from the earliest action: the ring named in a fixed order
         while run not in seen:
             seen.append(run)
-            run = next(w for w in waits[id(run)] if id(w) in left)
+            run = next(w for w in waits[run] if w in left)
         return seen[seen.index(run):]
 
     def _try_start(self, run: GenerateRun) -> None:
