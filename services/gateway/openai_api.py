@@ -68,6 +68,7 @@ from services.gateway.validation import (
     Int64,
     LimitChecks,
     MaxTokens,
+    NullIsLeftOut,
     RepetitionPenalty,
     StopList,
     Temperature,
@@ -175,8 +176,9 @@ class ResponseFormat(BaseModel):
         return None if self.json_schema is None else self.json_schema.json_schema
 
 
-class _OpenAIRequest(LimitChecks):
-    # OpenAI clients send fields that change nothing here (user, metadata, ...): those are ignored
+class _OpenAIRequest(NullIsLeftOut, LimitChecks):
+    # OpenAI clients send fields that change nothing here (user, metadata, ...): those are ignored; a field sent
+    # as null takes its default (vLLM's `n`, `stream`, `echo`, `logprobs`, ... are Optional: clients send null)
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     model: str | None = None

@@ -98,9 +98,7 @@ StopList = Annotated[list[Annotated[str, Field(min_length=1)]], BeforeValidator(
 TopLogprobs = Annotated[Annotated[int, Field(ge=0)] | None, BeforeValidator(_logprobs_flag)]
 
 
-class StrictModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-
+class NullIsLeftOut(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_left_out(cls, data: Any) -> Any:
@@ -108,6 +106,10 @@ class StrictModel(BaseModel):
         if isinstance(data, dict) and None in data.values():
             return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
+
+
+class StrictModel(NullIsLeftOut):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class LimitChecks(BaseModel):

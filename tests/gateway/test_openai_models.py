@@ -188,3 +188,21 @@ def test_penalties_min_tokens_and_logit_bias_reach_the_sampling():
                    "response_format": {"type": "json_object"}}
     with pytest.raises(GatewayError, match="min_tokens cannot hold back"):
         validate(ChatCompletionRequest, json_format, dataclasses.replace(CTX, json_controller="native:json"))
+
+
+def test_null_fields_take_their_defaults():
+    """vLLM's request fields are Optional (``n``, ``stream``, ``echo``, ``logprobs``, ``parallel_tool_calls``, ...):
+    clients that fill every field send null for those they leave, and get the defaults, not a 400."""
+    nulls = dict.fromkeys(["n", "stream", "stream_options", "ignore_eos", "stop", "seed", "temperature", "max_tokens"])
+    (completion,) = validate(CompletionRequest, {"prompt": "x", "echo": None, "logprobs": None, **nulls},
+                             CTX).to_requests(CTX)
+    assert (completion.echo, completion.top_logprobs, completion.ignore_eos, completion.temperature) == (
+        False, None, False, 1.0)
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": None, "top_logprobs": None,
+            "parallel_tool_calls": None, "tools": None, "tool_choice": None, "add_generation_prompt": None,
+            "continue_final_message": None, "max_completion_tokens": None, **nulls}
+    parsed = validate(ChatCompletionRequest, chat, CTX)
+    (request,) = parsed.to_requests(CTX)
+    assert (parsed.n, parsed.stream, parsed.parallel_tool_calls) == (1, False, True)
+    assert (request.top_logprobs, request.add_generation_prompt, request.continue_final_message) == (None, True, False)
+    assert refusal(ChatCompletionRequest, {**chat, "messages": None}).param == "messages"  # still required
