@@ -144,10 +144,11 @@ def _only(*neutral: Any, hint: str = "") -> Any:
     return Annotated[Any, AfterValidator(check)]
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(NullIsLeftOut):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 class JsonSchemaFormat(BaseModel):
@@ -535,9 +536,21 @@ def _total_usage(usages: list[Usage], n: int) -> dict[str, Any]:
     return total.to_openai()
 
 
-async def _sse_chunks(rid: str, choices: list[_Choice], n: int, include_usage: bool) -> AsyncIterator[bytes]:
+async def _sse_chunks(
+    rid: str, choices: list[_Choice], n: int, include_usage: bool, continuous_usage: bool = False
+) -> AsyncIterator[bytes]:
+    """The SSE stream of a response. With ``include_usage`` the chunks carry ``usage``: null but in the last
+    chunk (no choices, the response's total); with ``continuous_usage`` too (vLLM's ``continuous_usage_stats``),
+    every choice's chunk carries that choice's usage so far (its prompt, the tokens it generated up to then)."""
     created = int(time.time())
     fmt = choices[0].fmt
+    generated = [0] * len(choices)  # each choice's tokens so far (a held-back token counts before its text shows)
+
+    def usage_of(i: int, completion_tokens: int | None = None) -> dict[str, Any] | None:
+        if not continuous_usage:
+            return None
+        done = generated[i] if completion_tokens is None else completion_tokens
+        return Usage(choices[i].gen.usage.prompt_tokens, done).to_json()
 
     def chunk(parts: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         body: dict[str, Any] = {
@@ -551,14 +564,15 @@ async def _sse_chunks(rid: str, choices: list[_Choice], n: int, include_usage: b
             body["usage"] = usage
         return sse(body)
 
-    def opening(choice: _Choice) -> bytes | None:
+    def opening(i: int) -> bytes | None:
+        choice = choices[i]
         part = choice.fmt.opening(choice.init, choice.gen.request.echo, choice.gen.prompt_entries)
-        return None if part is None else chunk([part])
+        return None if part is None else chunk([part], usage_of(i))
 
     # a choice with prompt logprobs opens once they are in: they come before its first token
     unopened = {i for i, c in enumerate(choices) if c.gen.request.prompt_logprobs}
-    for i, choice in enumerate(choices):
-        if i not in unopened and (data := opening(choice)) is not None:
+    for i in range(len(choices)):
+        if i not in unopened and (data := opening(i)) is not None:
             yield data
     usages: dict[int, Usage] = {}
     async with contextlib.aclosing(merge([c.messages for c in choices])) as messages:
@@ -566,15 +580,17 @@ async def _sse_chunks(rid: str, choices: list[_Choice], n: int, include_usage: b
             choice_fmt = choices[i].fmt
             if i in unopened and isinstance(msg, TokenMsg | CompletionMsg):
                 unopened.discard(i)
-                if (data := opening(choices[i])) is not None:
+                if (data := opening(i)) is not None:
                     yield data
             if isinstance(msg, TokenMsg):
+                generated[i] += 1
                 entries = [msg.logprobs] if msg.logprobs else []
                 if (msg.token or entries) and (part := choice_fmt.delta(msg.token, entries, None)) is not None:
-                    yield chunk([part])
+                    yield chunk([part], usage_of(i))
             elif isinstance(msg, CompletionMsg):
                 usages[i] = msg.usage
-                yield chunk([choice_fmt.delta("", [], _finish(msg.finish_reason))])
+                finish = choice_fmt.delta("", [], _finish(msg.finish_reason))
+                yield chunk([finish], usage_of(i, msg.usage.completion_tokens))
             elif isinstance(msg, ErrorMsg):  # the response failed: the other choices end here too
                 yield sse(_error_body(msg))
                 break
@@ -659,9 +675,13 @@ async def _serve(
     if isinstance(choices, ErrorMsg):
         return error_response(choices)
     if parsed.stream:
-        include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
+        options = parsed.stream_options or StreamOptions()
+        include_usage = options.include_usage
+        continuous = include_usage and options.continuous_usage_stats  # as vLLM: only with include_usage
         return StreamingResponse(
-            _sse_chunks(rid, choices, parsed.n, include_usage), media_type="text/event-stream", headers=SSE_HEADERS
+            _sse_chunks(rid, choices, parsed.n, include_usage, continuous),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
         )
     try:
         collected = await unless_disconnected(request, _collect_all(choices))

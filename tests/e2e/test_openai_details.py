@@ -101,3 +101,31 @@ def test_streams_read_as_vllm_bench_serve_reads_them(stack, route, body):
     assert last["usage"]["prompt_tokens"] > 0
     texts = [c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or "" for c in deltas]
     assert "".join(texts).strip()
+
+
+def test_continuous_usage_stats_count_each_choices_tokens_so_far(stack, client):
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk carries its choice's
+    usage so far (the prompt's tokens, the tokens generated up to that chunk), then the usual last chunk with the
+    response's total. A token whose text is held back (a possible stop string) still counts."""
+    model = stack.settings.served_model_name
+    prompt_tokens = len(stack.tokenizer(PROMPT).input_ids)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=0,
+                                            n=2, stop=["\n\nThe answer"], stream=True, stream_options=options))
+    *deltas, last = chunks
+    seen = [0, 0]
+    for chunk in deltas:
+        (choice,) = chunk.choices
+        seen[choice.index] += len(choice.logprobs.tokens) if choice.logprobs else 0
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (prompt_tokens, seen[choice.index])
+        assert chunk.usage.total_tokens == prompt_tokens + seen[choice.index]
+    assert last.choices == [] and last.usage.completion_tokens == sum(seen) and last.usage.prompt_tokens == prompt_tokens
+    assert "".join(c.choices[0].text for c in deltas if c.choices[0].index == 0) == " Paris."  # the stop string held
+
+    chat = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                               max_tokens=4, temperature=0, stream=True, stream_options=options,
+                                               extra_body={"ignore_eos": True}))
+    assert [c.usage.completion_tokens for c in chat] == [0, 1, 2, 3, 4, 4, 4]  # role, 4 tokens, finish, total
+    plain = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=2, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert [c.usage is None for c in plain] == [True, True, True, False]  # without it: the last chunk only
