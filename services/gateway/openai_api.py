@@ -373,7 +373,6 @@ class ChatCompletionRequest(ChatTools, _OpenAIRequest, ChatRendering):  # ChatTo
     function_call: _only(None, "none", "auto") = None
     echo: _only(None, False) = None
     chat_template: _only(None) = None
-    chat_template_kwargs: _only(None, {}) = None
     documents: _only(None, []) = None
     modalities: _only(None, ["text"]) = None
     audio: _only(None) = None

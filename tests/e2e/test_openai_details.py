@@ -129,3 +129,20 @@ def test_continuous_usage_stats_count_each_choices_tokens_so_far(stack, client):
     plain = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=2, stream=True,
                                            stream_options={"include_usage": True}))
     assert [c.usage is None for c in plain] == [True, True, True, False]  # without it: the last chunk only
+
+
+def test_chat_template_kwargs_are_accepted_as_vllm_accepts_them(stack, client):
+    """Agent frameworks send vLLM's ``chat_template_kwargs`` (``enable_thinking: false``) to every server: a variable
+    the model's template does not read changes nothing (SmolLM2's reads none), in the reply and in /tokenize."""
+    ask = dict(model=stack.settings.served_model_name, messages=[{"role": "user", "content": PROMPT}], max_tokens=6,
+               temperature=0)
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    plain, thinking_off = client.chat.completions.create(**ask), client.chat.completions.create(**ask, extra_body=kwargs)
+    assert thinking_off.choices[0].message.content == plain.choices[0].message.content
+    assert thinking_off.usage.prompt_tokens == plain.usage.prompt_tokens
+    with httpx.Client(base_url=stack.http_url, timeout=60) as http:
+        counted = http.post("/tokenize", json={"messages": ask["messages"], **kwargs}).json()
+    assert counted["count"] == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert caught.value.body["param"] == "chat_template_kwargs"

@@ -206,3 +206,31 @@ def test_null_fields_take_their_defaults():
     assert (parsed.n, parsed.stream, parsed.parallel_tool_calls) == (1, False, True)
     assert (request.top_logprobs, request.add_generation_prompt, request.continue_final_message) == (None, True, False)
     assert refusal(ChatCompletionRequest, {**chat, "messages": None}).param == "messages"  # still required
+
+
+def test_chat_template_kwargs_reach_the_rendering():
+    """vLLM's chat_template_kwargs (e.g. ``enable_thinking``, which agent frameworks send to every server) are the
+    template's variables; what the request's own fields set (messages, tools, add_generation_prompt, ...) and what
+    transformers takes for itself (tokenize, chat_template) are refused, not silently overridden."""
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    (request,) = validate(ChatCompletionRequest, {**chat, "chat_template_kwargs": {"enable_thinking": False}},
+                          CTX).to_requests(CTX)
+    assert request.chat_template_kwargs == {"enable_thinking": False}
+    (empty,) = validate(ChatCompletionRequest, {**chat, "chat_template_kwargs": {}}, CTX).to_requests(CTX)
+    assert empty.chat_template_kwargs is None
+    for key in ("tools", "add_generation_prompt", "chat_template", "tokenize", "messages"):
+        error = refusal(ChatCompletionRequest, {**chat, "chat_template_kwargs": {key: 1}})
+        assert error.param == "chat_template_kwargs" and repr(key) in error.message
+    assert refusal(ChatCompletionRequest, {**chat, "chat_template_kwargs": ["x"]}).param == "chat_template_kwargs"
+
+
+def test_reserved_template_kwargs_cover_what_transformers_takes_itself():
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    from services.gateway.validation import RESERVED_TEMPLATE_KWARGS
+
+    named = {p.name for p in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
+             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+    assert named <= RESERVED_TEMPLATE_KWARGS
