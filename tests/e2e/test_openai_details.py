@@ -146,3 +146,38 @@ def test_chat_template_kwargs_are_accepted_as_vllm_accepts_them(stack, client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
     assert caught.value.body["param"] == "chat_template_kwargs"
+
+
+def test_structured_outputs_and_guided_fields_constrain_the_output(stack, client):
+    """vLLM's ``structured_outputs`` (``choice``, ``regex``, ``json``) and the ``guided_*`` fields of vLLM before 0.12
+    (which now ignores them: unconstrained output): the output follows the constraint, sampled or not, streamed alike."""
+    import jsonschema
+
+    model = stack.settings.served_model_name
+    messages = [{"role": "user", "content": "Is the sky blue?"}]
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"],
+              "additionalProperties": False}
+    choices = ["yes", "no", "It's (maybe) 50.5%"]
+    cases = [
+        ({"structured_outputs": {"choice": choices}}, lambda text: text in choices),
+        ({"guided_choice": choices}, lambda text: text in choices),
+        ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, lambda text: re.fullmatch("[0-9]{3}-[a-z]{2}", text)),
+        ({"guided_regex": "(red|green) [a-z]{1,8}"}, lambda text: re.fullmatch("(red|green) [a-z]{1,8}", text)),
+        ({"structured_outputs": {"json": schema}}, lambda text: jsonschema.validate(json.loads(text), schema) is None),
+        ({"guided_json": schema}, lambda text: jsonschema.validate(json.loads(text), schema) is None),
+    ]
+    for extra, follows in cases:
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=30, temperature=0.8, seed=5,
+                                               extra_body=extra)
+        text = reply.choices[0].message.content
+        assert reply.choices[0].finish_reason == "stop" and follows(text), (extra, text)
+        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=30, temperature=0.8, seed=5,
+                                                extra_body=extra, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+        completion = client.completions.create(model=model, prompt="Q: Is the sky blue?\nA:", max_tokens=30,
+                                               temperature=0, extra_body=extra)
+        assert completion.choices[0].finish_reason == "stop" and follows(completion.choices[0].text), (extra, completion)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=4,
+                                  extra_body={"structured_outputs": {"regex": "a", "choice": ["a"]}})
+    assert caught.value.body["param"] == "structured_outputs"

@@ -90,7 +90,7 @@ def test_defaults_like_vllm():
         ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids[0]", "greater than or equal to 0"),
         ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
         ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens", "not supported"),
-        ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json", "not supported"),
+        ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json", "constrained output is not enabled"),
         ({"prompt": "x", "logprobs": 6}, "logprobs", "at most 5"),
         ({"prompt": "x", "temperature": -1}, "temperature", "greater than or equal to 0"),
         ({"prompt": "x", "top_p": float("nan")}, "top_p", "finite number"),
@@ -234,3 +234,55 @@ def test_reserved_template_kwargs_cover_what_transformers_takes_itself():
     named = {p.name for p in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
              if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
     assert named <= RESERVED_TEMPLATE_KWARGS
+
+
+@pytest.mark.parametrize(
+    ("fields", "constraint"),
+    [
+        ({"structured_outputs": {"json": {"type": "object"}}}, {"json_schema": {"type": "object"}}),
+        ({"structured_outputs": {"json": '{"type": "integer"}'}}, {"json_schema": '{"type": "integer"}'}),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, {"regex": "[0-9]+"}),
+        ({"structured_outputs": {"choice": ["yes", "no way"]}}, {"regex": "(yes|no way)"}),
+        ({"structured_outputs": {"json_object": True}}, {"json_schema": {"type": "object"}}),
+        ({"guided_json": {"type": "array"}}, {"json_schema": {"type": "array"}}),
+        ({"guided_regex": "a|b", "guided_decoding_backend": "xgrammar"}, {"regex": "a|b"}),
+        ({"guided_choice": ["a.b", "(c)"]}, {"regex": "(a\\x{2e}b|\\x{28}c\\x{29})"}),
+    ],
+)
+def test_structured_outputs_and_guided_fields_run_under_the_json_controller(fields, constraint):
+    """vLLM's structured_outputs (and the guided_* fields of vLLM before 0.12) constrain the output on the JSON
+    controller (llguidance), as a JSON response_format does; a choice is a regex whose characters are literals."""
+    ctx = dataclasses.replace(CTX, json_controller="native:json")
+    for data in ({"prompt": "x", **fields}, {"messages": [{"role": "user", "content": "x"}], **fields}):
+        model = CompletionRequest if "prompt" in data else ChatCompletionRequest
+        (request,) = validate(model, data, ctx).to_requests(ctx)
+        assert request.controller == "native:json"
+        assert json.loads(request.controller_arg) == {**constraint, "max_tokens": CTX.limits.max_tokens_cap}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "fragment"),
+    [
+        ({"structured_outputs": {}}, "structured_outputs", "exactly one of 'json', 'regex', 'choice'"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "got ['regex', 'choice']"),
+        ({"structured_outputs": {"grammar": "root ::= \"a\""}}, "structured_outputs.grammar", "give a regex"),
+        ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn", "unknown field"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "at least 1 item"),
+        ({"guided_json": {}, "guided_regex": "a"}, None, "not guided_json and guided_regex"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, None,
+         "not response_format and guided_regex"),
+        ({"guided_grammar": "start: \"a\""}, "guided_grammar", "not supported"),
+        ({"guided_choice": ["a"], "min_tokens": 2}, None, "min_tokens cannot hold back"),
+    ],
+)
+def test_output_constraint_refusals(fields, param, fragment):
+    ctx = dataclasses.replace(CTX, json_controller="native:json")
+    with pytest.raises(GatewayError) as caught:
+        validate(CompletionRequest, {"prompt": "x", **fields}, ctx)
+    assert caught.value.param == param and fragment in caught.value.message, caught.value.message
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    with_tools = {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "guided_regex": "a"}
+    with pytest.raises(GatewayError, match="not with tools"):
+        validate(ChatCompletionRequest, with_tools, ctx)
+    (left_out,) = validate(ChatCompletionRequest, {**with_tools, "tool_choice": "none"}, ctx).to_requests(ctx)
+    assert json.loads(left_out.controller_arg)["regex"] == "a"
