@@ -68,6 +68,7 @@ from services.gateway.validation import (
     Int64,
     LimitChecks,
     MaxTokens,
+    NullIsLeftOut,
     RepetitionPenalty,
     StopList,
     Temperature,
@@ -143,10 +144,11 @@ def _only(*neutral: Any, hint: str = "") -> Any:
     return Annotated[Any, AfterValidator(check)]
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(NullIsLeftOut):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 class JsonSchemaFormat(BaseModel):
@@ -175,8 +177,57 @@ class ResponseFormat(BaseModel):
         return None if self.json_schema is None else self.json_schema.json_schema
 
 
-class _OpenAIRequest(LimitChecks):
-    # OpenAI clients send fields that change nothing here (user, metadata, ...): those are ignored
+def _choice_regex(choices: list[str]) -> str:
+    """A regex (llguidance's syntax, Rust's) matching exactly one of ``choices``: each character but letters,
+    digits and spaces written as a ``\\x{...}`` escape, so none is read as a regex operator."""
+    def literal(text: str) -> str:
+        return "".join(c if c.isalnum() or c == " " else f"\\x{{{ord(c):x}}}" for c in text)
+
+    return "(" + "|".join(literal(c) for c in choices) + ")"
+
+
+Choices = Annotated[list[str], Field(min_length=1)]
+JsonSchema = dict[str, Any] | Annotated[str, Field(min_length=1)]  # an object, or its JSON text (as vLLM takes it)
+
+
+class StructuredOutputs(NullIsLeftOut):
+    """vLLM's ``structured_outputs``: exactly one constraint of ``json`` (a JSON schema), ``regex``, ``choice`` or
+    ``json_object``, run under the JSON controller as a ``response_format`` is."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    json_schema: JsonSchema | None = Field(None, alias="json")
+    regex: Annotated[str, Field(min_length=1)] | None = None
+    choice: Choices | None = None
+    json_object: bool | None = None
+    grammar: _only(None, hint="give a regex, a choice or a JSON schema") = None  # xgrammar's EBNF, not llguidance's
+    structural_tag: _only(None) = None
+    whitespace_pattern: _only(None) = None
+    disable_any_whitespace: bool | None = None  # the output's JSON is compact: no whitespace either way
+    disable_fallback: bool | None = None  # a backend choice: there is one backend
+    disable_additional_properties: _only(None, False) = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        given = [name for name, value in (("json", self.json_schema), ("regex", self.regex), ("choice", self.choice),
+                                          ("json_object", self.json_object or None)) if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of 'json', 'regex', 'choice' or 'json_object' (got {given or 'none'})")
+        return self
+
+    def constraint(self) -> dict[str, Any]:
+        if self.json_schema is not None:
+            return {"json_schema": self.json_schema}
+        if self.regex is not None:
+            return {"regex": self.regex}
+        if self.choice is not None:
+            return {"regex": _choice_regex(self.choice)}
+        return {"json_schema": {"type": "object"}}
+
+
+class _OpenAIRequest(NullIsLeftOut, LimitChecks):
+    # OpenAI clients send fields that change nothing here (user, metadata, ...): those are ignored; a field sent
+    # as null takes its default (vLLM's `n`, `stream`, `echo`, `logprobs`, ... are Optional: clients send null)
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
@@ -208,11 +259,14 @@ class _OpenAIRequest(LimitChecks):
     length_penalty: _only(None, 1) = None
     prompt_logprobs: _only(None) = None
     truncate_prompt_tokens: _only(None) = None
-    guided_json: _only(None) = None
-    guided_regex: _only(None) = None
-    guided_choice: _only(None) = None
-    guided_grammar: _only(None) = None
-    structured_outputs: _only(None) = None
+    # constrained output (vLLM's; the guided_* fields are those of vLLM before 0.12, which now ignores them)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JsonSchema | None = None
+    guided_regex: Annotated[str, Field(min_length=1)] | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: _only(None, hint="give guided_regex, guided_choice or guided_json") = None
+    guided_whitespace_pattern: _only(None) = None
+    guided_decoding_backend: str | None = None  # which library enforces the constraint: there is one
 
     @field_validator("stream_options")
     @classmethod
@@ -228,6 +282,23 @@ class _OpenAIRequest(LimitChecks):
             raise ValueError(f"type {value.type!r}: JSON output is not enabled on this server")
         return value
 
+    @model_validator(mode="after")
+    def _one_output_constraint(self) -> _OpenAIRequest:
+        given = [name for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice")
+                 if getattr(self, name) is not None]
+        if self._output_schema() is not None:
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise ValueError(f"give one output constraint, not {' and '.join(given)}")
+        return self
+
+    @field_validator("structured_outputs", "guided_json", "guided_regex", "guided_choice")
+    @classmethod
+    def _constraints_available(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and context_of(info).json_controller is None:
+            raise ValueError("constrained output is not enabled on this server")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
@@ -241,8 +312,9 @@ class _OpenAIRequest(LimitChecks):
         limit = getattr(self, "max_completion_tokens", None) or self.max_tokens
         if self.min_tokens and limit is not None and self.min_tokens > limit:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({limit})")
-        if self.min_tokens and self.response_format is not None and self.response_format.output_schema() is not None:
-            raise ValueError("min_tokens cannot hold back the end of a JSON response_format")
+        if self.min_tokens and self._output_constraint() is not None:
+            raise ValueError("min_tokens cannot hold back the end of a constrained output (response_format, "
+                             "structured_outputs, guided_*)")
         return self
 
     @property
@@ -253,10 +325,25 @@ class _OpenAIRequest(LimitChecks):
     def _output_schema(self) -> dict[str, Any] | None:
         return None if self.response_format is None else self.response_format.output_schema()
 
+    def _output_constraint(self) -> dict[str, Any] | None:
+        """The constraint a JSON ``response_format``, ``structured_outputs`` or a ``guided_*`` field puts on the
+        output (at most one of them is given)."""
+        schema = self._output_schema()
+        if schema is not None:
+            return {"json_schema": schema}
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        if self.guided_json is not None:
+            return {"json_schema": self.guided_json}
+        if self.guided_regex is not None:
+            return {"regex": self.guided_regex}
+        if self.guided_choice is not None:
+            return {"regex": _choice_regex(self.guided_choice)}
+        return None
+
     def _constraint(self) -> dict[str, Any] | None:
         """The JSON controller's constraint on the output, if the output has one."""
-        schema = self._output_schema()
-        return None if schema is None else {"json_schema": schema}
+        return self._output_constraint()
 
     def _requests(self, context: Context, prompts: list[dict[str, Any]], **kwargs: Any) -> list[GenerationRequest]:
         """One request per choice: each prompt ``n`` times, choice ``i`` of a prompt seeded ``seed + i``
@@ -370,7 +457,6 @@ class ChatCompletionRequest(ChatTools, _OpenAIRequest, ChatRendering):  # ChatTo
     function_call: _only(None, "none", "auto") = None
     echo: _only(None, False) = None
     chat_template: _only(None) = None
-    chat_template_kwargs: _only(None, {}) = None
     documents: _only(None, []) = None
     modalities: _only(None, ["text"]) = None
     audio: _only(None) = None
@@ -380,6 +466,15 @@ class ChatCompletionRequest(ChatTools, _OpenAIRequest, ChatRendering):  # ChatTo
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    @model_validator(mode="after")
+    def _calls_or_a_constraint(self) -> ChatCompletionRequest:
+        guided = self._output_schema() is None and self._output_constraint() is not None
+        if guided and self.tool_plan is not None:
+            raise ValueError("structured_outputs and guided_* constrain the whole reply: not with tools the model "
+                             "may call (tool_choice 'none' leaves them out; a JSON response_format constrains the "
+                             "text answer)")
         return self
 
     def _constraint(self) -> dict[str, Any] | None:
@@ -533,9 +628,21 @@ def _total_usage(usages: list[Usage], n: int) -> dict[str, Any]:
     return total.to_openai()
 
 
-async def _sse_chunks(rid: str, choices: list[_Choice], n: int, include_usage: bool) -> AsyncIterator[bytes]:
+async def _sse_chunks(
+    rid: str, choices: list[_Choice], n: int, include_usage: bool, continuous_usage: bool = False
+) -> AsyncIterator[bytes]:
+    """The SSE stream of a response. With ``include_usage`` the chunks carry ``usage``: null but in the last
+    chunk (no choices, the response's total); with ``continuous_usage`` too (vLLM's ``continuous_usage_stats``),
+    every choice's chunk carries that choice's usage so far (its prompt, the tokens it generated up to then)."""
     created = int(time.time())
     fmt = choices[0].fmt
+    generated = [0] * len(choices)  # each choice's tokens so far (a held-back token counts before its text shows)
+
+    def usage_of(i: int, completion_tokens: int | None = None) -> dict[str, Any] | None:
+        if not continuous_usage:
+            return None
+        done = generated[i] if completion_tokens is None else completion_tokens
+        return Usage(choices[i].gen.usage.prompt_tokens, done).to_json()
 
     def chunk(parts: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         body: dict[str, Any] = {
@@ -549,14 +656,15 @@ async def _sse_chunks(rid: str, choices: list[_Choice], n: int, include_usage: b
             body["usage"] = usage
         return sse(body)
 
-    def opening(choice: _Choice) -> bytes | None:
+    def opening(i: int) -> bytes | None:
+        choice = choices[i]
         part = choice.fmt.opening(choice.init, choice.gen.request.echo, choice.gen.prompt_entries)
-        return None if part is None else chunk([part])
+        return None if part is None else chunk([part], usage_of(i))
 
     # a choice with prompt logprobs opens once they are in: they come before its first token
     unopened = {i for i, c in enumerate(choices) if c.gen.request.prompt_logprobs}
-    for i, choice in enumerate(choices):
-        if i not in unopened and (data := opening(choice)) is not None:
+    for i in range(len(choices)):
+        if i not in unopened and (data := opening(i)) is not None:
             yield data
     usages: dict[int, Usage] = {}
     async with contextlib.aclosing(merge([c.messages for c in choices])) as messages:
@@ -564,15 +672,17 @@ async def _sse_chunks(rid: str, choices: list[_Choice], n: int, include_usage: b
             choice_fmt = choices[i].fmt
             if i in unopened and isinstance(msg, TokenMsg | CompletionMsg):
                 unopened.discard(i)
-                if (data := opening(choices[i])) is not None:
+                if (data := opening(i)) is not None:
                     yield data
             if isinstance(msg, TokenMsg):
+                generated[i] += 1
                 entries = [msg.logprobs] if msg.logprobs else []
                 if (msg.token or entries) and (part := choice_fmt.delta(msg.token, entries, None)) is not None:
-                    yield chunk([part])
+                    yield chunk([part], usage_of(i))
             elif isinstance(msg, CompletionMsg):
                 usages[i] = msg.usage
-                yield chunk([choice_fmt.delta("", [], _finish(msg.finish_reason))])
+                finish = choice_fmt.delta("", [], _finish(msg.finish_reason))
+                yield chunk([finish], usage_of(i, msg.usage.completion_tokens))
             elif isinstance(msg, ErrorMsg):  # the response failed: the other choices end here too
                 yield sse(_error_body(msg))
                 break
@@ -657,9 +767,13 @@ async def _serve(
     if isinstance(choices, ErrorMsg):
         return error_response(choices)
     if parsed.stream:
-        include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
+        options = parsed.stream_options or StreamOptions()
+        include_usage = options.include_usage
+        continuous = include_usage and options.continuous_usage_stats  # as vLLM: only with include_usage
         return StreamingResponse(
-            _sse_chunks(rid, choices, parsed.n, include_usage), media_type="text/event-stream", headers=SSE_HEADERS
+            _sse_chunks(rid, choices, parsed.n, include_usage, continuous),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
         )
     try:
         collected = await unless_disconnected(request, _collect_all(choices))

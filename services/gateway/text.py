@@ -85,16 +85,25 @@ class TextProcessor:
             raise GatewayError(
                 INVALID_REQUEST, "messages: this model has no chat template; send a 'prompt'", param="messages"
             )
+        kwargs = request.chat_template_kwargs or {}
         try:
             return self._tokenizer.apply_chat_template(
                 request.messages,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 tokenize=False,
+                **kwargs,
             )
         except jinja2.TemplateError as exc:
             raise GatewayError(
                 INVALID_REQUEST, f"messages: the chat template refused them: {exc}", param="messages"
+            ) from None
+        except Exception as exc:  # a client's template variable of a type the template cannot use
+            if not kwargs:
+                raise
+            raise GatewayError(
+                INVALID_REQUEST, f"chat_template_kwargs: the chat template failed with them: {type(exc).__name__}: "
+                f"{exc}", param="chat_template_kwargs",
             ) from None
 
     def refused(self, text: str) -> bool:

@@ -38,6 +38,8 @@ class TokenizeRequest(StrictModel, ChatRendering, ChatTools):
             raise ValueError("give either 'prompt' or 'messages'")
         if self.tools and self.messages is None:
             raise ValueError("'tools' go with 'messages'")
+        if self.chat_template_kwargs and self.messages is None:
+            raise ValueError("'chat_template_kwargs' go with 'messages'")
         return self
 
     def generation(self) -> GenerationRequest:

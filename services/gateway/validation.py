@@ -98,9 +98,7 @@ StopList = Annotated[list[Annotated[str, Field(min_length=1)]], BeforeValidator(
 TopLogprobs = Annotated[Annotated[int, Field(ge=0)] | None, BeforeValidator(_logprobs_flag)]
 
 
-class StrictModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-
+class NullIsLeftOut(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_left_out(cls, data: Any) -> Any:
@@ -108,6 +106,10 @@ class StrictModel(BaseModel):
         if isinstance(data, dict) and None in data.values():
             return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
+
+
+class StrictModel(NullIsLeftOut):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class LimitChecks(BaseModel):
@@ -208,12 +210,33 @@ class ChatMessage(BaseModel):
     content: Annotated[str, BeforeValidator(_message_content)]
 
 
+# what the rendering itself gives a chat template (or transformers' apply_chat_template takes for itself): not
+# for a request's chat_template_kwargs to replace (vLLM refuses chat_template and tokenize there too)
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+})
+
+
 class ChatRendering(BaseModel):
     """How chat messages end as a prompt (vLLM's options): with the template's generation prompt, or
-    with the last message, the assistant's, left open for the model to continue."""
+    with the last message, the assistant's, left open for the model to continue; ``chat_template_kwargs``
+    are more variables for the template (vLLM's; e.g. ``enable_thinking``: one the template does not use
+    changes nothing, as in vLLM, which drops those)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & (value or {}).keys())
+        if reserved:
+            raise ValueError(f"{', '.join(map(repr, reserved))} cannot be set here (the request's own fields "
+                             "set how its messages are rendered)")
+        return value
 
     @model_validator(mode="after")
     def _one_way_to_end(self) -> ChatRendering:
@@ -227,7 +250,8 @@ class ChatRendering(BaseModel):
     def rendering(self) -> dict[str, bool]:
         """These options as keyword arguments of :class:`GenerationRequest`."""
         return {"add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
+                "continue_final_message": self.continue_final_message,
+                "chat_template_kwargs": self.chat_template_kwargs or None}
 
 
 @dataclass(frozen=True)
@@ -238,6 +262,7 @@ class GenerationRequest:
     messages: list[dict[str, str]] | None = None
     add_generation_prompt: bool = True  # how ``messages`` end (see ChatRendering)
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template (vLLM's)
     prompt_ids: list[int] | None = None
     max_tokens: int | None = None  # None: default_max_tokens, capped by the context
     default_max_tokens: int | None = None  # the surface's default for max_tokens; None: limits.default_max_tokens
@@ -278,6 +303,13 @@ class GenerationRequest:
             min_tokens=self.min_tokens,
         )
 
+    def written_text(self, prompt_text: str) -> str:
+        """What the client wrote (what the content filter screens): chat messages' contents and the texts in
+        the chat template's variables, not the template; else the prompt."""
+        if self.messages is None:
+            return prompt_text
+        return "\n".join([*(m["content"] for m in self.messages), *_texts(self.chat_template_kwargs)])
+
     def patched(self, patch: SamplingPatch) -> GenerationRequest:
         """This request with a mid-stream modification applied (what ``regenerate`` runs next)."""
         changes = {
@@ -294,6 +326,17 @@ class GenerationRequest:
             out.pop(key)
         out["stop"] = list(self.stop)
         return out
+
+
+def _texts(value: Any) -> list[str]:
+    """The strings in a JSON value (the keys of its objects too)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [text for key, item in value.items() for text in (key, *_texts(item))]
+    if isinstance(value, list):
+        return [text for item in value for text in _texts(item)]
+    return []
 
 
 class GenerateConfig(StrictModel, LimitChecks):

@@ -101,3 +101,83 @@ def test_streams_read_as_vllm_bench_serve_reads_them(stack, route, body):
     assert last["usage"]["prompt_tokens"] > 0
     texts = [c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or "" for c in deltas]
     assert "".join(texts).strip()
+
+
+def test_continuous_usage_stats_count_each_choices_tokens_so_far(stack, client):
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk carries its choice's
+    usage so far (the prompt's tokens, the tokens generated up to that chunk), then the usual last chunk with the
+    response's total. A token whose text is held back (a possible stop string) still counts."""
+    model = stack.settings.served_model_name
+    prompt_tokens = len(stack.tokenizer(PROMPT).input_ids)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=0,
+                                            n=2, stop=["\n\nThe answer"], stream=True, stream_options=options))
+    *deltas, last = chunks
+    seen = [0, 0]
+    for chunk in deltas:
+        (choice,) = chunk.choices
+        seen[choice.index] += len(choice.logprobs.tokens) if choice.logprobs else 0
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (prompt_tokens, seen[choice.index])
+        assert chunk.usage.total_tokens == prompt_tokens + seen[choice.index]
+    assert last.choices == [] and last.usage.completion_tokens == sum(seen) and last.usage.prompt_tokens == prompt_tokens
+    assert "".join(c.choices[0].text for c in deltas if c.choices[0].index == 0) == " Paris."  # the stop string held
+
+    chat = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                               max_tokens=4, temperature=0, stream=True, stream_options=options,
+                                               extra_body={"ignore_eos": True}))
+    assert [c.usage.completion_tokens for c in chat] == [0, 1, 2, 3, 4, 4, 4]  # role, 4 tokens, finish, total
+    plain = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=2, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert [c.usage is None for c in plain] == [True, True, True, False]  # without it: the last chunk only
+
+
+def test_chat_template_kwargs_are_accepted_as_vllm_accepts_them(stack, client):
+    """Agent frameworks send vLLM's ``chat_template_kwargs`` (``enable_thinking: false``) to every server: a variable
+    the model's template does not read changes nothing (SmolLM2's reads none), in the reply and in /tokenize."""
+    ask = dict(model=stack.settings.served_model_name, messages=[{"role": "user", "content": PROMPT}], max_tokens=6,
+               temperature=0)
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    plain, thinking_off = client.chat.completions.create(**ask), client.chat.completions.create(**ask, extra_body=kwargs)
+    assert thinking_off.choices[0].message.content == plain.choices[0].message.content
+    assert thinking_off.usage.prompt_tokens == plain.usage.prompt_tokens
+    with httpx.Client(base_url=stack.http_url, timeout=60) as http:
+        counted = http.post("/tokenize", json={"messages": ask["messages"], **kwargs}).json()
+    assert counted["count"] == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert caught.value.body["param"] == "chat_template_kwargs"
+
+
+def test_structured_outputs_and_guided_fields_constrain_the_output(stack, client):
+    """vLLM's ``structured_outputs`` (``choice``, ``regex``, ``json``) and the ``guided_*`` fields of vLLM before 0.12
+    (which now ignores them: unconstrained output): the output follows the constraint, sampled or not, streamed alike."""
+    import jsonschema
+
+    model = stack.settings.served_model_name
+    messages = [{"role": "user", "content": "Is the sky blue?"}]
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"],
+              "additionalProperties": False}
+    choices = ["yes", "no", "It's (maybe) 50.5%"]
+    cases = [
+        ({"structured_outputs": {"choice": choices}}, lambda text: text in choices),
+        ({"guided_choice": choices}, lambda text: text in choices),
+        ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, lambda text: re.fullmatch("[0-9]{3}-[a-z]{2}", text)),
+        ({"guided_regex": "(red|green) [a-z]{1,8}"}, lambda text: re.fullmatch("(red|green) [a-z]{1,8}", text)),
+        ({"structured_outputs": {"json": schema}}, lambda text: jsonschema.validate(json.loads(text), schema) is None),
+        ({"guided_json": schema}, lambda text: jsonschema.validate(json.loads(text), schema) is None),
+    ]
+    for extra, follows in cases:
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=30, temperature=0.8, seed=5,
+                                               extra_body=extra)
+        text = reply.choices[0].message.content
+        assert reply.choices[0].finish_reason == "stop" and follows(text), (extra, text)
+        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=30, temperature=0.8, seed=5,
+                                                extra_body=extra, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+        completion = client.completions.create(model=model, prompt="Q: Is the sky blue?\nA:", max_tokens=30,
+                                               temperature=0, extra_body=extra)
+        assert completion.choices[0].finish_reason == "stop" and follows(completion.choices[0].text), (extra, completion)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=4,
+                                  extra_body={"structured_outputs": {"regex": "a", "choice": ["a"]}})
+    assert caught.value.body["param"] == "structured_outputs"

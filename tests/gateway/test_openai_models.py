@@ -90,7 +90,7 @@ def test_defaults_like_vllm():
         ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids[0]", "greater than or equal to 0"),
         ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
         ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens", "not supported"),
-        ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json", "not supported"),
+        ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json", "constrained output is not enabled"),
         ({"prompt": "x", "logprobs": 6}, "logprobs", "at most 5"),
         ({"prompt": "x", "temperature": -1}, "temperature", "greater than or equal to 0"),
         ({"prompt": "x", "top_p": float("nan")}, "top_p", "finite number"),
@@ -188,3 +188,101 @@ def test_penalties_min_tokens_and_logit_bias_reach_the_sampling():
                    "response_format": {"type": "json_object"}}
     with pytest.raises(GatewayError, match="min_tokens cannot hold back"):
         validate(ChatCompletionRequest, json_format, dataclasses.replace(CTX, json_controller="native:json"))
+
+
+def test_null_fields_take_their_defaults():
+    """vLLM's request fields are Optional (``n``, ``stream``, ``echo``, ``logprobs``, ``parallel_tool_calls``, ...):
+    clients that fill every field send null for those they leave, and get the defaults, not a 400."""
+    nulls = dict.fromkeys(["n", "stream", "stream_options", "ignore_eos", "stop", "seed", "temperature", "max_tokens"])
+    (completion,) = validate(CompletionRequest, {"prompt": "x", "echo": None, "logprobs": None, **nulls},
+                             CTX).to_requests(CTX)
+    assert (completion.echo, completion.top_logprobs, completion.ignore_eos, completion.temperature) == (
+        False, None, False, 1.0)
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": None, "top_logprobs": None,
+            "parallel_tool_calls": None, "tools": None, "tool_choice": None, "add_generation_prompt": None,
+            "continue_final_message": None, "max_completion_tokens": None, **nulls}
+    parsed = validate(ChatCompletionRequest, chat, CTX)
+    (request,) = parsed.to_requests(CTX)
+    assert (parsed.n, parsed.stream, parsed.parallel_tool_calls) == (1, False, True)
+    assert (request.top_logprobs, request.add_generation_prompt, request.continue_final_message) == (None, True, False)
+    assert refusal(ChatCompletionRequest, {**chat, "messages": None}).param == "messages"  # still required
+
+
+def test_chat_template_kwargs_reach_the_rendering():
+    """vLLM's chat_template_kwargs (e.g. ``enable_thinking``, which agent frameworks send to every server) are the
+    template's variables; what the request's own fields set (messages, tools, add_generation_prompt, ...) and what
+    transformers takes for itself (tokenize, chat_template) are refused, not silently overridden."""
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    (request,) = validate(ChatCompletionRequest, {**chat, "chat_template_kwargs": {"enable_thinking": False}},
+                          CTX).to_requests(CTX)
+    assert request.chat_template_kwargs == {"enable_thinking": False}
+    (empty,) = validate(ChatCompletionRequest, {**chat, "chat_template_kwargs": {}}, CTX).to_requests(CTX)
+    assert empty.chat_template_kwargs is None
+    for key in ("tools", "add_generation_prompt", "chat_template", "tokenize", "messages"):
+        error = refusal(ChatCompletionRequest, {**chat, "chat_template_kwargs": {key: 1}})
+        assert error.param == "chat_template_kwargs" and repr(key) in error.message
+    assert refusal(ChatCompletionRequest, {**chat, "chat_template_kwargs": ["x"]}).param == "chat_template_kwargs"
+
+
+def test_reserved_template_kwargs_cover_what_transformers_takes_itself():
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    from services.gateway.validation import RESERVED_TEMPLATE_KWARGS
+
+    named = {p.name for p in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
+             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+    assert named <= RESERVED_TEMPLATE_KWARGS
+
+
+@pytest.mark.parametrize(
+    ("fields", "constraint"),
+    [
+        ({"structured_outputs": {"json": {"type": "object"}}}, {"json_schema": {"type": "object"}}),
+        ({"structured_outputs": {"json": '{"type": "integer"}'}}, {"json_schema": '{"type": "integer"}'}),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, {"regex": "[0-9]+"}),
+        ({"structured_outputs": {"choice": ["yes", "no way"]}}, {"regex": "(yes|no way)"}),
+        ({"structured_outputs": {"json_object": True}}, {"json_schema": {"type": "object"}}),
+        ({"guided_json": {"type": "array"}}, {"json_schema": {"type": "array"}}),
+        ({"guided_regex": "a|b", "guided_decoding_backend": "xgrammar"}, {"regex": "a|b"}),
+        ({"guided_choice": ["a.b", "(c)"]}, {"regex": "(a\\x{2e}b|\\x{28}c\\x{29})"}),
+    ],
+)
+def test_structured_outputs_and_guided_fields_run_under_the_json_controller(fields, constraint):
+    """vLLM's structured_outputs (and the guided_* fields of vLLM before 0.12) constrain the output on the JSON
+    controller (llguidance), as a JSON response_format does; a choice is a regex whose characters are literals."""
+    ctx = dataclasses.replace(CTX, json_controller="native:json")
+    for data in ({"prompt": "x", **fields}, {"messages": [{"role": "user", "content": "x"}], **fields}):
+        model = CompletionRequest if "prompt" in data else ChatCompletionRequest
+        (request,) = validate(model, data, ctx).to_requests(ctx)
+        assert request.controller == "native:json"
+        assert json.loads(request.controller_arg) == {**constraint, "max_tokens": CTX.limits.max_tokens_cap}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "fragment"),
+    [
+        ({"structured_outputs": {}}, "structured_outputs", "exactly one of 'json', 'regex', 'choice'"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "got ['regex', 'choice']"),
+        ({"structured_outputs": {"grammar": "root ::= \"a\""}}, "structured_outputs.grammar", "give a regex"),
+        ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn", "unknown field"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "at least 1 item"),
+        ({"guided_json": {}, "guided_regex": "a"}, None, "not guided_json and guided_regex"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, None,
+         "not response_format and guided_regex"),
+        ({"guided_grammar": "start: \"a\""}, "guided_grammar", "not supported"),
+        ({"guided_choice": ["a"], "min_tokens": 2}, None, "min_tokens cannot hold back"),
+    ],
+)
+def test_output_constraint_refusals(fields, param, fragment):
+    ctx = dataclasses.replace(CTX, json_controller="native:json")
+    with pytest.raises(GatewayError) as caught:
+        validate(CompletionRequest, {"prompt": "x", **fields}, ctx)
+    assert caught.value.param == param and fragment in caught.value.message, caught.value.message
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    with_tools = {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "guided_regex": "a"}
+    with pytest.raises(GatewayError, match="not with tools"):
+        validate(ChatCompletionRequest, with_tools, ctx)
+    (left_out,) = validate(ChatCompletionRequest, {**with_tools, "tool_choice": "none"}, ctx).to_requests(ctx)
+    assert json.loads(left_out.controller_arg)["regex"] == "a"

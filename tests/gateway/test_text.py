@@ -58,3 +58,43 @@ async def test_content_filter(text):
     assert text.refused("something FORBIDDEN here")
     assert text.refused("a secret.") and not text.refused("secretary")
     assert not text.refused("all good")
+
+
+async def test_chat_template_kwargs_are_the_templates_variables(tokenizer):
+    """vLLM's chat_template_kwargs reach the template as variables (a reasoning model's ``enable_thinking``); one
+    the template does not read changes nothing; a value the template cannot use is the client's error."""
+    import copy
+
+    thinking = copy.copy(tokenizer)
+    thinking.chat_template = tokenizer.chat_template + "{% if enable_thinking %}<think>{% endif %}{{ 1 + effort }}"
+    processor = TextProcessor(thinking, [])
+    messages = [{"role": "user", "content": "Hi"}]
+    try:
+        on, _ = await processor.prompt(GenerationRequest(messages=messages,
+                                                         chat_template_kwargs={"enable_thinking": True, "effort": 2}))
+        off, _ = await processor.prompt(GenerationRequest(messages=messages,
+                                                          chat_template_kwargs={"enable_thinking": False, "effort": 2}))
+        assert on.endswith("<|im_start|>assistant\n<think>3") and off.endswith("<|im_start|>assistant\n3")
+        with pytest.raises(GatewayError) as caught:
+            await processor.prompt(GenerationRequest(messages=messages, chat_template_kwargs={"effort": "high"}))
+        assert caught.value.param == "chat_template_kwargs" and "TypeError" in caught.value.message
+    finally:
+        processor.close()
+    plain = GenerationRequest(messages=messages)
+    unread = GenerationRequest(messages=messages, chat_template_kwargs={"enable_thinking": False})
+    assert (await text_of(tokenizer, unread)) == (await text_of(tokenizer, plain))
+
+
+async def text_of(tokenizer, request: GenerationRequest) -> tuple[str, list[int]]:
+    processor = TextProcessor(tokenizer, [])
+    try:
+        return await processor.prompt(request)
+    finally:
+        processor.close()
+
+
+async def test_the_content_filter_sees_the_template_variables_texts():
+    request = GenerationRequest(messages=[{"role": "user", "content": "Hi"}],
+                                chat_template_kwargs={"persona": {"name": "Secret agent", "tags": ["x", 3]}})
+    assert request.written_text("<rendered>").split("\n") == ["Hi", "persona", "name", "Secret agent", "tags", "x"]
+    assert GenerationRequest(prompt="p").written_text("p") == "p"
