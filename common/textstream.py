@@ -96,10 +96,12 @@ def ends_with_flush(finish_reason: str, stop_reason: str | int | None) -> bool:
 
 @dataclass(slots=True)
 class TextStream:
-    """Per-request detokenizer; ``tokenizer`` is a transformers tokenizer."""
+    """Per-request detokenizer; ``tokenizer`` is a transformers tokenizer. ``keep_stop``: the stop string that
+    ends the text stays in it (vLLM's ``include_stop_str_in_output``), and nothing is held back meanwhile."""
 
     tokenizer: object
     stop: list[str] = field(default_factory=list)
+    keep_stop: bool = False
     ids: list[int] = field(default_factory=list)
     released: int = 0  # characters of ``text`` (every decoded character so far) already handed out
     stopped_by: str | None = None
@@ -125,6 +127,10 @@ class TextStream:
         self._texts = text_table(self.tokenizer)
         self._pending = b""
         self._head, self._tail, self._length = [], "", 0
+
+    def restarted(self) -> TextStream:
+        """A new, empty stream with this one's tokenizer and stop strings."""
+        return TextStream(self.tokenizer, stop=list(self.stop), keep_stop=self.keep_stop)
 
     @property
     def text(self) -> str:
@@ -178,10 +184,11 @@ class TextStream:
         if self.stopped_by is not None:
             return ""
         # the common cases inline: a byte table, nothing pending or held back, and no stop strings, or none
-        # that this token's text could begin (nothing held back: none had begun in the text before it)
+        # that this token's text could begin (nothing held back: none had begun in the text before it; with
+        # ``keep_stop`` nothing is held back, so that says nothing)
         stop = self.stop
         if (self._texts is not None and not self._pending and self.released == self._length
-                and (not stop or stop is self._scanned)):
+                and (not stop or (stop is self._scanned and not self.keep_stop))):
             text = self._texts[token_id] if token_id < len(self._texts) else ""
             if text is None:  # a character goes on in the next token
                 self._pending = self._bytes[token_id]  # type: ignore[index]
@@ -231,12 +238,12 @@ class TextStream:
             if index != -1 and (earliest is None or index + base < earliest[0]):
                 earliest = (index + base, stop)
         if earliest is not None:
-            end = max(earliest[0], start)
+            end = earliest[0] + len(earliest[1]) if self.keep_stop else max(earliest[0], start)
             self.stopped_by = earliest[1]
             self._tail, self._length = tail[: end - base], end
             self.released = end
             return tail[start - base : end - base]
-        end = self._length - self._held_back(tail)
+        end = self._length if self.keep_stop else self._length - self._held_back(tail)
         if end <= start:
             return ""
         self.released = end

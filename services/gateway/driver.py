@@ -200,6 +200,7 @@ class Generation:
                     sampling=self._sampling(prompt_ids, facts),
                     max_tokens=max_tokens,
                     stop=list(self.request.stop),
+                    include_stop_str=self.request.include_stop_str,
                     stop_token_ids=list(self.request.stop_token_ids),
                     ignore_eos=self.request.ignore_eos,
                     timeout_s=gw.settings.limits.request_timeout_s,
@@ -334,7 +335,7 @@ class Generation:
         self._last_token_at = last_at
 
         if event.finish_reason in COMPLETED:
-            out.append(self._completion(event.finish_reason))
+            out.append(self._completion(event.finish_reason, self._stop_reason(event.stop_reason)))
         elif event.finish_reason == "timeout":
             timeout = self._gw.settings.limits.request_timeout_s
             error = TillerError(TIMEOUT, f"the generation exceeded the {timeout:g} s time limit")
@@ -393,11 +394,18 @@ class Generation:
     def _partial(self) -> str | None:
         return self._echo + self._text if self._text else None
 
-    def _completion(self, reason: str) -> CompletionMsg:
+    def _completion(self, reason: str, stop_reason: str | int | None = None) -> CompletionMsg:
         first = None if self._first_token_at is None else self._first_token_at - self._started
         return CompletionMsg(
-            self.rid, self._echo + self._text, reason, self.usage, first, time.monotonic() - self._started
+            self.rid, self._echo + self._text, reason, self.usage, first, time.monotonic() - self._started, stop_reason
         )
+
+    def _stop_reason(self, ended_by: str | int | None) -> str | int | None:
+        """What ended the generation as vLLM's ``stop_reason`` says it: the stop string, or the stop token when it is
+        one of the request's ``stop_token_ids``; None for the model's EOS (and any other end)."""
+        if isinstance(ended_by, int) and ended_by not in self.request.stop_token_ids:
+            return None
+        return ended_by
 
     # -- control ------------------------------------------------------------------------------
 

@@ -240,6 +240,7 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None  # vLLM's
     seed: Int64 | None = None
     ignore_eos: bool = False  # vLLM's extension, for load tools built for vLLM
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ends a choice stays in its text
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -252,7 +253,6 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id (as text) -> bias
     bad_words: _only(None, []) = None
     allowed_token_ids: _only(None) = None
-    include_stop_str_in_output: _only(None, False) = None
     skip_special_tokens: _only(None, True) = None
     spaces_between_special_tokens: _only(None, True) = None
     use_beam_search: _only(None, False) = None
@@ -367,6 +367,7 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
                 min_tokens=self.min_tokens or 0,
                 seed=None if self.seed is None else wrap_int64(self.seed + i),
                 stop=tuple(self.stop or ()),
+                include_stop_str=self.include_stop_str_in_output,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
                 **prompt,
@@ -507,10 +508,13 @@ class _Format:
         self.tools = tools  # chat completions' tool calls, when the model may make them
         self.text_offset = 0  # completions' logprobs.text_offset of the next token
 
-    def choice(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None) -> dict[str, Any]:
+    def choice(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None,
+               stop_reason: str | int | None = None) -> dict[str, Any]:
+        """The whole choice; ``stop_reason`` as vLLM gives it (``CompletionMsg.stop_reason``)."""
         raise NotImplementedError
 
-    def delta(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None) -> dict[str, Any] | None:
+    def delta(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None,
+              stop_reason: str | int | None = None) -> dict[str, Any] | None:
         """The choice of a chunk; None when there is nothing to send yet."""
         raise NotImplementedError
 
@@ -538,8 +542,10 @@ class _TextFormat(_Format):
             self.text_offset += len(sampled.token)
         return out
 
-    def choice(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None) -> dict[str, Any]:
-        return {"index": self.index, "text": text, "logprobs": self._logprobs(entries), "finish_reason": finish_reason}
+    def choice(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None,
+               stop_reason: str | int | None = None) -> dict[str, Any]:
+        return {"index": self.index, "text": text, "logprobs": self._logprobs(entries), "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
 
     delta = choice
 
@@ -559,7 +565,8 @@ class _ChatFormat(_Format):
             return None
         return {"content": [{**self._entry(s), "top_logprobs": [self._entry(a) for a in alts]} for s, *alts in entries]}
 
-    def choice(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None) -> dict[str, Any]:
+    def choice(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None,
+               stop_reason: str | int | None = None) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.tools is not None:
             reply, parser = parse_reply(self.tools, text)
@@ -572,13 +579,15 @@ class _ChatFormat(_Format):
             "message": message,
             "logprobs": self._logprobs(entries),
             "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
         }
 
     def __init__(self, index: int, logprobs: bool, tools: ToolPlan | None = None) -> None:
         super().__init__(index, logprobs, tools)
         self._parser = None if tools is None else ReplyParser(tools)
 
-    def delta(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None) -> dict[str, Any] | None:
+    def delta(self, text: str, entries: list[list[LogprobEntry]], finish_reason: str | None,
+              stop_reason: str | int | None = None) -> dict[str, Any] | None:
         delta: dict[str, Any] = {"content": text} if text or entries else {}
         if self._parser is not None:
             reply = self._parser.feed(text)
@@ -595,11 +604,12 @@ class _ChatFormat(_Format):
             "delta": delta,
             "logprobs": self._logprobs(entries) if entries else None,
             "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
         }
 
     def opening(self, init: InitMsg, echo: bool, prompt_entries: list[list[LogprobEntry]]) -> dict[str, Any] | None:
         delta = {"role": "assistant", "content": ""}
-        return {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None, "stop_reason": None}
 
 
 def _finish(reason: str) -> str:
@@ -681,7 +691,7 @@ async def _sse_chunks(
                     yield chunk([part], usage_of(i))
             elif isinstance(msg, CompletionMsg):
                 usages[i] = msg.usage
-                finish = choice_fmt.delta("", [], _finish(msg.finish_reason))
+                finish = choice_fmt.delta("", [], _finish(msg.finish_reason), msg.stop_reason)
                 yield chunk([finish], usage_of(i, msg.usage.completion_tokens))
             elif isinstance(msg, ErrorMsg):  # the response failed: the other choices end here too
                 yield sse(_error_body(msg))
@@ -790,7 +800,8 @@ async def _serve(
             "created": int(time.time()),
             "model": choices[0].init.model,
             "choices": [
-                c.fmt.choice(final.generated_text, c.gen.prompt_entries + entries, _finish(final.finish_reason))
+                c.fmt.choice(final.generated_text, c.gen.prompt_entries + entries, _finish(final.finish_reason),
+                             final.stop_reason)
                 for c, (final, entries) in zip(choices, collected, strict=True)
             ],
             "usage": _total_usage([final.usage for final, _ in collected], parsed.n),

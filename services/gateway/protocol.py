@@ -126,6 +126,7 @@ class CompletionMsg:
     usage: Usage
     first_token_s: float | None
     total_s: float
+    stop_reason: str | int | None = None  # the stop string or requested stop token that ended it (vLLM's)
 
     def to_json(self, options: OutputOptions) -> dict[str, Any]:
         out: dict[str, Any] = {

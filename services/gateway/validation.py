@@ -277,6 +277,7 @@ class GenerationRequest:
     min_tokens: int = 0  # no stop token (EOS unless ignored, stop_token_ids) before this many
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str: bool = False  # the stop string that ends the generation stays in its text (vLLM's)
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: any of these ends the generation (its text is not output)
     top_logprobs: int | None = None  # None: no logprobs
     # the alternatives are the most likely tokens other than the chosen one (the WebSocket protocol's list, where

@@ -153,7 +153,7 @@ class Branch:
     def _rewind_text(self) -> None:
         """After a backtrack: detokenize afresh from what is left and mark the cut in the stream."""
         self.text_start = min(self.text_start, len(self.tokens))
-        stream = TextStream(self.text.tokenizer, stop=list(self.text.stop))
+        stream = self.text.restarted()
         stream.push(self.tokens[self.text_start :])
         stream.released = len(stream.text)
         self.text = stream
@@ -642,7 +642,7 @@ class ControlledSteps:
     def _fork(self, controlled: Controlled, parent: Branch) -> Branch:
         request = parent.request
         child = Branch(request=request, index=next(controlled.indices), seq_id=self.host.new_seq_id(),
-                       tokens=list(parent.tokens), text=TextStream(request.text.tokenizer, stop=list(request.text.stop)),
+                       tokens=list(parent.tokens), text=request.text.restarted(),
                        text_start=parent.text_start, assigned=True)
         child.text.push(child.tokens[child.text_start :])
         child.text.released = len(child.text.text)

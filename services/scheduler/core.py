@@ -130,8 +130,8 @@ class Outbox:
 
 
 class SchedulerCore:
-    """Every live request of one scheduler (see the module docstring). ``text_stream(stop)`` makes a
-    request's detokenizer; ``place`` is the placement policy of new sequences, ``worker_gone`` tells
+    """Every live request of one scheduler (see the module docstring). ``text_stream(stop, keep_stop)`` makes a
+    request's detokenizer (see ``TextStream``); ``place`` is the placement policy of new sequences, ``worker_gone`` tells
     it that a worker was lost (``place`` only sees the workers with room); ``clock`` gives monotonic
     seconds (deadlines, session TTLs)."""
 
@@ -140,7 +140,7 @@ class SchedulerCore:
         limits: Limits,
         sessions: Sessions,
         controllers: Controllers,
-        text_stream: Callable[[list[str]], TextStream],
+        text_stream: Callable[[list[str], bool], TextStream],
         *,
         place: Place = least_loaded,
         worker_gone: Callable[[bytes], None] = lambda identity: None,
@@ -227,7 +227,7 @@ class SchedulerCore:
             submit=submit,
             gateway=gateway,
             order=next(self.orders),
-            text=None if submit.text_at_gateway else self.text_stream(list(submit.stop)),
+            text=None if submit.text_at_gateway else self.text_stream(list(submit.stop), submit.include_stop_str),
             deadline=self.clock() + timeout,
         )
         self.requests[submit.rid] = request
@@ -267,7 +267,7 @@ class SchedulerCore:
         """A ``text_at_gateway`` request got stop strings: its text is worked out here from now on, by a
         stream that took every token generated so far (its gateway's holds the same), and its gateway is
         told so after the events it sent without text (common.event_text)."""
-        request.text = self.text_stream([])
+        request.text = self.text_stream([], request.submit.include_stop_str)
         request.text.push(request.generated)
         request.packed = False
         self.outbox.message(request.gateway, wire.TextHandover(rid=request.rid))

@@ -181,3 +181,35 @@ def test_structured_outputs_and_guided_fields_constrain_the_output(stack, client
         client.completions.create(model=model, prompt=PROMPT, max_tokens=4,
                                   extra_body={"structured_outputs": {"regex": "a", "choice": ["a"]}})
     assert caught.value.body["param"] == "structured_outputs"
+
+
+def test_stop_reason_and_include_stop_str_in_output_as_vllm(stack, client):
+    """vLLM's ``stop_reason`` on each choice: the stop string or the requested stop token id that ended it, None
+    where the length (or the model's EOS) did; ``include_stop_str_in_output`` keeps the stop string in the text,
+    sent whole and streamed alike."""
+    model = stack.settings.served_model_name
+    common = {"model": model, "prompt": PROMPT, "max_tokens": 10, "temperature": 0}
+    full = client.completions.create(**common, logprobs=0).choices[0]
+    assert full.finish_reason == "length" and full.model_extra["stop_reason"] is None
+    stop = "\n\nThe"
+    assert stop in full.text
+    cut = client.completions.create(**common, stop=[stop]).choices[0]
+    assert (cut.text, cut.finish_reason, cut.model_extra["stop_reason"]) == (full.text.split(stop)[0], "stop", stop)
+    kept_text = full.text[: full.text.index(stop) + len(stop)]
+    kept = client.completions.create(**common, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert (kept.choices[0].text, kept.choices[0].model_extra["stop_reason"]) == (kept_text, stop)
+    chunks = list(client.completions.create(**common, stop=[stop], stream=True,
+                                            extra_body={"include_stop_str_in_output": True}))
+    assert "".join(c.choices[0].text for c in chunks) == kept_text
+    assert [c.choices[0].model_extra["stop_reason"] for c in chunks][-1:] == [stop]
+    chat = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                               max_tokens=12, temperature=0, stop=[" "], stream=True,
+                                               extra_body={"include_stop_str_in_output": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chat).endswith(" ")
+    assert chat[-1].choices[0].finish_reason == "stop" and chat[-1].choices[0].model_extra["stop_reason"] == " "
+
+    second = full.logprobs.tokens[1]  # the second token generated: ended at, its text left out
+    (token_id,) = stack.tokenizer(second, add_special_tokens=False).input_ids
+    by_token = client.completions.create(**common, extra_body={"stop_token_ids": [token_id]}).choices[0]
+    assert (by_token.text, by_token.finish_reason) == (full.logprobs.tokens[0], "stop")
+    assert by_token.model_extra["stop_reason"] == token_id

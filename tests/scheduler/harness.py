@@ -45,7 +45,7 @@ class Harness:
         self.clock = Clock()
         self.core = SchedulerCore(
             Limits(**limits), sessions or Sessions(), controllers or Controllers(),
-            lambda stop: TextStream(FakeTokenizer(), stop=stop),
+            lambda stop, keep: TextStream(FakeTokenizer(), stop=stop, keep_stop=keep),
             place=place, worker_gone=worker_gone, clock=self.clock,
         )
         self.sent: list[tuple[bytes, wire.Msg]] = []

@@ -134,3 +134,34 @@ def test_streamed_text_is_the_decode_cut_at_the_first_stop_string(tokenizer, mon
                 break
         assert streamed == expected, (case, text, stops, set_at)
         assert stream.text == expected, case
+
+
+def test_keep_stop_streams_each_token_and_ends_with_the_stop_string(tokenizer):
+    """``keep_stop`` (vLLM's include_stop_str_in_output): nothing is held back (after each token the stream has
+    released the text of the tokens so far, up to the last that ends a character), and the text ends with the
+    earliest stop string in it, kept whole, at the token that completes it."""
+    rng = random.Random(11)
+    alphabet = list("ab c\n.,") + ["é", "日本", "🙂", "the", " END"]
+    stopped = 0
+    for case in range(300):
+        ids = tokenizer("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))).input_ids
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            start = rng.randrange(len(full))
+            stops.append(full[start : start + rng.randint(1, 5)] if rng.random() < 0.7 else rng.choice(alphabet) + "x")
+        stream = TextStream(tokenizer, stop=list(stops), keep_stop=True)
+        streamed = so_far = ""
+        for n, token in enumerate(ids):
+            streamed += stream.push([token])
+            decoded = tokenizer.decode(ids[: n + 1], skip_special_tokens=True)
+            so_far = so_far if decoded.endswith(REPLACEMENT_CHAR) else decoded  # a character goes on in the next token
+            found = sorted((i, k) for k, s in enumerate(stops) if (i := so_far.find(s)) != -1)
+            if found:
+                index, k = found[0]
+                assert stream.stopped_by == stops[k], case
+                assert streamed == stream.text == so_far[: index + len(stops[k])], (case, stops)
+                stopped += 1
+                break
+            assert stream.stopped_by is None and streamed == so_far, (case, stops)
+    assert stopped > 150  # most cases end on a stop string
