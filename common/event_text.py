@@ -36,7 +36,7 @@ class EventTexts:
 
     def submitting(self, submit: wire.Submit) -> None:
         """Before ``submit`` goes out: mark it ``text_at_gateway`` where its text can be worked out here."""
-        if self._streams is not None and not submit.stop and not submit.controller:
+        if self._streams is not None and not submit.stop and not submit.controller and submit.skip_special_tokens:
             submit.text_at_gateway = True
             self._open[submit.rid] = self._streams()
 

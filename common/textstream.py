@@ -16,16 +16,16 @@ KEPT_TAIL = 256  # characters a stream lets its released text run past what a st
 
 
 @cache
-def decoder(tokenizer: object) -> Callable[[list[int]], str]:
-    """``tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)``; for a
+def decoder(tokenizer: object, skip_special: bool = True) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)``; for a
     transformers fast tokenizer whose class keeps the stock decode, its Rust backend's decode, which
     is all that call does once the wrapper has checked its arguments (the wrapper costs several times
     the decoding itself, and a stream decodes twice per token). Made once per tokenizer (a stream
     is made per request)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and _stock_decode(type(tokenizer)):
-        return partial(backend.decode, skip_special_tokens=True)
-    return partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # type: ignore[attr-defined]
+        return partial(backend.decode, skip_special_tokens=skip_special)
+    return partial(tokenizer.decode, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)  # type: ignore[attr-defined]
 
 
 def _stock_decode(cls: type) -> bool:
@@ -36,9 +36,9 @@ def _stock_decode(cls: type) -> bool:
 
 
 @cache
-def byte_table(tokenizer: object) -> list[bytes] | None:
-    """Each token's bytes, special tokens' empty, for a tokenizer whose decoding is byte-level BPE's
-    (GPT-2, Llama 3, Qwen, SmolLM): its decode of any ids is then the UTF-8 decoding, invalid bytes
+def byte_table(tokenizer: object, skip_special: bool = True) -> list[bytes] | None:
+    """Each token's bytes (special tokens' empty where ``skip_special``), for a tokenizer whose decoding is
+    byte-level BPE's (GPT-2, Llama 3, Qwen, SmolLM): its decode of any ids is then the UTF-8 decoding, invalid bytes
     replaced, of their bytes joined, which a stream can do one token at a time without the tokenizer.
     None for any other tokenizer (or when a token's bytes do not decode to the tokenizer's own text)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -53,19 +53,19 @@ def byte_table(tokenizer: object) -> list[bytes] | None:
             table[i] = token.encode()
     added = backend.get_added_tokens_decoder()
     for i, added_token in added.items():
-        if added_token.special:
+        if added_token.special and skip_special:
             table[i] = b""
-        elif table[i].decode("utf-8", "replace") != backend.decode([i], skip_special_tokens=True):
+        elif table[i].decode("utf-8", "replace") != backend.decode([i], skip_special_tokens=skip_special):
             return None
     return table
 
 
 @cache
-def text_table(tokenizer: object) -> list[str | None] | None:
+def text_table(tokenizer: object, skip_special: bool = True) -> list[str | None] | None:
     """With a byte table (see ``byte_table``): each token's text when its bytes end on a whole UTF-8
     character (None where they do not: its character goes on in the next token), decoded once
     instead of for every token a stream pushes."""
-    table = byte_table(tokenizer)
+    table = byte_table(tokenizer, skip_special)
     if table is None:
         return None
     texts: list[str | None] = []
@@ -97,11 +97,13 @@ def ends_with_flush(finish_reason: str, stop_reason: str | int | None) -> bool:
 @dataclass(slots=True)
 class TextStream:
     """Per-request detokenizer; ``tokenizer`` is a transformers tokenizer. ``keep_stop``: the stop string that
-    ends the text stays in it (vLLM's ``include_stop_str_in_output``), and nothing is held back meanwhile."""
+    ends the text stays in it (vLLM's ``include_stop_str_in_output``), and nothing is held back meanwhile.
+    ``skip_special``: special tokens (``<|im_end|>``, ...) have no text (vLLM's ``skip_special_tokens``)."""
 
     tokenizer: object
     stop: list[str] = field(default_factory=list)
     keep_stop: bool = False
+    skip_special: bool = True
     ids: list[int] = field(default_factory=list)
     released: int = 0  # characters of ``text`` (every decoded character so far) already handed out
     stopped_by: str | None = None
@@ -122,15 +124,16 @@ class TextStream:
     _scanned: list[str] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._decode = decoder(self.tokenizer)
-        self._bytes = byte_table(self.tokenizer)
-        self._texts = text_table(self.tokenizer)
+        self._decode = decoder(self.tokenizer, self.skip_special)
+        self._bytes = byte_table(self.tokenizer, self.skip_special)
+        self._texts = text_table(self.tokenizer, self.skip_special)
         self._pending = b""
         self._head, self._tail, self._length = [], "", 0
 
     def restarted(self) -> TextStream:
         """A new, empty stream with this one's tokenizer and stop strings."""
-        return TextStream(self.tokenizer, stop=list(self.stop), keep_stop=self.keep_stop)
+        return TextStream(self.tokenizer, stop=list(self.stop), keep_stop=self.keep_stop,
+                          skip_special=self.skip_special)
 
     @property
     def text(self) -> str:

@@ -265,6 +265,7 @@ class Submit(Msg, tag="submit"):
     max_tokens: int
     stop: list[str] = []
     include_stop_str: bool = False  # the stop string that ends it stays in its text (vLLM's include_stop_str_in_output)
+    skip_special_tokens: bool = True  # special tokens have no text (vLLM's)
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     priority: int = 0  # 0 interactive ... 10 batch

@@ -241,6 +241,7 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
     seed: Int64 | None = None
     ignore_eos: bool = False  # vLLM's extension, for load tools built for vLLM
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ends a choice stays in its text
+    skip_special_tokens: bool = True  # vLLM's: False shows special tokens' text (<|im_end|>, ...)
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -253,7 +254,6 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id (as text) -> bias
     bad_words: _only(None, []) = None
     allowed_token_ids: _only(None) = None
-    skip_special_tokens: _only(None, True) = None
     spaces_between_special_tokens: _only(None, True) = None
     use_beam_search: _only(None, False) = None
     length_penalty: _only(None, 1) = None
@@ -368,6 +368,7 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
                 seed=None if self.seed is None else wrap_int64(self.seed + i),
                 stop=tuple(self.stop or ()),
                 include_stop_str=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
                 **prompt,

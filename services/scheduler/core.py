@@ -130,17 +130,17 @@ class Outbox:
 
 
 class SchedulerCore:
-    """Every live request of one scheduler (see the module docstring). ``text_stream(stop, keep_stop)`` makes a
-    request's detokenizer (see ``TextStream``); ``place`` is the placement policy of new sequences, ``worker_gone`` tells
-    it that a worker was lost (``place`` only sees the workers with room); ``clock`` gives monotonic
-    seconds (deadlines, session TTLs)."""
+    """Every live request of one scheduler (see the module docstring). ``text_stream(stop, keep_stop=,
+    skip_special=)`` makes a request's detokenizer (see ``TextStream``); ``place`` is the placement policy of new
+    sequences, ``worker_gone`` tells it that a worker was lost (``place`` only sees the workers with room);
+    ``clock`` gives monotonic seconds (deadlines, session TTLs)."""
 
     def __init__(
         self,
         limits: Limits,
         sessions: Sessions,
         controllers: Controllers,
-        text_stream: Callable[[list[str], bool], TextStream],
+        text_stream: Callable[..., TextStream],
         *,
         place: Place = least_loaded,
         worker_gone: Callable[[bytes], None] = lambda identity: None,
@@ -227,7 +227,7 @@ class SchedulerCore:
             submit=submit,
             gateway=gateway,
             order=next(self.orders),
-            text=None if submit.text_at_gateway else self.text_stream(list(submit.stop), submit.include_stop_str),
+            text=None if submit.text_at_gateway else self._text_stream(submit, list(submit.stop)),
             deadline=self.clock() + timeout,
         )
         self.requests[submit.rid] = request
@@ -263,11 +263,15 @@ class SchedulerCore:
                 self.finish(request, "length")
         return wire.RequestState(rid=request.rid, state=request.state.value, paused=request.paused)
 
+    def _text_stream(self, submit: wire.Submit, stop: list[str]) -> TextStream:
+        """A detokenizer of ``submit``'s text, with ``stop`` strings and the text options it asks for."""
+        return self.text_stream(stop, keep_stop=submit.include_stop_str, skip_special=submit.skip_special_tokens)
+
     def _hand_text_over(self, request: LiveRequest) -> None:
         """A ``text_at_gateway`` request got stop strings: its text is worked out here from now on, by a
         stream that took every token generated so far (its gateway's holds the same), and its gateway is
         told so after the events it sent without text (common.event_text)."""
-        request.text = self.text_stream([], request.submit.include_stop_str)
+        request.text = self._text_stream(request.submit, [])
         request.text.push(request.generated)
         request.packed = False
         self.outbox.message(request.gateway, wire.TextHandover(rid=request.rid))

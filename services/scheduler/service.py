@@ -87,7 +87,7 @@ class Scheduler:
         text_table(tokenizer)  # the text streams' tables, built at start rather than by the first request
         self.placement = KVAwarePlacement(settings.distributed.placement_balance)
         self.core = SchedulerCore(settings.limits, settings.sessions, settings.controllers,
-                                  lambda stop, keep: TextStream(tokenizer, stop=stop, keep_stop=keep), place=self.placement,
+                                  lambda stop, **options: TextStream(tokenizer, stop=stop, **options), place=self.placement,
                                   worker_gone=self.placement.forget)
         ctx = zmq.asyncio.Context.instance()
         self.frontend = Router(ctx, settings.endpoint("scheduler"))

@@ -213,3 +213,22 @@ def test_stop_reason_and_include_stop_str_in_output_as_vllm(stack, client):
     by_token = client.completions.create(**common, extra_body={"stop_token_ids": [token_id]}).choices[0]
     assert (by_token.text, by_token.finish_reason) == (full.logprobs.tokens[0], "stop")
     assert by_token.model_extra["stop_reason"] == token_id
+
+
+def test_skip_special_tokens_false_shows_their_text(stack, client):
+    """vLLM's ``skip_special_tokens: false``: special tokens generated past an ignored EOS show as their text
+    (``<|im_end|>``, ...), sent whole and streamed alike, where by default they have none."""
+    model = stack.settings.served_model_name
+    common = {"model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 40,
+              "temperature": 0}
+    plain = client.chat.completions.create(**common, extra_body={"ignore_eos": True}).choices[0].message.content
+    shown = client.chat.completions.create(
+        **common, extra_body={"ignore_eos": True, "skip_special_tokens": False}).choices[0].message.content
+    specials = [t for t in stack.tokenizer.all_special_tokens if t in shown]
+    assert "<|im_end|>" in specials
+    for special in specials:
+        shown = shown.replace(special, "")
+    assert shown == plain
+    streamed = client.chat.completions.create(
+        **common, stream=True, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert "<|im_end|>" in "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)

@@ -89,7 +89,7 @@ def test_defaults_like_vllm():
         ({"prompt": "x", "stop_token_ids": list(range(301))}, "stop_token_ids", "at most 300 token ids"),
         ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids[0]", "greater than or equal to 0"),
         ({"prompt": "x", "include_stop_str_in_output": "yes"}, "include_stop_str_in_output", "valid boolean"),
-        ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens", "not supported"),
+        ({"prompt": "x", "skip_special_tokens": 0}, "skip_special_tokens", "valid boolean"),
         ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json", "constrained output is not enabled"),
         ({"prompt": "x", "logprobs": 6}, "logprobs", "at most 5"),
         ({"prompt": "x", "temperature": -1}, "temperature", "greater than or equal to 0"),

@@ -45,7 +45,7 @@ class Harness:
         self.clock = Clock()
         self.core = SchedulerCore(
             Limits(**limits), sessions or Sessions(), controllers or Controllers(),
-            lambda stop, keep: TextStream(FakeTokenizer(), stop=stop, keep_stop=keep),
+            lambda stop, **options: TextStream(FakeTokenizer(), stop=stop, **options),
             place=place, worker_gone=worker_gone, clock=self.clock,
         )
         self.sent: list[tuple[bytes, wire.Msg]] = []

@@ -75,22 +75,24 @@ def test_text_table_is_the_byte_tables_whole_characters(tokenizer):
     assert None in texts and "" in texts  # stray UTF-8 bytes; special tokens
 
 
-def test_byte_table_decodes_as_the_tokenizer(tokenizer):
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_byte_table_decodes_as_the_tokenizer(tokenizer, skip_special):
     """The byte-level fast path: every token's bytes decode to the tokenizer's text of it (specials
-    empty), and random streams, half of them stray UTF-8 bytes, give the same deltas as the stream
-    that decodes with the tokenizer."""
-    table = byte_table(tokenizer)
+    empty where they are skipped, their own text where not: vLLM's skip_special_tokens), and random streams,
+    half of them stray UTF-8 bytes, give the same deltas as the stream that decodes with the tokenizer."""
+    table = byte_table(tokenizer, skip_special)
     assert table is not None
     backend = tokenizer.backend_tokenizer
     assert [t.decode("utf-8", "replace") for t in table] == [
-        backend.decode([i], skip_special_tokens=True) for i in range(len(table))]
+        backend.decode([i], skip_special_tokens=skip_special) for i in range(len(table))]
+    assert (table[tokenizer.eos_token_id] == b"") == skip_special
     rng = random.Random(0)
     stray = [i for i, t in enumerate(table) if len(t) == 1 and t[0] >= 0x80]
     past = range(len(table), len(table) + 64)  # ids of a padded embedding, which the tokenizer has not
     for _ in range(500):
         ids = [rng.choice(stray) if rng.random() < 0.5 else rng.randrange(len(table)) for _ in range(rng.randint(1, 40))]
         ids.insert(rng.randrange(len(ids) + 1), rng.choice(past))
-        fast, slow = TextStream(tokenizer), TextStream(tokenizer)
+        fast, slow = TextStream(tokenizer, skip_special=skip_special), TextStream(tokenizer, skip_special=skip_special)
         slow._bytes = slow._texts = None
         assert [fast.push([i]) for i in ids] + [fast.flush()] == [slow.push([i]) for i in ids] + [slow.flush()]
         assert fast.text == slow.text
