@@ -202,6 +202,7 @@ class Generation:
                     stop=list(self.request.stop),
                     include_stop_str=self.request.include_stop_str,
                     skip_special_tokens=self.request.skip_special_tokens,
+                    priority=self.request.priority,
                     stop_token_ids=list(self.request.stop_token_ids),
                     ignore_eos=self.request.ignore_eos,
                     timeout_s=gw.settings.limits.request_timeout_s,

@@ -242,6 +242,7 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
     ignore_eos: bool = False  # vLLM's extension, for load tools built for vLLM
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ends a choice stays in its text
     skip_special_tokens: bool = True  # vLLM's: False shows special tokens' text (<|im_end|>, ...)
+    priority: Int64 = 0  # vLLM's: lower runs first (the scheduler's queue and batch order)
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -369,6 +370,7 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
                 stop=tuple(self.stop or ()),
                 include_stop_str=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
+                priority=self.priority,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
                 **prompt,

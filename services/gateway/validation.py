@@ -279,6 +279,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     include_stop_str: bool = False  # the stop string that ends the generation stays in its text (vLLM's)
     skip_special_tokens: bool = True  # special tokens have no text (vLLM's)
+    priority: int = 0  # the scheduler's order: lower first (0 interactive ... 10 batch)
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: any of these ends the generation (its text is not output)
     top_logprobs: int | None = None  # None: no logprobs
     # the alternatives are the most likely tokens other than the chosen one (the WebSocket protocol's list, where

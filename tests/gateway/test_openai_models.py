@@ -286,3 +286,13 @@ def test_output_constraint_refusals(fields, param, fragment):
         validate(ChatCompletionRequest, with_tools, ctx)
     (left_out,) = validate(ChatCompletionRequest, {**with_tools, "tool_choice": "none"}, ctx).to_requests(ctx)
     assert json.loads(left_out.controller_arg)["regex"] == "a"
+
+
+def test_priority_orders_the_request_as_vllm_priority_scheduling():
+    """vLLM's ``priority`` (lower runs first) becomes the request's place in the scheduler's order (accepted and
+    ignored before); it must be an integer."""
+    (request,) = validate(CompletionRequest, {"prompt": "x", "priority": -3}, CTX).to_requests(CTX)
+    assert request.priority == -3
+    (default,) = validate(CompletionRequest, {"prompt": "x"}, CTX).to_requests(CTX)
+    assert default.priority == 0
+    assert refusal(CompletionRequest, {"prompt": "x", "priority": "high"}).param == "priority"
