@@ -256,3 +256,36 @@ async def test_a_restarted_scheduler_starts_from_a_clean_worker(stack, hf_greedy
         assert [t.token_id for e in events for t in e.tokens] == hf_greedy(wire.unpack_tokens(request.prompt), 8)
     finally:
         collector.close()
+
+
+@pytest.mark.parametrize("header, expected", [
+    # values msgpack carries and the store's columns cannot hold: each crashed the store (a new pid, every
+    # request in flight to it lost) before
+    ({"type": "record_request", "rid": "r", "surface": "s", "model": "m", "prompt": "p", "params": {"a": b"\x00"}},
+     "the request's params are not JSON: Object of type bytes is not JSON serializable"),
+    ({"type": "record_completion", "rid": "r", "generated_text": "", "finish_reason": "stop",
+      "prompt_tokens": 2**64 - 1, "completion_tokens": 0}, "Expected `int` <= 9223372036854775807 - at `$.prompt_tokens`"),
+    ({"type": "record_feedback", "rid": "r", "rating": 1.0, "position": 2**64 - 1}, "at `$.position`"),
+    ({"type": "record_feedback", "rid": "r", "rating": float("nan")}, "at `$.rating`"),
+    ({"type": "salience_begin", "session_id": "s", "offset": 0, "max_len": 9, "lease_s": 1.0, "append_tokens": [-1]},
+     "Expected `int` >= 0 - at `$.append_tokens[0]`"),
+    ({"type": "salience_end", "session_id": "s", "lease": "", "append_tokens": [2**32]},
+     "Expected `int` <= 4294967295 - at `$.append_tokens[0]`"),
+    ({"type": "salience_fork", "session_id": "s", "at_position": -1}, "Expected `int` >= 0 - at `$.at_position`"),
+])
+async def test_the_session_store_refuses_values_it_cannot_store_and_goes_on(stack, header, expected):
+    endpoint = stack.settings.endpoint("session_store")
+    pid = stack.pid("session_store")
+    reply = wire.decode((await raw_request(endpoint, msgspec.msgpack.encode(header)))[0])
+    assert isinstance(reply, wire.Error) and reply.code == "invalid_request" and expected in reply.message, reply
+    assert stack.pid("session_store") == pid
+    dealer = Dealer(zmq.asyncio.Context.instance(), endpoint)
+    try:
+        rid = f"after-{uuid.uuid4().hex[:8]}"
+        reply, _ = await dealer.request(wire.RecordRequest(rid=rid, surface="test", model="m", prompt="hi"))
+        assert isinstance(reply, wire.Ok)
+        reply, _ = await dealer.request(wire.GetRequest(rid=rid))
+        assert isinstance(reply, wire.RequestRecordReply) and reply.record.prompt == "hi"
+    finally:
+        dealer.close()
+
