@@ -193,6 +193,9 @@ class Scheduler:
                         self.placement.observe(identity, flight.dispatch.step, msg)
                         self.wake()
                     break
+            else:  # not a step of its in flight (one it was given up on for, or never sent it): nothing to apply
+                log.warning("scheduler.unknown_step_result", worker=identity.decode(errors="replace"),
+                            step_id=msg.step_id)
         elif isinstance(msg, wire.WorkerHello):
             if self.core.worker_hello(identity, msg):
                 log.info("scheduler.worker", worker=identity.decode(errors="replace"), stage=msg.stage,
@@ -271,7 +274,8 @@ class Scheduler:
             for identity, flight in list(self.flights.items()):
                 while flight and flight[0].done:
                     done = flight.popleft()
-                    if done.result is not None:
+                    # a result of a worker lost meanwhile (a result before it was malformed) is not applied
+                    if done.result is not None and core.pool.workers.get(identity) is done.worker:
                         core.apply(done.dispatch, done.result)
                         applied = True
                 if not flight and identity not in core.pool.workers:

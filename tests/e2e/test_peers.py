@@ -289,3 +289,66 @@ async def test_the_session_store_refuses_values_it_cannot_store_and_goes_on(stac
     finally:
         dealer.close()
 
+
+class FakeWorker:
+    """A peer that joins the scheduler as a ready worker of the served model and answers every step with a token
+    id past the vocabulary (a broken worker)."""
+
+    def __init__(self, endpoint: str, facts: wire.ModelFacts) -> None:
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, b"fake-worker")
+        self.sock.connect(endpoint)
+        self.hello = wire.WorkerHello(
+            worker_id="fake-worker", stage="ready", progress=100, model=facts.model, vocab_size=facts.vocab_size,
+            max_model_len=facts.max_model_len, eos_token_ids=facts.eos_token_ids, kv_capacity_tokens=1 << 30,
+            incarnation="fake", wire_version=wire.WIRE_VERSION)
+        self.steps = 0
+
+    async def serve(self) -> None:
+        await self.sock.send_multipart([wire.encode(self.hello)])
+        while True:
+            msg = wire.decode((await self.sock.recv_multipart())[0])
+            if isinstance(msg, wire.Health):
+                await self.sock.send_multipart([wire.encode(wire.HealthReply(service="worker", ready=True,
+                                                                             mid=msg.mid))])
+            elif isinstance(msg, wire.Step):
+                self.steps += 1
+                slots = len(msg.slot_ids())
+                result = wire.StepResult(step_id=msg.step_id, tokens=wire.pack_tokens([10**6] * slots),
+                                         logprobs=wire.pack_logprobs([0.0] * slots))
+                await self.sock.send_multipart([wire.encode(result)])
+
+
+async def test_a_worker_answering_token_ids_past_the_vocabulary_is_dropped(stack, hf_greedy):
+    """Its tokens came back as empty text, its requests a success; now they fail as a lost worker's do
+    (retryable), it is dropped, and the real worker's requests are greedy as ever."""
+    pids = {service: stack.pid(service) for service in ("scheduler", "worker", "gateway")}
+    facts = (await probe_health(stack.settings.endpoint("scheduler"))).facts
+    fake = FakeWorker(stack.settings.endpoint("worker"), facts)
+    serving = asyncio.ensure_future(fake.serve())
+    collector = EventCollector(stack.settings.endpoint("scheduler"))
+    try:
+        for _ in range(100):  # it joined
+            health = await probe_health(stack.settings.endpoint("scheduler"))
+            if "fake-worker" in [w.worker for w in health.facts.workers]:
+                break
+            await asyncio.sleep(0.05)
+        requests = [submit(stack, "The capital of Italy is", max_tokens=8) for _ in range(4)]
+        runs = await asyncio.gather(*(collector.run(r) for r in requests))
+        expected = hf_greedy(wire.unpack_tokens(requests[0].prompt), 8)
+        assert fake.steps and any(r.rid in collector.failures for r in requests)
+        for request, events in zip(requests, runs):
+            failure = collector.failures.get(request.rid)
+            if failure is None:
+                assert [t.token_id for e in events for t in e.tokens] == expected
+            else:
+                assert failure.code == "service_unavailable" and failure.recoverable
+                assert "sampled token ids [1000000] outside the vocabulary of 49152" in failure.message
+        health = await probe_health(stack.settings.endpoint("scheduler"))
+        assert [w.worker for w in health.facts.workers] == [facts.workers[0].worker]
+        assert {service: stack.pid(service) for service in pids} == pids
+    finally:
+        serving.cancel()
+        fake.sock.close(0)
+        collector.close()
