@@ -40,6 +40,9 @@ def test_callbacks_and_all_ones_mask(runtime, tokenizer):
     ("(call $ret_bias (i32.const 131000))", "outside its memory"),
     ("(drop (call $read_blob (i32.const 4) (i32.const 131070) (i32.const 100)))", "outside its memory"),
     ("(drop (call $read_blob (i32.const 77) (i32.const 0) (i32.const 0)))", "unknown blob id 77"),
+    # 2**30 tokens are 2**32 bytes: the length wrapped to 0 (2**30 + 1 tokens to one), and the commit went on
+    ("(drop (call $c_commit (i32.const 99) (i32.const 0) (i32.const 1073741824)))",
+     "tiller_constraint_commit: guest pointer 0+4294967296 is outside its memory"),
     ("(call $stop)", "aici_host_stop"),
     ("(drop (call $c_bias (i32.const 99)))", "unknown constraint handle 99"),
     ("(drop (call $c_ff (i32.const 98) (i32.const 0) (i32.const 4)))", "unknown constraint handle 98"),
