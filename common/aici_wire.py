@@ -8,11 +8,16 @@ reply carries ``$rid`` (and requests ``$auth``).
 from __future__ import annotations
 
 import json
-from typing import Any, Generic, Literal, TypeVar, Union
+from typing import Annotated, Any, Generic, Literal, TypeVar, Union
 
 import msgspec
 
 from common.errors import WireError
+
+
+# Counts and token ids a controller returns (u32 in the ABI): a negative one is an invalid result. (A backtrack of
+# -1 was taken as is and left its request waiting for a step that never came.)
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class MainOp(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=False):
@@ -75,9 +80,9 @@ MainRequest = Union[Ping, Tokens, PostPreProcess, MidProcess]
 # -- controller callback results (JSON from a guest, dicts from a native controller) ------------------
 
 class PreProcessResult(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    num_forks: int = 1  # 0 = stop, >1 = fork into that many
+    num_forks: NonNegative = 1  # 0 = stop, >1 = fork into that many
     suspend: bool = False
-    ff_tokens: list[int] = []
+    ff_tokens: list[NonNegative] = []
 
 
 class PostProcessResult(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -85,8 +90,8 @@ class PostProcessResult(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 
 class Splice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    backtrack: int = 0
-    ff_tokens: list[int] = []
+    backtrack: NonNegative = 0
+    ff_tokens: list[NonNegative] = []
 
 
 class MidBranch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):

@@ -54,7 +54,18 @@ def _check_mid(result: aici_wire.MidProcessResult, host: SeqHost) -> aici_wire.M
             raise ControllerError("mid_process result must have exactly one of SampleWithBias, Splice")
         if result.SampleWithBias is not None and not host.mask_set:
             raise ControllerError("mid_process returned SampleWithBias without returning a logit bias")
+        if result.Splice is not None:
+            _check_tokens("mid_process", "Splice.ff_tokens", result.Splice.ff_tokens, host)
     return result
+
+
+def _check_tokens(name: str, field: str, tokens: list[int], host: SeqHost) -> None:
+    """ControllerError: ``tokens`` of a result hold ids past the vocabulary (a worker cannot feed them; their text
+    was empty, a negative one indexed the vocabulary from its end)."""
+    vocab = host.tokenizer.vocab_size
+    if tokens and max(tokens) >= vocab:
+        bad = sorted({t for t in tokens if t >= vocab})
+        raise ControllerError(f"{name} returned an invalid result: {field} {bad[:8]} outside the vocabulary of {vocab}")
 
 
 class WasmInstance:
@@ -106,7 +117,14 @@ class WasmInstance:
         return self._io_area and self.ctrl.pre_default
 
     def pre_process(self) -> aici_wire.PreProcessResult:
-        return self._invoke("aici_pre_process", b"{}", self.d.pre_deadline_ms, _pre_decoder, stopped=PRE_STOPPED)
+        result = self._invoke("aici_pre_process", b"{}", self.d.pre_deadline_ms, _pre_decoder, stopped=PRE_STOPPED)
+        if result.ff_tokens:
+            try:
+                _check_tokens("aici_pre_process", "ff_tokens", result.ff_tokens, self.host)
+            except ControllerError as exc:
+                self.ctrl.dead = str(exc)
+                raise
+        return result
 
     def mid_process(self, fork_group: list[int] | None, mask_address: int,
                     deadline_ms: float) -> aici_wire.MidProcessResult:
@@ -250,7 +268,14 @@ class NativeInstance:
 
     def pre_process(self) -> aici_wire.PreProcessResult:
         r = self._run("pre_process", self.d.pre_deadline_ms, self.obj.pre_process)
-        return self._convert("pre_process", r, aici_wire.PreProcessResult)
+        result = self._convert("pre_process", r, aici_wire.PreProcessResult)
+        if result.ff_tokens:
+            try:
+                _check_tokens("pre_process", "ff_tokens", result.ff_tokens, self.host)
+            except ControllerError as exc:
+                self.dead = str(exc)
+                raise
+        return result
 
     def mid_process(self, fork_group: list[int] | None, mask_address: int,
                     deadline_ms: float) -> aici_wire.MidProcessResult:

@@ -224,6 +224,29 @@ def test_fork_group_and_max_forks(runtime):
     assert "max_forks" in pre["error"]
 
 
+@pytest.mark.parametrize("phase, result, expected", [
+    # negative counts were taken as they came (a Splice's backtrack -1 left its request waiting for good), token ids
+    # past the vocabulary too (forced as empty text; a negative one indexed the vocabulary from its end)
+    ("pre", '{"num_forks":-1,"suspend":false,"ff_tokens":[]}', "Expected `int` >= 0 - at `$.num_forks`"),
+    ("pre", '{"num_forks":1,"suspend":false,"ff_tokens":[-3]}', "Expected `int` >= 0 - at `$.ff_tokens[0]`"),
+    ("pre", '{"num_forks":1,"suspend":false,"ff_tokens":[5,49152]}', "ff_tokens [49152] outside the vocabulary of 49152"),
+    ("mid", '{"Splice":{"backtrack":-1,"ff_tokens":[5]}}', "Expected `int` >= 0 - at `$.Splice.backtrack`"),
+    ("mid", '{"Splice":{"backtrack":0,"ff_tokens":[-1]}}', "Expected `int` >= 0 - at `$.Splice.ff_tokens[0]`"),
+    ("mid", '{"Splice":{"backtrack":0,"ff_tokens":[99999999]}}',
+     "Splice.ff_tokens [99999999] outside the vocabulary of 49152"),
+])
+def test_results_out_of_range_are_invalid_and_end_only_their_sequence(runtime, phase, result, expected):
+    body = ret_const(20000, result) if phase == "pre" else f"(call $ret_bias (i32.const 4096)) {ret_const(20000, result)}"
+    start(runtime, controller(), 1)
+    outcome = start(runtime, controller(**{phase: body}, data=str_data(20000, result)), 2)
+    if phase == "mid":
+        data, _ = mid(runtime, (1, None), (2, None))
+        assert data["seqs"]["1"]["error"] == ""
+        outcome = data["seqs"]["2"]
+    assert outcome["result"] is None and "returned an invalid result: " in outcome["error"], outcome
+    assert expected in outcome["error"]
+
+
 def test_clones_beyond_max_forks_fail(runtime):
     start(runtime, controller(), 1)
     ops = [(1, None)] + [(100 + i, 1) for i in range(LIMITS.max_forks)]
