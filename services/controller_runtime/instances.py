@@ -36,6 +36,9 @@ SAMPLE = _mid_decoder.decode(b'{"SampleWithBias":{}}')
 CONTINUE, STOPPED = _post_decoder.decode(b'{"stop":false}'), _post_decoder.decode(b'{"stop":true}')
 PRE_STOPPED = aici_wire.PreProcessResult(num_forks=0)
 _SAMPLE_DICT = {"SampleWithBias": {}}
+# What decoding a result may raise besides its errors: RecursionError for JSON nested past the decoder's depth (a
+# SampleWithBias holding 2000 nested lists failed the whole main-channel call, every user's sequences in it)
+INVALID = (msgspec.ValidationError, msgspec.DecodeError, RecursionError)
 
 
 def _native_mid(value: Any) -> aici_wire.MidProcessResult:
@@ -89,7 +92,7 @@ class WasmInstance:
         raw = self.ctrl.invoke(export, arg, deadline, mask_address)
         try:
             return decoder.decode(raw)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        except INVALID as exc:
             self.ctrl.dead = f"{export} returned an invalid result: {exc}"
             raise ControllerError(self.ctrl.dead) from exc
 
@@ -255,7 +258,7 @@ class NativeInstance:
     def _convert(self, name: str, value: Any, ty: Any) -> Any:
         try:
             return msgspec.convert(value, ty)
-        except msgspec.ValidationError as exc:
+        except INVALID as exc:
             self.dead = f"{name} returned an invalid result: {exc}"
             raise ControllerError(self.dead) from exc
 
@@ -284,7 +287,7 @@ class NativeInstance:
         r = self._run("mid_process", deadline_ms, lambda: self.obj.mid_process(group), mask_address)
         try:
             result = _native_mid(r)
-        except msgspec.ValidationError as exc:
+        except INVALID as exc:
             self.dead = f"mid_process returned an invalid result: {exc}"
             raise ControllerError(self.dead) from exc
         try:

@@ -234,6 +234,9 @@ def test_fork_group_and_max_forks(runtime):
     ("mid", '{"Splice":{"backtrack":0,"ff_tokens":[-1]}}', "Expected `int` >= 0 - at `$.Splice.ff_tokens[0]`"),
     ("mid", '{"Splice":{"backtrack":0,"ff_tokens":[99999999]}}',
      "Splice.ff_tokens [99999999] outside the vocabulary of 49152"),
+    # nested past the decoder's depth: a RecursionError failed the whole call, the other sequences' results with it
+    ("mid", '{"SampleWithBias":{"a":' + "[" * 2000 + "]" * 2000 + "}}",
+     "maximum recursion depth exceeded while deserializing an object"),
 ])
 def test_results_out_of_range_are_invalid_and_end_only_their_sequence(runtime, phase, result, expected):
     body = ret_const(20000, result) if phase == "pre" else f"(call $ret_bias (i32.const 4096)) {ret_const(20000, result)}"
