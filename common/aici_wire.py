@@ -13,6 +13,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar, Union
 import msgspec
 
 from common.errors import WireError
+from common.wire import DECODE_ERRORS
 
 
 # Counts and token ids a controller returns (u32 in the ABI): a negative one is an invalid result. (A backtrack of
@@ -194,7 +195,7 @@ def encode(obj: Any) -> bytes:
 def decode_main(frame: bytes) -> MainRequest:
     try:
         return _main_decoder.decode(frame)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except DECODE_ERRORS as exc:
         raise WireError(f"malformed main-channel request: {exc}") from exc
 
 
@@ -202,7 +203,7 @@ def decode_main_reply(request: MainRequest, frame: bytes) -> MainOk[Any] | MainE
     """The reply to ``request``, its ``data`` typed by the request's op; anything else raises WireError."""
     try:
         return _reply_decoders[type(request)].decode(frame)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except DECODE_ERRORS as exc:
         raise WireError(f"malformed reply: {exc}") from exc
 
 
@@ -227,7 +228,7 @@ def decode_side(frame: bytes) -> dict[str, Any]:
     (SideRequestError for a map, carrying whatever ``$rid`` it had so that the error reply echoes it)."""
     try:
         request = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError as exc:
+    except DECODE_ERRORS as exc:
         raise WireError(f"malformed side-channel request: {exc}") from exc
     if not isinstance(request, dict):
         raise WireError("side-channel request must be a map")
@@ -240,7 +241,7 @@ def decode_reply(frame: bytes) -> dict[str, Any]:
     """A side-channel reply as a dict with ``type`` ok|error and ``data``; anything else raises WireError."""
     try:
         reply = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError as exc:
+    except DECODE_ERRORS as exc:
         raise WireError(f"malformed reply: {exc}") from exc
     if not isinstance(reply, dict) or reply.get("type") not in ("ok", "error"):
         raise WireError(f"reply without type ok|error: {reply!r:.200}")

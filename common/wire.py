@@ -903,9 +903,14 @@ def encode(msg: Msg) -> bytes:
     return _encoder.encode(msg)
 
 
+# What decoding a frame raises on malformed input: RecursionError too, for values nested past the decoder's depth
+# (even in a field the schema ignores), which crashed the session store and stalled a socket's reader.
+DECODE_ERRORS = (msgspec.ValidationError, msgspec.DecodeError, RecursionError)
+
+
 def decode(header: bytes) -> Message:
     """Decode and validate a header frame; malformed input raises WireError, never anything else."""
     try:
         return _decoder.decode(header)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except DECODE_ERRORS as exc:
         raise WireError(f"malformed message: {exc}") from exc

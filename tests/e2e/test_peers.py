@@ -18,6 +18,11 @@ from common.sockets import Dealer, probe_health
 pytestmark = pytest.mark.asyncio
 
 
+# msgpack nested past the decoder's depth, in a field the schemas ignore: its RecursionError crashed the session
+# store and went unanswered elsewhere (a socket reader's callback failed with it)
+DEEP = b"\x91" * 3000 + b"\xc0"
+
+
 async def raw_request(endpoint: str, *frames: bytes, timeout: float = 5.0) -> list[bytes]:
     """Send raw frames from a fresh DEALER and return the reply's frames."""
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
@@ -87,6 +92,7 @@ async def test_controller_runtime_main_channel(stack):
         (b"\xc1not msgpack", "malformed main-channel request"),
         (aici_wire.encode({"op": "launch_missiles"}), "launch_missiles"),
         (aici_wire.encode([1, 2, 3]), "malformed main-channel request"),
+        (b"\x82\xa2op\xa4ping\xa1x" + DEEP, "malformed main-channel request: maximum recursion depth exceeded"),
     ],
 )
 async def test_controller_runtime_main_channel_bad_input(stack, frame, expected):
@@ -107,6 +113,10 @@ async def test_controller_runtime_side_channel_bad_input(stack):
     # AICI's error envelope: is_user_error says the request, not the runtime, was at fault
     assert reply == {"type": "error", "error": "unknown side-channel op 'no_such_op'", "data": {}, "$rid": "r1",
                      "is_user_error": True}
+    reply = msgspec.msgpack.decode((await raw_request(endpoint, b"\x83\xa4$rid\xa2r2\xa2op\xa8get_tags\xa1x" + DEEP))[0])
+    assert reply["type"] == "error" and "malformed side-channel request: maximum recursion depth" in reply["error"]
+    reply = msgspec.msgpack.decode((await raw_request(endpoint, aici_wire.encode({"$rid": "r3", "op": "get_tags"})))[0])
+    assert reply["type"] == "ok" and reply["$rid"] == "r3"
 
 
 @pytest.mark.parametrize("service", ["scheduler", "session_store"])
@@ -116,14 +126,17 @@ async def test_controller_runtime_side_channel_bad_input(stack):
         (b"\xc1\xc1", "malformed message"),
         (msgspec.msgpack.encode({"type": "no_such_type"}), "malformed message"),
         (msgspec.msgpack.encode({"type": "submit", "rid": 7}), "malformed message"),
+        (b"\x82\xa4type\xa6health\xa1x" + DEEP, "malformed message: maximum recursion depth exceeded"),
     ],
 )
 async def test_malformed_frames_get_an_error_and_the_service_goes_on(stack, service, header, expected):
     endpoint = stack.settings.endpoint(service)
+    pid = stack.pid(service)
     reply = wire.decode((await raw_request(endpoint, header))[0])
     assert isinstance(reply, wire.Error) and reply.code == "invalid_request" and expected in reply.message
     health = wire.decode((await raw_request(endpoint, wire.encode(wire.Health())))[0])
     assert isinstance(health, wire.HealthReply) and health.ready
+    assert stack.pid(service) == pid
 
 
 async def test_scheduler_refuses_bad_submissions(stack):
