@@ -204,8 +204,11 @@ class Scheduler:
                 self.wake()
         elif isinstance(msg, wire.HealthReply):
             pass  # touch() above was the point
-        else:
-            log.warning("scheduler.worker_unexpected", type=type(msg).__name__)
+        else:  # a peer in the wrong role (a gateway's message to the workers' socket): told, as a malformed one is
+            log.warning("scheduler.worker_unexpected", worker=identity.decode(errors="replace"), type=type(msg).__name__)
+            self.worker_router.post(identity, wire.Error(
+                code=INVALID_REQUEST, message=f"the scheduler's worker socket does not take {type(msg).__name__} "
+                                              f"messages", mid=reply_mid(msg)))
 
     async def watch_worker_disconnects(self) -> None:
         """A dropped worker connection makes every worker suspect until it answers again."""

@@ -139,6 +139,17 @@ async def test_malformed_frames_get_an_error_and_the_service_goes_on(stack, serv
     assert stack.pid(service) == pid
 
 
+async def test_a_message_for_another_role_on_the_workers_socket_gets_an_error(stack):
+    """A gateway's message sent to the socket workers join: an Error naming it (it was logged, never answered)."""
+    endpoint = stack.settings.endpoint("worker")
+    request = wire.Submit(rid="r", prompt=wire.pack_tokens([1]), sampling=wire.SamplingParams(), max_tokens=1, mid=7)
+    reply = wire.decode((await raw_request(endpoint, wire.encode(request)))[0])
+    assert isinstance(reply, wire.Error) and reply.mid == 7 and reply.code == "invalid_request"
+    assert reply.message == "the scheduler's worker socket does not take Submit messages"
+    health = wire.decode((await raw_request(stack.settings.endpoint("scheduler"), wire.encode(wire.Health())))[0])
+    assert isinstance(health, wire.HealthReply) and health.ready and len(health.facts.workers) == 1
+
+
 async def test_scheduler_refuses_bad_submissions(stack):
     endpoint = stack.settings.endpoint("scheduler")
     dealer = Dealer(zmq.asyncio.Context.instance(), endpoint)
