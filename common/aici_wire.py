@@ -8,11 +8,17 @@ reply carries ``$rid`` (and requests ``$auth``).
 from __future__ import annotations
 
 import json
-from typing import Any, Generic, Literal, TypeVar, Union
+from typing import Annotated, Any, Generic, Literal, TypeVar, Union
 
 import msgspec
 
 from common.errors import WireError
+from common.wire import DECODE_ERRORS
+
+
+# Counts and token ids a controller returns (u32 in the ABI): a negative one is an invalid result. (A backtrack of
+# -1 was taken as is and left its request waiting for a step that never came.)
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class MainOp(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=False):
@@ -75,9 +81,9 @@ MainRequest = Union[Ping, Tokens, PostPreProcess, MidProcess]
 # -- controller callback results (JSON from a guest, dicts from a native controller) ------------------
 
 class PreProcessResult(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    num_forks: int = 1  # 0 = stop, >1 = fork into that many
+    num_forks: NonNegative = 1  # 0 = stop, >1 = fork into that many
     suspend: bool = False
-    ff_tokens: list[int] = []
+    ff_tokens: list[NonNegative] = []
 
 
 class PostProcessResult(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -85,8 +91,8 @@ class PostProcessResult(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 
 class Splice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    backtrack: int = 0
-    ff_tokens: list[int] = []
+    backtrack: NonNegative = 0
+    ff_tokens: list[NonNegative] = []
 
 
 class MidBranch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -189,7 +195,7 @@ def encode(obj: Any) -> bytes:
 def decode_main(frame: bytes) -> MainRequest:
     try:
         return _main_decoder.decode(frame)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except DECODE_ERRORS as exc:
         raise WireError(f"malformed main-channel request: {exc}") from exc
 
 
@@ -197,7 +203,7 @@ def decode_main_reply(request: MainRequest, frame: bytes) -> MainOk[Any] | MainE
     """The reply to ``request``, its ``data`` typed by the request's op; anything else raises WireError."""
     try:
         return _reply_decoders[type(request)].decode(frame)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except DECODE_ERRORS as exc:
         raise WireError(f"malformed reply: {exc}") from exc
 
 
@@ -222,7 +228,7 @@ def decode_side(frame: bytes) -> dict[str, Any]:
     (SideRequestError for a map, carrying whatever ``$rid`` it had so that the error reply echoes it)."""
     try:
         request = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError as exc:
+    except DECODE_ERRORS as exc:
         raise WireError(f"malformed side-channel request: {exc}") from exc
     if not isinstance(request, dict):
         raise WireError("side-channel request must be a map")
@@ -235,7 +241,7 @@ def decode_reply(frame: bytes) -> dict[str, Any]:
     """A side-channel reply as a dict with ``type`` ok|error and ``data``; anything else raises WireError."""
     try:
         reply = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError as exc:
+    except DECODE_ERRORS as exc:
         raise WireError(f"malformed reply: {exc}") from exc
     if not isinstance(reply, dict) or reply.get("type") not in ("ok", "error"):
         raise WireError(f"reply without type ok|error: {reply!r:.200}")

@@ -14,11 +14,18 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
 from common.errors import WireError
+
+# Bounded fields of the messages whose values a service stores or indexes with as they come (the session store's
+# SQLite integers and uint32 token arrays): a value out of range is a malformed message, refused at decode with the
+# field named, instead of an OverflowError deep in the service. Token ids and positions are salience.proto's uint32.
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+Finite = Annotated[float, msgspec.Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]  # no inf, no nan
 
 
 class Msg(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True):
@@ -78,8 +85,8 @@ class ImageInput(msgspec.Struct, kw_only=True):
     ``<|vision_start|>``, the ``<|image_pad|>`` tokens its encoder features replace, and
     ``<|vision_end|>``. ``data`` is the encoded image (PNG, JPEG, ...) exactly as the client sent it."""
 
-    start: int
-    end: int
+    start: Count
+    end: Count
     data: bytes
     mime: str = ""
 
@@ -682,15 +689,15 @@ class RecordRequest(Msg, tag="record_request"):
     model: str
     prompt: str
     params: dict[str, Any] = {}
-    created_at: float = 0.0
+    created_at: Finite = 0.0
 
 
 class RecordCompletion(Msg, tag="record_completion"):
     rid: str
     generated_text: str
     finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
+    prompt_tokens: Count
+    completion_tokens: Count
     error: str = ""
 
 
@@ -698,9 +705,9 @@ class RecordFeedback(Msg, tag="record_feedback"):
     """Replied with :class:`FeedbackRecorded`, or ``Error(code="not_found")`` for an unknown request."""
 
     rid: str
-    rating: float
+    rating: Finite
     text: str = ""
-    position: int | None = None
+    position: Count | None = None
 
 
 class FeedbackRecorded(Msg, tag="feedback_recorded"):
@@ -805,7 +812,7 @@ class SalienceFork(Msg, tag="salience_fork"):
     """A new session with tokens ``[0, at_position)`` and the images wholly inside them."""
 
     session_id: str
-    at_position: int
+    at_position: U32
 
 
 class SalienceGet(Msg, tag="salience_get"):
@@ -819,13 +826,13 @@ class SalienceBegin(Msg, tag="salience_begin"):
     ``check_only`` it only makes those checks (the reply is then an empty session): nothing changes."""
 
     session_id: str
-    offset: int
-    max_len: int
-    lease_s: float
+    offset: U32
+    max_len: Count
+    lease_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
     truncating: bool = False
-    append_tokens: list[int] = []
+    append_tokens: list[U32] = []
     images: list[ImageInput] = []
-    reserve_tokens: int = 0
+    reserve_tokens: Count = 0
     check_only: bool = False
 
 
@@ -834,7 +841,7 @@ class SalienceEnd(Msg, tag="salience_end"):
 
     session_id: str
     lease: str
-    append_tokens: list[int] = []
+    append_tokens: list[U32] = []
 
 
 class SalienceSession(Msg, tag="salience_session"):
@@ -898,9 +905,14 @@ def encode(msg: Msg) -> bytes:
     return _encoder.encode(msg)
 
 
+# What decoding a frame raises on malformed input: RecursionError too, for values nested past the decoder's depth
+# (even in a field the schema ignores), which crashed the session store and stalled a socket's reader.
+DECODE_ERRORS = (msgspec.ValidationError, msgspec.DecodeError, RecursionError)
+
+
 def decode(header: bytes) -> Message:
     """Decode and validate a header frame; malformed input raises WireError, never anything else."""
     try:
         return _decoder.decode(header)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except DECODE_ERRORS as exc:
         raise WireError(f"malformed message: {exc}") from exc

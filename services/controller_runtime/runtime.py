@@ -52,8 +52,13 @@ class OverBudget(UserError):
 
 def module_arg_bytes(arg: Any) -> bytes:
     """AICI: a string module_arg is passed as is, any other JSON value serialized (msgpack callers may
-    also send bytes)."""
-    return arg if isinstance(arg, bytes) else aici_wire.module_arg_text(arg).encode()
+    also send bytes). UserError: a value JSON cannot hold (bytes inside it, nesting past the serializer's)."""
+    if isinstance(arg, bytes):
+        return arg
+    try:
+        return aici_wire.module_arg_text(arg).encode()
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UserError(f"module_arg is not a JSON value: {exc}") from exc
 
 
 def seq_result(outcome: type[O], host: SeqHost, micros: int, result: Any = None, error: str = "") -> O:

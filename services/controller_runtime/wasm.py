@@ -311,16 +311,20 @@ class WasmController:
             raise HostError(f"guest pointer {ptr}+{end - ptr} is outside its memory ({self._size} bytes)")
 
     def guest_address(self, ptr: int, length: int) -> int:
+        """The host address of the guest's bytes [ptr, ptr + length), bounds-checked. ``ptr``, and ``length``
+        when negative, are the guest's i32s read as unsigned, as Wasm does; a length the host computed (a count
+        of u32s times 4) is taken whole: masked, 2**30 tokens would be 0 bytes."""
         ptr &= 0xFFFFFFFF
-        end = ptr + (length & 0xFFFFFFFF)
+        end = ptr + (length if length >= 0 else length & 0xFFFFFFFF)
         if end > self._size:
             self._grown(ptr, end)
         return self._base + ptr
 
     def view(self, ptr: int, length: int) -> memoryview:
-        """The guest's bytes [ptr, ptr + length), bounds-checked; valid until the next guest call."""
+        """The guest's bytes [ptr, ptr + length), bounds-checked as :meth:`guest_address`; valid until the next
+        guest call."""
         ptr &= 0xFFFFFFFF
-        end = ptr + (length & 0xFFFFFFFF)
+        end = ptr + (length if length >= 0 else length & 0xFFFFFFFF)
         if end > self._size:
             self._grown(ptr, end)
         return self._view[ptr:end]

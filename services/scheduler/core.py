@@ -78,6 +78,29 @@ class Dispatch:
     frames: list[bytes] = field(default_factory=list)  # the mask frame, when the masks go with the step
 
 
+def _served(hello: wire.WorkerHello) -> tuple[str, int, int, list[int]]:
+    """What a ready worker serves, which every worker of a scheduler must serve alike."""
+    return hello.model, hello.vocab_size, hello.max_model_len, sorted(hello.eos_token_ids)
+
+
+def _describe(served: tuple[str, int, int, list[int]]) -> str:
+    model, vocab_size, max_model_len, eos = served
+    return f"{model!r} (vocab_size {vocab_size}, max_model_len {max_model_len}, eos_token_ids {eos})"
+
+
+def _check_result(tokens: list[int], slots: int, top: dict[int, list[wire.TokenLogprob]], vocab_size: int) -> None:
+    """ValueError: a step result's tokens are not one per slot of its step, each a token id of the vocabulary or
+    -1 (none), or its top alternatives name tokens outside the vocabulary."""
+    if len(tokens) != slots:
+        raise ValueError(f"{len(tokens)} slots, the step has {slots}")
+    if tokens and (min(tokens) < -1 or max(tokens) >= vocab_size):
+        bad = sorted({t for t in tokens if not -1 <= t < vocab_size})
+        raise ValueError(f"sampled token ids {bad[:8]} outside the vocabulary of {vocab_size}")
+    for alternatives in top.values():
+        if any(not 0 <= alt.token_id < vocab_size for alt in alternatives):
+            raise ValueError(f"top alternatives outside the vocabulary of {vocab_size}")
+
+
 class PackedEvents:
     """A gateway's packed token events (``wire.Events``) being gathered: the core's per-token loop
     appends to the three lists."""
@@ -307,19 +330,42 @@ class SchedulerCore:
     def worker_hello(self, identity: bytes, hello: wire.WorkerHello) -> bool:
         """A worker announced itself or its loading progress; whether its stage or progress changed.
         A new incarnation under a known identity is a restarted worker: the old one's requests are lost.
-        A worker of another ``wire.WIRE_VERSION`` counts as failed (never placed on), its message says why."""
-        if hello.wire_version != wire.WIRE_VERSION:  # it would misread our steps, or we its results
-            hello = wire.WorkerHello(
-                worker_id=hello.worker_id, stage="failed", incarnation=hello.incarnation,
-                message=f"worker {hello.worker_id!r} speaks wire version {hello.wire_version}, this scheduler "
-                        f"{wire.WIRE_VERSION}: run the same Tiller version on both")
+        A worker refused by :meth:`_hello_refusal` (another ``wire.WIRE_VERSION``, another model) counts as failed
+        (never placed on), its message says why."""
         known = self.pool.workers.get(identity)
+        if (refusal := self._hello_refusal(identity, hello)) is not None:
+            if known is None or known.hello.message != refusal:  # once, not with every hello it repeats
+                log.warning("scheduler.worker_refused", worker=identity.decode(errors="replace"), reason=refusal)
+            hello = wire.WorkerHello(worker_id=hello.worker_id, stage="failed", incarnation=hello.incarnation,
+                                     message=refusal)
         if known is not None and known.hello.incarnation != hello.incarnation:
             self.worker_lost(identity, "the worker restarted")
             known = None
         changed = known is None or (known.hello.stage, known.hello.progress) != (hello.stage, hello.progress)
         self.pool.on_hello(identity, hello)
         return changed
+
+    def _hello_refusal(self, identity: bytes, hello: wire.WorkerHello) -> str | None:
+        """Why a worker may not be placed on (it then counts as failed, this its message), or None: it speaks
+        another ``wire.WIRE_VERSION`` (it would misread our steps, or we its results), or it is ready with
+        model facts that are none (no vocabulary, no context) or differ from those of the first ready worker,
+        which every request is admitted against (its prompt's token ids, its context)."""
+        if hello.wire_version != wire.WIRE_VERSION:
+            return (f"worker {hello.worker_id!r} speaks wire version {hello.wire_version}, this scheduler "
+                    f"{wire.WIRE_VERSION}: run the same Tiller version on both")
+        if hello.stage != "ready":
+            return None
+        if hello.vocab_size <= 0 or hello.max_model_len <= 0 or hello.kv_capacity_tokens <= 0:
+            return (f"worker {hello.worker_id!r} announced ready with vocab_size {hello.vocab_size}, max_model_len "
+                    f"{hello.max_model_len} and kv_capacity_tokens {hello.kv_capacity_tokens}: each must be > 0")
+        first = self.pool.first_ready()
+        if first is None or first.identity == identity:
+            return None
+        facts = _served(hello)
+        if facts != (served := _served(first.hello)):
+            return (f"worker {hello.worker_id!r} serves {_describe(facts)}, the ready worker "
+                    f"{first.hello.worker_id!r} {_describe(served)}: a scheduler's workers serve one model")
+        return None
 
     def worker_lost(self, identity: bytes, reason: str) -> None:
         """A worker died or stopped answering: its requests fail (retryable), its parked KV is gone."""
@@ -567,12 +613,12 @@ class SchedulerCore:
         slots = len(followers) + len(dispatch.batch)
         try:
             tokens, logprobs = result.slots()
-            if len(tokens) != slots:
-                raise ValueError(f"{len(tokens)} slots, the step has {slots}")
-        except ValueError as exc:  # a worker that does not speak this wire: its sequences fail
+            _check_result(tokens, slots, result.top, dispatch.info.hello.vocab_size)
+        except ValueError as exc:  # a broken worker, or one that does not speak this wire: it is dropped
             log.error("scheduler.malformed_result", worker=dispatch.worker.decode(errors="replace"), error=str(exc))
-            tokens, logprobs = [-1] * slots, [0.0] * slots
-            failures = dict.fromkeys(dispatch.step.slot_ids(), f"its step result does not fit the step: {exc}")
+            if self.pool.workers.get(dispatch.worker) is dispatch.info:
+                self.worker_lost(dispatch.worker, f"its step result does not fit the step: {exc}")
+            return
         top = result.top
 
         def sampled(slot: int) -> wire.SampledToken:  # a slot's token as events carry it (made only for those)

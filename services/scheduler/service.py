@@ -193,6 +193,9 @@ class Scheduler:
                         self.placement.observe(identity, flight.dispatch.step, msg)
                         self.wake()
                     break
+            else:  # not a step of its in flight (one it was given up on for, or never sent it): nothing to apply
+                log.warning("scheduler.unknown_step_result", worker=identity.decode(errors="replace"),
+                            step_id=msg.step_id)
         elif isinstance(msg, wire.WorkerHello):
             if self.core.worker_hello(identity, msg):
                 log.info("scheduler.worker", worker=identity.decode(errors="replace"), stage=msg.stage,
@@ -201,8 +204,11 @@ class Scheduler:
                 self.wake()
         elif isinstance(msg, wire.HealthReply):
             pass  # touch() above was the point
-        else:
-            log.warning("scheduler.worker_unexpected", type=type(msg).__name__)
+        else:  # a peer in the wrong role (a gateway's message to the workers' socket): told, as a malformed one is
+            log.warning("scheduler.worker_unexpected", worker=identity.decode(errors="replace"), type=type(msg).__name__)
+            self.worker_router.post(identity, wire.Error(
+                code=INVALID_REQUEST, message=f"the scheduler's worker socket does not take {type(msg).__name__} "
+                                              f"messages", mid=reply_mid(msg)))
 
     async def watch_worker_disconnects(self) -> None:
         """A dropped worker connection makes every worker suspect until it answers again."""
@@ -271,7 +277,8 @@ class Scheduler:
             for identity, flight in list(self.flights.items()):
                 while flight and flight[0].done:
                     done = flight.popleft()
-                    if done.result is not None:
+                    # a result of a worker lost meanwhile (a result before it was malformed) is not applied
+                    if done.result is not None and core.pool.workers.get(identity) is done.worker:
                         core.apply(done.dispatch, done.result)
                         applied = True
                 if not flight and identity not in core.pool.workers:

@@ -59,6 +59,10 @@ def transaction(conn: sqlite3.Connection, begin: str = "BEGIN") -> Iterator[None
     conn.execute("COMMIT")
 
 
+class BadRecord(ValueError):
+    """A record the store cannot keep as it came (the message decoded, but a value does not fit its column)."""
+
+
 class Store:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -71,9 +75,14 @@ class Store:
 
     def record_request(self, rid: str, surface: str, model: str, prompt: str, params: dict[str, Any],
                        created_at: float) -> None:
+        """BadRecord: ``params`` is not JSON (msgpack carries bytes and nesting JSON has no room for)."""
+        try:
+            params_json = json.dumps(params)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise BadRecord(f"the request's params are not JSON: {exc}") from exc
         self.conn.execute(
             "INSERT OR REPLACE INTO requests (rid, surface, model, prompt, params, created_at) VALUES (?,?,?,?,?,?)",
-            (rid, surface, model, prompt, json.dumps(params), created_at or time.time()),
+            (rid, surface, model, prompt, params_json, created_at or time.time()),
         )
 
     def record_completion(self, rid: str, generated_text: str, finish_reason: str, prompt_tokens: int,

@@ -16,9 +16,10 @@ import zmq.asyncio
 
 from common import wire
 from common.config import Settings
+from common.errors import INTERNAL_ERROR, INVALID_REQUEST
 from common.incarnation import process_incarnation
 from common.sockets import Router, reply_mid
-from services.session_store.db import Store
+from services.session_store.db import BadRecord, Store
 from services.session_store.holders import EvergreenHolders
 from services.session_store.salience import SalienceSessions, SessionError
 
@@ -75,7 +76,7 @@ class SessionStore:
                 return self._salience(msg)
             except SessionError as exc:
                 return wire.Error(code=exc.code, message=exc.message)
-        return wire.Error(code="invalid_request", message=f"the session store does not take {type(msg).__name__}")
+        return wire.Error(code=INVALID_REQUEST, message=f"the session store does not take {type(msg).__name__}")
 
     def _salience(self, msg: wire.Message) -> wire.Msg:
         sessions = self.sessions
@@ -124,8 +125,14 @@ class SessionStore:
             identity, msg, _ = await self.router.recv()
             try:
                 reply = self.handle(msg)
+            except BadRecord as exc:
+                log.warning("session_store.bad_record", type=type(msg).__name__, error=str(exc))
+                reply = wire.Error(code=INVALID_REQUEST, message=str(exc))
             except sqlite3.Error as exc:
                 log.exception("session_store.sqlite_failed")
-                reply = wire.Error(code="internal_error", message=f"storage failed: {exc}")
+                reply = wire.Error(code=INTERNAL_ERROR, message=f"storage failed: {exc}")
+            except Exception as exc:  # a bug handling one message must not stop the store (nor lose the others)
+                log.exception("session_store.handler_failed", type=type(msg).__name__)
+                reply = wire.Error(code=INTERNAL_ERROR, message=f"the session store failed: {type(exc).__name__}: {exc}")
             reply.mid = reply_mid(msg)
             await self.router.send(identity, reply)

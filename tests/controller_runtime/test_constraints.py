@@ -216,6 +216,8 @@ class ScriptedMid(NativeController):
     (3, "mid_process returned an invalid result"),
     ({"Sample": {}}, "mid_process returned an invalid result"),
     ({"SampleWithBias": {}, "Splice": {}}, "exactly one of SampleWithBias, Splice"),
+    ({"Splice": {"backtrack": -2, "ff_tokens": [5]}}, "Expected `int` >= 0 - at `$.Splice.backtrack`"),
+    ({"Splice": {"ff_tokens": [5, 10**6]}}, "Splice.ff_tokens [1000000] outside the vocabulary of 49152"),
 ])
 def test_native_mid_process_results_are_checked(runtime, returned, error):
     runtime.natives["scripted"] = ScriptedMid

@@ -40,6 +40,9 @@ def test_callbacks_and_all_ones_mask(runtime, tokenizer):
     ("(call $ret_bias (i32.const 131000))", "outside its memory"),
     ("(drop (call $read_blob (i32.const 4) (i32.const 131070) (i32.const 100)))", "outside its memory"),
     ("(drop (call $read_blob (i32.const 77) (i32.const 0) (i32.const 0)))", "unknown blob id 77"),
+    # 2**30 tokens are 2**32 bytes: the length wrapped to 0 (2**30 + 1 tokens to one), and the commit went on
+    ("(drop (call $c_commit (i32.const 99) (i32.const 0) (i32.const 1073741824)))",
+     "tiller_constraint_commit: guest pointer 0+4294967296 is outside its memory"),
     ("(call $stop)", "aici_host_stop"),
     ("(drop (call $c_bias (i32.const 99)))", "unknown constraint handle 99"),
     ("(drop (call $c_ff (i32.const 98) (i32.const 0) (i32.const 4)))", "unknown constraint handle 98"),
@@ -219,6 +222,32 @@ def test_fork_group_and_max_forks(runtime):
     many = '{"num_forks":99,"suspend":false,"ff_tokens":[]}'
     pre = start(runtime, controller(pre=ret_const(1500, many), data=str_data(1500, many)), 5)
     assert "max_forks" in pre["error"]
+
+
+@pytest.mark.parametrize("phase, result, expected", [
+    # negative counts were taken as they came (a Splice's backtrack -1 left its request waiting for good), token ids
+    # past the vocabulary too (forced as empty text; a negative one indexed the vocabulary from its end)
+    ("pre", '{"num_forks":-1,"suspend":false,"ff_tokens":[]}', "Expected `int` >= 0 - at `$.num_forks`"),
+    ("pre", '{"num_forks":1,"suspend":false,"ff_tokens":[-3]}', "Expected `int` >= 0 - at `$.ff_tokens[0]`"),
+    ("pre", '{"num_forks":1,"suspend":false,"ff_tokens":[5,49152]}', "ff_tokens [49152] outside the vocabulary of 49152"),
+    ("mid", '{"Splice":{"backtrack":-1,"ff_tokens":[5]}}', "Expected `int` >= 0 - at `$.Splice.backtrack`"),
+    ("mid", '{"Splice":{"backtrack":0,"ff_tokens":[-1]}}', "Expected `int` >= 0 - at `$.Splice.ff_tokens[0]`"),
+    ("mid", '{"Splice":{"backtrack":0,"ff_tokens":[99999999]}}',
+     "Splice.ff_tokens [99999999] outside the vocabulary of 49152"),
+    # nested past the decoder's depth: a RecursionError failed the whole call, the other sequences' results with it
+    ("mid", '{"SampleWithBias":{"a":' + "[" * 2000 + "]" * 2000 + "}}",
+     "maximum recursion depth exceeded while deserializing an object"),
+])
+def test_results_out_of_range_are_invalid_and_end_only_their_sequence(runtime, phase, result, expected):
+    body = ret_const(20000, result) if phase == "pre" else f"(call $ret_bias (i32.const 4096)) {ret_const(20000, result)}"
+    start(runtime, controller(), 1)
+    outcome = start(runtime, controller(**{phase: body}, data=str_data(20000, result)), 2)
+    if phase == "mid":
+        data, _ = mid(runtime, (1, None), (2, None))
+        assert data["seqs"]["1"]["error"] == ""
+        outcome = data["seqs"]["2"]
+    assert outcome["result"] is None and "returned an invalid result: " in outcome["error"], outcome
+    assert expected in outcome["error"]
 
 
 def test_clones_beyond_max_forks_fail(runtime):

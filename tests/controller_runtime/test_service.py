@@ -212,3 +212,9 @@ async def test_wire_details_as_aici(tmp_path):
         arg = {"a": [1, "é"], "b": {"c": None}}
         reply = await rt.side_call("instantiate", req_id="echo", prompt=[1], module_id=module_id, module_arg=arg)
         assert reply["type"] == "ok" and reply["data"]["logs"] == '{"a":[1,"é"],"b":{"c":null}}', reply
+
+        # msgpack carries what JSON cannot: the caller's error (it was an internal error, is_user_error false)
+        reply = await rt.side_call("instantiate", req_id="bytes", prompt=[1], module_id=module_id,
+                                   module_arg={"a": b"\x00"})
+        assert reply["type"] == "error" and reply["is_user_error"] and reply["code"] == "invalid_request", reply
+        assert reply["error"] == "module_arg is not a JSON value: Object of type bytes is not JSON serializable"

@@ -37,13 +37,14 @@ PLAIN_TOKENS = 24
 #   loop      - mid_process never returns;  trap - traps on its third mid_process;
 #   oom       - grows memory until the limit, then aborts (as an allocator would);
 #   badptr    - hands the host a result pointer outside its memory;  trap_init - traps in init_prompt;
+#   oov_ff    - pre_process fast-forwards token id 0xFFFFFFFF;  oov_splice - mid_process splices token id vocab_size;
 #   follow    - no pre_process (so the scheduler pipelines its steps): samples 4 free tokens, then mid_process
 #               splices (backtrack 2, ff " forty-two."), samples 2 more, and post_process logs its token list
 #               and stops when it hears of the second;
 #   {...}     - (a JSON object) logs its argument and stops in init_prompt.
 TEST_CONTROLLER = r"""
 #include "aici.h"
-enum { SPLICE, LOOP, TRAP, OOM, BADPTR, FOLLOW };
+enum { SPLICE, LOOP, TRAP, OOM, BADPTR, FOLLOW, OOV_FF, OOV_SPLICE };
 static int mode, phase, mids, after_splice;
 
 static void init_prompt(const uint32_t *prompt, uint32_t n) {
@@ -56,6 +57,8 @@ static void init_prompt(const uint32_t *prompt, uint32_t n) {
     else if (IS("oom")) mode = OOM;
     else if (IS("badptr")) mode = BADPTR;
     else if (IS("follow")) mode = FOLLOW;
+    else if (IS("oov_ff")) mode = OOV_FF;
+    else if (IS("oov_splice")) mode = OOV_SPLICE;
     else if (IS("trap_init")) __builtin_trap();
     else {
         if (len && arg[0] == '{') aici_log(arg, len);
@@ -63,8 +66,15 @@ static void init_prompt(const uint32_t *prompt, uint32_t n) {
     }
 }
 
+static uint32_t oov[1];
+
 static aici_pre_result pre_process(void) {
     aici_pre_result r = aici_pre_continue();
+    if (mode == OOV_FF) {
+        oov[0] = 0xFFFFFFFFu;
+        r.ff_tokens = oov;
+        r.n_ff = 1;
+    }
     if (mode == SPLICE && phase == 0) {
         phase = 1;
         r.ff_tokens = aici_tokenize(" The answer is", 14, &r.n_ff);
@@ -87,6 +97,9 @@ static aici_mid_result mid_process(const uint32_t *fork_group, uint32_t n) {
     case BADPTR:
         aici_host_return_process_result((const void *)0xFFFFFF00u, 4096);
         return aici_mid_sample();
+    case OOV_SPLICE:
+        oov[0] = aici_host_vocab_size();
+        return aici_mid_splice(0, oov, 1);
     case FOLLOW:
         if (++mids != 5) return aici_mid_sample();
         ff = aici_tokenize(" forty-two.", 11, &n_ff);
@@ -535,6 +548,9 @@ async def test_plain_requests_never_touch_the_runtime(stack, modules):
     ("trap", "trap"),
     ("oom", "memory"),
     ("badptr", "outside its memory"),
+    # token ids past the vocabulary were forced as they came: empty text, the run a success
+    ("oov_ff", "aici_pre_process returned an invalid result: ff_tokens [4294967295] outside the vocabulary of 49152"),
+    ("oov_splice", "mid_process returned an invalid result: Splice.ff_tokens [49152] outside the vocabulary of 49152"),
 ])
 async def test_faulty_controller_ends_only_its_request(stack, test_module, modules, hf_greedy, mode, message):
     expected = hf_greedy(stack.tokenizer(PLAIN_PROMPT).input_ids, PLAIN_TOKENS)

@@ -18,6 +18,11 @@ from common.sockets import Dealer, probe_health
 pytestmark = pytest.mark.asyncio
 
 
+# msgpack nested past the decoder's depth, in a field the schemas ignore: its RecursionError crashed the session
+# store and went unanswered elsewhere (a socket reader's callback failed with it)
+DEEP = b"\x91" * 3000 + b"\xc0"
+
+
 async def raw_request(endpoint: str, *frames: bytes, timeout: float = 5.0) -> list[bytes]:
     """Send raw frames from a fresh DEALER and return the reply's frames."""
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
@@ -87,6 +92,7 @@ async def test_controller_runtime_main_channel(stack):
         (b"\xc1not msgpack", "malformed main-channel request"),
         (aici_wire.encode({"op": "launch_missiles"}), "launch_missiles"),
         (aici_wire.encode([1, 2, 3]), "malformed main-channel request"),
+        (b"\x82\xa2op\xa4ping\xa1x" + DEEP, "malformed main-channel request: maximum recursion depth exceeded"),
     ],
 )
 async def test_controller_runtime_main_channel_bad_input(stack, frame, expected):
@@ -107,6 +113,10 @@ async def test_controller_runtime_side_channel_bad_input(stack):
     # AICI's error envelope: is_user_error says the request, not the runtime, was at fault
     assert reply == {"type": "error", "error": "unknown side-channel op 'no_such_op'", "data": {}, "$rid": "r1",
                      "is_user_error": True}
+    reply = msgspec.msgpack.decode((await raw_request(endpoint, b"\x83\xa4$rid\xa2r2\xa2op\xa8get_tags\xa1x" + DEEP))[0])
+    assert reply["type"] == "error" and "malformed side-channel request: maximum recursion depth" in reply["error"]
+    reply = msgspec.msgpack.decode((await raw_request(endpoint, aici_wire.encode({"$rid": "r3", "op": "get_tags"})))[0])
+    assert reply["type"] == "ok" and reply["$rid"] == "r3"
 
 
 @pytest.mark.parametrize("service", ["scheduler", "session_store"])
@@ -116,14 +126,28 @@ async def test_controller_runtime_side_channel_bad_input(stack):
         (b"\xc1\xc1", "malformed message"),
         (msgspec.msgpack.encode({"type": "no_such_type"}), "malformed message"),
         (msgspec.msgpack.encode({"type": "submit", "rid": 7}), "malformed message"),
+        (b"\x82\xa4type\xa6health\xa1x" + DEEP, "malformed message: maximum recursion depth exceeded"),
     ],
 )
 async def test_malformed_frames_get_an_error_and_the_service_goes_on(stack, service, header, expected):
     endpoint = stack.settings.endpoint(service)
+    pid = stack.pid(service)
     reply = wire.decode((await raw_request(endpoint, header))[0])
     assert isinstance(reply, wire.Error) and reply.code == "invalid_request" and expected in reply.message
     health = wire.decode((await raw_request(endpoint, wire.encode(wire.Health())))[0])
     assert isinstance(health, wire.HealthReply) and health.ready
+    assert stack.pid(service) == pid
+
+
+async def test_a_message_for_another_role_on_the_workers_socket_gets_an_error(stack):
+    """A gateway's message sent to the socket workers join: an Error naming it (it was logged, never answered)."""
+    endpoint = stack.settings.endpoint("worker")
+    request = wire.Submit(rid="r", prompt=wire.pack_tokens([1]), sampling=wire.SamplingParams(), max_tokens=1, mid=7)
+    reply = wire.decode((await raw_request(endpoint, wire.encode(request)))[0])
+    assert isinstance(reply, wire.Error) and reply.mid == 7 and reply.code == "invalid_request"
+    assert reply.message == "the scheduler's worker socket does not take Submit messages"
+    health = wire.decode((await raw_request(stack.settings.endpoint("scheduler"), wire.encode(wire.Health())))[0])
+    assert isinstance(health, wire.HealthReply) and health.ready and len(health.facts.workers) == 1
 
 
 async def test_scheduler_refuses_bad_submissions(stack):
@@ -255,4 +279,100 @@ async def test_a_restarted_scheduler_starts_from_a_clean_worker(stack, hf_greedy
         events = await collector.run(request)
         assert [t.token_id for e in events for t in e.tokens] == hf_greedy(wire.unpack_tokens(request.prompt), 8)
     finally:
+        collector.close()
+
+
+@pytest.mark.parametrize("header, expected", [
+    # values msgpack carries and the store's columns cannot hold: each crashed the store (a new pid, every
+    # request in flight to it lost) before
+    ({"type": "record_request", "rid": "r", "surface": "s", "model": "m", "prompt": "p", "params": {"a": b"\x00"}},
+     "the request's params are not JSON: Object of type bytes is not JSON serializable"),
+    ({"type": "record_completion", "rid": "r", "generated_text": "", "finish_reason": "stop",
+      "prompt_tokens": 2**64 - 1, "completion_tokens": 0}, "Expected `int` <= 9223372036854775807 - at `$.prompt_tokens`"),
+    ({"type": "record_feedback", "rid": "r", "rating": 1.0, "position": 2**64 - 1}, "at `$.position`"),
+    ({"type": "record_feedback", "rid": "r", "rating": float("nan")}, "at `$.rating`"),
+    ({"type": "salience_begin", "session_id": "s", "offset": 0, "max_len": 9, "lease_s": 1.0, "append_tokens": [-1]},
+     "Expected `int` >= 0 - at `$.append_tokens[0]`"),
+    ({"type": "salience_end", "session_id": "s", "lease": "", "append_tokens": [2**32]},
+     "Expected `int` <= 4294967295 - at `$.append_tokens[0]`"),
+    ({"type": "salience_fork", "session_id": "s", "at_position": -1}, "Expected `int` >= 0 - at `$.at_position`"),
+])
+async def test_the_session_store_refuses_values_it_cannot_store_and_goes_on(stack, header, expected):
+    endpoint = stack.settings.endpoint("session_store")
+    pid = stack.pid("session_store")
+    reply = wire.decode((await raw_request(endpoint, msgspec.msgpack.encode(header)))[0])
+    assert isinstance(reply, wire.Error) and reply.code == "invalid_request" and expected in reply.message, reply
+    assert stack.pid("session_store") == pid
+    dealer = Dealer(zmq.asyncio.Context.instance(), endpoint)
+    try:
+        rid = f"after-{uuid.uuid4().hex[:8]}"
+        reply, _ = await dealer.request(wire.RecordRequest(rid=rid, surface="test", model="m", prompt="hi"))
+        assert isinstance(reply, wire.Ok)
+        reply, _ = await dealer.request(wire.GetRequest(rid=rid))
+        assert isinstance(reply, wire.RequestRecordReply) and reply.record.prompt == "hi"
+    finally:
+        dealer.close()
+
+
+class FakeWorker:
+    """A peer that joins the scheduler as a ready worker of the served model and answers every step with a token
+    id past the vocabulary (a broken worker)."""
+
+    def __init__(self, endpoint: str, facts: wire.ModelFacts) -> None:
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, b"fake-worker")
+        self.sock.connect(endpoint)
+        self.hello = wire.WorkerHello(
+            worker_id="fake-worker", stage="ready", progress=100, model=facts.model, vocab_size=facts.vocab_size,
+            max_model_len=facts.max_model_len, eos_token_ids=facts.eos_token_ids, kv_capacity_tokens=1 << 30,
+            incarnation="fake", wire_version=wire.WIRE_VERSION)
+        self.steps = 0
+
+    async def serve(self) -> None:
+        await self.sock.send_multipart([wire.encode(self.hello)])
+        while True:
+            msg = wire.decode((await self.sock.recv_multipart())[0])
+            if isinstance(msg, wire.Health):
+                await self.sock.send_multipart([wire.encode(wire.HealthReply(service="worker", ready=True,
+                                                                             mid=msg.mid))])
+            elif isinstance(msg, wire.Step):
+                self.steps += 1
+                slots = len(msg.slot_ids())
+                result = wire.StepResult(step_id=msg.step_id, tokens=wire.pack_tokens([10**6] * slots),
+                                         logprobs=wire.pack_logprobs([0.0] * slots))
+                await self.sock.send_multipart([wire.encode(result)])
+
+
+async def test_a_worker_answering_token_ids_past_the_vocabulary_is_dropped(stack, hf_greedy):
+    """Its tokens came back as empty text, its requests a success; now they fail as a lost worker's do
+    (retryable), it is dropped, and the real worker's requests are greedy as ever."""
+    pids = {service: stack.pid(service) for service in ("scheduler", "worker", "gateway")}
+    facts = (await probe_health(stack.settings.endpoint("scheduler"))).facts
+    fake = FakeWorker(stack.settings.endpoint("worker"), facts)
+    serving = asyncio.ensure_future(fake.serve())
+    collector = EventCollector(stack.settings.endpoint("scheduler"))
+    try:
+        for _ in range(100):  # it joined
+            health = await probe_health(stack.settings.endpoint("scheduler"))
+            if "fake-worker" in [w.worker for w in health.facts.workers]:
+                break
+            await asyncio.sleep(0.05)
+        requests = [submit(stack, "The capital of Italy is", max_tokens=8) for _ in range(4)]
+        runs = await asyncio.gather(*(collector.run(r) for r in requests))
+        expected = hf_greedy(wire.unpack_tokens(requests[0].prompt), 8)
+        assert fake.steps and any(r.rid in collector.failures for r in requests)
+        for request, events in zip(requests, runs):
+            failure = collector.failures.get(request.rid)
+            if failure is None:
+                assert [t.token_id for e in events for t in e.tokens] == expected
+            else:
+                assert failure.code == "service_unavailable" and failure.recoverable
+                assert "sampled token ids [1000000] outside the vocabulary of 49152" in failure.message
+        health = await probe_health(stack.settings.endpoint("scheduler"))
+        assert [w.worker for w in health.facts.workers] == [facts.workers[0].worker]
+        assert {service: stack.pid(service) for service in pids} == pids
+    finally:
+        serving.cancel()
+        fake.sock.close(0)
         collector.close()

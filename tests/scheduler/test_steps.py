@@ -1,8 +1,11 @@
 """Building steps: chunked prefill, the token budget, decode-first order, pipelining with ``follow``, and
 the followers every step carries (``Step.follows``) with their results in slot order."""
 
+import pytest
+
 from common import wire
-from tests.scheduler.harness import EOS, LD, LLO, WOR, Harness, followed, prompt, seqs_of
+from common.errors import SERVICE_UNAVAILABLE
+from tests.scheduler.harness import EOS, HE, LD, LLO, VOCAB, WOR, Harness, followed, prompt, seqs_of
 
 
 def test_a_long_prompt_is_fed_in_chunks_and_sampled_after_the_last():
@@ -150,7 +153,9 @@ def test_a_missing_sample_fails_the_request():
     assert "no token" in h.failures("r")[0].message
 
 
-def test_a_result_that_does_not_fit_its_step_fails_its_sequences_only():
+def test_a_result_that_does_not_fit_its_step_drops_its_worker():
+    """A worker whose result does not answer its step (broken, or speaking another wire) is dropped: its
+    requests fail as a lost worker's do (retryable), and new ones wait for a worker that works."""
     h = Harness()
     h.worker()
     for rid in ("a", "b"):
@@ -161,20 +166,39 @@ def test_a_result_that_does_not_fit_its_step_fails_its_sequences_only():
     h.core.apply(d, wire.StepResult(step_id=d.step.step_id, tokens=wire.pack_tokens([5, 6]),
                                     logprobs=wire.pack_logprobs([0.0, 0.0])))
     for rid in ("a", "b", "c"):
-        assert "does not fit the step" in h.failures(rid)[0].message
+        (failed,) = h.failures(rid)
+        assert failed.code == SERVICE_UNAVAILABLE and failed.recoverable and failed.recovery_action == "retry"
+        assert "its step result does not fit the step: 2 slots, the step has 3" in failed.message
+    assert h.core.pool.workers == {}
     h.submit("d", prompt(3), 8)
+    assert h.build() == []  # nothing goes to the dropped worker
+    h.worker(b"w2")
     h.cycle()
-    assert len(h.generated("d")) == 1  # the worker is still used
+    assert len(h.generated("d")) == 1
 
 
-def test_top_alternatives_for_a_slot_the_step_does_not_have_fail_its_sequences() -> None:
+@pytest.mark.parametrize("tokens, top, expected", [
+    ([len(VOCAB)], {}, f"sampled token ids [{len(VOCAB)}] outside the vocabulary of {len(VOCAB)}"),
+    ([-7], {}, f"sampled token ids [-7] outside the vocabulary of {len(VOCAB)}"),
+    ([5], {3: [wire.TokenLogprob(5, 0.0)]}, "top alternatives for slots [3] of 1"),
+    ([5], {0: [wire.TokenLogprob(10**6, 0.0)]}, f"top alternatives outside the vocabulary of {len(VOCAB)}"),
+])
+def test_token_ids_the_step_cannot_have_drop_the_worker(tokens, top, expected) -> None:
+    """Sampled tokens past the vocabulary (they came back as empty text, the request a success) or alternatives
+    for slots the step does not have: the worker is broken, its requests fail retryable, other workers go on."""
     h = Harness()
-    h.worker()
+    h.worker(b"bad")
     h.submit("r", prompt(3), 8)
     (d,) = h.build()
-    h.core.apply(d, wire.StepResult(step_id=d.step.step_id, tokens=wire.pack_tokens([5]),
-                                    logprobs=wire.pack_logprobs([0.0]), top={3: [wire.TokenLogprob(5, 0.0)]}))
-    assert "top alternatives for slots [3] of 1" in h.failures("r")[0].message
+    h.worker(b"good")
+    h.submit("other", prompt(3), 8)
+    h.core.apply(d, wire.StepResult(step_id=d.step.step_id, tokens=wire.pack_tokens(tokens),
+                                    logprobs=wire.pack_logprobs([0.0] * len(tokens)), top=top))
+    (failed,) = h.failures("r")
+    assert failed.code == SERVICE_UNAVAILABLE and expected in failed.message
+    assert list(h.core.pool.workers) == [b"good"]
+    h.run({"other": [HE]})
+    assert h.final("other").finish_reason == "length" and h.generated("other")[0] == HE
 
 
 def test_events_of_one_step_go_to_each_gateway_in_one_message():

@@ -1,5 +1,7 @@
 """Workers joining, loading and being lost: what fails, what waits, what is forgotten."""
 
+import pytest
+
 from common import wire
 from common.errors import SERVICE_UNAVAILABLE
 from services.scheduler.requests import State
@@ -133,3 +135,44 @@ def test_a_worker_of_another_wire_version_is_never_used_and_says_why():
     (step,) = h.build()
     assert step.worker == b"new"
     assert [w.identity for w in h.core.pool.ready()] == [b"new"]  # the old one stays unused
+
+
+def _ready(worker_id: str, **facts: object) -> wire.WorkerHello:
+    hello = dict(model="m", vocab_size=64, max_model_len=2048, eos_token_ids=[2], kv_capacity_tokens=4096) | facts
+    return wire.WorkerHello(worker_id=worker_id, stage="ready", wire_version=wire.WIRE_VERSION, **hello)
+
+
+@pytest.mark.parametrize("facts, expected", [
+    ({"vocab_size": 100}, "serves 'm' (vocab_size 100, max_model_len 2048, eos_token_ids [2]), the ready worker "
+                          "'w1' 'm' (vocab_size 64, max_model_len 2048, eos_token_ids [2]): a scheduler's workers "
+                          "serve one model"),
+    ({"model": "other"}, "serves 'other' (vocab_size 64"),
+    ({"max_model_len": 128}, "max_model_len 128"),
+    ({"eos_token_ids": [0]}, "eos_token_ids [0]"),
+])
+def test_a_worker_serving_another_model_is_never_used_and_says_why(facts, expected):
+    """Requests are admitted against the first ready worker's model (its vocabulary, context, EOS): one placed on
+    a worker of another would be misread there. It counts as failed; the first one goes on serving."""
+    h = Harness()
+    h.core.worker_hello(b"w1", _ready("w1"))
+    h.core.worker_hello(b"odd", _ready("odd", **facts))
+    odd = h.core.pool.workers[b"odd"]
+    assert odd.hello.stage == "failed" and expected in odd.hello.message
+    for i in range(3):
+        h.submit(f"r{i}", prompt(3), 4)
+    assert {d.worker for d in h.build()} == {b"w1"}
+    assert h.core.facts().vocab_size == 64
+
+
+@pytest.mark.parametrize("facts", [{"vocab_size": 0}, {"max_model_len": -1}, {"kv_capacity_tokens": 0}])
+def test_a_ready_worker_without_model_facts_is_never_used(facts):
+    """Admission reads the first ready worker's facts: one that announced none would refuse every prompt."""
+    h = Harness()
+    h.core.worker_hello(b"empty", _ready("empty", **facts))
+    assert h.core.facts().worker.stage == "failed" and "each must be > 0" in h.core.facts().worker.message
+    refused = h.submit("r", prompt(3), 4)
+    assert isinstance(refused, wire.Error) and "each must be > 0" in refused.message
+    h.worker(b"w1")
+    assert isinstance(h.submit("r", prompt(3), 4), wire.Queued)
+    (step,) = h.build()
+    assert step.worker == b"w1"
