@@ -149,6 +149,10 @@ class Controllers(BaseModel):
     max_constraints: int = Field(64, ge=1, description="live host constraints one controller instance may hold")
     max_log_bytes: int = Field(64 << 10, ge=1024, description="captured stdout/stderr kept per call")
     max_module_bytes: int = Field(64 << 20, ge=1024, description="largest Wasm module mk_module accepts")
+    max_storage_bytes: int = Field(16 << 20, ge=1024, description="variables (names and values) one request's "
+                                   "controllers may hold, its forks together; a write past it fails that sequence")
+    max_tokenize_bytes: int = Field(256 << 10, ge=1024, description="text one aici_host_tokenize call may take (it "
+                                    "runs on the runtime's thread, which every controlled step waits for)")
     pending_ttl_s: float = Field(600.0, gt=0, description="an instantiated controller never bound to a sequence is dropped after this")
     user_cpu_share: float = Field(0.5, ge=0, description="controller CPU seconds per second one user's controllers may "
                                   "take on average (every call is charged to its user, deadline overruns included; "

@@ -24,9 +24,12 @@ class HostError(Exception):
 
 @dataclass
 class VariableStore:
-    """Versioned variables of one request (ABI.md §4): first write is version 1, each write +1."""
+    """Versioned variables of one request (ABI.md §4): first write is version 1, each write +1. They hold at most
+    ``max_bytes`` (names and values): a write past it is the controller's error."""
 
+    max_bytes: int = 16 << 20
     vars: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    size: int = 0  # bytes held: every variable's name and value
 
     def execute(self, cmd: dict) -> tuple[dict, dict | None]:
         """Run a StorageCmd; returns (StorageResp, the command to log if it wrote)."""
@@ -55,7 +58,12 @@ class VariableStore:
             if current[0] != when:
                 return (_read_resp(current), None)
         version = (current[0] if current else 0) + 1
-        self.vars[name] = (version, (current[1] if current and op == "Append" else b"") + value)
+        new_value = (current[1] if current and op == "Append" else b"") + value
+        size = self.size + len(new_value) - (len(current[1]) if current else -len(name))
+        if size > self.max_bytes:
+            raise HostError(f"WriteVar {name!r}: the request's variables would hold {size} bytes, past the "
+                            f"{self.max_bytes} allowed (controllers.max_storage_bytes)")
+        self.vars[name], self.size = (version, new_value), size
         logged = {"WriteVar": {"name": name, "value": value.hex(), "op": op, "when_version_is": when}}
         return ({"WriteVar": {"version": version}}, logged)
 

@@ -22,7 +22,7 @@ from common.config import Controllers
 from common.errors import INVALID_REQUEST, RATE_LIMITED
 from controllers.native.base import NativeController
 from services.controller_runtime.budget import CpuShare, OpClock, UserBudgets
-from services.controller_runtime.host import RequestState, SeqHost
+from services.controller_runtime.host import RequestState, SeqHost, VariableStore
 from services.controller_runtime.instances import SAMPLE, Instance, NativeInstance, WasmInstance
 from services.controller_runtime.registry import ModuleRegistry, RegistryError
 from services.controller_runtime.tokenizer import TokenizerInfo
@@ -150,7 +150,8 @@ class Runtime:
             raise UserError("instantiate needs a module_id (module id, tag or native:<name>)")
         if refusal := self.budgets.refusal(user, time.monotonic()):
             raise OverBudget(refusal)
-        request = RequestState(req_id, module_arg_bytes(module_arg), user=user)
+        request = RequestState(req_id, module_arg_bytes(module_arg), VariableStore(self.settings.max_storage_bytes),
+                               user=user)
         host = SeqHost(self.tokenizer, request, CAPABILITIES, self.settings.max_log_bytes, self.settings.max_constraints)
         cpu = CpuShare()
         instance: Instance | None = None

@@ -552,7 +552,12 @@ def _define_imports(engine: WasmEngine) -> None:
             memmove(inst.guest_address(dst, n), data, n)
         return len(data)
 
+    max_tokenize = settings.max_tokenize_bytes
+
     def tokenize(inst: WasmController, v) -> int:
+        if (size := v[4] & 0xFFFFFFFF) > max_tokenize:
+            raise HostError(f"{size} bytes to tokenize in one call, past the {max_tokenize} allowed "
+                            "(controllers.max_tokenize_bytes)")
         tokens = tok.tokenize(inst.read(v[0], v[4]))
         inst.blob_tokenize = struct.pack(f"<{len(tokens)}I", *tokens)
         return BLOB_TOKENIZE

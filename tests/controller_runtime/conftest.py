@@ -18,7 +18,7 @@ from services.controller_runtime.runtime import Runtime
 from services.controller_runtime.tokenizer import TokenizerInfo
 from services.controller_runtime.wasm import WasmEngine
 
-LIMITS = Controllers(max_memory_bytes=4 << 20, mid_deadline_ms=100.0)
+LIMITS = Controllers(max_memory_bytes=4 << 20, mid_deadline_ms=100.0, max_tokenize_bytes=4096)
 
 
 @pytest.fixture(scope="session")

@@ -40,6 +40,8 @@ def test_callbacks_and_all_ones_mask(runtime, tokenizer):
     ("(call $ret_bias (i32.const 131000))", "outside its memory"),
     ("(drop (call $read_blob (i32.const 4) (i32.const 131070) (i32.const 100)))", "outside its memory"),
     ("(drop (call $read_blob (i32.const 77) (i32.const 0) (i32.const 0)))", "unknown blob id 77"),
+    # text past max_tokenize_bytes (4096 here) would hold the runtime's thread, and every controlled step, meanwhile
+    ("(drop (call $tokenize (i32.const 0) (i32.const 8192)))", "8192 bytes to tokenize in one call, past the 4096"),
     # 2**30 tokens are 2**32 bytes: the length wrapped to 0 (2**30 + 1 tokens to one), and the commit went on
     ("(drop (call $c_commit (i32.const 99) (i32.const 0) (i32.const 1073741824)))",
      "tiller_constraint_commit: guest pointer 0+4294967296 is outside its memory"),
@@ -280,6 +282,21 @@ def test_variable_store_versions():
     for bad in ({"Nope": {"name": "x"}}, {"WriteVar": {"name": "x", "value": "zz"}}, [], {"ReadVar": {}}):
         with pytest.raises(HostError):
             store.execute(bad)
+
+
+def test_variable_store_holds_at_most_max_bytes():
+    """A request's variables (names and values) are bounded (controllers.max_storage_bytes): a module appending
+    to a variable every step grew the runtime without end."""
+    store = VariableStore(max_bytes=10)
+    assert store.execute({"WriteVar": {"name": "x", "value": "00" * 5}})[0] == {"WriteVar": {"version": 1}}
+    assert store.execute({"WriteVar": {"name": "x", "value": "00" * 4, "op": "Append"}})[0] == {"WriteVar": {"version": 2}}
+    with pytest.raises(HostError, match="would hold 11 bytes, past the 10 allowed"):
+        store.execute({"WriteVar": {"name": "x", "value": "00", "op": "Append"}})
+    with pytest.raises(HostError, match="would hold 12 bytes"):  # its name counts
+        store.execute({"WriteVar": {"name": "y", "value": "00"}})
+    assert store.execute({"ReadVar": {"name": "x"}})[0] == {"ReadVar": {"version": 2, "value": "00" * 9}}
+    store.execute({"WriteVar": {"name": "x", "value": "00"}})  # a smaller value frees the rest
+    assert store.execute({"WriteVar": {"name": "y", "value": "00" * 7}})[0] == {"WriteVar": {"version": 1}}
 
 
 REGEX = r"(yes|no|maybe) [0-9]+"
