@@ -121,6 +121,9 @@ class LoopReader:
             self._loop.remove_reader(self._fd)
 
 
+MAX_MESSAGE_BYTES = 256 << 20  # a bound socket drops a peer whose message is larger (ZeroMQ's MAXMSGSIZE)
+
+
 class Router:
     """A bound ROUTER socket: receive validated messages from many peers, reply to any of them."""
 
@@ -129,7 +132,7 @@ class Router:
         ctx: zmq.asyncio.Context,
         endpoint: str,
         *,
-        max_msg_bytes: int = 256 << 20,
+        max_msg_bytes: int = MAX_MESSAGE_BYTES,
         heartbeat_s: tuple[float, float] | None = None,
     ) -> None:
         """``heartbeat_s``: (interval, timeout) of ZeroMQ heartbeats on every peer's connection."""

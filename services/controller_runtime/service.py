@@ -26,7 +26,7 @@ from common.config import Settings
 from common.errors import WireError
 from common.incarnation import process_incarnation
 from common.model_source import resolve_model
-from common.sockets import LoopReader, bind, copy_flag
+from common.sockets import MAX_MESSAGE_BYTES, LoopReader, bind, copy_flag
 from controllers.native import load_native_controllers
 from services.controller_runtime.registry import ModuleRegistry, RegistryError
 from services.controller_runtime.runtime import Runtime, UserError
@@ -58,6 +58,7 @@ class ControllerRuntime:
     def _bind(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         bind(sock, endpoint)
         return sock
 

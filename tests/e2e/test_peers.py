@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 
 from common import aici_wire, wire
-from common.sockets import Dealer, probe_health
+from common.sockets import MAX_MESSAGE_BYTES, Dealer, probe_health
 
 pytestmark = pytest.mark.asyncio
 
@@ -117,6 +117,27 @@ async def test_controller_runtime_side_channel_bad_input(stack):
     assert reply["type"] == "error" and "malformed side-channel request: maximum recursion depth" in reply["error"]
     reply = msgspec.msgpack.decode((await raw_request(endpoint, aici_wire.encode({"$rid": "r3", "op": "get_tags"})))[0])
     assert reply["type"] == "ok" and reply["$rid"] == "r3"
+
+
+@pytest.mark.parametrize("endpoint_name, service", [("controller_main", "controller_runtime"),
+                                                    ("controller_side", "controller_runtime"),
+                                                    ("scheduler", "scheduler")])
+async def test_a_message_past_the_size_limit_drops_its_peer_and_the_service_goes_on(stack, endpoint_name, service):
+    """Every bound socket drops a peer whose message is larger than MAX_MESSAGE_BYTES, unread (the controller
+    runtime's took it whole, and answered it)."""
+    endpoint = stack.settings.endpoint(endpoint_name)
+    pid = stack.pid(service)
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        await sock.send(bytes(MAX_MESSAGE_BYTES + 1))
+        assert not await sock.poll(3000), "a message past the limit was read and answered"
+    finally:
+        sock.close(0)
+    ping = aici_wire.encode({"$rid": "r", "op": "get_tags"} if endpoint_name == "controller_side" else {"op": "ping"})
+    reply = (await raw_request(endpoint, wire.encode(wire.Health()) if service == "scheduler" else ping))[0]
+    assert reply and stack.pid(service) == pid
 
 
 @pytest.mark.parametrize("service", ["scheduler", "session_store"])
