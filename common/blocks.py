@@ -17,6 +17,12 @@ BLOCK_SIZE = 16  # tokens per block
 ROOT_HASH = b""  # the parent name of a sequence's first block
 
 
+def whole_blocks(tokens: int) -> int:
+    """``tokens`` rounded up to whole blocks: the KV a sequence of that many tokens takes, since a worker
+    gives each sequence blocks of its own (its last one partly empty). The scheduler reserves KV so."""
+    return -(-tokens // BLOCK_SIZE) * BLOCK_SIZE
+
+
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The name of a full block: a 128-bit BLAKE2b digest of its parent's name and its token ids."""
     return _name(parent, array("q", tokens).tobytes())

@@ -62,6 +62,12 @@ class Stack:
     def restart(self, service: str) -> None:
         self._supervisorctl("restart", f"tiller:{service}")
 
+    def stop(self, service: str) -> None:
+        self._supervisorctl("stop", f"tiller:{service}")
+
+    def start(self, service: str) -> None:
+        self._supervisorctl("start", f"tiller:{service}")
+
     def scheduler_health(self) -> dict[str, Any]:
         async def probe() -> dict[str, Any]:
             reply = await probe_health(self.settings.endpoint("scheduler"), timeout=5.0)

@@ -8,6 +8,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from common import wire
+from common.blocks import whole_blocks
 from common.textstream import TextStream
 
 
@@ -112,8 +113,9 @@ class LiveRequest:
 
     @property
     def needed_tokens(self) -> int:
-        """KV the request may grow to: reserved at admission so a burst queues instead of overflowing."""
-        return len(self.prompt) + self.submit.max_tokens
+        """KV the request may grow to, in whole blocks (as the worker allocates it): reserved at admission so
+        a burst queues instead of overflowing."""
+        return whole_blocks(len(self.prompt) + self.submit.max_tokens)
 
     def next_chunk(self, chunk: int) -> tuple[list[int], bool]:
         """The prompt tokens to feed this step (at most ``chunk``) and whether to sample after them."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from common import wire
+from common.blocks import whole_blocks
 from common.config import Sessions
 from services.scheduler.requests import LiveRequest
 from services.scheduler.workers import WorkerInfo, WorkerPool
@@ -47,6 +48,11 @@ class Parked:
     def size(self) -> int:
         """Tokens the sequence holds."""
         return len(self.packed) // 4
+
+    @property
+    def reserved(self) -> int:
+        """The KV it takes on its worker: its tokens in whole blocks."""
+        return whole_blocks(self.size)
 
     def tokens(self) -> array:
         """The tokens the sequence holds, as a new token array."""
@@ -163,13 +169,13 @@ class SessionKV:
         common = same_images_prefix(base.images, request.submit.images, common)
         if common <= 0 and not own:
             return None
-        released = base.size if own else 0
+        released = base.reserved if own else 0
         while worker.capacity - worker.reserved_tokens + released < needed:
             if not self._evict_lru(exclude=self.pinned | {base.seq_id}, worker=base.worker):
                 return None
         if own:
             self._unpark(base)
-            worker.reserved_tokens -= base.size
+            worker.reserved_tokens -= base.reserved
             return Placement(worker, seq_id=base.seq_id, backtrack=base.size - common, start=common,
                              held=base.tokens())
         self.pinned.add(base.seq_id)
@@ -198,7 +204,7 @@ class SessionKV:
                                                self.clock(), images)
         self._parked_on.setdefault(worker.identity, OrderedDict())[ref.key] = parked
         self._held[worker.identity] += len(tokens)
-        worker.reserved_tokens += len(tokens)
+        worker.reserved_tokens += parked.reserved
         limit = int(worker.capacity * self.config.kv_parked_fraction)
         while self.held_tokens(worker.identity) > limit:
             if not self._evict_lru(exclude=self.pinned | {request.seq_id}, worker=worker.identity):
@@ -214,7 +220,7 @@ class SessionKV:
                 self._unpark(parked)
                 worker = self.pool.workers.get(parked.worker)
                 if worker is not None:
-                    worker.reserved_tokens -= parked.size
+                    worker.reserved_tokens -= parked.reserved
                 return
 
     def expire(self) -> None:
@@ -248,7 +254,7 @@ class SessionKV:
         self._unpark(parked)
         worker = self.pool.workers.get(parked.worker)
         if worker is not None:
-            worker.reserved_tokens -= parked.size
+            worker.reserved_tokens -= parked.reserved
             self._free(parked.worker, parked.seq_id)
         log.debug("sessions.evicted", session=parked.key, tokens=parked.size)
 

@@ -481,6 +481,81 @@ async def test_sessions_survive_session_store_and_worker_restarts(stack, stub, m
     assert await dump(stub, session) == history + more + second.decoded
 
 
+async def test_a_turn_lost_with_its_worker_says_where_the_session_now_stands(stack, stub, model_name,
+                                                                           hf_greedy) -> None:
+    """kill -9 of the worker mid-turn: the call ends UNAVAILABLE (retry) and names the session's new length, since
+    the session kept the appended tokens and the decoded ones sent (a verbatim retry would be FAILED_PRECONDITION);
+    the next turn from there, once a worker is back, equals transformers on the session's tokens."""
+    session = await open_session(stub, model_name)
+    prompt = encode(stack, "Count from one to one hundred: one, two, three, four,")
+    call = stub.Generate(pb.GenerateRequest(session_id=session, append_tokens=prompt, offset=0, max_tokens=400,
+                                            top_k=1), timeout=RPC_TIMEOUT_S)
+    seen = await first_decoded(call, 2)
+    await asyncio.to_thread(stack.kill, "worker")
+
+    async def rest() -> None:
+        async for _ in call:
+            pass
+
+    code, details = await status_of(rest())
+    assert code == grpc.StatusCode.UNAVAILABLE and "retry" in details, details
+    tokens = await dump(stub, session)
+    assert f"it now holds {len(tokens)} tokens (offset {len(tokens)})" in details, (details, len(tokens))
+    decoded = tokens[len(prompt):]
+    assert tokens[: len(prompt)] == prompt and decoded[: len(seen)] == seen
+    assert decoded == hf_greedy(prompt, len(decoded))
+
+    more = encode(stack, " The end.")
+    after = None
+
+    async def next_turn() -> bool:
+        nonlocal after
+        current = await dump(stub, session)  # a try that failed after it began kept `more`: go on from there
+        assert current in (tokens, tokens + more), current
+        try:
+            after = await generate(stub, session_id=session, append_tokens=more[len(current) - len(tokens):],
+                                   offset=len(current), max_tokens=4, **greedy())
+            return True
+        except grpc.aio.AioRpcError as exc:  # while the worker reloads
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+            return False
+
+    await wait_for(next_turn, 180, "a new worker")
+    assert after.decoded == hf_greedy(tokens + more, 4)
+    assert await dump(stub, session) == tokens + more + after.decoded
+
+
+async def test_a_turn_refused_while_the_session_store_is_down_leaves_no_trace(stack, stub, model_name,
+                                                                            hf_greedy) -> None:
+    """A Generate that gave up on the stopped session store (UNAVAILABLE, "retry shortly") is never delivered to
+    it once it is back: the session holds what it held and is not busy, so the same call retried just works."""
+    session = await open_session(stub, model_name)
+    prompt = encode(stack, "The lighthouse keeper wrote in his log")
+    first = await generate(stub, session_id=session, append_tokens=prompt, offset=0, max_tokens=3, **greedy())
+    history = prompt + first.decoded
+    more = stack.tokenizer.encode(" Then", add_special_tokens=False)
+    call = dict(session_id=session, append_tokens=more, offset=len(history), max_tokens=3, **greedy())
+    await asyncio.to_thread(stack.stop, "session_store")
+    try:
+        code, details = await status_of(generate(stub, **call))
+        assert code == grpc.StatusCode.UNAVAILABLE and "retry" in details, details
+    finally:
+        await asyncio.to_thread(stack.start, "session_store")
+
+    async def dumped() -> list[int] | None:
+        try:
+            return await dump(stub, session)
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+            return None
+
+    await wait_for(dumped, 60, "the session store to come back")
+    assert await dump(stub, session) == history  # the refused call committed nothing
+    retried = await generate(stub, **call)  # and holds no lease: not ABORTED
+    assert retried.decoded == hf_greedy(history + more, 3)
+    assert await dump(stub, session) == history + more + retried.decoded
+
+
 async def test_scoring_across_prefill_chunks(stack, stub, model_name, hf_model) -> None:
     chunk = stack.settings.limits.prefill_chunk_tokens
     text = " ".join(f"Line {i}: the tide came in and went out again." for i in range(chunk // 8))

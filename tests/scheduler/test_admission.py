@@ -15,7 +15,7 @@ def test_a_request_is_queued_then_admitted_onto_the_worker():
     steps = h.build()
     assert [d.worker for d in steps] == [b"w1"]
     assert h.core.requests["r1"].state is State.RUNNING
-    assert h.core.pool.workers[b"w1"].reserved_tokens == 5 + 16
+    assert h.core.pool.workers[b"w1"].reserved_tokens == 32  # 5 + 16 tokens, in whole 16-token blocks
 
 
 def test_refusals_name_the_problem_and_change_nothing():
@@ -71,14 +71,27 @@ def test_the_kv_budget_admits_what_fits_and_queues_the_rest():
     h = Harness()
     h.worker(capacity=100)
     for rid in ("a", "b", "c"):
-        h.submit(rid, prompt(10), 30)  # 40 tokens each
+        h.submit(rid, prompt(10), 30)  # 40 tokens each: 48 in whole blocks
     steps = h.build()
     assert seqs_of(steps, "a") and seqs_of(steps, "b") and not seqs_of(steps, "c")
     assert h.core.requests["c"].state is State.QUEUED
     h.core.control(b"gw", wire.Cancel(rid="a"))
-    assert h.core.pool.workers[b"w1"].reserved_tokens == 40
+    assert h.core.pool.workers[b"w1"].reserved_tokens == 48
     h.core.admit()
     assert h.core.requests["c"].state is State.RUNNING
+
+
+def test_kv_is_reserved_in_whole_blocks_as_the_worker_allocates_it():
+    """Three sequences of 17 tokens fit a 64-token pool counted in tokens (51), but take two 16-token blocks
+    each on the worker (6 blocks of its 4): the third waits, rather than fail the worker's step with its pool
+    exhausted."""
+    h = Harness()
+    h.worker(capacity=64)
+    for rid in ("a", "b", "c"):
+        h.submit(rid, prompt(10), 7)
+    steps = h.build()
+    assert seqs_of(steps, "a") and seqs_of(steps, "b") and not seqs_of(steps, "c")
+    assert h.core.pool.workers[b"w1"].reserved_tokens == 64
 
 
 def test_max_tokens_beyond_the_context_is_refused_not_cut():
@@ -148,7 +161,7 @@ def test_the_placement_policy_picks_the_worker_of_a_new_sequence():
     h.worker(b"w2")
     h.submit("r", prompt(4), 6)
     steps = h.build()
-    assert calls == [("r", 10, [b"w1", b"w2"])]
+    assert calls == [("r", 16, [b"w1", b"w2"])]  # 10 tokens, in whole blocks
     assert [d.worker for d in steps] == [b"w2"] and h.core.requests["r"].worker == b"w2"
 
 

@@ -21,7 +21,7 @@ def test_a_finished_turn_parks_its_sequence_instead_of_freeing_it():
     facts = h.core.facts()
     assert (facts.parked_sessions, facts.parked_tokens) == (1, 6)  # the last token was never fed
     assert all(not d.step.free for d in h.build())
-    assert h.core.pool.workers[b"w1"].reserved_tokens == 6
+    assert h.core.pool.workers[b"w1"].reserved_tokens == 16  # its 6 tokens' whole block
 
 
 def test_the_next_turn_continues_the_parked_sequence():
@@ -129,14 +129,14 @@ def test_a_session_over_its_kv_budget_is_not_kept():
 
 def test_a_live_request_evicts_idle_sessions_when_it_needs_the_room():
     h = Harness()
-    h.worker(capacity=60)
+    h.worker(capacity=70)
     turn(h, "t1", prompt(10), key="s1")
     turn(h, "t2", prompt(10, start=20), key="s2")
-    assert h.core.pool.workers[b"w1"].reserved_tokens == 22
-    h.submit("big", prompt(10), 30)  # 40 tokens of the 38 unreserved: the least recently parked session goes
+    assert h.core.pool.workers[b"w1"].reserved_tokens == 32  # 11 tokens each, in whole 16-token blocks
+    h.submit("big", prompt(10), 30)  # 48 (40 tokens) of the 38 unreserved: the least recently parked session goes
     h.build()
     assert list(h.core.sessions.parked) == ["s2"]
-    assert h.core.requests["big"].worker == b"w1" and h.core.pool.workers[b"w1"].reserved_tokens == 51
+    assert h.core.requests["big"].worker == b"w1" and h.core.pool.workers[b"w1"].reserved_tokens == 64
 
 
 def test_idle_sessions_hold_at_most_their_share_of_the_pool():

@@ -109,7 +109,7 @@ def test_health_figures_count_queued_running_paused_and_reserved_kv():
     h.core.control(b"gw", wire.Pause(rid="a"))
     facts = h.core.facts()
     assert (facts.queued, facts.running, facts.paused) == (1, 1, 1)
-    assert (facts.kv_capacity_tokens, facts.kv_reserved_tokens) == (100, 10)
+    assert (facts.kv_capacity_tokens, facts.kv_reserved_tokens) == (100, 16)  # 10 tokens, in whole blocks
     assert facts.worker.stage == "ready" and facts.max_model_len == 2048 and facts.eos_token_ids == [2]
 
 

@@ -33,7 +33,10 @@ class SessionStoreClient:
     KV it keeps for the session between turns can go."""
 
     def __init__(self, settings: Settings, ctx: zmq.asyncio.Context) -> None:
-        self._dealer = Dealer(ctx, settings.endpoint("session_store"))
+        # immediate: a call that timed out (UNAVAILABLE to the client) while the store was down is never
+        # delivered to the restarted store; else a Generate told to retry would still commit its tokens
+        # and hold the session busy later, for no turn
+        self._dealer = Dealer(ctx, settings.endpoint("session_store"), immediate=True)
         self._scheduler = Dealer(ctx, settings.endpoint("scheduler"))
 
     def close(self) -> None:

@@ -126,6 +126,7 @@ class Turn:
         started = time.monotonic()
         session = await self.store.begin(self._begin(max_len, new_images))
         self._admission.record(prompt=self._admission.written_tokens(session.tokens), params=self._params())
+        ended = False
         try:
             if length == 0:  # nothing to prefill: a no-op call (it refreshed the TTL)
                 self.outcome = "length"
@@ -134,8 +135,16 @@ class Turn:
             with self.gw.store.holdings.lease(session.session_id):  # renewed while the turn runs
                 async for event in self._stream(session, outputs, sampling, length):
                     yield event
+        except Abort as exc:  # the session kept the call's tokens: say where it stands now, for the retry
+            ended = True
+            if await self._end(session):
+                held = length + len(self.sent)
+                exc.message = (f"{exc.message}; the session kept the tokens this call appended and the "
+                               f"{len(self.sent)} decoded tokens sent: it now holds {held} tokens (offset {held})")
+            raise
         finally:
-            await self._end(session)
+            if not ended:
+                await self._end(session)
             log.info("salience.generate_end", prompt_tokens=length, completion_tokens=len(self.sent),
                      cached_tokens=self.cached_tokens, total_ms=round((time.monotonic() - started) * 1000, 1))
 
@@ -378,8 +387,9 @@ class Turn:
         return Done(prompt_tokens=length, completion_tokens=completion, total_tokens=length + completion,
                     finish_reason=reason)
 
-    async def _end(self, session: wire.SalienceSession) -> None:
-        """Release the lease with the decoded tokens sent, even while the call is being cancelled."""
+    async def _end(self, session: wire.SalienceSession) -> bool:
+        """Release the lease with the decoded tokens sent, even while the call is being cancelled;
+        False: the store did not take them."""
         task = asyncio.ensure_future(self.store.end(session.session_id, session.lease, list(self.sent)))
         try:
             await asyncio.shield(task)
@@ -387,3 +397,5 @@ class Turn:
             await task
         except Exception as exc:  # the lease expired, or the store is gone: the turn's tokens are lost
             log.warning("salience.end_failed", error=str(exc))
+            return False
+        return True
