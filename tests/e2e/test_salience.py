@@ -18,6 +18,7 @@ import torch
 
 from common.protos.salience.v1 import salience_pb2 as pb
 from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
+from common.sockets import probe_health
 from services.gateway.salience.service import CACHED_TOKENS_TRAILER
 from tests.gateway.support import wait_for
 
@@ -570,3 +571,23 @@ async def test_scoring_across_prefill_chunks(stack, stub, model_name, hf_model) 
     for token in scored.tokens:
         assert token.has_sampled_logprob and token.readout
         assert token.sampled_logprob == pytest.approx(logprobs[token.position - 1, token.id].item(), abs=2e-3)
+
+
+async def test_close_session_answers_while_the_scheduler_is_down(stack, stub, model_name) -> None:
+    """CloseSession answers once the session store closed the session; the word to the scheduler that its parked KV
+    may go does not hold it up (with the scheduler stopped it answered after the store's 10 s timeout, so a client
+    with a shorter deadline saw DEADLINE_EXCEEDED for a session that was closed)."""
+    session = await open_session(stub, model_name)
+    await asyncio.to_thread(stack.stop, "scheduler")
+    try:
+        await stub.CloseSession(pb.CloseSessionRequest(session_id=session), timeout=3)
+        code, _ = await status_of(dump(stub, session))
+        assert code == grpc.StatusCode.NOT_FOUND
+    finally:
+        await asyncio.to_thread(stack.start, "scheduler")
+
+    async def serving() -> bool:
+        reply = await probe_health(stack.settings.endpoint("scheduler"), timeout=2.0)
+        return reply is not None and reply.ready
+
+    await wait_for(serving, 60, "the scheduler to serve again")

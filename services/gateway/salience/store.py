@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
+import structlog
 import zmq.asyncio
 
 from common import wire
 from common.config import Settings
 from common.sockets import Dealer
+
+log = structlog.get_logger()
 
 STORE_TIMEOUT_S = 10.0
 
@@ -38,6 +43,7 @@ class SessionStoreClient:
         # and hold the session busy later, for no turn
         self._dealer = Dealer(ctx, settings.endpoint("session_store"), immediate=True)
         self._scheduler = Dealer(ctx, settings.endpoint("scheduler"))
+        self._drops: set[asyncio.Task[None]] = set()  # SessionDrops on their way (nobody waits for them)
 
     def close(self) -> None:
         self._dealer.close()
@@ -64,11 +70,19 @@ class SessionStoreClient:
         return await self._session(wire.SalienceOpen(model=model))
 
     async def close_session(self, session_id: str) -> None:
+        """Close the session in the store, then tell the scheduler its parked KV may go, without waiting for that:
+        the session is closed once the store says so (a stopped scheduler held CloseSession for the store's
+        timeout, past a client's shorter deadline)."""
         await self._call(wire.SalienceClose(session_id=session_id))
+        drop = asyncio.ensure_future(self._drop(session_id))
+        self._drops.add(drop)
+        drop.add_done_callback(self._drops.discard)
+
+    async def _drop(self, session_id: str) -> None:
         try:  # best effort: a scheduler that does not answer lets the KV go after the TTL
             await self._scheduler.request(wire.SessionDrop(key=session_id), timeout=STORE_TIMEOUT_S)
         except TimeoutError:
-            pass
+            log.info("salience.session_drop_unanswered", session_id=session_id)
 
     async def fork(self, session_id: str, at_position: int) -> wire.SalienceSession:
         return await self._session(wire.SalienceFork(session_id=session_id, at_position=at_position))
