@@ -190,6 +190,18 @@ Choices = Annotated[list[str], Field(min_length=1)]
 JsonSchema = dict[str, Any] | Annotated[str, Field(min_length=1)]  # an object, or its JSON text (as vLLM takes it)
 
 
+def _constraint_of(json_schema: JsonSchema | None, regex: str | None,
+                   choice: list[str] | None) -> dict[str, Any] | None:
+    """The JSON controller's constraint for the one of a schema, a regex or a choice of strings that is given."""
+    if json_schema is not None:
+        return {"json_schema": json_schema}
+    if regex is not None:
+        return {"regex": regex}
+    if choice is not None:
+        return {"regex": _choice_regex(choice)}
+    return None
+
+
 class StructuredOutputs(NullIsLeftOut):
     """vLLM's ``structured_outputs``: exactly one constraint of ``json`` (a JSON schema), ``regex``, ``choice`` or
     ``json_object``, run under the JSON controller as a ``response_format`` is."""
@@ -216,13 +228,7 @@ class StructuredOutputs(NullIsLeftOut):
         return self
 
     def constraint(self) -> dict[str, Any]:
-        if self.json_schema is not None:
-            return {"json_schema": self.json_schema}
-        if self.regex is not None:
-            return {"regex": self.regex}
-        if self.choice is not None:
-            return {"regex": _choice_regex(self.choice)}
-        return {"json_schema": {"type": "object"}}
+        return _constraint_of(self.json_schema, self.regex, self.choice) or {"json_schema": {"type": "object"}}
 
 
 class _OpenAIRequest(NullIsLeftOut, LimitChecks):
@@ -334,13 +340,7 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
             return {"json_schema": schema}
         if self.structured_outputs is not None:
             return self.structured_outputs.constraint()
-        if self.guided_json is not None:
-            return {"json_schema": self.guided_json}
-        if self.guided_regex is not None:
-            return {"regex": self.guided_regex}
-        if self.guided_choice is not None:
-            return {"regex": _choice_regex(self.guided_choice)}
-        return None
+        return _constraint_of(self.guided_json, self.guided_regex, self.guided_choice)
 
     def _constraint(self) -> dict[str, Any] | None:
         """The JSON controller's constraint on the output, if the output has one."""

@@ -91,6 +91,19 @@ async def dump(stub, session_id: str) -> list[int]:
     return list((await stub.DumpSession(pb.DumpSessionRequest(session_id=session_id))).tokens)
 
 
+async def dump_once_the_store_is_back(stub, session_id: str) -> list[int]:
+    """DumpSession once the session store answers again (UNAVAILABLE until then)."""
+    async def dumped() -> list[int] | None:
+        try:
+            return await dump(stub, session_id)
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+            return None
+
+    await wait_for(dumped, 60, "the session store to come back")
+    return await dump(stub, session_id)
+
+
 def encode(stack, text: str) -> list[int]:
     return stack.tokenizer.encode(text)
 
@@ -457,16 +470,7 @@ async def test_sessions_survive_session_store_and_worker_restarts(stack, stub, m
     history = prompt + first.decoded
 
     stack.restart("session_store")
-
-    async def dumped() -> list[int] | None:
-        try:
-            return await dump(stub, session)
-        except grpc.aio.AioRpcError as exc:
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
-            return None
-
-    await wait_for(dumped, 60, "the session store to come back")
-    assert await dump(stub, session) == history
+    assert await dump_once_the_store_is_back(stub, session) == history
 
     assert (await asyncio.to_thread(stack.scheduler_health))["parked_sessions"] > 0
     stack.restart("worker")  # the session's parked KV goes with it: the next turn recomputes it
@@ -543,15 +547,7 @@ async def test_a_turn_refused_while_the_session_store_is_down_leaves_no_trace(st
     finally:
         await asyncio.to_thread(stack.start, "session_store")
 
-    async def dumped() -> list[int] | None:
-        try:
-            return await dump(stub, session)
-        except grpc.aio.AioRpcError as exc:
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
-            return None
-
-    await wait_for(dumped, 60, "the session store to come back")
-    assert await dump(stub, session) == history  # the refused call committed nothing
+    assert await dump_once_the_store_is_back(stub, session) == history  # the refused call committed nothing
     retried = await generate(stub, **call)  # and holds no lease: not ABORTED
     assert retried.decoded == hf_greedy(history + more, 3)
     assert await dump(stub, session) == history + more + retried.decoded
