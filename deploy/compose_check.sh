@@ -12,7 +12,8 @@
 #
 # (--iptables=false and vfs: machines where the engine may not change the firewall or mount overlays.
 # Builds then use the host's network; containers talk over the compose network, the host reaches them
-# through published ports.) Without a registry the base image is made here from Debian with debootstrap.
+# through published ports.) Without a registry the base image is made from Debian with debootstrap
+# (deploy/prepare_images.sh, which this script runs first).
 #
 # Environment: KILL (the service killed, default worker), TILLER_HTTP_PORT_HOST / TILLER_GRPC_PORT_HOST
 # (default: free ports), PY (python with the clients, default .venv/bin/python), BASE_IMAGE (default
@@ -43,27 +44,8 @@ docker info >/dev/null 2>&1 || { echo "no Docker engine answers (see the top of 
 step "compose file"
 "${compose[@]}" config -q && echo "valid"
 
-if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
-  step "base image $BASE_IMAGE (debootstrap --variant=minbase bookworm + docker import)"
-  rootfs=$(mktemp -d)
-  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$rootfs" \
-    http://deb.debian.org/debian >/dev/null
-  tar -C "$rootfs" -c . | docker import - "$BASE_IMAGE"
-  rm -rf "$rootfs"
-fi
-
-step "pip source image (what pip on this host installs torch from; see deploy/Dockerfile)"
-pipdir=$(mktemp -d)
-mkdir -p "$pipdir/wheels"
-links=${PIP_FIND_LINKS:-$("$PY" -m pip config get global.find-links 2>/dev/null || true)}
-for dir in $links; do
-  if [ -d "$dir" ]; then cp -l "$dir"/*.whl "$pipdir/wheels/" 2>/dev/null || cp "$dir"/*.whl "$pipdir/wheels/" || true; fi
-done
-cert=${PIP_CERT:-$("$PY" -m pip config get global.cert 2>/dev/null || true)}
-if [ -f "$cert" ]; then cp "$cert" "$pipdir/cert.pem"; fi
-echo "wheels: $(ls "$pipdir/wheels" | tr '\n' ' ')  CA bundle: ${cert:-none}"
-tar -C "$pipdir" -c . | docker import - "$PIP_SOURCE_IMAGE" >/dev/null
-rm -rf "$pipdir"
+step "base and pip-source images (deploy/prepare_images.sh)"
+PY="$PY" deploy/prepare_images.sh
 
 teardown() {
   if [ "${KEEP:-0}" = 1 ]; then echo "KEEP=1: the stack stays up (${compose[*]} down -v)"; return; fi
