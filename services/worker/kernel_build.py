@@ -4,8 +4,9 @@ The library is compiled once per machine into ``<cache_dir>/kernels/``, named by
 its code depends on: the source, torch's version, the compiler's version and flags, and the CPU's
 feature flags (``-march=native`` compiles for this CPU; a cache shared with another CPU builds
 again). The first build takes about 20 s (the torch headers), later starts load it in milliseconds.
-A compile runs into a temporary file renamed into place, so two workers starting at once each load a
-whole library. Anything that goes wrong (no compiler, a CPU without AVX-512 or AVX2, a failed build or load)
+A compile runs into a temporary file renamed into place, under a lock in the cache: a worker starting
+beside one that builds (two containers on a shared cache volume) waits for that build and loads its library
+instead of compiling the same one again. Anything that goes wrong (no compiler, a CPU without AVX-512 or AVX2, a failed build or load)
 is logged with the reason and reported as ``False``: the caller serves another kernel instead.
 
 ``python -m services.worker.kernel_build`` builds it ahead of the first start (``make install``).
@@ -13,6 +14,7 @@ is logged with the reason and reported as ``False``: the caller serves another k
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -86,6 +88,21 @@ def _compile(compiler: str, target: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _build_once(compiler: str, path: Path) -> None:
+    """Compile the library at ``path`` unless another process did while this one waited for the cache's build lock."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():  # built meanwhile
+            return
+        started = time.monotonic()
+        _compile(compiler, path)
+        log.info("worker.kernel_built", path=str(path), seconds=round(time.monotonic() - started, 1))
+        for other in path.parent.glob("gguf_kernel-*.so"):  # older source, torch or CPU: never loaded again
+            if other != path:
+                other.unlink(missing_ok=True)
+
+
 def load(cache_dir: Path) -> bool:
     """Whether ``torch.ops.tiller_gguf.linear`` is there, building the library first if needed."""
     if cache_dir in _loaded:
@@ -103,12 +120,7 @@ def load(cache_dir: Path) -> bool:
                                    "is written in")
         path = library_path(cache_dir, compiler)
         if not path.is_file():
-            started = time.monotonic()
-            _compile(compiler, path)
-            log.info("worker.kernel_built", path=str(path), seconds=round(time.monotonic() - started, 1))
-            for other in path.parent.glob("gguf_kernel-*.so"):  # older source, torch or CPU: never loaded again
-                if other != path:
-                    other.unlink(missing_ok=True)
+            _build_once(compiler, path)
         torch.ops.load_library(str(path))
         ok = True
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:

@@ -14,6 +14,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,3 +120,29 @@ def test_no_compiler_or_no_vector_unit_means_no_kernel_and_a_logged_reason(tmp_p
     logged = [json.loads(line) if line.startswith("{") else line for line in (done.stdout + done.stderr).splitlines()]
     assert any("worker.kernel_unavailable" in str(e) and reason in str(e) for e in logged), logged
     assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").glob("*.so"))
+
+
+def test_workers_starting_together_compile_the_kernel_once(tmp_path, monkeypatch) -> None:
+    """Two workers on one cache (containers sharing a volume) that find no library: one compiles it, the other
+    waits for the cache's build lock and then finds it built (both compiled it, each for a minute, on a loaded
+    machine)."""
+    from services.worker import kernel_build
+
+    compiled: list[Path] = []
+
+    def slow_compile(compiler: str, target: Path) -> None:
+        compiled.append(target)
+        time.sleep(0.3)
+        target.write_bytes(b"library")
+
+    monkeypatch.setattr(kernel_build, "_compile", slow_compile)
+    path = tmp_path / "kernels" / "gguf_kernel-0123456789abcdef.so"
+    (tmp_path / "kernels").mkdir()
+    stale = tmp_path / "kernels" / "gguf_kernel-fedcba9876543210.so"
+    stale.write_bytes(b"old")
+    workers = [threading.Thread(target=kernel_build._build_once, args=("g++", path)) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert compiled == [path] and path.read_bytes() == b"library" and not stale.exists()
