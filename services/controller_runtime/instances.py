@@ -11,6 +11,7 @@ import msgspec
 
 from common import aici_wire
 from common.config import Controllers
+from common.wire import DECODE_ERRORS
 from controllers.native.base import FF_MIN, NativeController
 from services.controller_runtime.budget import CpuShare, OpClock
 from services.controller_runtime.host import HostError, SeqHost
@@ -36,9 +37,6 @@ SAMPLE = _mid_decoder.decode(b'{"SampleWithBias":{}}')
 CONTINUE, STOPPED = _post_decoder.decode(b'{"stop":false}'), _post_decoder.decode(b'{"stop":true}')
 PRE_STOPPED = aici_wire.PreProcessResult(num_forks=0)
 _SAMPLE_DICT = {"SampleWithBias": {}}
-# What decoding a result may raise besides its errors: RecursionError for JSON nested past the decoder's depth (a
-# SampleWithBias holding 2000 nested lists failed the whole main-channel call, every user's sequences in it)
-INVALID = (msgspec.ValidationError, msgspec.DecodeError, RecursionError)
 
 
 def _native_mid(value: Any) -> aici_wire.MidProcessResult:
@@ -57,18 +55,20 @@ def _check_mid(result: aici_wire.MidProcessResult, host: SeqHost) -> aici_wire.M
             raise ControllerError("mid_process result must have exactly one of SampleWithBias, Splice")
         if result.SampleWithBias is not None and not host.mask_set:
             raise ControllerError("mid_process returned SampleWithBias without returning a logit bias")
-        if result.Splice is not None:
-            _check_tokens("mid_process", "Splice.ff_tokens", result.Splice.ff_tokens, host)
+        if result.Splice is not None and (why := _outside_vocab("mid_process", "Splice.ff_tokens",
+                                                                 result.Splice.ff_tokens, host)):
+            raise ControllerError(why)
     return result
 
 
-def _check_tokens(name: str, field: str, tokens: list[int], host: SeqHost) -> None:
-    """ControllerError: ``tokens`` of a result hold ids past the vocabulary (a worker cannot feed them; their text
-    was empty, a negative one indexed the vocabulary from its end)."""
+def _outside_vocab(name: str, field: str, tokens: list[int], host: SeqHost) -> str:
+    """Why ``tokens`` of a result are invalid: they hold ids past the vocabulary (a worker cannot feed them; their
+    text was empty, a negative one indexed the vocabulary from its end); '' when they are not."""
     vocab = host.tokenizer.vocab_size
-    if tokens and max(tokens) >= vocab:
-        bad = sorted({t for t in tokens if t >= vocab})
-        raise ControllerError(f"{name} returned an invalid result: {field} {bad[:8]} outside the vocabulary of {vocab}")
+    if not tokens or max(tokens) < vocab:
+        return ""
+    bad = sorted({t for t in tokens if t >= vocab})
+    return f"{name} returned an invalid result: {field} {bad[:8]} outside the vocabulary of {vocab}"
 
 
 class WasmInstance:
@@ -92,7 +92,7 @@ class WasmInstance:
         raw = self.ctrl.invoke(export, arg, deadline, mask_address)
         try:
             return decoder.decode(raw)
-        except INVALID as exc:
+        except DECODE_ERRORS as exc:
             self.ctrl.dead = f"{export} returned an invalid result: {exc}"
             raise ControllerError(self.ctrl.dead) from exc
 
@@ -121,12 +121,9 @@ class WasmInstance:
 
     def pre_process(self) -> aici_wire.PreProcessResult:
         result = self._invoke("aici_pre_process", b"{}", self.d.pre_deadline_ms, _pre_decoder, stopped=PRE_STOPPED)
-        if result.ff_tokens:
-            try:
-                _check_tokens("aici_pre_process", "ff_tokens", result.ff_tokens, self.host)
-            except ControllerError as exc:
-                self.ctrl.dead = str(exc)
-                raise
+        if why := _outside_vocab("aici_pre_process", "ff_tokens", result.ff_tokens, self.host):
+            self.ctrl.dead = why
+            raise ControllerError(why)
         return result
 
     def mid_process(self, fork_group: list[int] | None, mask_address: int,
@@ -258,7 +255,7 @@ class NativeInstance:
     def _convert(self, name: str, value: Any, ty: Any) -> Any:
         try:
             return msgspec.convert(value, ty)
-        except INVALID as exc:
+        except DECODE_ERRORS as exc:
             self.dead = f"{name} returned an invalid result: {exc}"
             raise ControllerError(self.dead) from exc
 
@@ -272,12 +269,9 @@ class NativeInstance:
     def pre_process(self) -> aici_wire.PreProcessResult:
         r = self._run("pre_process", self.d.pre_deadline_ms, self.obj.pre_process)
         result = self._convert("pre_process", r, aici_wire.PreProcessResult)
-        if result.ff_tokens:
-            try:
-                _check_tokens("pre_process", "ff_tokens", result.ff_tokens, self.host)
-            except ControllerError as exc:
-                self.dead = str(exc)
-                raise
+        if why := _outside_vocab("pre_process", "ff_tokens", result.ff_tokens, self.host):
+            self.dead = why
+            raise ControllerError(why)
         return result
 
     def mid_process(self, fork_group: list[int] | None, mask_address: int,
@@ -287,7 +281,7 @@ class NativeInstance:
         r = self._run("mid_process", deadline_ms, lambda: self.obj.mid_process(group), mask_address)
         try:
             result = _native_mid(r)
-        except INVALID as exc:
+        except DECODE_ERRORS as exc:
             self.dead = f"mid_process returned an invalid result: {exc}"
             raise ControllerError(self.dead) from exc
         try:

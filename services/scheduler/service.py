@@ -87,8 +87,8 @@ class Scheduler:
         text_table(tokenizer)  # the text streams' tables, built at start rather than by the first request
         self.placement = KVAwarePlacement(settings.distributed.placement_balance)
         self.core = SchedulerCore(settings.limits, settings.sessions, settings.controllers,
-                                  lambda stop, **options: TextStream(tokenizer, stop=stop, **options), place=self.placement,
-                                  worker_gone=self.placement.forget)
+                                  lambda stop, **options: TextStream(tokenizer, stop=stop, **options),
+                                  place=self.placement, worker_gone=self.placement.forget)
         ctx = zmq.asyncio.Context.instance()
         self.frontend = Router(ctx, settings.endpoint("scheduler"))
         self.worker_router = Router(ctx, settings.endpoint("worker"), heartbeat_s=(
@@ -205,7 +205,8 @@ class Scheduler:
         elif isinstance(msg, wire.HealthReply):
             pass  # touch() above was the point
         else:  # a peer in the wrong role (a gateway's message to the workers' socket): told, as a malformed one is
-            log.warning("scheduler.worker_unexpected", worker=identity.decode(errors="replace"), type=type(msg).__name__)
+            log.warning("scheduler.worker_unexpected", worker=identity.decode(errors="replace"),
+                        type=type(msg).__name__)
             self.worker_router.post(identity, wire.Error(
                 code=INVALID_REQUEST, message=f"the scheduler's worker socket does not take {type(msg).__name__} "
                                               f"messages", mid=reply_mid(msg)))

@@ -133,6 +133,7 @@ class SessionStore:
                 reply = wire.Error(code=INTERNAL_ERROR, message=f"storage failed: {exc}")
             except Exception as exc:  # a bug handling one message must not stop the store (nor lose the others)
                 log.exception("session_store.handler_failed", type=type(msg).__name__)
-                reply = wire.Error(code=INTERNAL_ERROR, message=f"the session store failed: {type(exc).__name__}: {exc}")
+                reply = wire.Error(code=INTERNAL_ERROR,
+                                   message=f"the session store failed: {type(exc).__name__}: {exc}")
             reply.mid = reply_mid(msg)
             await self.router.send(identity, reply)

@@ -6,8 +6,9 @@ feature flags (``-march=native`` compiles for this CPU; a cache shared with anot
 again). The first build takes about 20 s (the torch headers), later starts load it in milliseconds.
 A compile runs into a temporary file renamed into place, under a lock in the cache: a worker starting
 beside one that builds (two containers on a shared cache volume) waits for that build and loads its library
-instead of compiling the same one again. Anything that goes wrong (no compiler, a CPU without AVX-512 or AVX2, a failed build or load)
-is logged with the reason and reported as ``False``: the caller serves another kernel instead.
+instead of compiling the same one again. Anything that goes wrong (no compiler, a CPU without AVX-512 or
+AVX2, a failed build or load) is logged with the reason and reported as ``False``: the caller serves
+another kernel instead.
 
 ``python -m services.worker.kernel_build`` builds it ahead of the first start (``make install``).
 """
@@ -89,7 +90,8 @@ def _compile(compiler: str, target: Path) -> None:
 
 
 def _build_once(compiler: str, path: Path) -> None:
-    """Compile the library at ``path`` unless another process did while this one waited for the cache's build lock."""
+    """Compile the library at ``path``, unless another process did while this one waited for the cache's build
+    lock."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
