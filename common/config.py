@@ -161,7 +161,7 @@ class Controllers(BaseModel):
     max_controlled_per_user: int = Field(64, ge=1, description="controlled requests one user may have live at once")
     nice: int = Field(0, ge=0, le=19, description="the runtime's CPU priority (Unix nice, applied at start; 0: as "
                       "started): above 0 controller code yields the CPU to the worker's forward pass, and every "
-                      "controlled step waits longer for its calls on a busy host (see README 'Controllers')")
+                      "controlled step waits longer for its calls on a busy host (see docs/controllers.md)")
     module_dir: Path | None = Field(None, description="modules, compiled cache and tags (default: <run_dir>/controllers)")
     native: dict[str, str] = Field(
         default_factory=lambda: {"constrained": "controllers.native.constrained:ConstrainedController"},
@@ -246,13 +246,13 @@ class Settings(BaseSettings):
         "torch's packed kernel where it cannot be built) (the default model); 'gguf-bf16' the blocks on "
         "torch's packed kernel with their scales rounded to bfloat16; 'int8' weights rounded to int8 per "
         "output row (CPU, any model); 'auto' picks 'gguf' on the CPU when the model ships as a GGUF and "
-        "Tiller's kernel builds, 'gguf-bf16' when it does not, else 'fp32' (see README 'Quantized weights')",
+        "Tiller's kernel builds, 'gguf-bf16' when it does not, else 'fp32' (see docs/models.md, 'Weights')",
     )
     gpu_kernels: Literal["torch", "triton"] = Field(
         "torch", description="the ops around the native forward's matmuls on a GPU: 'torch' torch's ops (attention "
         "over a gather of the KV blocks, rounding as transformers does); 'triton' Tiller's Triton kernels (norms, "
         "rotation with the KV write, paged attention reading the blocks in place, activation: five kernels a layer "
-        "where torch's ops take some fifteen), checked so far in Triton's interpreter only (see README 'GPU')",
+        "where torch's ops take some fifteen), checked so far in Triton's interpreter only (see docs/models.md, 'On a GPU')",
     )
     worker_threads: int | None = Field(
         None, ge=1, description="CPU threads of the worker's matmuls (OpenMP); unset: the environment's "
@@ -260,12 +260,12 @@ class Settings(BaseSettings):
     )
     worker_reserved_cores: float = Field(
         0.0, ge=0, description="cores left to the other four processes when worker_threads is unset (they idle "
-        "between requests: see README 'CPU threads')",
+        "between requests: see docs/models.md, 'CPU threads')",
     )
     worker_wait_policy: Literal["PASSIVE", "ACTIVE", ""] = Field(
         "", description="OMP_WAIT_POLICY of the worker's threads: '' OpenMP's default (spin a few ms, then "
         "sleep; fast alone, and worker_threads_interval_s yields cores to other load), PASSIVE sleeps at once "
-        "(every kernel then pays a wake-up), ACTIVE spins (see README 'CPU threads')",
+        "(every kernel then pays a wake-up), ACTIVE spins (see docs/models.md, 'CPU threads')",
     )
     worker_spin_count: int | None = Field(
         None, ge=0, description="rounds a waiting worker thread spins before it sleeps (GOMP_SPINCOUNT; tens "
@@ -303,7 +303,7 @@ class Settings(BaseSettings):
         "the cyclic garbage collector's youngest generation in the scheduler (Python's default is 700: a "
         "scheduler stepping hundreds of sequences then spends a third of its time collecting; at 10,000 one "
         "with thousands of live requests still collected every few steps, walking their prompts each time; the "
-        "objects alive after start-up are frozen out of its reach anyway; see README 'The collector, again')",
+        "objects alive after start-up are frozen out of its reach anyway; see docs/benchmarks.md, 'The collector, again')",
     )
     ready_timeout_s: float = Field(600.0, description="how long `tiller up` waits for every service")
 
