@@ -258,7 +258,8 @@ class Settings(BaseSettings):
         "torch", description="the ops around the native forward's matmuls on a GPU: 'torch' torch's ops (attention "
         "over a gather of the KV blocks, rounding as transformers does); 'triton' Tiller's Triton kernels (norms, "
         "rotation with the KV write, paged attention reading the blocks in place, activation: five kernels a layer "
-        "where torch's ops take some fifteen), checked so far in Triton's interpreter only (see docs/models.md, 'On a GPU')",
+        "where torch's ops take some fifteen), checked so far in Triton's interpreter only (see docs/models.md, "
+        "'On a GPU')",
     )
     worker_threads: int | None = Field(
         None, ge=1, description="CPU threads of the worker's matmuls (OpenMP); unset: the environment's "
@@ -313,7 +314,8 @@ class Settings(BaseSettings):
         "the cyclic garbage collector's youngest generation in the scheduler (Python's default is 700: a "
         "scheduler stepping hundreds of sequences then spends a third of its time collecting; at 10,000 one "
         "with thousands of live requests still collected every few steps, walking their prompts each time; the "
-        "objects alive after start-up are frozen out of its reach anyway; see docs/benchmarks.md, 'The collector, again')",
+        "objects alive after start-up are frozen out of its reach anyway; see docs/benchmarks.md, 'The collector, "
+        "again')",
     )
     ready_timeout_s: float = Field(600.0, description="how long `tiller up` waits for every service")
 

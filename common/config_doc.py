@@ -48,8 +48,8 @@ priority first:
 
 A value that does not fit its type or bounds is refused when a process reads its settings, with pydantic's
 message naming the field; unknown `TILLER_*` variables are ignored. `tiller up` starts supervisord with its own
-environment, which every service inherits, so one setting reaches all five processes. The settings most deployments change first, with more
-context: [operations.md](operations.md#settings-you-change-first).
+environment, which every service inherits, so one setting reaches all five processes. The settings most
+deployments change first, with more context: [operations.md](operations.md#settings-you-change-first).
 """
 
 
