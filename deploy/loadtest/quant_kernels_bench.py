@@ -7,12 +7,15 @@ output head over the 49152-token vocabulary; random weights) once per kernel, an
 over all of them in order, as a decode step runs them: the weights stream from memory rather
 than sit in cache, which a loop over one matrix would hide. Kernels:
 
-* ``fp32``: dense float32, transposed and contiguous (what ``TILLER_WEIGHTS=fp32`` runs)
+* ``fp32``: dense float32, transposed and contiguous, on torch's (MKL's) matmul (what
+  ``TILLER_WEIGHTS=fp32`` runs on a GPU, or a CPU without Tiller's kernel)
 * ``bf16``: dense bfloat16, the same layout
 * ``int4``: ``_weight_int4pack_mm_for_cpu``, a scale and zero per 32 weights rounded to bfloat16
   (the head: Q8_0 as two 4-bit halves, see services/worker/quantized.py)
 * ``int4 exact``: the same with each scale and zero as two bfloat16 parts (holds GGUF blocks exactly)
 * ``int8/row``: ``_weight_int8pack_mm``, one scale per output row (``TILLER_WEIGHTS=int8``)
+* ``fp32 tiles``, ``bf16 tiles``: the dense weights in Tiller's kernel's tiles, float32 activations
+  (what ``TILLER_WEIGHTS=fp32`` runs on a CPU where the kernel builds; bf16: a bfloat16 checkpoint)
 * ``tiller``: Tiller's own kernel on the blocks as they ship (``TILLER_WEIGHTS=gguf``): float32
   activations, each code read once, float16 scales (built into the settings' cache if needed)
 
@@ -72,6 +75,9 @@ def build(kernel: str) -> list[tuple[str, Fn]]:
             out.append((name, Int4Packed.of(blocks, None, parts=2)))
         elif kernel == "tiller":
             out.append((name, BlockLinear.of(blocks, None)))
+        elif kernel.endswith(" tiles"):
+            dtype = torch.float32 if kernel == "fp32 tiles" else torch.bfloat16
+            out.append((name, BlockLinear.of_dense(blocks.dequantize().to(dtype), None)))
         else:
             out.append((name, Int8Packed(blocks.dequantize(), None)))
     return out
@@ -104,7 +110,7 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", default=["fp32", "bf16", "int4", "int4 exact", "int8/row", "tiller"])
     args = parser.parse_args()
     kernels = args.kernels
-    if "tiller" in kernels and not kernel_build.load(Settings().cache_dir):
+    if any(k == "tiller" or k.endswith(" tiles") for k in kernels) and not kernel_build.load(Settings().cache_dir):
         raise SystemExit("Tiller's kernel did not build (see the log above)")
     print(f"threads={torch.get_num_threads()} cpu={torch.backends.cpu.get_cpu_capability()} passes={args.passes}")
     fp32_activation_note()

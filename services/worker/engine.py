@@ -84,10 +84,10 @@ class _Seq:
 
 
 def layer_kernels(loaded: LoadedModel, gpu_kernels: str) -> Literal["torch", "library", "triton"]:
-    """Whose ops run around the native forward's matmuls: the kernel library's with the GGUF
-    kernel's weights (they round as they ship anyway), Triton's on a GPU where the setting asks, else
-    torch's."""
-    if loaded.weights == "gguf":
+    """Whose ops run around the native forward's matmuls: the kernel library's where its kernel
+    serves the projections (a decode step's layer is then one call), Triton's on a GPU where the
+    setting asks, else torch's."""
+    if loaded.kernel:
         return "library"
     return "triton" if loaded.device.type == "cuda" and gpu_kernels == "triton" else "torch"
 
@@ -194,7 +194,6 @@ class Engine:
             self.cache = cache
             self.tables = cache.tables
             if ranks is None:
-                # the GGUF kernel's weights round as they ship anyway: its library's fused ops go with them
                 runner = PagedLlama(loaded.model, cache, loaded.max_model_len, loaded.linears,
                                     kernels=layer_kernels(loaded, gpu_kernels))
             else:

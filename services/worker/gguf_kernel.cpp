@@ -6,7 +6,9 @@
 // (k low nibble, k + 1 high nibble; 16 steps), Q8_0 one input (signed; 32 steps). So a tile streams
 // through memory once, and one 16-byte load widens into the weights of 16 columns, dequantized in
 // registers (q * d + m; Q4_0 m = -8 d) and multiplied into up to 16 rows of x at once; or, for up to
-// three rows, left unscaled and the block's sums scaled instead (few_kernel).
+// three rows, left unscaled and the block's sums scaled instead (few_kernel). Unquantized weights
+// (float32, bfloat16, float16) take the same tiles with the values in place of the codes and no scales,
+// so a dense layer is read once a step too and runs in the same fused decoder layer.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -54,6 +56,10 @@ inline V16 vhalves(const uint8_t* p) {
 }
 inline V16 vsbytes(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline V16 vbf16(const uint8_t* p) {  // 16 bfloat16 values: their bits are a float32's upper half
+  const __m512i q = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(q, 16));
 }
 inline void vnibbles(const uint8_t* p, V16& lo, V16& hi) {
   const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -139,6 +145,11 @@ inline V16 vsbytes(const uint8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
 }
+inline V16 vbf16(const uint8_t* p) {  // 16 bfloat16 values: their bits are a float32's upper half
+  const __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))};
+}
 inline void vnibbles(const uint8_t* p, V16& lo, V16& hi) {
   const __m256i low = _mm256_set1_epi32(15);
   const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -150,16 +161,30 @@ inline void vnibbles(const uint8_t* p, V16& lo, V16& hi) {
 
 constexpr int TILE = 16;   // output features per tile (one V16)
 constexpr int GROUP = 32;  // inputs per block
-enum Kind { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+// The GGUF's blocks, and unquantized weights in the same tiles (no scales: a record is the 32 inputs'
+// 16 column values, input by input, as float32, bfloat16 or float16 as the checkpoint ships them).
+enum Kind { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3, BF16 = 4, F16 = 5 };
+constexpr int KINDS = 6;
+
+constexpr bool is_float(int kind) { return kind >= F32; }
 
 constexpr int record_bytes(int kind) {
-  return kind == Q4_1 ? 64 + 256 : kind == Q4_0 ? 32 + 256 : 32 + 512;
+  return kind == Q4_1 ? 64 + 256 : kind == Q4_0 ? 32 + 256 : kind == Q8_0 ? 32 + 512 : kind == F32 ? 2048 : 1024;
 }
 
 // The codes of inputs k and k + 1 (k even) in one tile's block record, as floats (unscaled).
 template <int KIND>
 inline void widen(const uint8_t* rec, int k, V16& q0, V16& q1) {
-  if constexpr (KIND == Q8_0) {
+  if constexpr (KIND == F32) {
+    q0 = vload(reinterpret_cast<const float*>(rec) + k * TILE);
+    q1 = vload(reinterpret_cast<const float*>(rec) + (k + 1) * TILE);
+  } else if constexpr (KIND == BF16) {
+    q0 = vbf16(rec + k * 2 * TILE);
+    q1 = vbf16(rec + (k + 1) * 2 * TILE);
+  } else if constexpr (KIND == F16) {
+    q0 = vhalves(rec + k * 2 * TILE);
+    q1 = vhalves(rec + (k + 1) * 2 * TILE);
+  } else if constexpr (KIND == Q8_0) {
     const uint8_t* c = rec + 32 + k * TILE;
     q0 = vsbytes(c);
     q1 = vsbytes(c + TILE);
@@ -210,8 +235,10 @@ void tile_kernel(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, 
     const uint8_t* rec[NV];
     for (int v = 0; v < NV; ++v) {
       rec[v] = w + v * tile_stride + b * REC;
-      d[v] = vhalves(rec[v]);
-      if constexpr (KIND != Q8_0) m[v] = minimum<KIND>(rec[v], d[v]);
+      if constexpr (!is_float(KIND)) {
+        d[v] = vhalves(rec[v]);
+        if constexpr (KIND != Q8_0) m[v] = minimum<KIND>(rec[v], d[v]);
+      }
     }
     const float* xb = x + b * GROUP;
     for (int k = 0; k < GROUP; k += 2) {
@@ -221,7 +248,7 @@ void tile_kernel(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, 
         if constexpr (KIND == Q8_0) {
           w0 = vmul(w0, d[v]);
           w1 = vmul(w1, d[v]);
-        } else {
+        } else if constexpr (!is_float(KIND)) {
           w0 = vfma(w0, d[v], m[v]);
           w1 = vfma(w1, d[v], m[v]);
         }
@@ -261,6 +288,10 @@ void few_kernel(const float* x, int64_t ldx, const float* sx, int64_t blocks, co
       }
     }
     for (int v = 0; v < NV; ++v) {
+      if constexpr (is_float(KIND)) {
+        for (int r = 0; r < MR; ++r) acc[r][v] = vadd(acc[r][v], vadd(even[r][v], odd[r][v]));
+        continue;
+      }
       const uint8_t* rec = w + v * tile_stride + b * REC;
       const V16 d = vhalves(rec);
       for (int r = 0; r < MR; ++r) {
@@ -307,10 +338,10 @@ constexpr int MAX_ROWS = VREGS == 32 ? 16 : 8;  // rows a tile's weights are deq
 
 // By kind and rows: the kernel over one tile and over as many tiles side by side as the rows allow.
 struct Kernels {
-  Fn one[3][MAX_ROWS];
-  Fn many[3][MAX_ROWS];
-  Few few_one[3][FEW];
-  Few few_many[3][FEW];
+  Fn one[KINDS][MAX_ROWS];
+  Fn many[KINDS][MAX_ROWS];
+  Few few_one[KINDS][FEW];
+  Few few_many[KINDS][FEW];
   template <int KIND>
   void add() {
     tile_table<KIND>(one[KIND], many[KIND], std::make_integer_sequence<int, MAX_ROWS>{});
@@ -320,6 +351,9 @@ struct Kernels {
     add<Q4_0>();
     add<Q4_1>();
     add<Q8_0>();
+    add<F32>();
+    add<BF16>();
+    add<F16>();
   }
 };
 
@@ -330,7 +364,7 @@ const Kernels& kernels() {
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t kind, int64_t n,
                   const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(kind >= 0 && kind <= 2, "unknown block kind ", kind);
+  TORCH_CHECK(kind >= 0 && kind < KINDS, "unknown block kind ", kind);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be float32 [rows, in]");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be packed uint8");
   const int64_t tiles = w.size(0), blocks = w.size(1);
@@ -366,8 +400,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t kind, int
   // tiles per task: at least ~64k multiply-adds, or one thread does it all
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (k * TILE * std::min<int64_t>(rows, MAX_ROWS)));
   if (rows <= FEW) {
-    std::vector<float> sums(rows * blocks);  // each row's sum over each block of inputs
-    for (int64_t i = 0; i < rows * blocks; ++i) {
+    std::vector<float> sums(is_float(int(kind)) ? 0 : rows * blocks);  // each row's sum over each block of inputs
+    for (int64_t i = 0; i < int64_t(sums.size()); ++i) {
       float s = 0;
       for (int j = 0; j < GROUP; ++j) s += xp[(i / blocks) * k + (i % blocks) * GROUP + j];
       sums[i] = s;

@@ -5,6 +5,9 @@ dequantizes in registers and multiplies float32 activations with float32 accumul
 matmul over the dequantized weights up to float32 rounding. :func:`pack` lays the blocks out for it:
 the output features in tiles of 16 and, per tile and block of 32 inputs, one record of the 16
 columns' scales, minimums (Q4_1) and codes, interleaved column by column (see the C++ source).
+:func:`pack_dense` lays unquantized weights (float32, bfloat16, float16) out in the same tiles, the
+values in place of the codes: a dense layer then reads each weight once a step and runs in the
+kernel's fused decoder layer like a GGUF one.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import torch
 from services.worker.gguf_blocks import GROUP, Blocks
 
 TILE = 16
-KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F32": 3, "BF16": 4, "F16": 5}
+DENSE_KINDS = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def _half_bytes(values: torch.Tensor, tiles: int, what: str) -> torch.Tensor:
@@ -51,8 +55,29 @@ def pack(blocks: Blocks) -> torch.Tensor:
     return torch.cat(parts, dim=2).contiguous()
 
 
+def dense_packable(weight: torch.Tensor) -> bool:
+    """Whether :func:`pack_dense` takes ``weight``: a CPU matrix of a dtype the kernel reads whose
+    inputs are whole blocks of 32."""
+    return weight.device.type == "cpu" and weight.dtype in DENSE_KINDS and weight.shape[1] % GROUP == 0
+
+
+def pack_dense(weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's records of ``weight`` ``[out, in]`` (see :func:`dense_packable`) in its own
+    dtype: uint8 ``[tiles, in / 32, 32 * 16 * element bytes]``, per record the 32 inputs' 16 column
+    values input by input, the output features padded with zero weights to whole tiles."""
+    if not dense_packable(weight):
+        raise ValueError(f"no kernel for a {tuple(weight.shape)} {weight.dtype} matrix on {weight.device}")
+    out, in_features = weight.shape
+    tiles = -(-out // TILE)
+    if tiles * TILE != out:
+        weight = torch.cat([weight, weight.new_zeros(tiles * TILE - out, in_features)])
+    groups = in_features // GROUP
+    records = weight.reshape(tiles, TILE, groups, GROUP).permute(0, 2, 3, 1).contiguous()
+    return records.view(torch.uint8).reshape(tiles, groups, -1)
+
+
 class BlockLinear:
-    """``x @ W^T + b`` (and ``+ residual`` in :meth:`add_to`) on packed GGUF blocks."""
+    """``x @ W^T + b`` (and ``+ residual`` in :meth:`add_to`) on packed GGUF blocks or dense tiles."""
 
     def __init__(self, records: torch.Tensor, kind: str, out_features: int, bias: torch.Tensor | None) -> None:
         """The kernel's library must be loaded (``kernel_build.load``)."""
@@ -66,6 +91,10 @@ class BlockLinear:
     @classmethod
     def of(cls, blocks: Blocks, bias: torch.Tensor | None) -> BlockLinear:
         return cls(pack(blocks), blocks.kind, blocks.shape[0], bias)
+
+    @classmethod
+    def of_dense(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> BlockLinear:
+        return cls(pack_dense(weight), DENSE_KINDS[weight.dtype], weight.shape[0], bias)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What :meth:`from_tensors` makes this layer again from (the bias is the model's own)."""

@@ -28,6 +28,7 @@ from common.model_source import resolve_model, tokenizer_class
 from common.vision import VisionSpec
 from services.worker import kernel_build
 from services.worker.packed_cache import LAYOUTS, PackedStore, cache_key, cache_path
+from services.worker.paged_llama import unsupported_reason
 from services.worker.quantized import LinearFactory, linear_factory, weights_mode
 
 log = structlog.get_logger()
@@ -49,6 +50,7 @@ class LoadedModel:
     vision: VisionSpec | None = None  # a vision-language model's image facts and processor
     weights: str = "fp32"  # the resolved weights setting
     linears: LinearFactory | None = None  # the native forward's projections (None: dense)
+    kernel: bool = False  # Tiller's kernel library serves the projections (GGUF blocks or dense tiles)
     tokenizer: Any = None  # the model's tokenizer (a transformers tokenizer; None: the model has none)
 
     @property
@@ -62,6 +64,14 @@ def pick_device(setting: str) -> torch.device:
     if setting == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device 'cuda' was configured but torch sees no CUDA device")
     return torch.device(setting)
+
+
+def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:
+    """The dtype a checkpoint's weights ship in, as its config names it (None: it names none)."""
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(named, str):
+        named = getattr(torch, named, None)
+    return named if isinstance(named, torch.dtype) else None
 
 
 def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
@@ -143,40 +153,50 @@ def model_class(config: PretrainedConfig) -> type:
     return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
 
 
-def load_model(settings: Settings, progress: Progress) -> LoadedModel:
+def load_model(settings: Settings, progress: Progress, keep_dense: bool = False) -> LoadedModel:
     """Resolve ``settings.model`` and load it: pretrained safetensors or random weights seeded by
-    ``settings.seed``. ``progress(percent, message)`` is called between stages."""
+    ``settings.seed``. ``progress(percent, message)`` is called between stages. ``keep_dense``: dense
+    weights packed for Tiller's kernel stay in the transformers model too, which then still runs
+    (an oracle beside the native forward, at twice the memory)."""
     hf_logging.disable_progress_bar()  # progress goes to the scheduler, not as tqdm bars on stderr
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
     progress(2, f"resolving model {settings.model}")
     source = resolve_model(settings, weights=True)
     config = AutoConfig.from_pretrained(source.directory)
+    mode = weights_mode(settings.weights, device.type, source.gguf is not None, source.pretrained_weights,
+                        sharded=settings.distributed.tensor_parallel > 1,
+                        kernel=lambda: kernel_build.load(settings.cache_dir))
+    limit = settings.limits.max_model_len
+    max_len = min(int(getattr(config.get_text_config(), "max_position_embeddings", limit)), limit)
+    # Tiller's kernel serves the GGUF's blocks, and dense weights where the native forward runs on one
+    # CPU rank with float32 activations (tensor parallel shards them; the fallback runs the model's own)
+    tiled = (mode == "fp32" and device.type == "cpu" and dtype == torch.float32
+             and settings.distributed.tensor_parallel == 1 and unsupported_reason(config, max_len) is None)
+    kernel = (mode == "gguf" or tiled) and kernel_build.load(settings.cache_dir)
+    # a bfloat16 or float16 checkpoint's projections are served as they ship on the kernel's tiles
+    # (half the bytes a step reads); only what the activations meet otherwise is widened to float32
+    shipped = checkpoint_dtype(config) if kernel and tiled and source.pretrained_weights else None
+    load_dtype = shipped if shipped in (torch.bfloat16, torch.float16) and settings.dtype == "auto" else dtype
     if source.pretrained_weights:
         progress(10, f"loading weights from {source.directory}")
-        model = model_class(config).from_pretrained(source.directory, dtype=dtype)
+        model = model_class(config).from_pretrained(source.directory, dtype=load_dtype)
     else:
         progress(10, f"initialising random weights for {config.model_type}")
         torch.manual_seed(settings.seed)
         model = model_class(config).from_config(config, dtype=dtype)
     progress(70, f"moving weights to {device}")
     model = model.to(device).eval()
-    mode = weights_mode(settings.weights, device.type, source.gguf is not None, source.pretrained_weights,
-                        sharded=settings.distributed.tensor_parallel > 1,
-                        kernel=lambda: kernel_build.load(settings.cache_dir))
-    kernel = mode == "gguf" and kernel_build.load(settings.cache_dir)
     if device.type == "cpu" and source.pretrained_weights:
         _own_weights(model, skip_projections=mode.startswith("gguf"))
     linears = None
-    if mode != "fp32":
+    if mode != "fp32" or kernel:
         progress(75, f"packing {mode} weights")
-        store = packed_store(settings, source.directory, source.gguf, mode, kernel)
-        linears = linear_factory(mode, model, source.gguf, store, kernel=kernel)
+        store = packed_store(settings, source.directory, source.gguf, mode, kernel) if mode != "fp32" else None
+        linears = linear_factory(mode, model, source.gguf, store, kernel=kernel, keep_dense=keep_dense)
     progress(80, "reading tokenizer and generation config")
     tokenizer = read_tokenizer(source.directory)
     eos = eos_token_ids(source.directory, config, tokenizer)
-    limit = settings.limits.max_model_len
-    max_len = min(int(getattr(config.get_text_config(), "max_position_embeddings", limit)), limit)
     return LoadedModel(
         model=model,
         config=model.config,
@@ -188,5 +208,6 @@ def load_model(settings: Settings, progress: Progress) -> LoadedModel:
         vision=VisionSpec.load(source.directory, settings.images.max_image_pixels),
         weights=mode,
         linears=linears,
+        kernel=bool(kernel),
         tokenizer=tokenizer,
     )

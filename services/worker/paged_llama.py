@@ -119,8 +119,9 @@ class PagedLlama:
         self.hidden = config.hidden_size
         self.eps = config.rms_norm_eps
         base = model.model
-        self.embed = base.embed_tokens.weight.detach()
-        self.final_norm = base.norm.weight.detach()
+        act = cache.kv.dtype  # the activations' (a bfloat16 checkpoint's tiles serve float32 ones)
+        self.embed = base.embed_tokens.weight.detach().to(act)
+        self.final_norm = base.norm.weight.detach().to(act)
         self.head = linears.head(model.get_output_embeddings())
         self.act: Callable[[torch.Tensor], torch.Tensor] = (
             F.silu if config.hidden_act == "silu" else base.layers[0].mlp.act_fn
@@ -138,10 +139,10 @@ class PagedLlama:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(
                 _Layer(
-                    input_norm=layer.input_layernorm.weight.detach(),
+                    input_norm=layer.input_layernorm.weight.detach().to(act),
                     qkv=linears.layer([attn.q_proj, attn.k_proj, attn.v_proj]),
                     o=linears.layer([attn.o_proj]),
-                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    post_norm=layer.post_attention_layernorm.weight.detach().to(act),
                     gate_up=linears.layer([mlp.gate_proj, mlp.up_proj]),
                     down=linears.layer([mlp.down_proj]),
                 )

@@ -4,7 +4,11 @@ Every projection of :class:`services.worker.paged_llama.PagedLlama` is a :class:
 a :class:`LinearFactory` from the transformers modules it replaces (several, side by side, for the
 fused q|k|v and gate|up projections):
 
-* :class:`DenseLinears`: the modules' own weights, fused and transposed (``TILLER_WEIGHTS=fp32``).
+* :class:`TiledLinears`: the modules' own weights in their own dtype (float32, bfloat16, float16),
+  laid out in the tiles of Tiller's kernel (``TILLER_WEIGHTS=fp32`` on a CPU where the kernel
+  builds): each weight read once a step, and the decoder layer fused as for GGUF blocks.
+* :class:`DenseLinears`: the modules' own weights, fused and transposed (``TILLER_WEIGHTS=fp32``
+  elsewhere: a GPU, tensor parallel, a CPU without the kernel).
 * :class:`GgufLinears`: the GGUF's blocks as they ship. ``TILLER_WEIGHTS=gguf`` serves them on
   Tiller's own kernel (:class:`services.worker.gguf_linear.BlockLinear`: float32 activations, the
   codes read once, float16 scales as shipped) when it builds on this machine, else as below.
@@ -29,7 +33,7 @@ import torch
 from torch import nn
 
 from services.worker.gguf_blocks import GROUP, Blocks, read_blocks
-from services.worker.gguf_linear import BlockLinear
+from services.worker.gguf_linear import BlockLinear, dense_packable
 from services.worker.packed_cache import PackedStore
 
 
@@ -218,6 +222,39 @@ class DenseLinears:
         return Dense(module.weight.detach().t(), bias)
 
 
+class TiledLinears:
+    """The modules' own weights, fused as :class:`DenseLinears` fuses them, on Tiller's kernel as
+    dense tiles (:meth:`BlockLinear.of_dense`), in the dtype they load in: exact values, float32
+    activations and accumulation. MKL's few-row products on an AMD EPYC ran 1.3-4x slower than the
+    tiles (``deploy/loadtest/quant_kernels_bench.py --dense``), and a decode step's layers become one
+    kernel call each, a parallel region each instead of some twenty-five.
+
+    A matrix the kernel cannot take (inputs not a multiple of 32) stays a :class:`Dense` layer."""
+
+    def __init__(self, release_from: nn.Module | None = None) -> None:
+        """``release_from``: the model whose packed modules' dense weights are dropped once packed
+        (the transformers model cannot run afterwards); None keeps them (twice the memory)."""
+        self.keep = None if release_from is None else release_from.get_input_embeddings().weight  # type: ignore[operator]
+
+    def layer(self, modules: list[nn.Linear]) -> Linear:
+        weight = torch.cat([m.weight.detach() for m in modules])
+        if not dense_packable(weight):
+            return DenseLinears().layer(modules)
+        bias = _bias(modules)
+        packed = BlockLinear.of_dense(weight, None if bias is None else bias.float())
+        if self.keep is not None:
+            _release(modules, self.keep)
+        return packed
+
+    def head(self, module: nn.Linear) -> Linear:
+        """The output projection, packed beside the module's weight, which stays: the token
+        embedding may be tied to it, and readouts project onto it."""
+        weight = module.weight.detach()
+        if not dense_packable(weight):
+            return DenseLinears().head(module)
+        return BlockLinear.of_dense(weight, None if module.bias is None else module.bias.detach().float())
+
+
 class GgufLinears:
     """Packed layers from a GGUF's blocks, keyed by the transformers module they replace; a module
     the GGUF holds no blocks for (a float tensor there) stays dense.
@@ -339,11 +376,13 @@ def weights_mode(setting: str, device: str, has_gguf: bool, pretrained: bool, sh
 
 
 def linear_factory(mode: str, model: nn.Module, gguf: Path | None, store: PackedStore | None = None,
-                   kernel: bool = False) -> LinearFactory:
+                   kernel: bool = False, keep_dense: bool = False) -> LinearFactory:
     """The factory for a resolved ``mode`` (see :func:`weights_mode`); a quantized one drops the
     model's dense weights as it packs them (only the native forward runs such a model). ``store``:
     the GGUF's layers as packed at an earlier start (see :class:`GgufLinears`); ``kernel``:
-    :class:`BlockLinear`'s library is loaded, and serves 'gguf'."""
+    :class:`BlockLinear`'s library is loaded, and serves 'gguf' and 'fp32' (:class:`TiledLinears`);
+    ``keep_dense``: 'fp32' keeps the model's own weights as well, so transformers can run it too
+    (oracles in tests)."""
     if mode.startswith("gguf"):
         assert gguf is not None
         config = model.config.get_text_config()  # type: ignore[operator, union-attr]
@@ -352,4 +391,6 @@ def linear_factory(mode: str, model: nn.Module, gguf: Path | None, store: Packed
                            release=True, store=store, kernel=kernel and mode == "gguf")
     if mode == "int8":
         return Int8Linears(release_from=model)
+    if kernel:
+        return TiledLinears(release_from=None if keep_dense else model)
     return DenseLinears()

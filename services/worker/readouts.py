@@ -30,7 +30,7 @@ def default_layers(num_layers: int) -> list[int]:
 class Readouts:
     concepts: list[str]
     layers: list[int]
-    matrix: torch.Tensor  # [concepts, hidden], the model's dtype and device
+    matrix: torch.Tensor  # [concepts, hidden], the model's dtype (the activations' at each projection) and device
 
     @classmethod
     def build(
@@ -63,7 +63,7 @@ class Readouts:
     def project(self, hidden: Sequence[torch.Tensor], final_norm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``hidden[i]``: ``[positions, hidden]`` after layer ``self.layers[i]`` ->
         float32 ``[positions, layers, concepts]``."""
-        return torch.stack([(final_norm(h) @ self.matrix.T).float() for h in hidden], dim=1)
+        return torch.stack([(final_norm(h) @ self.matrix.T.to(h.dtype)).float() for h in hidden], dim=1)
 
 
 def _load_concepts(path: Path, hidden_size: int) -> tuple[list[str], torch.Tensor]:

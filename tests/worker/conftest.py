@@ -26,7 +26,7 @@ def worker_settings() -> Settings:
 
 @pytest.fixture(scope="session")
 def loaded(worker_settings: Settings) -> LoadedModel:
-    return load_model(worker_settings, lambda progress, message: None)
+    return load_model(worker_settings, lambda progress, message: None, keep_dense=True)  # transformers runs it too
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Tiller's GGUF block kernel (services/worker/gguf_kernel.cpp, gguf_linear.py, kernel_build.py).
 
 Each layer must equal a float64 matmul over the dequantized blocks within float32 rounding, for every
-block type, one to three rows (the decode path that leaves the codes unscaled and scales each block's
+block type (and dense float32, bfloat16 and float16 weights in the same tiles), one to three rows (the decode path that leaves the codes unscaled and scales each block's
 sums) and more (the weights dequantized in registers, rows taken up to 16 at a time),
 output features that fill no whole tile, a bias and a residual; and be closer to it than torch's
 packed kernel on bfloat16 activations. A machine without a compiler gets a logged reason and no
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from services.worker.gguf_blocks import GROUP, Blocks
-from services.worker.gguf_linear import BlockLinear, pack
+from services.worker.gguf_linear import BlockLinear, dense_packable, pack, pack_dense
 from services.worker.quantized import Int4Packed
 
 FLOAT32_ROUNDING = 2e-6  # relative to sum(|x| |w|): float32 accumulation over up to 1,536 inputs, with margin
@@ -67,6 +67,34 @@ def _check(blocks: Blocks, rows: int, seed: int = 0) -> tuple[float, float | Non
 def test_the_kernel_equals_a_float64_matmul_over_the_dequantized_blocks(gguf_kernel, kind, rows, shape) -> None:
     err, torch_err = _check(_random_blocks(kind, *shape, seed=rows), rows)
     assert torch_err is None or err < torch_err  # float32 activations: closer than bfloat16 ones
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 5, 37])
+@pytest.mark.parametrize("shape", [(40, 96), (576, 576), (3, 1536), (80, 64)])
+def test_dense_tiles_equal_a_float64_matmul_over_the_weights_as_they_load(gguf_kernel, dtype, rows, shape) -> None:
+    g = torch.Generator().manual_seed(rows)
+    out, inputs = shape
+    weight = (torch.randn(out, inputs, generator=g) * 0.05).to(dtype)  # the checkpoint's values, not widened
+    x = torch.randn(rows, inputs, generator=g)
+    bias = torch.randn(out, generator=g)
+    residual = torch.randn(rows, out, generator=g)
+    exact = x.double() @ weight.double().t() + bias.double()
+    size = x.double().abs() @ weight.double().abs().t() + bias.double().abs() + 1e-30
+    layer = BlockLinear.of_dense(weight, bias)
+    assert layer.kind == {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
+    assert ((layer(x).double() - exact).abs() / size).max().item() <= FLOAT32_ROUNDING
+    assert ((layer.add_to(residual, x).double() - residual.double() - exact).abs() / size).max().item() \
+        <= FLOAT32_ROUNDING
+    again = BlockLinear.from_tensors(layer.tensors(), bias)
+    assert torch.equal(again(x), layer(x))
+
+
+def test_dense_tiles_refuse_what_the_kernel_cannot_read() -> None:
+    assert not dense_packable(torch.zeros(16, 48))  # inputs not whole blocks of 32
+    assert not dense_packable(torch.zeros(16, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="no kernel for a"):
+        pack_dense(torch.zeros(16, 40))
 
 
 @pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight",

@@ -20,7 +20,15 @@ from services.worker.engine import Engine
 from services.worker.gguf_blocks import Blocks
 from services.worker.gguf_linear import BlockLinear
 from services.worker.model_loader import load_model
-from services.worker.quantized import GgufLinears, Int4Packed, Int8Linears, Int8Packed, bf16_parts, weights_mode
+from services.worker.quantized import (
+    GgufLinears,
+    Int4Packed,
+    Int8Linears,
+    Int8Packed,
+    TiledLinears,
+    bf16_parts,
+    weights_mode,
+)
 from tests.worker.conftest import Driver
 
 NEW_TOKENS = 32
@@ -117,7 +125,8 @@ def _gguf_linears(mode: str, loaded, blocks) -> GgufLinears:
 @pytest.mark.parametrize("mode", ["gguf", "gguf-int4pack", "gguf-bf16"])
 def test_the_quantized_engine_decodes_greedily_as_the_dense_model(mode, loaded, blocks, engine, prompts,
                                                                    gguf_kernel) -> None:
-    packed = dataclasses.replace(loaded, weights=mode, linears=_gguf_linears(mode, loaded, blocks))
+    packed = dataclasses.replace(loaded, weights=mode, linears=_gguf_linears(mode, loaded, blocks),
+                                 kernel=mode == "gguf")
     quantized = Driver(Engine(packed, num_blocks=64))
     dense = Driver(engine)
     for i, prompt in enumerate(prompts):
@@ -132,12 +141,13 @@ def test_the_quantized_engine_decodes_greedily_as_the_dense_model(mode, loaded, 
         warnings.warn(message, stacklevel=1)
 
 
-@pytest.mark.parametrize("mode", ["gguf", "gguf-bf16", "int8"])
+@pytest.mark.parametrize("mode", ["gguf", "gguf-bf16", "int8", "fp32"])
 def test_a_quantized_worker_keeps_no_dense_copy_of_what_it_packed(mode, worker_settings, loaded, blocks, prompts,
                                                                   gguf_kernel) -> None:
     """The loader's quantized model, once its engine is built, holds dense storage only for what the
     packed layers do not replace (the token embedding and the norms), and decodes as a packed engine
-    over a model that kept its dense weights."""
+    over a model that kept its dense weights. 'fp32' on Tiller's kernel packs the dense weights
+    into its tiles the same way."""
     released = load_model(worker_settings.model_copy(update={"weights": mode}), lambda progress, message: None)
     assert released.weights == mode
     quantized = Driver(Engine(released, num_blocks=64))
@@ -152,6 +162,9 @@ def test_a_quantized_worker_keeps_no_dense_copy_of_what_it_packed(mode, worker_s
     layers = loaded.config.num_hidden_layers
     norms = (2 * layers + 1) * loaded.config.hidden_size * 4
     assert embedding.device.type == "cpu" and dense <= embedding.numel() * embedding.element_size() + norms
-    kept = _gguf_linears(mode, loaded, blocks) if mode.startswith("gguf") else Int8Linears()
-    reference = Driver(Engine(dataclasses.replace(loaded, weights=mode, linears=kept), num_blocks=64))
+    if mode == "fp32":
+        assert isinstance(released.linears, TiledLinears) and released.kernel
+    kept = {"int8": Int8Linears(), "fp32": TiledLinears()}.get(mode) or _gguf_linears(mode, loaded, blocks)
+    kept_model = dataclasses.replace(loaded, weights=mode, linears=kept, kernel=mode in ("gguf", "fp32"))
+    reference = Driver(Engine(kept_model, num_blocks=64))
     assert quantized.generate(0, prompts[0], 8) == reference.generate(1, prompts[0], 8)

@@ -1,9 +1,10 @@
 """A worker of two tensor-parallel ranks (gloo, fp32) as real processes: its greedy tokens equal
-the single-rank engine's token for token, through prefill, batched decode, prefix-cache hits,
-forks and masks that follow their step."""
+the single-rank engine's on the same dense weights and torch's ops (what a rank runs) token for
+token, through prefill, batched decode, prefix-cache hits, forks and masks that follow their step."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from transformers import AutoConfig
 from common import wire
 from common.model_source import resolve_model
 from common.config import Settings
+from services.worker.engine import Engine
+from services.worker.model_loader import LoadedModel
 from services.worker.tensor_parallel import Shard, split
 from tests.worker.conftest import GREEDY, Driver
 from tests.worker.test_worker_service import Scheduler, _start_worker, _stop, scheduler  # noqa: F401 (fixture)
@@ -34,6 +37,13 @@ def test_shards_follow_key_value_head_groups() -> None:
         Shard.plan(config, 0, 4)
 
 
+@pytest.fixture(scope="module")
+def dense_engine(loaded: LoadedModel) -> Engine:
+    """One rank's engine: the dense weights on torch's matmuls and ops, as tensor parallel shards
+    them (not Tiller's kernel's tiles, which round otherwise)."""
+    return Engine(dataclasses.replace(loaded, linears=None, kernel=False), num_blocks=256)
+
+
 def _request(scheduler: Scheduler, step: wire.Step, mask: bytes | None = None) -> dict[int, wire.SampledToken]:
     """Send ``step`` (and its StepMasks with ``mask``), and return its samples."""
     if mask is None:
@@ -45,11 +55,11 @@ def _request(scheduler: Scheduler, step: wire.Step, mask: bytes | None = None) -
     return wire.samples_by_seq(step, result)
 
 
-def test_two_ranks_generate_what_one_does(tmp_path: Path, scheduler: Scheduler, engine, tokenizer) -> None:
+def test_two_ranks_generate_what_one_does(tmp_path: Path, scheduler: Scheduler, dense_engine, tokenizer) -> None:
     prompts = [tokenizer(text).input_ids for text in ("The capital of France is", "def fibonacci(n):\n    ")]
     shared = tokenizer("A long shared preamble about the history of the Roman empire and its many emperors, "
                        "which ruled for centuries over the Mediterranean world.").input_ids
-    driver = Driver(engine)
+    driver = Driver(dense_engine)
     expected = [driver.generate(100 + i, p, TOKENS) for i, p in enumerate(prompts)]
     expected_shared = driver.generate(110, shared + prompts[0], TOKENS)
 

@@ -103,13 +103,13 @@ def test_shapes_the_kernels_cannot_take_are_left_to_torch() -> None:
 
 
 def test_the_engine_runs_them_only_on_a_gpu_and_when_asked() -> None:
-    def model(weights: str, device: str) -> SimpleNamespace:
-        return SimpleNamespace(weights=weights, device=torch.device(device))
+    def model(device: str, kernel: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(kernel=kernel, device=torch.device(device))
 
-    assert layer_kernels(model("fp32", "cuda"), "triton") == "triton"
-    assert layer_kernels(model("fp32", "cuda"), "torch") == "torch"  # the default setting
-    assert layer_kernels(model("fp32", "cpu"), "triton") == "torch"  # a CPU has the kernel library's ops instead
-    assert layer_kernels(model("gguf", "cpu"), "torch") == "library"
+    assert layer_kernels(model("cuda"), "triton") == "triton"
+    assert layer_kernels(model("cuda"), "torch") == "torch"  # the default setting
+    assert layer_kernels(model("cpu"), "triton") == "torch"  # a CPU has the kernel library's ops instead
+    assert layer_kernels(model("cpu", kernel=True), "torch") == "library"
 
 
 COMPILE_FOR_GPUS = textwrap.dedent("""
