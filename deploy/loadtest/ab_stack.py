@@ -9,6 +9,9 @@ temporary detached worktree, removed at the end. Prints every round's tokens/s a
 other one, and the median of the rounds' own ratios (tokens/s above 1 and CPU below 1 favour this tree).
 
     python deploy/loadtest/ab_stack.py --base 40b5b6c [--rounds 4] [--tokens 256] [--streams 8] [--no-cpu-proxy]
+        [--weights auto fp32]
+
+``deploy/loadtest/guard.py`` runs it as the worker's speed guard.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "deploy" / "loadtest" / "bench_stack.py"
 
 
-def run_once(tree: Path, args: argparse.Namespace, out: Path) -> dict:
-    """One ``bench_stack.py`` run served from ``tree``; its figures."""
+def run_once(tree: Path, args: argparse.Namespace, out: Path, weights: str | None = None) -> dict:
+    """One ``bench_stack.py`` run served from ``tree`` (with ``TILLER_WEIGHTS=weights`` when given); its figures."""
     command = [sys.executable, str(BENCH), "--tokens", str(args.tokens), "--streams", str(args.streams),
                "--serve-from", str(tree), "--json", str(out)]
     if args.cpu_proxy:
         command.append("--cpu-proxy")
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    env = dict(os.environ) if weights is None else {**os.environ, "TILLER_WEIGHTS": weights}
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"bench_stack.py failed for {tree}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return json.loads(out.read_text())
@@ -55,6 +59,42 @@ def figures_of(streams: int) -> dict[str, Callable[[dict], float]]:
     }
 
 
+def compare(args: argparse.Namespace, weights: list[str | None]) -> None:
+    """``args.rounds`` rounds of this tree against ``args.base``, once per ``weights`` setting in each
+    round (None: the caller's environment), the trees' order swapping each round; prints each run,
+    then per setting the medians and ratios."""
+    work = Path(tempfile.mkdtemp(prefix="tiller-ab-"))
+    base = work / "base"
+    subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=ROOT, check=True,
+                   capture_output=True)
+    trees = {"this": ROOT, args.base: base}
+    runs: dict[tuple[str | None, str], list[dict]] = {(w, name): [] for w in weights for name in trees}
+    try:
+        for round_no in range(args.rounds):
+            order = list(trees) if round_no % 2 == 0 else list(reversed(trees))
+            for w in weights:
+                for name in order:
+                    figures = run_once(trees[name], args, work / f"{round_no}-{w}-{order.index(name)}.json", w)
+                    runs[(w, name)].append(figures)
+                    print(f"round {round_no + 1} {w or '':>5} {name:>10}: 1 stream {figures['single_tok_s']:7.1f} "
+                          f"tok/s, CPU µs/token {cpu_us(figures, 'single')}; {args.streams} streams "
+                          f"{figures['many_tok_s']:7.1f} tok/s, CPU µs/token {cpu_us(figures, 'many')}  "
+                          f"[load {os.getloadavg()[0]:.1f}]", flush=True)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, capture_output=True)
+    for w in weights:
+        title = f"median over the rounds{f' (weights={w})' if w else ''}"
+        print(f"{title:40s} {'this':>10} {args.base:>10} {'ratio':>8} {'paired':>8}")
+        for figure, value in figures_of(args.streams).items():
+            mine = [value(f) for f in runs[(w, "this")]]
+            theirs = [value(f) for f in runs[(w, args.base)]]
+            paired = statistics.median(a / b for a, b in zip(mine, theirs))
+            print(f"{figure:40s} {statistics.median(mine):10.1f} {statistics.median(theirs):10.1f} "
+                  f"{statistics.median(mine) / statistics.median(theirs):8.3f} {paired:8.3f}")
+    print("ratio: this tree's median / the other's; paired: the median of the rounds' own ratios "
+          "(each round's two runs ran back to back)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the git revision to compare this checkout against")
@@ -63,33 +103,10 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--cpu-proxy", action=argparse.BooleanOptionalAction, default=True,
                         help="bench_stack.py's tiny model, torch on one thread (the default)")
+    parser.add_argument("--weights", nargs="+", default=None,
+                        help="TILLER_WEIGHTS settings to run each round, e.g. auto fp32 (default: the environment's)")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="tiller-ab-"))
-    base = work / "base"
-    subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=ROOT, check=True,
-                   capture_output=True)
-    trees = {"this": ROOT, args.base: base}
-    runs: dict[str, list[dict]] = {name: [] for name in trees}
-    try:
-        for round_no in range(args.rounds):
-            order = list(trees) if round_no % 2 == 0 else list(reversed(trees))
-            for name in order:
-                figures = run_once(trees[name], args, work / f"{round_no}-{order.index(name)}.json")
-                runs[name].append(figures)
-                print(f"round {round_no + 1} {name:>10}: 1 stream {figures['single_tok_s']:7.1f} tok/s, CPU µs/token "
-                      f"{cpu_us(figures, 'single')}; {args.streams} streams {figures['many_tok_s']:7.1f} tok/s, "
-                      f"CPU µs/token {cpu_us(figures, 'many')}  [load {os.getloadavg()[0]:.1f}]", flush=True)
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, capture_output=True)
-    print(f"{'median over the rounds':28s} {'this':>10} {args.base:>10} {'ratio':>8} {'paired':>8}")
-    for figure, value in figures_of(args.streams).items():
-        mine = [value(f) for f in runs["this"]]
-        theirs = [value(f) for f in runs[args.base]]
-        paired = statistics.median(a / b for a, b in zip(mine, theirs))
-        print(f"{figure:28s} {statistics.median(mine):10.1f} {statistics.median(theirs):10.1f} "
-              f"{statistics.median(mine) / statistics.median(theirs):8.3f} {paired:8.3f}")
-    print("ratio: this tree's median / the other's; paired: the median of the rounds' own ratios "
-          "(each round's two runs ran back to back)")
+    compare(args, args.weights or [None])
 
 
 if __name__ == "__main__":
