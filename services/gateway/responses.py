@@ -4,14 +4,16 @@
 A response is a chat completion underneath (``responses_format.py`` translates): the same validation, prompt,
 constraint and :class:`Generation`. With ``store`` (the default, as OpenAI's) the response, its input items and the
 conversation it ends are kept in the session store (durable, ``sessions.responses_ttl_s``), as its creator's:
-``previous_response_id`` continues that conversation (the prompt then starts with the tokens the previous turn
-fed and generated, whose KV the worker's prefix cache still holds), and two responses continuing one parent fork
-the chain. Another user is told a response does not exist.
+``previous_response_id`` continues that conversation, and two responses continuing one parent fork the chain.
+Each stored response is a turn as a Salience session's is (``Submit.session``): the scheduler parks its KV under
+the response id, and a continuation forks the previous turn's parked sequence (copy-on-write), so it prefills
+only what follows the tokens they share. Another user is told a response does not exist.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import json
 import time
@@ -26,7 +28,14 @@ from common import wire
 from common.errors import INTERNAL_ERROR, INVALID_REQUEST, TillerError
 from services.gateway.deps import Gateway
 from services.gateway.driver import Generation
-from services.gateway.httputil import SSE_HEADERS, client_of, gateway_of, json_text, read_json_object, unless_disconnected
+from services.gateway.httputil import (
+    SSE_HEADERS,
+    client_of,
+    gateway_of,
+    json_text,
+    read_json_object,
+    unless_disconnected,
+)
 from services.gateway.openai_api import error_response, model_not_found
 from services.gateway.protocol import CompletionMsg, ErrorMsg, GatewayError, InitMsg, TokenMsg
 from services.gateway.responses_format import OutputBuilder, ResponsesRequest, ending, new_id, usage_of
@@ -81,6 +90,11 @@ class _Turn:
         self.conversation = conversation  # what came before this request's input
         self.input_items = parsed.input_items()
         self.output = output
+        self.error: ErrorMsg | None = None  # why it failed, if it did
+
+    def failed(self, error: ErrorMsg) -> dict[str, Any]:
+        self.error = error
+        return self.body("failed", error=error)
 
     def body(self, status: str, final: CompletionMsg | None = None, error: ErrorMsg | None = None) -> dict[str, Any]:
         reason = None if final is None else ending(final.finish_reason)[1]
@@ -127,14 +141,14 @@ async def _events(request: Request, turn: _Turn, messages: AsyncIterator[Any]) -
                     except TillerError as exc:
                         error = ErrorMsg.from_error(TillerError(INTERNAL_ERROR, f"the response could not be stored: "
                                                                 f"{exc.message}; retry, or send store: false"))
-                        yield out.event("response.failed", response=turn.body("failed", error=error))
+                        yield out.event("response.failed", response=turn.failed(error))
                         return
                 kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(status,
                                                                                                   "response.failed")
                 yield out.event(kind, response=body)
                 return
             elif isinstance(msg, ErrorMsg):
-                yield out.event("response.failed", response=turn.body("failed", error=msg))
+                yield out.event("response.failed", response=turn.failed(msg))
                 return
 
 
@@ -174,6 +188,9 @@ async def _start(request: Request) -> tuple[_Turn, AsyncIterator[Any]] | Respons
         gw.metrics.refused("openai", exc.code)
         return error_response(ErrorMsg.from_error(exc))
     rid = new_id("resp")
+    if parsed.store:  # its KV is parked for a continuation, which forks the previous turn's
+        generation_request = dataclasses.replace(generation_request, park_as=rid,
+                                                 continues=parsed.previous_response_id or "")
     gen = Generation(gw, generation_request, rid=rid, surface="openai", client=client_of(request),
                      caller=format_caller(request, gw.settings))
     messages = gen.stream()
@@ -199,11 +216,9 @@ async def create_response(request: Request) -> Response:
         await messages.aclose()
     if last is None:  # the client left; nobody reads this
         return Response(status_code=499)
-    response = last["response"]
-    if response["status"] == "failed" and response["output"] == []:
-        error = response["error"]
-        return error_response(ErrorMsg.from_error(TillerError(INTERNAL_ERROR, error["message"])))
-    return JSONResponse(response)
+    if turn.error is not None:  # unstreamed, a failure is an error (its own status: a timeout is a 504)
+        return error_response(turn.error)
+    return JSONResponse(last["response"])
 
 
 @router.get("/v1/responses/{response_id}")
@@ -224,6 +239,8 @@ async def delete_response(request: Request, response_id: str) -> Response:
         if isinstance(exc, StoreError) and exc.code != NOT_FOUND:
             raise
         return _not_found(response_id)
+    with contextlib.suppress(TillerError):  # best effort: parked KV is a cache, evicted when room is needed
+        await gateway_of(request).scheduler.drop_session(response_id)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 

@@ -132,7 +132,11 @@ TURNS = ["Name a color.", "Name another one.", "And a third?"]
 def test_chain_reuses_kv_equals_chat_and_survives_restarts(stack, client):
     chain = _chain(stack, client, TURNS)
     assert [r.previous_response_id for r in chain] == [None, chain[0].id, chain[1].id]
-    assert all(r.usage.input_tokens_details.cached_tokens > 0 for r in chain[1:]), [r.usage for r in chain]
+    # each later turn forks the previous turn's parked KV: it prefills only what follows their shared tokens
+    usage = [(r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens, r.usage.output_tokens) for r in chain]
+    for previous, turn in zip(chain, chain[1:]):
+        shared = previous.usage.input_tokens + previous.usage.output_tokens - 1  # its last token was never fed
+        assert turn.usage.input_tokens_details.cached_tokens >= shared > 0, usage
     assert chain[-1].output_text == chat_text(stack, client, _whole(TURNS, chain), 12)
     # a fork: two responses continue one parent
     fork = respond(stack, client, input="Name a fruit.", previous_response_id=chain[0].id, max_output_tokens=12)

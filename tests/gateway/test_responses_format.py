@@ -30,7 +30,8 @@ def test_input_items_become_chat_messages():
     request = parse(input=items, instructions="Be brief.")
     listed = request.input_items()
     assert [i["type"] for i in listed] == ["message", "function_call", "function_call_output", "message"]
-    assert all(i["id"] for i in listed) and listed[0]["content"] == [{"type": "input_text", "text": "Weather in Paris?"}]
+    assert all(i["id"] for i in listed)
+    assert listed[0]["content"] == [{"type": "input_text", "text": "Weather in Paris?"}]
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
     assert chat_messages(listed) == [
         {"role": "user", "content": "Weather in Paris?"},
