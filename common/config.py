@@ -102,6 +102,10 @@ class Sessions(BaseModel):
     kv_parked_fraction: float = Field(
         0.5, ge=0, le=1, description="share of a worker's KV pool idle sessions may hold; live requests evict them first"
     )
+    responses_ttl_s: float = Field(
+        30 * 24 * 3600.0, gt=0, description="how long a stored response of the OpenAI Responses API (store: true) is "
+        "kept, for GET /v1/responses/{id} and previous_response_id (30 days, as OpenAI keeps them)"
+    )
     busy_lease_s: float = Field(
         5.0, gt=0, description="a Generate's hold on its session, renewed by its gateway's heartbeats: a session "
         "whose gateway died is free again after this long"

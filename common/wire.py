@@ -854,6 +854,42 @@ class SalienceSession(Msg, tag="salience_session"):
     lease: str = ""
 
 
+# gateway -> session store: stored responses of the OpenAI Responses API (``store: true``)
+
+
+class ResponsePut(Msg, tag="response_put"):
+    """Keep a response: its JSON body, its own input items and the conversation it ends (the items a
+    ``previous_response_id`` continues), each JSON text; kept ``ttl_s`` from now. Replied with Ok."""
+
+    response_id: str
+    owner: str  # the user who created it: only they see it
+    body: str
+    input_items: str
+    conversation: str
+    ttl_s: Annotated[float, msgspec.Meta(gt=0, le=1e12)]
+
+
+class ResponseGet(Msg, tag="response_get"):
+    """Replied with :class:`ResponseRecord`, or ``Error(code="not_found")`` (unknown, deleted or expired)."""
+
+    response_id: str
+
+
+class ResponseDelete(Msg, tag="response_delete"):
+    """Replied with Ok, or ``Error(code="not_found")``."""
+
+    response_id: str
+
+
+class ResponseRecord(Msg, tag="response_record"):
+    response_id: str
+    owner: str
+    body: str
+    input_items: str
+    conversation: str
+    created_at: float
+
+
 Message = Union[
     Ok,
     Error,
@@ -895,6 +931,10 @@ Message = Union[
     SalienceBegin,
     SalienceEnd,
     SalienceSession,
+    ResponsePut,
+    ResponseGet,
+    ResponseDelete,
+    ResponseRecord,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

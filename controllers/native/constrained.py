@@ -2,9 +2,12 @@
 ``max_tokens``.
 
 module_arg (JSON): {"prefix": str?, one of "regex" | "json_schema" | "lark" | "yacc": grammar,
-"max_tokens": int?, "store_var": str?, "fast_forward": bool?}. The generated text goes to variable ``store_var``
-when done. With ``fast_forward``, where the grammar forces two tokens or more (llguidance's forced tokens),
-mid_process splices them instead of sampling them one step each.
+"max_tokens": int?, "budget": int?, "store_var": str?, "fast_forward": bool?}. The generated text goes to variable
+``store_var`` when done. ``budget`` is the request's own token limit, for a grammar of items in a row (tool calls): at
+a point where the grammar may end, generation ends there when fewer tokens are left than the longest item so far
+took (the stretch between two such points), so the reply ends with whole items instead of one cut by the limit.
+With ``fast_forward``, where the grammar forces two tokens or more (llguidance's forced tokens), mid_process splices
+them instead of sampling them one step each.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import json
 from controllers.native.base import FF_MIN, Host, NativeController
 
 _KINDS = {"regex": 0, "json_schema": 1, "lark": 2, "yacc": 3}
-_KEYS = {*_KINDS, "prefix", "max_tokens", "store_var", "fast_forward"}
+_KEYS = {*_KINDS, "prefix", "max_tokens", "budget", "store_var", "fast_forward"}
 
 
 class ConstrainedController(NativeController):
@@ -42,6 +45,11 @@ class ConstrainedController(NativeController):
         self.fast_forward = arg.get("fast_forward", False)
         if not isinstance(self.fast_forward, bool):
             raise ValueError("fast_forward must be true or false")
+        self.budget = arg.get("budget")
+        if self.budget is not None and (not isinstance(self.budget, int) or self.budget < 1):
+            raise ValueError("budget must be a positive integer")
+        self.item_tokens = 0  # tokens since the grammar could last end
+        self.longest_item = 0
         self.generated: list[int] = []
         self.skip = 0  # our own prefix tokens, fed back to post_process by the runtime
         self.done = False
@@ -79,8 +87,20 @@ class ConstrainedController(NativeController):
         self.generated += tokens
         if self.handle and tokens and self.host.constraint(self.handle).commit(tokens) != 0:
             self.done = True
+        if self.budget and self.handle and tokens and not self.done:
+            self.done = self._no_room_for_another(len(tokens))
         if self.host.eos_token in tokens or len(self.generated) >= self.max_tokens:
             self.done = True
         if self.done and self.store_var:
             self.host.set_var(self.store_var, json.dumps(self.generated).encode())
         return {"stop": self.done}
+
+    def _no_room_for_another(self, new_tokens: int) -> bool:
+        """At a point where the grammar may end: whether the tokens left in the budget are fewer than the longest
+        item so far took (the next one would likely be cut). At the budget itself the request's own limit ends it."""
+        self.item_tokens += new_tokens
+        if not self.host.constraint(self.handle).is_accepting():
+            return False
+        self.longest_item = max(self.longest_item, self.item_tokens)
+        self.item_tokens = 0
+        return 0 < self.budget - len(self.generated) < self.longest_item

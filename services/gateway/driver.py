@@ -207,6 +207,7 @@ class Generation:
                     ignore_eos=self.request.ignore_eos,
                     timeout_s=gw.settings.limits.request_timeout_s,
                     controller=self.rid if self.request.controller else "",
+                    session=self._session(),
                     outputs=self._prompt_scoring(prompt_ids),
                 )
             )
@@ -368,6 +369,12 @@ class Generation:
             vocab = facts.vocab_size
             sampling.suppress = sorted(t for t in stops if t < vocab)  # a token past the vocabulary never comes
         return sampling
+
+    def _session(self) -> wire.SessionRef | None:
+        """The chain this request is a turn of, if any: the scheduler parks its KV for the next turn."""
+        if not self.request.park_as:
+            return None
+        return wire.SessionRef(key=self.request.park_as, parent=self.request.continues)
 
     def _prompt_scoring(self, prompt_ids: list[int]) -> wire.OutputRequest | None:
         """What the scheduler reports of the prompt's positions: every token's logprob but the first's

@@ -58,9 +58,9 @@ from services.gateway.httputil import (
 )
 from services.gateway.protocol import CompletionMsg, ErrorMsg, InitMsg, LogprobEntry, ServerMsg, TokenMsg, Usage
 from services.gateway.side_channel import format_caller
-from services.gateway.tool_calls import ReplyParser, Tool, ToolCallIn, ToolChoice, ToolPlan, parse_reply, render_messages
+from services.gateway.chat_tools import ChatTools
+from services.gateway.tool_calls import ReplyParser, ToolPlan, parse_reply
 from services.gateway.validation import (
-    ChatMessage,
     ChatRendering,
     Context,
     GenerationRequest,
@@ -350,8 +350,12 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
         """One request per choice: each prompt ``n`` times, choice ``i`` of a prompt seeded ``seed + i``
         (as vLLM seeds parallel samples), so the choices differ and a seed still fixes them all. A JSON
         ``response_format`` or tool calls run under the JSON controller, whose own token limit never
-        cuts first."""
+        cuts first; calls in a row stop before one that would not fit in the request's max_tokens."""
         constraint = self._constraint()
+        if constraint is not None and self.tool_plan is not None and self.tool_plan.several:
+            # calls in a row end where the next would not fit (the controller's budget)
+            budget = kwargs["max_tokens"] or kwargs["default_max_tokens"] or context.limits.default_max_tokens
+            constraint["budget"] = budget
         if constraint is not None:
             kwargs["controller"] = context.json_controller
             kwargs["controller_arg"] = json.dumps({**constraint, "max_tokens": context.limits.max_tokens_cap})
@@ -404,53 +408,6 @@ class CompletionRequest(_OpenAIRequest):
                               default_max_tokens=context.limits.completions_default_max_tokens,
                               top_logprobs=self.logprobs, echo=self.echo,
                               prompt_logprobs=self.echo and self.logprobs is not None)
-
-
-class ToolChatMessage(ChatMessage):
-    """A chat message of the OpenAI API: an assistant's may carry the tool calls it made."""
-
-    tool_calls: list[ToolCallIn] | None = None
-
-
-class ChatTools(BaseModel):
-    """A chat request's tools, as they enter its prompt (the chat completions API, and ``/tokenize`` for
-    messages, which counts what the chat request would)."""
-
-    messages: Annotated[list[ToolChatMessage], Field(min_length=1)]
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
-
-    @field_validator("tools")
-    @classmethod
-    def _tools_available(cls, value: list[Tool] | None, info: ValidationInfo) -> list[Tool] | None:
-        if value and context_of(info).json_controller is None:
-            raise ValueError("constrained tool calls are not enabled on this server")
-        names = [t.function.name for t in value or []]
-        if len(set(names)) != len(names):
-            raise ValueError(f"function names must differ, got {names}")
-        return value
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _choice_among_tools(cls, value: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
-        names = [t.function.name for t in info.data.get("tools") or []]
-        if value not in (None, "none") and not names:
-            raise ValueError("needs tools (as OpenAI)")
-        if isinstance(value, BaseModel) and value.function.name not in names:
-            raise ValueError(f"names function {value.function.name!r}, which is not among the tools {names}")
-        return value
-
-    @property
-    def tool_plan(self) -> ToolPlan | None:
-        if not self.tools:
-            return None
-        plan = ToolPlan(self.tools, self.tool_choice or "auto", self.parallel_tool_calls)
-        return plan if plan.may_call else None
-
-    def rendered_messages(self) -> list[dict[str, str]]:
-        """The messages as the chat template gets them (tool calls as text, the tools in the system message)."""
-        return render_messages(self.messages, self.tool_plan)
 
 
 class ChatCompletionRequest(ChatTools, _OpenAIRequest, ChatRendering):  # ChatTools first: its tool_plan wins

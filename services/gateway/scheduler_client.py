@@ -212,6 +212,10 @@ class SchedulerClient:
     async def modify(self, rid: str, patch: wire.SamplingPatch) -> None:
         await self._command(wire.Modify(rid=rid, patch=patch))
 
+    async def drop_session(self, key: str) -> None:
+        """The KV the scheduler keeps for ``key`` between turns may go (a deleted response)."""
+        await self._command(wire.SessionDrop(key=key), wire.Ok)
+
     def cancel_soon(self, rid: str) -> None:
         """Cancel in the background: for cleanup paths (disconnects, task cancellation) that must
         neither wait nor be interrupted by the cancellation they are handling."""

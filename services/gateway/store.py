@@ -153,6 +153,18 @@ class StoreClient:
     async def get_request(self, rid: str) -> wire.RequestRecord:
         return (await self._ask(wire.GetRequest(rid=rid), wire.RequestRecordReply)).record
 
+    # -- stored responses (the OpenAI Responses API) ------------------------------------------
+
+    async def put_response(self, msg: wire.ResponsePut) -> None:
+        await self._ask(msg, wire.Ok)
+
+    async def get_response(self, response_id: str) -> wire.ResponseRecord:
+        """StoreError ``not_found``: unknown, deleted or past its TTL."""
+        return await self._ask(wire.ResponseGet(response_id=response_id), wire.ResponseRecord)
+
+    async def delete_response(self, response_id: str) -> None:
+        await self._ask(wire.ResponseDelete(response_id=response_id), wire.Ok)
+
     # -- Evergreen node graphs (the gateway holds the live graph; the store mirrors it) ------
 
     def evergreen_put(self, session_id: str, fragments: list[wire.EvergreenFragment]) -> None:

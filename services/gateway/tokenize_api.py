@@ -15,7 +15,8 @@ from starlette.responses import JSONResponse, Response
 
 from common.errors import TillerError
 from services.gateway.httputil import gateway_of, read_json_object
-from services.gateway.openai_api import ChatTools, ToolChatMessage, error_response, max_model_len, model_not_found
+from services.gateway.chat_tools import ChatTools, ToolChatMessage
+from services.gateway.openai_api import error_response, max_model_len, model_not_found
 from services.gateway.protocol import ErrorMsg
 from services.gateway.validation import ChatRendering, Context, GenerationRequest, StrictModel, validate
 

@@ -109,6 +109,11 @@ class ToolPlan:
     def may_answer_text(self) -> bool:
         return self.choice == "auto"
 
+    @property
+    def several(self) -> bool:
+        """Whether a call may follow a call (``parallel_tool_calls``, not one named function)."""
+        return self.parallel and not isinstance(self.choice, NamedToolChoice)
+
     def callable(self) -> list[Tool]:
         if isinstance(self.choice, NamedToolChoice):
             return [t for t in self.tools if t.function.name == self.choice.function.name]
@@ -133,9 +138,8 @@ class ToolPlan:
              "required": ["name", "arguments"], "additionalProperties": False}
             for t in self.callable()
         ]
-        several = self.parallel and not isinstance(self.choice, NamedToolChoice)
         rules = [
-            "calls: call (" + json.dumps(SEPARATOR) + " call)*" if several else "calls: call",
+            "calls: call (" + json.dumps(SEPARATOR) + " call)*" if self.several else "calls: call",
             f"call: {json.dumps(CALL_OPEN)} body {json.dumps(CALL_CLOSE)}",
             f"body: %json {json.dumps({**_COMPACT, 'anyOf': bodies})}",
         ]
@@ -216,6 +220,7 @@ class ReplyParser:
         self._in_args = False
         self.calls = 0  # calls opened so far
         self.completed = 0  # calls closed so far
+        self.cut: int | None = None  # the call whose arguments the end of the reply cut, if one was
 
     def feed(self, text: str) -> ReplyDelta:
         self._buffer += text
@@ -263,12 +268,18 @@ class ReplyParser:
 
     def close(self) -> ReplyDelta:
         """The rest at the end of the reply: a reply cut short (``length``) leaves its last call's
-        arguments unfinished, or text that never became a call, which is content."""
+        arguments unfinished, or a call that never got its name (nothing of it was sent), or text that
+        never became a call, which is content."""
         rest, self._buffer = self._buffer, ""
+        if self._state == "calls" and not self._in_args and rest.strip():
+            self.cut = self.calls
+            return ReplyDelta()
         if self._in_args:
             self._in_args = False
             if SEPARATOR in rest:  # the envelope's brace and part of the closing tag: the arguments were whole
                 rest = ""
+            else:
+                self.cut = self.calls - 1
             return ReplyDelta(calls=[CallDelta(self.calls - 1, rest)] if rest else [])
         return ReplyDelta(content=rest)
 
@@ -278,8 +289,10 @@ class ReplyParser:
 
 
 def parse_reply(plan: ToolPlan, text: str) -> tuple[ReplyDelta, ReplyParser]:
-    """A whole reply as content and complete calls (and the parser, for the finish reason)."""
+    """A whole reply as content and its calls whose arguments are whole (and the parser, for the finish
+    reason): a call whose arguments the end of the reply cut (``length``) is left out, never shown as made."""
     parser = ReplyParser(plan)
     reply = parser.feed(text)
     reply.add(parser.close())
+    reply.calls = [call for call in reply.calls if call.index != parser.cut]
     return reply, parser

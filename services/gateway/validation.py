@@ -290,6 +290,10 @@ class GenerationRequest:
     ignore_eos: bool = False
     controller: str | None = None  # module id, tag or native:<name> steering the generation (the AICI runtime protocol)
     controller_arg: str = ""
+    # a turn of a chain (a stored response): its KV is parked under ``park_as`` for the next turn, and it may
+    # fork the KV parked under ``continues`` (the previous turn), as a Salience session's turn does
+    park_as: str = ""
+    continues: str = ""
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(

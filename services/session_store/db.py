@@ -36,6 +36,16 @@ CREATE TABLE IF NOT EXISTS feedback (
     created_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS feedback_rid ON feedback(rid);
+CREATE TABLE IF NOT EXISTS responses (
+    response_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    body TEXT NOT NULL,
+    input_items TEXT NOT NULL,
+    conversation TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    expires_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_expiry ON responses(expires_at);
 CREATE TABLE IF NOT EXISTS evergreen_fragments (
     session_id TEXT NOT NULL,
     node_id TEXT NOT NULL,
@@ -115,6 +125,31 @@ class Store:
             **{**dict(row), "params": json.loads(row["params"])},
             feedback=[wire.FeedbackEntry(**dict(f)) for f in feedback],
         )
+
+    # -- stored responses (the OpenAI Responses API) ---------------------------------------
+
+    def response_put(self, msg: wire.ResponsePut) -> None:
+        now = time.time()
+        self.conn.execute(
+            "INSERT OR REPLACE INTO responses (response_id, owner, body, input_items, conversation, created_at,"
+            " expires_at) VALUES (?,?,?,?,?,?,?)",
+            (msg.response_id, msg.owner, msg.body, msg.input_items, msg.conversation, now, now + msg.ttl_s),
+        )
+
+    def response_get(self, response_id: str) -> wire.ResponseRecord | None:
+        """The response unless unknown or past its TTL."""
+        row = self.conn.execute(
+            "SELECT response_id, owner, body, input_items, conversation, created_at FROM responses"
+            " WHERE response_id=? AND expires_at>?", (response_id, time.time())).fetchone()
+        return None if row is None else wire.ResponseRecord(**dict(row))
+
+    def response_delete(self, response_id: str) -> bool:
+        cursor = self.conn.execute("DELETE FROM responses WHERE response_id=? AND expires_at>?",
+                                   (response_id, time.time()))
+        return cursor.rowcount == 1
+
+    def expire_responses(self) -> int:
+        return self.conn.execute("DELETE FROM responses WHERE expires_at<=?", (time.time(),)).rowcount
 
     # -- Evergreen node graphs -------------------------------------------------------------
 

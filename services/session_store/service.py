@@ -59,6 +59,8 @@ class SessionStore:
             if record is None:
                 return wire.Error(code="not_found", message=f"no request {msg.rid!r}", rid=msg.rid)
             return wire.RequestRecordReply(record=record)
+        if isinstance(msg, wire.ResponsePut | wire.ResponseGet | wire.ResponseDelete):
+            return self._response(msg)
         if isinstance(msg, wire.EvergreenPut):
             self.store.evergreen_put(msg.session_id, [(f.node_id, f.seq, f.fragment) for f in msg.fragments])
             return wire.Ok()
@@ -77,6 +79,15 @@ class SessionStore:
             except SessionError as exc:
                 return wire.Error(code=exc.code, message=exc.message)
         return wire.Error(code=INVALID_REQUEST, message=f"the session store does not take {type(msg).__name__}")
+
+    def _response(self, msg: wire.ResponsePut | wire.ResponseGet | wire.ResponseDelete) -> wire.Msg:
+        if isinstance(msg, wire.ResponsePut):
+            self.store.response_put(msg)
+            return wire.Ok()
+        not_found = wire.Error(code="not_found", message=f"no response {msg.response_id!r}")
+        if isinstance(msg, wire.ResponseGet):
+            return self.store.response_get(msg.response_id) or not_found
+        return wire.Ok() if self.store.response_delete(msg.response_id) else not_found
 
     def _salience(self, msg: wire.Message) -> wire.Msg:
         sessions = self.sessions
@@ -103,6 +114,8 @@ class SessionStore:
             try:
                 if expired := self.sessions.expire():
                     log.info("session_store.sessions_expired", count=expired)
+                if expired := self.store.expire_responses():
+                    log.info("session_store.responses_expired", count=expired)
             except sqlite3.Error:
                 log.exception("session_store.expire_failed")
 

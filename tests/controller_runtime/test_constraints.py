@@ -170,6 +170,28 @@ def test_native_controller_fast_forward_splices_forced_tokens_up_to_max_tokens(r
     assert not ok and "fast_forward must be true or false" in result["error"]
 
 
+def test_native_controller_budget_ends_items_in_a_row_before_one_that_would_not_fit(runtime, tokenizer):
+    """Items in a row (tool calls) under a budget: at an end of an item, fewer tokens left than the longest item
+    took stops the generation there (a whole reply); with room left, or mid-item, it goes on."""
+    grammar = 'start: item ("\\n" item)*\nitem: "one two three four" | "five"'
+    item = tokenizer.tokenize(b"one two three four")
+    more = tokenizer.tokenize(b"\n") + tokenizer.tokenize(b"five")
+
+    def post(seq_id: int, tokens: list[int]) -> dict:
+        out = runtime.post_pre_process(aici_wire.PostPreProcess(post_ops=[aici_wire.PostOp(id=seq_id, tokens=tokens)]))
+        return out["post_seqs"][str(seq_id)]["result"]
+
+    budget = 2 * len(item) + len(more) - 1  # room for the first item and a short one, not for a long one
+    start(runtime, "native:constrained", 1, arg={"lark": grammar, "budget": budget})
+    start(runtime, "native:constrained", 2, arg={"lark": grammar})
+    assert post(1, item[:-1]) == {"stop": False}  # mid-item
+    assert post(1, item[-1:]) == {"stop": False}  # an item ends, room for another as long
+    assert post(1, more) == {"stop": True}  # fewer left than the longest item took: ends whole
+    assert post(2, item) == {"stop": False} and post(2, more) == {"stop": False}  # no budget: the grammar goes on
+    ok, result = runtime.instantiate("bad", [1], "native:constrained", {"lark": grammar, "budget": 0})
+    assert not ok and "budget must be a positive integer" in result["error"]
+
+
 def test_native_controllers_pre_process_is_skipped_while_it_would_be_the_default(runtime, tokenizer):
     start(runtime, "native:constrained", 1, arg={"regex": "a+"})
     calls = []
@@ -191,7 +213,7 @@ def test_native_controller_fork_and_errors(runtime):
     ok, result = runtime.instantiate("bad", [1], "native:constrained", {"regex": "(", "prefix": "x"})
     assert not ok and "invalid regex constraint" in result["error"] and "constraint error" in result["logs"]
     ok, result = runtime.instantiate("typo", [1], "native:constrained", {"choices": ["red", "green"]})
-    assert not ok and "unknown key 'choices'; the keys are fast_forward, json_schema" in result["error"]
+    assert not ok and "unknown key 'choices'; the keys are budget, fast_forward, json_schema" in result["error"]
     with pytest.raises(UserError, match="unknown native controller"):
         runtime.instantiate("bad2", [1], "native:nope", "")
     with pytest.raises(NativeLoadError):

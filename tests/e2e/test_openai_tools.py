@@ -126,3 +126,51 @@ def test_tokenize_counts_a_chat_request_with_its_tools(stack, client):
         assert reply.usage.prompt_tokens == counted, choice
     assert counts["none"] == bare < counts["auto"]  # tools the model may not call are not described
     assert refused.status_code == 400 and "'tools' go with 'messages'" in refused.json()["error"]["message"]
+
+
+def test_messages_sent_back_as_dicts(stack, client):
+    """The flow as frameworks send it: the assistant message as ``model_dump(exclude_none=True)`` (tool_calls, no
+    content key), the tool's result as a list of text parts; the prompt is the one the SDK's objects make."""
+    first = create(stack, client, messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                   max_tokens=40)
+    message = first.choices[0].message
+    dumped = message.model_dump(exclude_none=True)
+    assert "content" not in dumped and dumped["tool_calls"]
+    (call,) = message.tool_calls
+    result = [{"type": "text", "text": "Sunny, "}, {"type": "text", "text": "21 degrees."}]
+    as_dicts = [*ASK, dumped, {"role": "tool", "tool_call_id": call.id, "content": result}]
+    as_objects = [*ASK, message, {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees."}]
+    replies = [create(stack, client, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=8)
+               for history in (as_dicts, as_objects)]
+    assert replies[0].usage.prompt_tokens == replies[1].usage.prompt_tokens
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as caught:  # a result naming no call made before it
+        create(stack, client, messages=[*ASK, dumped, {"role": "tool", "tool_call_id": "call_x", "content": "?"}],
+               tools=[WEATHER], max_tokens=8)
+    assert caught.value.body["param"] == "messages" and "'call_x'" in caught.value.body["message"]
+
+
+def test_length_cut_inside_a_call(stack, client):
+    """max_tokens ends the reply inside a call's arguments: finish_reason ``length``, and the unstreamed reply
+    shows no call with cut arguments (the streamed one sent them as they came: its finish reason says so)."""
+    ask = dict(messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_tokens=12)
+    cut = create(stack, client, **ask).choices[0]
+    assert cut.finish_reason == "length" and cut.message.tool_calls is None and cut.message.content is None
+    chunks = list(create(stack, client, **ask, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+    streamed = "".join(p.function.arguments or "" for c in chunks for p in c.choices[0].delta.tool_calls or [])
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(streamed)
+
+
+@pytest.mark.parametrize("max_tokens", [40, 60, 90])
+def test_parallel_calls_fit_in_max_tokens(stack, client, max_tokens):
+    """tool_choice required with parallel calls (this model calls again and again): the calls stop before one
+    that would not fit, so every call the reply shows parses and the reply ends as made, short of max_tokens
+    (the issue's case: at 60 tokens the next call was cut mid-string)."""
+    reply = create(stack, client, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=max_tokens)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and reply.usage.completion_tokens < max_tokens
+    assert len(choice.message.tool_calls) >= max_tokens // 30  # about 25 tokens a call: as many as fit
+    for call in choice.message.tool_calls:
+        assert isinstance(json.loads(call.function.arguments), dict)

@@ -80,6 +80,55 @@ def test_refusals(fields, param):
     assert (caught.value.param or "").startswith(param), caught.value
 
 
+def test_messages_as_clients_send_them_back():
+    """An assistant message with tool_calls and no content (``model_dump(exclude_none=True)``) or null content,
+    tool messages naming their call, content as text parts: as OpenAI takes them."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+    parts = [{"type": "text", "text": "sun"}, {"type": "text", "text": "ny"}]
+    result = {"role": "tool", "tool_call_id": "call_1", "content": parts}
+    for assistant in ({"role": "assistant", "tool_calls": [call]},
+                      {"role": "assistant", "content": None, "tool_calls": [call]}):
+        (generation,) = chat(messages=[*ASK, assistant, result], tools=[WEATHER]).to_requests(context())
+        rendered = [ASK[0], {"role": "assistant", "content": CALL}, {"role": "tool", "content": "sunny"}]
+        assert generation.messages[1:] == rendered
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ([{"role": "assistant"}], "messages[0].content: Field required"),  # neither content nor calls
+        ([{"role": "user"}], "messages[0].content: Field required"),
+        ([{"role": "tool", "content": "sunny"}], "needs the 'tool_call_id'"),
+        ([*ASK, {"role": "tool", "tool_call_id": "call_9", "content": "x"}], "no assistant message before it made one"),
+        ([{"role": "assistant", "tool_calls": [{"id": "call_1", "function": {"name": "f", "arguments": "{}"}}]},
+          {"role": "tool", "tool_call_id": "call_2", "content": "x"}], "message 1 (role 'tool') answers 'call_2'"),
+        ([{"role": "user", "content": "x", "tool_calls": []}, *ASK], None),  # an empty list is no calls
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+         "only text is supported"),
+    ],
+)
+def test_message_refusals(messages, message):
+    if message is None:
+        assert chat(messages=messages).messages[0].tool_calls == []
+        return
+    with pytest.raises(GatewayError) as caught:
+        chat(messages=messages)
+    assert message in caught.value.message and (caught.value.param or "").startswith("messages"), caught.value
+
+
+def test_parallel_calls_get_the_request_budget():
+    """Calls in a row end where the next would not fit in max_tokens (the controller's budget); one call
+    (no parallel calls, a named function) needs none."""
+    (parallel,) = chat(tools=[WEATHER, TIME], tool_choice="required", max_tokens=60).to_requests(context())
+    assert json.loads(parallel.controller_arg)["budget"] == 60
+    (default,) = chat(tools=[WEATHER, TIME]).to_requests(context())
+    assert json.loads(default.controller_arg)["budget"] == Limits().default_max_tokens
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for single in (dict(parallel_tool_calls=False), dict(tool_choice=named)):
+        (generation,) = chat(tools=[WEATHER, TIME], max_tokens=60, **single).to_requests(context())
+        assert "budget" not in json.loads(generation.controller_arg)
+
+
 def test_tools_need_the_json_controller():
     # refusal() validates with a context without a JSON controller
     assert "not enabled" in refusal(ChatCompletionRequest, {"messages": ASK, "tools": [WEATHER]}).message
@@ -175,7 +224,16 @@ def test_parser_cut_short():
     plan = chat(tools=[WEATHER], tool_choice="required").tool_plan
     reply, parser = parse_reply(plan, CALL[:-8])  # the closing tag cut: the arguments are whole
     assert [c.arguments for c in reply.calls] == ['{"city":"Paris"}'] and parser.finish_reason("length") == "length"
-    reply, parser = parse_reply(plan, CALL[:52])
-    assert [c.arguments for c in reply.calls] == ['{"city'] and parser.completed == 0
-    reply, parser = parse_reply(plan, CALL[:40])  # not even the name: the text stays, as content
-    assert reply.calls == [] and reply.content == CALL[:40]
+    reply, parser = parse_reply(plan, CALL[:52])  # the arguments cut: no call is shown as made
+    assert reply.calls == [] and reply.content == "" and parser.completed == 0
+    assert parser.finish_reason("length") == "length"
+    reply, parser = parse_reply(plan, TWO_CALLS[:-20])  # the first call whole, the second cut
+    assert [(c.index, c.name, c.arguments) for c in reply.calls] == [(0, "get_weather", '{"city":"Paris"}')]
+    stream = ReplyParser(plan)  # streamed, the cut arguments went out as they came; the finish reason says so
+    streamed = stream.feed(CALL[:52])
+    streamed.add(stream.close())
+    assert [c.arguments for c in streamed.calls] == ['{"city'] and stream.finish_reason("length") == "length"
+    reply, parser = parse_reply(plan, CALL[:40])  # not even the name: no call, and no content either
+    assert reply.calls == [] and reply.content == "" and parser.cut == 0
+    reply, parser = parse_reply(chat(tools=[WEATHER]).tool_plan, "<tool_")  # under auto: text that may open a call
+    assert reply.calls == [] and reply.content == "<tool_" and parser.cut is None

@@ -3,6 +3,7 @@ and service handler, no sockets)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import msgspec
@@ -78,3 +79,31 @@ def test_store_layer_returns_typed_rows(tmp_path: Path):
         assert store.get_request("x") is None and store.evergreen_fragments("s") == []
     finally:
         store.close()
+
+
+def test_stored_responses_put_get_delete_and_expire(service: SessionStore, monkeypatch):
+    """Responses API responses: kept as put (JSON text, the owner with them), replaced when put again, gone once
+    deleted or past their TTL (the sweep removes those); unknown ones are not_found."""
+    put = wire.ResponsePut(response_id="resp_1", owner="alice", body='{"id": "resp_1"}', input_items="[]",
+                           conversation='[{"type": "message"}]', ttl_s=60)
+    assert isinstance(service.handle(put), wire.Ok)
+    record = over_the_wire(service.handle(wire.ResponseGet(response_id="resp_1")))
+    assert isinstance(record, wire.ResponseRecord)
+    assert (record.owner, record.body, record.conversation) == ("alice", '{"id": "resp_1"}', '[{"type": "message"}]')
+    assert isinstance(service.handle(wire.ResponseDelete(response_id="resp_1")), wire.Ok)
+    for msg in (wire.ResponseGet(response_id="resp_1"), wire.ResponseDelete(response_id="resp_1")):
+        reply = service.handle(msg)
+        assert isinstance(reply, wire.Error) and reply.code == "not_found"
+
+    service.handle(put)
+    later = time.time() + 61
+    monkeypatch.setattr("services.session_store.db.time.time", lambda: later)
+    assert service.handle(wire.ResponseGet(response_id="resp_1")).code == "not_found"  # past its TTL
+    assert service.store.expire_responses() == 1
+
+
+def test_a_malformed_response_put_is_refused_on_the_wire():
+    bad = msgspec.msgpack.encode({"type": "response_put", "response_id": "r", "owner": "a", "body": "{}",
+                                  "input_items": "[]", "conversation": "[]", "ttl_s": 0})
+    with pytest.raises(wire.WireError, match="ttl_s"):
+        wire.decode(bad)
