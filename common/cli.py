@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from common import cli_ops, wire
 from common.config import Distributed, Settings, get_settings
 from common.sockets import probe_health
-from common.startup_checks import busy_ports, gateway_answer, judge_gateway
+from common.startup_checks import busy_ports, gateway_answer, judge_gateway, peer_security
 from common.supervisor import (
     SERVICES,
     program_states,
@@ -34,6 +34,12 @@ def worker(settings: Settings, scheduler: str) -> int:
     """``tiller worker``: one worker in the foreground, joining the scheduler at ``scheduler``
     (its worker endpoint, e.g. tcp://host-a:5557)."""
     env = dict(os.environ, TILLER_WORKER_ENDPOINT=scheduler or settings.endpoint("worker"), PYTHONUNBUFFERED="1")
+    security = peer_security(settings.model_copy(update={"worker_endpoint": env["TILLER_WORKER_ENDPOINT"]}))
+    if security.refusal:
+        print(f"The worker cannot start: {security.refusal}", file=sys.stderr)
+        return 1
+    for note in security.notes:
+        print(note, file=sys.stderr, flush=True)
     print(f"Worker joining the scheduler at {env['TILLER_WORKER_ENDPOINT']} (model {settings.model}) ...", flush=True)
     os.execve(sys.executable, [sys.executable, "-m", "services.worker"], env)
     return 1  # not reached
@@ -77,8 +83,8 @@ async def _wait_ready(settings: Settings) -> tuple[bool, str]:
         broken = [name for name, state in states.items() if state in ("FATAL", "BACKOFF", "EXITED")]
         if broken:
             return False, f"service(s) failed to start: {', '.join(broken)} (see {settings.run_dir}/logs/)"
-        store = await probe_health(settings.endpoint("session_store"), timeout=1.0)
-        scheduler = await probe_health(settings.endpoint("scheduler"), timeout=2.0)
+        store = await probe_health(settings.endpoint("session_store"), timeout=1.0, curve=settings.curve)
+        scheduler = await probe_health(settings.endpoint("scheduler"), timeout=2.0, curve=settings.curve)
         if scheduler is not None:
             worker = (scheduler.facts or wire.ModelFacts()).worker
             if worker.stage == "failed":
@@ -106,6 +112,12 @@ def up(settings: Settings, foreground: bool = False) -> int:
         print("Tiller cannot start: " + "; ".join(f"{p.describe()} is in use" for p in busy)
               + " (stop what holds it or move Tiller with that variable)", file=sys.stderr)
         return 1
+    security = peer_security(settings)
+    if security.refusal:
+        print(f"Tiller cannot start: {security.refusal}", file=sys.stderr)
+        return 1
+    for note in security.notes:
+        print(note, file=sys.stderr, flush=True)
     conf = write_conf(settings, foreground)
     if foreground:
         os.execve(sys.executable, [sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)],

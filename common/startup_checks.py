@@ -1,6 +1,7 @@
 """What ``tiller up`` checks before and while it starts the services: that the ports it will bind are
-free, and that what answers on the HTTP port is the gateway it started (not another server that
-held the port while ours crash-loops on "address already in use")."""
+free, that its peers' sockets are guarded (CURVE keys that load, owner-only ipc directories; tcp
+without keys is said loudly), and that what answers on the HTTP port is the gateway it started (not
+another server that held the port while ours crash-loops on "address already in use")."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import socket
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from common.config import Settings
+from common.curve import CurveError, is_tcp, keys_of
+from common.sockets import owner_only_dir
 
 _ZMQ_ENDPOINTS = ("scheduler", "worker", "controller_main", "controller_side", "session_store")
 
@@ -38,6 +42,38 @@ def ports_to_bind(settings: Settings) -> list[Port]:
         if parts.scheme == "tcp" and parts.port:
             ports.append(Port("0.0.0.0", parts.port, f"TILLER_{name.upper()}_ENDPOINT"))
     return ports
+
+
+@dataclass(frozen=True)
+class PeerSecurity:
+    refusal: str  # why the stack must not start ('' when it may)
+    notes: list[str]  # what was fixed, and what is unguarded
+
+
+def peer_security(settings: Settings) -> PeerSecurity:
+    """Load the CURVE keys (a bad one refuses the start), make the run directory and every ipc socket
+    directory owner-only (another user's refuses), and name the tcp endpoints left plaintext."""
+    endpoints = {name: settings.endpoint(name) for name in _ZMQ_ENDPOINTS}
+    try:
+        keys = keys_of(settings.curve)
+    except CurveError as exc:
+        return PeerSecurity(str(exc), [])
+    directories = {settings.run_dir.resolve()}
+    directories |= {Path(e[len("ipc://"):]).parent for e in endpoints.values() if e.startswith("ipc://")}
+    notes = []
+    for directory in sorted(directories):
+        try:
+            fixed = owner_only_dir(directory)
+        except PermissionError as exc:
+            return PeerSecurity(str(exc), [])
+        if fixed is not None:
+            notes.append(fixed)
+    plaintext = [f"{name} {endpoint}" for name, endpoint in endpoints.items() if is_tcp(endpoint)]
+    if plaintext and keys is None:
+        notes.append("WARNING: tcp:// endpoints without CURVE keys (" + ", ".join(plaintext) + "): any host that "
+                     "reaches these ports can join as a worker or gateway and read every prompt, unencrypted. "
+                     "Make keys with `tiller keys` and set curve.secret_key (docs/security.md).")
+    return PeerSecurity("", notes)
 
 
 def port_is_free(port: Port) -> bool:

@@ -70,7 +70,7 @@ class Stack:
 
     def scheduler_health(self) -> dict[str, Any]:
         async def probe() -> dict[str, Any]:
-            reply = await probe_health(self.settings.endpoint("scheduler"), timeout=5.0)
+            reply = await probe_health(self.settings.endpoint("scheduler"), timeout=5.0, curve=self.settings.curve)
             assert reply is not None, "the scheduler did not answer Health"
             return {"ready": reply.ready, **msgspec.to_builtins(reply.facts)}
 

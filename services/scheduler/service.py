@@ -90,10 +90,10 @@ class Scheduler:
                                   lambda stop, **options: TextStream(tokenizer, stop=stop, **options),
                                   place=self.placement, worker_gone=self.placement.forget)
         ctx = zmq.asyncio.Context.instance()
-        self.frontend = Router(ctx, settings.endpoint("scheduler"))
-        self.worker_router = Router(ctx, settings.endpoint("worker"), heartbeat_s=(
+        self.frontend = Router(ctx, settings.endpoint("scheduler"), curve=settings.curve)
+        self.worker_router = Router(ctx, settings.endpoint("worker"), curve=settings.curve, heartbeat_s=(
             settings.distributed.heartbeat_s, settings.distributed.heartbeat_timeout_s))
-        self.channel = MainChannel(settings.endpoint("controller_main"))
+        self.channel = MainChannel(settings.endpoint("controller_main"), settings.curve)
         self.gateways_seen: dict[bytes, float] = {}  # gateways that send heartbeats -> when last heard from
         self.flights: dict[bytes, deque[InFlight]] = defaultdict(deque)  # worker -> its steps in flight, oldest first
         self.waiter: asyncio.Future[None] | None = None  # the step loop's sleep, while it sleeps

@@ -31,7 +31,7 @@ from common import wire
 from common.config import Settings
 from common.errors import WireError
 from common.incarnation import process_incarnation
-from common.sockets import heartbeat
+from common.sockets import connect, heartbeat
 from services.worker.engine import Engine
 from services.worker.model_loader import load_model, return_freed_memory
 from services.worker.tensor_parallel import Ranks, start_followers
@@ -117,7 +117,7 @@ class WorkerService:
         """Serve until interrupted."""
         # Every (re)connection gets a hello: a restarted scheduler learns of a ready worker at once.
         monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
-        self.sock.connect(self.endpoint)
+        connect(self.sock, self.endpoint, self.settings.curve)
         self.log.info("worker.start", worker_id=self.worker_id, endpoint=self.endpoint, model=self.settings.model)
         self.loader.start()
         poller = zmq.Poller()
