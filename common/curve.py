@@ -64,18 +64,15 @@ def load_public(path: Path) -> bytes:
 def load_secret(path: Path) -> tuple[bytes, bytes]:
     """(public, secret) from a ``.key_secret`` file, which only its owner may read (as ssh insists)."""
     try:
-        mode = path.stat().st_mode
-    except OSError as exc:
-        raise CurveError(f"curve: cannot read the secret key {path}: {exc}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise CurveError(f"curve: the secret key {path} is readable by others (mode {stat.filemode(mode)}): "
-                         f"`chmod 600 {path}`, and make a new pair if others may have copied it")
-    try:
         public, secret = zmq.auth.load_certificate(path)
+        mode = path.stat().st_mode
     except (OSError, ValueError) as exc:
         raise CurveError(f"curve: cannot read the secret key {path}: {exc}") from None
     if secret is None:
         raise CurveError(f"curve: {path} holds a public key only; secret_key names the NAME.key_secret file")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise CurveError(f"curve: the secret key {path} is readable by others (mode {stat.filemode(mode)}): "
+                         f"`chmod 600 {path}`, and make a new pair if others may have copied it")
     return public, secret
 
 

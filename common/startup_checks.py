@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -45,19 +46,27 @@ def ports_to_bind(settings: Settings) -> list[Port]:
 
 
 @dataclass(frozen=True)
-class PeerSecurity:
+class SecurityCheck:
     refusal: str  # why the stack must not start ('' when it may)
     notes: list[str]  # what was fixed, and what is unguarded
 
 
-def peer_security(settings: Settings) -> PeerSecurity:
-    """Load the CURVE keys (a bad one refuses the start), make the run directory and every ipc socket
-    directory owner-only (another user's refuses), and name the tcp endpoints left plaintext."""
+def check_security(settings: Settings) -> SecurityCheck:
+    """Load the CURVE keys and the TLS certificate (a bad one refuses the start), make the run directory
+    and every ipc socket directory owner-only (another user's refuses), and name the tcp endpoints
+    left plaintext."""
     endpoints = {name: settings.endpoint(name) for name in _ZMQ_ENDPOINTS}
     try:
         keys = keys_of(settings.curve)
     except CurveError as exc:
-        return PeerSecurity(str(exc), [])
+        return SecurityCheck(str(exc), [])
+    if settings.tls.certfile is not None and settings.tls.keyfile is not None:
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(settings.tls.certfile,
+                                                                                settings.tls.keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            return SecurityCheck(f"tls: cannot serve with certfile {settings.tls.certfile} and keyfile "
+                                 f"{settings.tls.keyfile}: {exc}", [])
     directories = {settings.run_dir.resolve()}
     directories |= {Path(e[len("ipc://"):]).parent for e in endpoints.values() if e.startswith("ipc://")}
     notes = []
@@ -65,7 +74,7 @@ def peer_security(settings: Settings) -> PeerSecurity:
         try:
             fixed = owner_only_dir(directory)
         except PermissionError as exc:
-            return PeerSecurity(str(exc), [])
+            return SecurityCheck(str(exc), [])
         if fixed is not None:
             notes.append(fixed)
     plaintext = [f"{name} {endpoint}" for name, endpoint in endpoints.items() if is_tcp(endpoint)]
@@ -73,7 +82,7 @@ def peer_security(settings: Settings) -> PeerSecurity:
         notes.append("WARNING: tcp:// endpoints without CURVE keys (" + ", ".join(plaintext) + "): any host that "
                      "reaches these ports can join as a worker or gateway and read every prompt, unencrypted. "
                      "Make keys with `tiller keys` and set curve.secret_key (docs/security.md).")
-    return PeerSecurity("", notes)
+    return SecurityCheck("", notes)
 
 
 def port_is_free(port: Port) -> bool:
@@ -101,9 +110,14 @@ class GatewayAnswer:
 def gateway_answer(settings: Settings, timeout: float = 2.0) -> GatewayAnswer | None:
     """What answers ``GET /health`` on the HTTP port, or None when nothing does."""
     host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(settings.http_host, settings.http_host)  # bound everywhere
-    url = f"http://{host}:{settings.http_port}/health"
+    url = f"{'https' if settings.tls.enabled else 'http'}://{host}:{settings.http_port}/health"
+    # our own gateway is asked for its pid: its certificate need not name this address, nor be trusted here
+    context = None
+    if settings.tls.enabled:
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
             status, raw = response.status, response.read()
     except urllib.error.HTTPError as exc:  # a 503 while loading still names its pid
         status, raw = exc.code, exc.read()

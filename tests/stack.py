@@ -38,11 +38,11 @@ class Stack:
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.settings.http_port}"
+        return f"http{'s' if self.settings.tls.enabled else ''}://127.0.0.1:{self.settings.http_port}"
 
     @property
     def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.settings.http_port}/generate"
+        return f"ws{'s' if self.settings.tls.enabled else ''}://127.0.0.1:{self.settings.http_port}/generate"
 
     def _cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "common.cli", *args], env=self.env, cwd=self.root,
