@@ -22,8 +22,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
-from zmq.utils.monitor import parse_monitor_message
 
+from common import socket_events
 from common.config import Curve
 
 log = structlog.get_logger()
@@ -183,7 +183,6 @@ class _Authenticator(ThreadAuthenticator):
 
 _authenticators: dict[int, _Authenticator] = {}  # by the underlying context: one ZAP handler per context
 _lock = threading.Lock()
-_monitors = 0
 
 
 def _authenticate(sock: zmq.Socket, keys: Keys) -> None:
@@ -200,35 +199,26 @@ def _authenticate(sock: zmq.Socket, keys: Keys) -> None:
 
 def _watch_handshakes(sock: zmq.Socket, endpoint: str) -> None:
     """Log each peer whose handshake fails before ZAP is asked (one without a key, or with a key made for
-    another server): ZeroMQ says so only on a monitor, read here on a thread of its own."""
-    global _monitors
-    with _lock:
-        _monitors += 1
-        address = f"inproc://tiller-curve-monitor-{os.getpid()}-{_monitors}"
-    sock.monitor(address, _HANDSHAKE_FAILURES | zmq.EVENT_MONITOR_STOPPED)
-    context = zmq.Context.shadow(sock.context.underlying)
+    another server): ZeroMQ says so only on the socket's monitor."""
     fields = dict(structlog.contextvars.get_contextvars())
     refusals = RefusalLog()
 
-    def watch() -> None:
-        monitor = context.socket(zmq.PAIR)
-        monitor.connect(address)
-        try:
-            while True:
-                try:
-                    event = parse_monitor_message(monitor.recv_multipart())
-                except zmq.ContextTerminated:
-                    return
-                if event["event"] == zmq.EVENT_MONITOR_STOPPED:
-                    return
-                if (unlogged := refusals.due(int(event["value"]), time.monotonic())) is not None:
-                    log.warning("curve.refused", **fields, endpoint=endpoint, reason="handshake failed: no key, "
-                                "or a key for another server", zmq_event=event["event"].name,
-                                code=hex(event["value"]), since_last=unlogged)
-        finally:
-            monitor.close(0)
+    def refused(event: zmq.Event, value: int) -> None:
+        if (unlogged := refusals.due(value, time.monotonic())) is not None:
+            log.warning("curve.refused", **fields, endpoint=endpoint, reason="handshake failed: no key, or a key "
+                        "for another server", zmq_event=event.name, code=hex(value), since_last=unlogged)
 
-    threading.Thread(target=watch, name="curve-monitor", daemon=True).start()
+    socket_events.watch(sock, _HANDSHAKE_FAILURES, refused)
+
+
+def refused_by_server(event: int, endpoint: str, curve: Curve) -> str:
+    """What a client whose handshake with ``endpoint`` failed (``event``) is told; ZeroMQ does not retry it."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"{endpoint} refused this host's key (curve.secret_key {curve.secret_key}): add its public key "
+                f"(the NAME.key beside it) to the curve.authorized_keys directory of the host serving {endpoint}")
+    mine = "has no CURVE key" if curve.secret_key is None else "has a CURVE key"
+    return (f"the handshake with {endpoint} failed: this host {mine}; both ends need keys (or neither), and "
+            f"curve.server_key must be the public key of the host serving {endpoint}")
 
 
 def server_side(sock: zmq.Socket, endpoint: str, curve: Curve) -> None:

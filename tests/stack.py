@@ -92,6 +92,12 @@ class Stack:
         self._cli("down", check=False)
 
 
+def settings_of(env: dict[str, str]) -> Settings:
+    """The services' own view of the environment ``env``."""
+    with mock.patch.dict(os.environ, env, clear=True):
+        return Settings()
+
+
 def served_settings() -> dict[str, str]:
     """This process's TILLER_* settings for a benchmark's stack, which serves what a deployment
     serves: the configured weights, else the default (not the fp32 that :func:`start_stack` holds
@@ -113,8 +119,6 @@ def start_stack(run_dir: Path, root: Path = ROOT, **env_overrides: str) -> Stack
         PYTHONPATH=os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
     )
     env.update(env_overrides)
-    with mock.patch.dict(os.environ, env, clear=True):
-        settings = Settings()  # the services' own view of this environment
-    stack = Stack(run_dir=run_dir, env=env, settings=settings, root=root)
+    stack = Stack(run_dir=run_dir, env=env, settings=settings_of(env), root=root)
     stack.up()
     return stack
