@@ -27,13 +27,13 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "deploy" / "loadtest" / "bench_stack.py"
 
 
-def run_once(tree: Path, args: argparse.Namespace, out: Path) -> dict:
-    """One ``bench_stack.py`` run served from ``tree``; its figures."""
+def run_once(tree: Path, args: argparse.Namespace, out: Path, env: dict[str, str] | None = None) -> dict:
+    """One ``bench_stack.py`` run served from ``tree`` (with ``env``: this environment and more); its figures."""
     command = [sys.executable, str(BENCH), "--tokens", str(args.tokens), "--streams", str(args.streams),
                "--serve-from", str(tree), "--json", str(out)]
     if args.cpu_proxy:
         command.append("--cpu-proxy")
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=None if env is None else {**os.environ, **env})
     if done.returncode != 0:
         raise SystemExit(f"bench_stack.py failed for {tree}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return json.loads(out.read_text())
@@ -76,19 +76,28 @@ def main() -> None:
             for name in order:
                 figures = run_once(trees[name], args, work / f"{round_no}-{order.index(name)}.json")
                 runs[name].append(figures)
-                print(f"round {round_no + 1} {name:>10}: 1 stream {figures['single_tok_s']:7.1f} tok/s, CPU µs/token "
-                      f"{cpu_us(figures, 'single')}; {args.streams} streams {figures['many_tok_s']:7.1f} tok/s, "
-                      f"CPU µs/token {cpu_us(figures, 'many')}  [load {os.getloadavg()[0]:.1f}]", flush=True)
+                print_round(round_no, name, figures, args.streams)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, capture_output=True)
-    print(f"{'median over the rounds':28s} {'this':>10} {args.base:>10} {'ratio':>8} {'paired':>8}")
-    for figure, value in figures_of(args.streams).items():
-        mine = [value(f) for f in runs["this"]]
-        theirs = [value(f) for f in runs[args.base]]
+    report(runs, "this", args.base, args.streams)
+
+
+def print_round(round_no: int, name: str, figures: dict, streams: int) -> None:
+    print(f"round {round_no + 1} {name:>10}: 1 stream {figures['single_tok_s']:7.1f} tok/s, CPU µs/token "
+          f"{cpu_us(figures, 'single')}; {streams} streams {figures['many_tok_s']:7.1f} tok/s, "
+          f"CPU µs/token {cpu_us(figures, 'many')}  [load {os.getloadavg()[0]:.1f}]", flush=True)
+
+
+def report(runs: dict[str, list[dict]], mine_name: str, theirs_name: str, streams: int) -> None:
+    """Per figure, the medians of both sides' rounds, their ratio and the median of the rounds' own ratios."""
+    print(f"{'median over the rounds':28s} {mine_name:>10} {theirs_name:>10} {'ratio':>8} {'paired':>8}")
+    for figure, value in figures_of(streams).items():
+        mine = [value(f) for f in runs[mine_name]]
+        theirs = [value(f) for f in runs[theirs_name]]
         paired = statistics.median(a / b for a, b in zip(mine, theirs))
         print(f"{figure:28s} {statistics.median(mine):10.1f} {statistics.median(theirs):10.1f} "
               f"{statistics.median(mine) / statistics.median(theirs):8.3f} {paired:8.3f}")
-    print("ratio: this tree's median / the other's; paired: the median of the rounds' own ratios "
+    print(f"ratio: {mine_name}'s median / {theirs_name}'s; paired: the median of the rounds' own ratios "
           "(each round's two runs ran back to back)")
 
 
