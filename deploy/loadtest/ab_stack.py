@@ -55,14 +55,19 @@ def figures_of(streams: int) -> dict[str, Callable[[dict], float]]:
     }
 
 
+def add_round_arguments(parser: argparse.ArgumentParser, rounds: int, tokens: int, streams: int) -> None:
+    """The options of alternated bench_stack.py rounds (what :func:`run_once` reads), with these defaults."""
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--tokens", type=int, default=tokens)
+    parser.add_argument("--streams", type=int, default=streams)
+    parser.add_argument("--cpu-proxy", action=argparse.BooleanOptionalAction, default=True,
+                        help="bench_stack.py's tiny model, torch on one thread (the default)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the git revision to compare this checkout against")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--cpu-proxy", action=argparse.BooleanOptionalAction, default=True,
-                        help="bench_stack.py's tiny model, torch on one thread (the default)")
+    add_round_arguments(parser, rounds=4, tokens=256, streams=8)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tiller-ab-"))
     base = work / "base"

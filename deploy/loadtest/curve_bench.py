@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "deploy" / "loadtest"))
 
-from ab_stack import print_round, report, run_once  # noqa: E402
+from ab_stack import add_round_arguments, print_round, report, run_once  # noqa: E402
 from common.curve import make_key_pair  # noqa: E402
 from tests.stack import free_port  # noqa: E402
 
@@ -27,11 +27,7 @@ ENDPOINTS = ("SCHEDULER", "WORKER", "CONTROLLER_MAIN", "CONTROLLER_SIDE", "SESSI
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--cpu-proxy", action=argparse.BooleanOptionalAction, default=True,
-                        help="bench_stack.py's tiny model, torch on one thread (the default: a GPU-short step)")
+    add_round_arguments(parser, rounds=2, tokens=128, streams=16)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tiller-curve-bench-"))
     _, secret = make_key_pair(work / "keys", "bench")

@@ -18,8 +18,10 @@ import pytest
 import zmq.auth
 
 from common.curve import make_key_pair
-from tests.e2e.test_hosts import READY_S, WORKER_PORT, Cluster, _completions, _ids
+from tests.e2e.test_hosts import READY_S, WORKER_PORT, Cluster, _completions, _ids, brought_up
+from tests.e2e.test_hosts import tokenizer  # noqa: F401 (a fixture)
 from tests.netns import Hosts, unavailable
+from tests.stack import Stack
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
 
@@ -55,6 +57,10 @@ class KeyedCluster:
             self.cluster.start_worker(self.keyless),
         ]
 
+    @property
+    def stack(self) -> Stack:
+        return self.cluster.stack
+
     def worker_log(self, host) -> str:
         return (self.cluster.run_dir / f"{host.name}.log").read_text(errors="replace")
 
@@ -65,21 +71,7 @@ class KeyedCluster:
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedCluster]:
-    with Hosts(others=3) as hosts:
-        made = KeyedCluster(hosts, tmp_path_factory.mktemp("curve-hosts"))
-        try:
-            made.up()
-            yield made
-        finally:
-            made.cluster.stack.down()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from common.config import Settings
-    from common.model_source import load_tokenizer
-
-    return load_tokenizer(Settings())
+    yield from brought_up(3, tmp_path_factory.mktemp("curve-hosts"), KeyedCluster)
 
 
 def _refused(keyed: KeyedCluster, worker: subprocess.Popen[bytes], host) -> str:

@@ -12,8 +12,9 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import httpx
@@ -29,6 +30,7 @@ from tests.stack import ROOT, Stack, free_port, settings_of
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
 
+T = TypeVar("T")
 WORKER_PORT = 5557
 READY_S = 300
 MODEL = Settings().served_model_name
@@ -99,15 +101,21 @@ class Cluster:
         return {w["worker"]: w["placed"] for w in self.workers()}
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with Hosts(others=2) as hosts:
-        made = Cluster(hosts, tmp_path_factory.mktemp("hosts"))
+def brought_up(others: int, run_dir: Path, make: Callable[[Hosts, Path], T]) -> Iterator[T]:
+    """``make(hosts, run_dir)`` on ``others`` hosts besides the hub, up (``up()``) until the caller is done,
+    then its stack down and the hosts gone: the body of a cluster fixture."""
+    with Hosts(others=others) as hosts:
+        made = make(hosts, run_dir)
         try:
             made.up()
             yield made
         finally:
             made.stack.down()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    yield from brought_up(2, tmp_path_factory.mktemp("hosts"), Cluster)
 
 
 def _completion(client: httpx.Client, prompt: list[int], max_tokens: int) -> httpx.Response:
