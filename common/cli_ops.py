@@ -48,8 +48,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     cache = sub.add_parser("cache", help="list the converted models in cache_dir; `clean` removes stale ones")
     cache.add_argument("action", nargs="?", choices=("list", "clean"), default="list")
     cache.add_argument("--all", action="store_true", help="with clean: also the current model's conversion")
-    keys = sub.add_parser("keys", help="make this host's CurveZMQ key pair (NAME.key public, NAME.key_secret owner-only)")
-    keys.add_argument("directory", nargs="?", type=Path, default=Path("keys"), help="where to write them (default: ./keys)")
+    keys = sub.add_parser("keys", help="make this host's CurveZMQ key pair (NAME.key public, NAME.key_secret "
+                          "owner-only)")
+    keys.add_argument("directory", nargs="?", type=Path, default=Path("keys"),
+                      help="where to write them (default: ./keys)")
     keys.add_argument("--name", default=socket.gethostname(), help="the pair's file name (default: this host's name)")
 
 

@@ -175,7 +175,8 @@ class _Authenticator(ThreadAuthenticator):
             address = msg[3].decode(errors="replace") if len(msg) > 3 else ""
             key = z85.encode(msg[6]).decode() if len(msg) > 6 and len(msg[6]) == 32 else ""
             if (unlogged := self._refusals.due((address, key), time.monotonic())) is not None:
-                self._log.warning("curve.refused", address=address, key=key, reason=status_text.decode(errors="replace"),
+                self._log.warning("curve.refused", address=address, key=key,
+                                  reason=status_text.decode(errors="replace"),
                                   mechanism=msg[5].decode(errors="replace") if len(msg) > 5 else "",
                                   since_last=unlogged)
         super()._send_zap_reply(request_id, status_code, status_text, user_id)

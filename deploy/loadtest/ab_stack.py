@@ -33,7 +33,8 @@ def run_once(tree: Path, args: argparse.Namespace, out: Path, env: dict[str, str
                "--serve-from", str(tree), "--json", str(out)]
     if args.cpu_proxy:
         command.append("--cpu-proxy")
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=None if env is None else {**os.environ, **env})
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                          env=None if env is None else {**os.environ, **env})
     if done.returncode != 0:
         raise SystemExit(f"bench_stack.py failed for {tree}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return json.loads(out.read_text())

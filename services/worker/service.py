@@ -38,7 +38,7 @@ from services.worker.model_loader import load_model, return_freed_memory
 from services.worker.tensor_parallel import Ranks, start_followers
 from services.worker.threads import thread_governor
 
-HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL  # the scheduler refused our keys
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL  # the scheduler refused us
 LOADING_HELLO_INTERVAL_S = 1.0
 FAILED_HELLO_INTERVAL_S = 2.0
 SILENT_SCHEDULER_HELLO_S = 5.0

@@ -37,8 +37,8 @@ class KeyedCluster:
         authorized.mkdir()
         (authorized / "listed.key").write_bytes(self.listed_public.read_bytes())
         hub = hosts.hub.address
-        endpoints = {name: f"tcp://{hub}:{port}" for name, port in
-                     (("SCHEDULER", 5551), ("CONTROLLER_MAIN", 5552), ("CONTROLLER_SIDE", 5553), ("SESSION_STORE", 5554))}
+        ports = {"SCHEDULER": 5551, "CONTROLLER_MAIN": 5552, "CONTROLLER_SIDE": 5553, "SESSION_STORE": 5554}
+        endpoints = {name: f"tcp://{hub}:{port}" for name, port in ports.items()}
         self.cluster = Cluster(hosts, run_dir, TILLER_CURVE__SECRET_KEY=str(hub_secret),
                                TILLER_CURVE__AUTHORIZED_KEYS=str(authorized),
                                **{f"TILLER_{name}_ENDPOINT": endpoint for name, endpoint in endpoints.items()})
