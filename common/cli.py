@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from common import cli_ops, wire
 from common.config import Distributed, Settings, get_settings
 from common.sockets import probe_health
-from common.startup_checks import busy_ports, gateway_answer, judge_gateway
+from common.startup_checks import busy_ports, gateway_answer, judge_gateway, check_security
 from common.supervisor import (
     SERVICES,
     program_states,
@@ -30,10 +30,23 @@ __all__ = ["main", "supervisorctl"]
 READY_POLL_S = 0.2  # how often `tiller up` asks whether the services are ready (each ask costs ~ms of CPU)
 
 
+def _secure_enough(settings: Settings, who: str) -> bool:
+    """Say what :func:`check_security` fixed or found unguarded; False (said why) when it refuses the start."""
+    security = check_security(settings)
+    if security.refusal:
+        print(f"{who} cannot start: {security.refusal}", file=sys.stderr)
+        return False
+    for note in security.notes:
+        print(note, file=sys.stderr, flush=True)
+    return True
+
+
 def worker(settings: Settings, scheduler: str) -> int:
     """``tiller worker``: one worker in the foreground, joining the scheduler at ``scheduler``
     (its worker endpoint, e.g. tcp://host-a:5557)."""
     env = dict(os.environ, TILLER_WORKER_ENDPOINT=scheduler or settings.endpoint("worker"), PYTHONUNBUFFERED="1")
+    if not _secure_enough(settings.model_copy(update={"worker_endpoint": env["TILLER_WORKER_ENDPOINT"]}), "The worker"):
+        return 1
     print(f"Worker joining the scheduler at {env['TILLER_WORKER_ENDPOINT']} (model {settings.model}) ...", flush=True)
     os.execve(sys.executable, [sys.executable, "-m", "services.worker"], env)
     return 1  # not reached
@@ -77,8 +90,8 @@ async def _wait_ready(settings: Settings) -> tuple[bool, str]:
         broken = [name for name, state in states.items() if state in ("FATAL", "BACKOFF", "EXITED")]
         if broken:
             return False, f"service(s) failed to start: {', '.join(broken)} (see {settings.run_dir}/logs/)"
-        store = await probe_health(settings.endpoint("session_store"), timeout=1.0)
-        scheduler = await probe_health(settings.endpoint("scheduler"), timeout=2.0)
+        store = await probe_health(settings.endpoint("session_store"), timeout=1.0, curve=settings.curve)
+        scheduler = await probe_health(settings.endpoint("scheduler"), timeout=2.0, curve=settings.curve)
         if scheduler is not None:
             worker = (scheduler.facts or wire.ModelFacts()).worker
             if worker.stage == "failed":
@@ -106,6 +119,8 @@ def up(settings: Settings, foreground: bool = False) -> int:
         print("Tiller cannot start: " + "; ".join(f"{p.describe()} is in use" for p in busy)
               + " (stop what holds it or move Tiller with that variable)", file=sys.stderr)
         return 1
+    if not _secure_enough(settings, "Tiller"):
+        return 1
     conf = write_conf(settings, foreground)
     if foreground:
         os.execve(sys.executable, [sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)],
@@ -122,14 +137,14 @@ def up(settings: Settings, foreground: bool = False) -> int:
         print(f"Tiller did not come up: {reason}", file=sys.stderr)
         down(settings)  # nothing half-started stays behind (a crash-looping gateway, say); the logs stay
         return 1
-    host = settings.http_host
+    host, tls = settings.http_host, "s" if settings.tls.enabled else ""
     print(
         "Tiller is up:\n"
-        f"  WebSocket   ws://{host}:{settings.http_port}/generate\n"
-        f"  REST        http://{host}:{settings.http_port}/v1/generate\n"
-        f"  OpenAI API  http://{host}:{settings.http_port}/v1\n"
-        f"  health      http://{host}:{settings.http_port}/health\n"
-        f"  gRPC        {host}:{settings.grpc_port}\n"
+        f"  WebSocket   ws{tls}://{host}:{settings.http_port}/generate\n"
+        f"  REST        http{tls}://{host}:{settings.http_port}/v1/generate\n"
+        f"  OpenAI API  http{tls}://{host}:{settings.http_port}/v1\n"
+        f"  health      http{tls}://{host}:{settings.http_port}/health\n"
+        f"  gRPC        {host}:{settings.grpc_port}{' (TLS)' if tls else ''}\n"
         f"  logs        {settings.run_dir.resolve()}/logs/ (`tiller logs [SERVICE]`)\n"
         f"  supervisor  supervisorctl -c {conf} status\n"
         "Stop it with `make down` (or `tiller down`).",

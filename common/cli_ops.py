@@ -1,8 +1,10 @@
-"""``tiller ps | restart | logs | check | cache``: operations on a running stack and on the model cache.
+"""``tiller ps | restart | logs | check | cache | keys``: operations on a running stack, on the model cache,
+and the CurveZMQ key pair of a host.
 
 ``ps``, ``restart`` and ``logs`` act on the supervisord that ``tiller up`` started in this run
 directory; ``check`` asks one service whether it is ready (the container healthchecks use it, where
-each service runs alone); ``cache`` lists and cleans the converted models in ``cache_dir``.
+each service runs alone); ``cache`` lists and cleans the converted models in ``cache_dir``; ``keys``
+writes a host's key pair (docs/security.md).
 """
 
 from __future__ import annotations
@@ -11,16 +13,19 @@ import argparse
 import asyncio
 import os
 import shutil
+import socket
 import sys
+from pathlib import Path
 
 from common import aici_wire, model_cache, wire
 from common.model_source import cache_entries_in_use
 from common.config import Settings
-from common.sockets import probe_health
+from common.curve import CurveError, make_key_pair
+from common.sockets import connect, probe_health
 from common.startup_checks import gateway_answer
 from common.supervisor import SERVICES, program_status, supervisorctl
 
-COMMANDS = ("ps", "restart", "logs", "check", "cache")
+COMMANDS = ("ps", "restart", "logs", "check", "cache", "keys")
 
 
 def _service(name: str) -> str:
@@ -43,6 +48,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     cache = sub.add_parser("cache", help="list the converted models in cache_dir; `clean` removes stale ones")
     cache.add_argument("action", nargs="?", choices=("list", "clean"), default="list")
     cache.add_argument("--all", action="store_true", help="with clean: also the current model's conversion")
+    keys = sub.add_parser("keys", help="make this host's CurveZMQ key pair (NAME.key public, NAME.key_secret "
+                          "owner-only)")
+    keys.add_argument("directory", nargs="?", type=Path, default=Path("keys"),
+                      help="where to write them (default: ./keys)")
+    keys.add_argument("--name", default=socket.gethostname(), help="the pair's file name (default: this host's name)")
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
@@ -56,6 +66,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         ready, note = asyncio.run(check(settings, args.service))
         print(f"{args.service}: {'ready' if ready else 'not ready'}{f' ({note})' if note else ''}")
         return 0 if ready else 1
+    if args.command == "keys":
+        return keys(args.directory, args.name)
     return cache(settings, args.action, args.all)
 
 
@@ -109,9 +121,9 @@ async def check(settings: Settings, service: str) -> tuple[bool, str]:
     if service == "controller_runtime":
         return await _ping_controller_runtime(settings)
     if service in ("scheduler", "session_store"):
-        reply = await probe_health(settings.endpoint(service), timeout=2.0)
+        reply = await probe_health(settings.endpoint(service), timeout=2.0, curve=settings.curve)
         return (reply is not None and reply.ready), "" if reply is not None else "no answer"
-    reply = await probe_health(settings.endpoint("scheduler"), timeout=2.0)
+    reply = await probe_health(settings.endpoint("scheduler"), timeout=2.0, curve=settings.curve)
     if reply is None:
         return False, "the scheduler does not answer"
     worker = (reply.facts or wire.ModelFacts()).worker
@@ -125,7 +137,7 @@ async def _ping_controller_runtime(settings: Settings) -> tuple[bool, str]:
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(settings.endpoint("controller_main"))
+        connect(sock, settings.endpoint("controller_main"), settings.curve)
         await sock.send(aici_wire.encode(aici_wire.Ping()))
         if not await sock.poll(2000):
             return False, "no answer"
@@ -149,4 +161,17 @@ def cache(settings: Settings, action: str, everything: bool) -> int:
     freed = model_cache.remove(doomed)
     print(f"removed {len(doomed)} entr{'y' if len(doomed) == 1 else 'ies'} from {settings.cache_dir}, "
           f"{freed / 2**20:.0f} MiB freed")
+    return 0
+
+
+def keys(directory: Path, name: str) -> int:
+    try:
+        public, secret = make_key_pair(directory, name)
+    except (CurveError, OSError) as exc:
+        print(f"tiller keys: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {public}  (public: copy it into the scheduler host's curve.authorized_keys directory, or, made on\n"
+          f"       the scheduler's host, to every host that connects to it as their curve.server_key)\n"
+          f"      {secret}  (this host's own pair, owner-only: curve.secret_key; never copy it elsewhere)\n"
+          f"this host: TILLER_CURVE__SECRET_KEY={secret.resolve()}")
     return 0

@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -226,6 +226,41 @@ class Distributed(BaseModel):
                                        "host that vanished without closing its TCP connections is noticed")
 
 
+class Curve(BaseModel):
+    """CurveZMQ on every ``tcp://`` ZeroMQ socket (see docs/security.md): each host has one key pair
+    (``tiller keys``); the host that binds (the scheduler's) accepts only the public keys it lists."""
+
+    model_config = ConfigDict(frozen=True)  # hashable: the keys loaded from it are cached by it
+
+    secret_key: Path | None = Field(None, description="this host's key pair, the NAME.key_secret file `tiller keys` "
+                                    "writes (owner-only); set: every tcp:// socket is encrypted and authenticated "
+                                    "and plaintext peers are refused; unset: tcp:// is plaintext (ipc:// is not "
+                                    "affected either way)")
+    server_key: Path | None = Field(None, description="the public key (NAME.key) of the host whose sockets this "
+                                    "one connects to (the scheduler's host); unset: this host's own")
+    authorized_keys: Path | None = Field(None, description="a directory of the public keys (*.key) of the hosts "
+                                         "whose workers and gateways may connect to this host's sockets; this "
+                                         "host's own key is always accepted; read again when an unknown key knocks")
+
+
+class Tls(BaseModel):
+    """TLS for clients (vLLM's --ssl-certfile/--ssl-keyfile): HTTPS and WSS on http_port, gRPC over TLS
+    on grpc_port; unset: plaintext on both."""
+
+    certfile: Path | None = Field(None, description="PEM certificate (chain) the gateway presents")
+    keyfile: Path | None = Field(None, description="PEM private key of certfile")
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> Tls:
+        if (self.certfile is None) != (self.keyfile is None):
+            raise ValueError("tls.certfile and tls.keyfile go together: set both (TLS) or neither (plaintext)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.certfile is not None
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="TILLER_",
@@ -312,6 +347,8 @@ class Settings(BaseSettings):
     controllers: Controllers = Field(default_factory=Controllers)
     api_auth: ApiAuth = Field(default_factory=ApiAuth)
     distributed: Distributed = Field(default_factory=Distributed)
+    curve: Curve = Field(default_factory=Curve)
+    tls: Tls = Field(default_factory=Tls)
     log_level: str = Field("info", description="every service's log level (structlog JSON lines in run_dir/logs)")
     gc_young_threshold: int = Field(
         50_000, ge=1, description="allocations (less deallocations) of tracked objects between two collections of "

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import itertools
+import os
+import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ import zmq
 import zmq.asyncio
 
 from common import wire
+from common.config import Curve
+from common.curve import client_side, server_side
 from common.errors import WireError
 
 log = structlog.get_logger()
@@ -33,8 +37,27 @@ class PeerLost(Exception):
 
 
 def ensure_ipc_dir(endpoint: str) -> None:
+    """Make an ipc endpoint's directory, owner-only (its sockets take any peer that can reach them)."""
     if endpoint.startswith("ipc://"):
-        Path(endpoint[len("ipc://") :]).parent.mkdir(parents=True, exist_ok=True)
+        if (fixed := owner_only_dir(Path(endpoint[len("ipc://") :]).parent)) is not None:
+            log.warning("ipc.dir_fixed", endpoint=endpoint, note=fixed)
+
+
+def owner_only_dir(directory: Path) -> str | None:
+    """Make ``directory`` if needed and see that only this user may enter it: one of ours that others
+    may enter is fixed (chmod go-rwx; what was done is returned, to be said), one of another user's is
+    refused (:class:`PermissionError`): its owner could reach or replace our sockets."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = directory.stat()
+    if info.st_uid != os.geteuid():
+        raise PermissionError(f"the ipc socket directory {directory} belongs to uid {info.st_uid}, not to this user "
+                              f"(uid {os.geteuid()}): its owner could reach or replace Tiller's sockets; use a run "
+                              f"directory of your own (TILLER_RUN_DIR)")
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        directory.chmod(stat.S_IMODE(info.st_mode) & 0o700)
+        return (f"the ipc socket directory {directory} was open to other users ({stat.filemode(info.st_mode)}); "
+                f"made owner-only (drwx------)")
+    return None
 
 
 def bind_address(endpoint: str) -> str:
@@ -50,9 +73,20 @@ def bind_address(endpoint: str) -> str:
     return endpoint
 
 
-def bind(sock: zmq.Socket, endpoint: str) -> None:
+def bind(sock: zmq.Socket, endpoint: str, curve: Curve) -> None:
+    """The one way a socket binds: CURVE server on tcp when keys are configured, an owner-only
+    directory and socket file on ipc."""
     ensure_ipc_dir(endpoint)
+    server_side(sock, endpoint, curve)
     sock.bind(bind_address(endpoint))
+    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):  # (@: an abstract socket, no file)
+        Path(endpoint[len("ipc://") :]).chmod(0o600)
+
+
+def connect(sock: zmq.Socket, endpoint: str, curve: Curve) -> None:
+    """The one way a socket connects: CURVE client on tcp when keys are configured."""
+    client_side(sock, endpoint, curve)
+    sock.connect(endpoint)
 
 
 def heartbeat(sock: zmq.Socket, interval_s: float, timeout_s: float) -> None:
@@ -132,10 +166,12 @@ class Router:
         ctx: zmq.asyncio.Context,
         endpoint: str,
         *,
+        curve: Curve | None = None,
         max_msg_bytes: int = MAX_MESSAGE_BYTES,
         heartbeat_s: tuple[float, float] | None = None,
     ) -> None:
-        """``heartbeat_s``: (interval, timeout) of ZeroMQ heartbeats on every peer's connection."""
+        """``curve``: the keys of a tcp endpoint (settings.curve; none: plaintext); ``heartbeat_s``:
+        (interval, timeout) of ZeroMQ heartbeats on every peer's connection."""
         self.endpoint = endpoint
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -143,7 +179,7 @@ class Router:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if heartbeat_s is not None:
             heartbeat(self.sock, *heartbeat_s)
-        bind(self.sock, endpoint)
+        bind(self.sock, endpoint, curve or Curve())
         self._reader: LoopReader | None = None  # with serve(): the socket, read and written without futures
 
     async def recv(self) -> tuple[bytes, wire.Message, list[bytes]]:
@@ -221,6 +257,7 @@ class Dealer:
         ctx: zmq.asyncio.Context,
         endpoint: str,
         *,
+        curve: Curve | None = None,
         identity: bytes | None = None,
         on_message: Callable[[wire.Message, list[bytes]], None] | None = None,
         immediate: bool = False,
@@ -231,7 +268,7 @@ class Dealer:
         self.sock.setsockopt(zmq.IMMEDIATE, int(immediate))
         if identity is not None:
             self.sock.setsockopt(zmq.IDENTITY, identity)
-        self.sock.connect(endpoint)
+        connect(self.sock, endpoint, curve or Curve())
         self._on_message = on_message
         self._pending: dict[int, asyncio.Future[tuple[wire.Message, list[bytes]]]] = {}
         self._mids = itertools.count(1)
@@ -298,10 +335,10 @@ class Dealer:
         self.sock.close(0)
 
 
-async def probe_health(endpoint: str, timeout: float = 2.0) -> wire.HealthReply | None:
+async def probe_health(endpoint: str, timeout: float = 2.0, curve: Curve | None = None) -> wire.HealthReply | None:
     """Ask a service for its health; None when it does not answer in time."""
     ctx = zmq.asyncio.Context.instance()
-    dealer = Dealer(ctx, endpoint)
+    dealer = Dealer(ctx, endpoint, curve=curve)
     try:
         reply, _ = await dealer.request(wire.Health(), timeout=timeout)
     except (asyncio.TimeoutError, zmq.ZMQError):

@@ -38,11 +38,11 @@ class Stack:
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.settings.http_port}"
+        return f"http{'s' if self.settings.tls.enabled else ''}://127.0.0.1:{self.settings.http_port}"
 
     @property
     def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.settings.http_port}/generate"
+        return f"ws{'s' if self.settings.tls.enabled else ''}://127.0.0.1:{self.settings.http_port}/generate"
 
     def _cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "common.cli", *args], env=self.env, cwd=self.root,
@@ -70,7 +70,7 @@ class Stack:
 
     def scheduler_health(self) -> dict[str, Any]:
         async def probe() -> dict[str, Any]:
-            reply = await probe_health(self.settings.endpoint("scheduler"), timeout=5.0)
+            reply = await probe_health(self.settings.endpoint("scheduler"), timeout=5.0, curve=self.settings.curve)
             assert reply is not None, "the scheduler did not answer Health"
             return {"ready": reply.ready, **msgspec.to_builtins(reply.facts)}
 
@@ -90,6 +90,12 @@ class Stack:
 
     def down(self) -> None:
         self._cli("down", check=False)
+
+
+def settings_of(env: dict[str, str]) -> Settings:
+    """The services' own view of the environment ``env``."""
+    with mock.patch.dict(os.environ, env, clear=True):
+        return Settings()
 
 
 def served_settings() -> dict[str, str]:
@@ -113,8 +119,6 @@ def start_stack(run_dir: Path, root: Path = ROOT, **env_overrides: str) -> Stack
         PYTHONPATH=os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
     )
     env.update(env_overrides)
-    with mock.patch.dict(os.environ, env, clear=True):
-        settings = Settings()  # the services' own view of this environment
-    stack = Stack(run_dir=run_dir, env=env, settings=settings, root=root)
+    stack = Stack(run_dir=run_dir, env=env, settings=settings_of(env), root=root)
     stack.up()
     return stack

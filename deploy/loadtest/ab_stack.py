@@ -11,6 +11,7 @@ other one, and the median of the rounds' own ratios (tokens/s above 1 and CPU be
     python deploy/loadtest/ab_stack.py --base 40b5b6c [--rounds 4] [--tokens 256] [--streams 8] [--no-cpu-proxy]
         [--weights auto fp32]
 
+``--weights`` runs each round once per ``TILLER_WEIGHTS`` setting and reports each apart;
 ``deploy/loadtest/guard.py`` runs it as the worker's speed guard.
 """
 
@@ -30,14 +31,14 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "deploy" / "loadtest" / "bench_stack.py"
 
 
-def run_once(tree: Path, args: argparse.Namespace, out: Path, weights: str | None = None) -> dict:
-    """One ``bench_stack.py`` run served from ``tree`` (with ``TILLER_WEIGHTS=weights`` when given); its figures."""
+def run_once(tree: Path, args: argparse.Namespace, out: Path, env: dict[str, str] | None = None) -> dict:
+    """One ``bench_stack.py`` run served from ``tree`` (with ``env``: this environment and more); its figures."""
     command = [sys.executable, str(BENCH), "--tokens", str(args.tokens), "--streams", str(args.streams),
                "--serve-from", str(tree), "--json", str(out)]
     if args.cpu_proxy:
         command.append("--cpu-proxy")
-    env = dict(os.environ) if weights is None else {**os.environ, "TILLER_WEIGHTS": weights}
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                          env=None if env is None else {**os.environ, **env})
     if done.returncode != 0:
         raise SystemExit(f"bench_stack.py failed for {tree}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return json.loads(out.read_text())
@@ -59,6 +60,15 @@ def figures_of(streams: int) -> dict[str, Callable[[dict], float]]:
     }
 
 
+def add_round_arguments(parser: argparse.ArgumentParser, rounds: int, tokens: int, streams: int) -> None:
+    """The options of alternated bench_stack.py rounds (what :func:`run_once` reads), with these defaults."""
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--tokens", type=int, default=tokens)
+    parser.add_argument("--streams", type=int, default=streams)
+    parser.add_argument("--cpu-proxy", action=argparse.BooleanOptionalAction, default=True,
+                        help="bench_stack.py's tiny model, torch on one thread (the default)")
+
+
 def compare(args: argparse.Namespace, weights: list[str | None]) -> None:
     """``args.rounds`` rounds of this tree against ``args.base``, once per ``weights`` setting in each
     round (None: the caller's environment), the trees' order swapping each round; prints each run,
@@ -68,45 +78,51 @@ def compare(args: argparse.Namespace, weights: list[str | None]) -> None:
     subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=ROOT, check=True,
                    capture_output=True)
     trees = {"this": ROOT, args.base: base}
-    runs: dict[tuple[str | None, str], list[dict]] = {(w, name): [] for w in weights for name in trees}
+    runs: dict[str | None, dict[str, list[dict]]] = {w: {name: [] for name in trees} for w in weights}
     try:
         for round_no in range(args.rounds):
             order = list(trees) if round_no % 2 == 0 else list(reversed(trees))
             for w in weights:
                 for name in order:
-                    figures = run_once(trees[name], args, work / f"{round_no}-{w}-{order.index(name)}.json", w)
-                    runs[(w, name)].append(figures)
-                    print(f"round {round_no + 1} {w or '':>5} {name:>10}: 1 stream {figures['single_tok_s']:7.1f} "
-                          f"tok/s, CPU µs/token {cpu_us(figures, 'single')}; {args.streams} streams "
-                          f"{figures['many_tok_s']:7.1f} tok/s, CPU µs/token {cpu_us(figures, 'many')}  "
-                          f"[load {os.getloadavg()[0]:.1f}]", flush=True)
+                    out = work / f"{round_no}-{w}-{order.index(name)}.json"
+                    figures = run_once(trees[name], args, out, None if w is None else {"TILLER_WEIGHTS": w})
+                    runs[w][name].append(figures)
+                    print_round(round_no, name if w is None else f"{w} {name}", figures, args.streams)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, capture_output=True)
     for w in weights:
-        title = f"median over the rounds{f' (weights={w})' if w else ''}"
-        print(f"{title:40s} {'this':>10} {args.base:>10} {'ratio':>8} {'paired':>8}")
-        for figure, value in figures_of(args.streams).items():
-            mine = [value(f) for f in runs[(w, "this")]]
-            theirs = [value(f) for f in runs[(w, args.base)]]
-            paired = statistics.median(a / b for a, b in zip(mine, theirs))
-            print(f"{figure:40s} {statistics.median(mine):10.1f} {statistics.median(theirs):10.1f} "
-                  f"{statistics.median(mine) / statistics.median(theirs):8.3f} {paired:8.3f}")
-    print("ratio: this tree's median / the other's; paired: the median of the rounds' own ratios "
-          "(each round's two runs ran back to back)")
+        if w is not None:
+            print(f"weights={w}")
+        report(runs[w], "this", args.base, args.streams)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the git revision to compare this checkout against")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--cpu-proxy", action=argparse.BooleanOptionalAction, default=True,
-                        help="bench_stack.py's tiny model, torch on one thread (the default)")
+    add_round_arguments(parser, rounds=4, tokens=256, streams=8)
     parser.add_argument("--weights", nargs="+", default=None,
                         help="TILLER_WEIGHTS settings to run each round, e.g. auto fp32 (default: the environment's)")
     args = parser.parse_args()
     compare(args, args.weights or [None])
+
+
+def print_round(round_no: int, name: str, figures: dict, streams: int) -> None:
+    print(f"round {round_no + 1} {name:>10}: 1 stream {figures['single_tok_s']:7.1f} tok/s, CPU µs/token "
+          f"{cpu_us(figures, 'single')}; {streams} streams {figures['many_tok_s']:7.1f} tok/s, "
+          f"CPU µs/token {cpu_us(figures, 'many')}  [load {os.getloadavg()[0]:.1f}]", flush=True)
+
+
+def report(runs: dict[str, list[dict]], mine_name: str, theirs_name: str, streams: int) -> None:
+    """Per figure, the medians of both sides' rounds, their ratio and the median of the rounds' own ratios."""
+    print(f"{'median over the rounds':28s} {mine_name:>10} {theirs_name:>10} {'ratio':>8} {'paired':>8}")
+    for figure, value in figures_of(streams).items():
+        mine = [value(f) for f in runs[mine_name]]
+        theirs = [value(f) for f in runs[theirs_name]]
+        paired = statistics.median(a / b for a, b in zip(mine, theirs))
+        print(f"{figure:28s} {statistics.median(mine):10.1f} {statistics.median(theirs):10.1f} "
+              f"{statistics.median(mine) / statistics.median(theirs):8.3f} {paired:8.3f}")
+    print(f"ratio: {mine_name}'s median / {theirs_name}'s; paired: the median of the rounds' own ratios "
+          "(each round's two runs ran back to back)")
 
 
 if __name__ == "__main__":

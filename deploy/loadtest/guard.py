@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import argparse
 
-from ab_stack import compare
+from ab_stack import add_round_arguments, compare
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the git revision to compare this checkout against")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--streams", type=int, default=16)
+    add_round_arguments(parser, rounds=3, tokens=128, streams=16)
     parser.add_argument("--weights", nargs="+", default=["auto", "fp32"])
+    parser.set_defaults(cpu_proxy=False)  # the real model, the worker's own threads
     args = parser.parse_args()
-    args.cpu_proxy = False  # the real model, the worker's own threads
     compare(args, args.weights)
 
 

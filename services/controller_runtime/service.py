@@ -54,12 +54,11 @@ class ControllerRuntime:
         self.main = self._bind(ctx, settings.endpoint("controller_main"))
         self.side = self._bind(ctx, settings.endpoint("controller_side"))
 
-    @staticmethod
-    def _bind(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
+    def _bind(self, ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        bind(sock, endpoint)
+        bind(sock, endpoint, self.settings.curve)
         return sock
 
     # -- main channel ----------------------------------------------------------------------------------

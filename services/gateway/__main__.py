@@ -21,6 +21,8 @@ def main() -> None:
         access_log=False,
         log_level=settings.log_level,
         timeout_graceful_shutdown=settings.shutdown_grace_s,
+        ssl_certfile=settings.tls.certfile,  # TLS (settings.tls): HTTPS and WSS on the same port
+        ssl_keyfile=settings.tls.keyfile,
     )
 
 

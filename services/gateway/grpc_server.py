@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import structlog
 
+from common.config import Tls
 from services.gateway import auth
 from services.gateway.deps import Gateway
 from services.gateway.evergreen import service as evergreen
@@ -85,13 +86,22 @@ async def start_grpc(gw: Gateway) -> grpc.aio.Server:
     await salience.add_to_server(server, gw)
     address = f"{settings.http_host}:{settings.grpc_port}"
     try:
-        server.add_insecure_port(address)
+        if settings.tls.enabled:
+            server.add_secure_port(address, _server_credentials(settings.tls))
+        else:
+            server.add_insecure_port(address)
     except RuntimeError as exc:
         log.error("grpc.bind_failed", address=address, error=str(exc))
         raise RuntimeError(f"cannot serve gRPC on {address} (is the port in use? set TILLER_GRPC_PORT)") from exc
     await server.start()
-    log.info("grpc.ready", address=address)
+    log.info("grpc.ready", address=address, tls=settings.tls.enabled)
     return server
+
+
+def _server_credentials(tls: Tls) -> grpc.ServerCredentials:
+    """The certificate and key of settings.tls (the ones uvicorn serves HTTPS with)."""
+    assert tls.certfile is not None and tls.keyfile is not None
+    return grpc.ssl_server_credentials([(tls.keyfile.read_bytes(), tls.certfile.read_bytes())])
 
 
 async def stop_grpc(server: grpc.aio.Server, grace_s: float) -> None:

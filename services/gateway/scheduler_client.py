@@ -65,7 +65,8 @@ class SchedulerClient:
                  text_streams: Callable[[], TextStream] | None = None) -> None:
         # immediate: a Submit that waited while the scheduler was down, and was failed here meanwhile,
         # must not reach the next scheduler (it would generate it for nobody)
-        self._dealer = Dealer(ctx, settings.endpoint("scheduler"), on_message=self._on_message, immediate=True)
+        self._dealer = Dealer(ctx, settings.endpoint("scheduler"), curve=settings.curve, on_message=self._on_message,
+                              immediate=True)
         limits = settings.limits
         self._heartbeat_s = limits.gateway_heartbeat_s
         self._watch = PeerWatch(silence_s=limits.peer_silence_s, suspect_grace_s=limits.peer_suspect_grace_s)

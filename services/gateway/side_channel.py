@@ -33,7 +33,7 @@ from common.errors import (
     TillerError,
     WireError,
 )
-from common.sockets import ensure_ipc_dir
+from common.sockets import connect, ensure_ipc_dir
 from services.gateway.auth import presented_token
 
 log = structlog.get_logger()
@@ -129,7 +129,7 @@ class SideChannel:
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self._sock.connect(endpoint)
+        connect(self._sock, endpoint, settings.curve)
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None

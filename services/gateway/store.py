@@ -60,7 +60,7 @@ class Holdings:
 
 class StoreClient:
     def __init__(self, settings: Settings, ctx: zmq.asyncio.Context) -> None:
-        self._dealer = Dealer(ctx, settings.endpoint("session_store"))
+        self._dealer = Dealer(ctx, settings.endpoint("session_store"), curve=settings.curve)
         self._background: set[asyncio.Task[None]] = set()
         self._heartbeat_s = settings.limits.gateway_heartbeat_s
         self.holdings = Holdings()

@@ -12,7 +12,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from common import aici_wire
 from common.errors import WireError
-from common.sockets import LoopReader, ensure_ipc_dir
+from common.config import Curve
+from common.sockets import LoopReader, connect, ensure_ipc_dir
 from services.scheduler.controlled import MainReply
 
 
@@ -32,8 +33,9 @@ class MainChannel:
     no pyzmq future, poll or task per message (with them, this channel took about a fifth of the scheduler's
     time in controlled runs: py-spy ``--gil`` during ``controller_bench.py --json 16``)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, curve: Curve | None = None) -> None:
         self.endpoint = endpoint
+        self.curve = curve or Curve()
         self.lock = asyncio.Lock()
         self._loop = asyncio.get_running_loop()
         self._reply: asyncio.Future | None = None  # the call waiting for its reply
@@ -55,7 +57,7 @@ class MainChannel:
         # a socket replaced after a drop must not wait out a call's timeout on a runtime that is not there
         # (another call may have seen the drop): it is down until its own monitor says connected
         self._connected.clear()
-        sock.connect(self.endpoint)
+        connect(sock, self.endpoint, self.curve)
         self.sock = sock
         self._io = LoopReader(sock, self._on_reply)
         self._events = LoopReader(self.monitor, self._on_event)

@@ -34,9 +34,8 @@ from typing import Any
 import structlog
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
 
-from common import aici_wire, wire
+from common import aici_wire, socket_events, wire
 from common.config import Settings
 from common.errors import INTERNAL_ERROR, INVALID_REQUEST
 from common.incarnation import process_incarnation
@@ -90,10 +89,10 @@ class Scheduler:
                                   lambda stop, **options: TextStream(tokenizer, stop=stop, **options),
                                   place=self.placement, worker_gone=self.placement.forget)
         ctx = zmq.asyncio.Context.instance()
-        self.frontend = Router(ctx, settings.endpoint("scheduler"))
-        self.worker_router = Router(ctx, settings.endpoint("worker"), heartbeat_s=(
+        self.frontend = Router(ctx, settings.endpoint("scheduler"), curve=settings.curve)
+        self.worker_router = Router(ctx, settings.endpoint("worker"), curve=settings.curve, heartbeat_s=(
             settings.distributed.heartbeat_s, settings.distributed.heartbeat_timeout_s))
-        self.channel = MainChannel(settings.endpoint("controller_main"))
+        self.channel = MainChannel(settings.endpoint("controller_main"), settings.curve)
         self.gateways_seen: dict[bytes, float] = {}  # gateways that send heartbeats -> when last heard from
         self.flights: dict[bytes, deque[InFlight]] = defaultdict(deque)  # worker -> its steps in flight, oldest first
         self.waiter: asyncio.Future[None] | None = None  # the step loop's sleep, while it sleeps
@@ -211,16 +210,18 @@ class Scheduler:
                 code=INVALID_REQUEST, message=f"the scheduler's worker socket does not take {type(msg).__name__} "
                                               f"messages", mid=reply_mid(msg)))
 
-    async def watch_worker_disconnects(self) -> None:
+    def watch_worker_disconnects(self) -> None:
         """A dropped worker connection makes every worker suspect until it answers again."""
-        monitor = self.worker_router.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        while True:
-            await recv_monitor_message(monitor)
-            now = time.monotonic()
-            for worker in self.core.pool.workers.values():
-                worker.suspect_since = now
-                if not self.flights.get(worker.identity):
-                    await self.worker_router.send(worker.identity, wire.Health())
+        loop = asyncio.get_running_loop()
+        socket_events.watch(self.worker_router.sock, zmq.EVENT_DISCONNECTED,
+                            lambda event, value: loop.call_soon_threadsafe(self._worker_connection_dropped))
+
+    def _worker_connection_dropped(self) -> None:
+        now = time.monotonic()
+        for worker in self.core.pool.workers.values():
+            worker.suspect_since = now
+            if not self.flights.get(worker.identity):
+                self.worker_router.post(worker.identity, wire.Health())
 
     def _suspect_expired(self, worker: WorkerInfo, now: float) -> bool:
         """Whether a worker whose peer connection dropped stayed silent past the grace."""
@@ -470,10 +471,10 @@ class Scheduler:
         log.info("scheduler.listening", frontend=self.frontend.endpoint, workers=self.worker_router.endpoint)
         self.frontend.serve(self.on_frontend_message)
         self.worker_router.serve(self.on_worker_message)
+        self.watch_worker_disconnects()
         await asyncio.gather(
             self.step_loop(),
             self.check_liveness(),
-            self.watch_worker_disconnects(),
             self.watch_runtime(),
         )
 

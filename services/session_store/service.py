@@ -32,7 +32,7 @@ class SessionStore:
         self.sessions = SalienceSessions(self.store.conn, settings.sessions.ttl_s)
         self.lease_s = settings.sessions.busy_lease_s
         self.evergreen_holders = EvergreenHolders(self.lease_s)
-        self.router = Router(zmq.asyncio.Context.instance(), settings.endpoint("session_store"))
+        self.router = Router(zmq.asyncio.Context.instance(), settings.endpoint("session_store"), curve=settings.curve)
 
     def handle(self, msg: wire.Message) -> wire.Msg:
         if isinstance(msg, wire.Health):

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import httpx
@@ -24,17 +26,20 @@ from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
 from services.gateway.salience.service import CACHED_TOKENS_TRAILER
 from tests.e2e.test_salience import generate, greedy
 from tests.netns import Host, Hosts, unavailable
-from tests.stack import ROOT, Stack, free_port
+from tests.stack import ROOT, Stack, free_port, settings_of
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
 
+T = TypeVar("T")
 WORKER_PORT = 5557
 READY_S = 300
 MODEL = Settings().served_model_name
 
 
 class Cluster:
-    def __init__(self, hosts: Hosts, run_dir: Path) -> None:
+    """``hub_env``: more of the hub's settings (TILLER_*)."""
+
+    def __init__(self, hosts: Hosts, run_dir: Path, **hub_env: str) -> None:
         self.hosts = hosts
         self.run_dir = run_dir
         self.http_port, self.grpc_port = free_port(), free_port()
@@ -53,25 +58,32 @@ class Cluster:
             TILLER_GRPC_PORT=str(self.grpc_port),
             TILLER_WORKER_ENDPOINT=f"tcp://0.0.0.0:{WORKER_PORT}",
             TILLER_READY_TIMEOUT_S=str(READY_S),
+            **hub_env,
         )
-        self.stack = Stack(run_dir / "hub", hub_env, Settings(run_dir=run_dir / "hub", http_port=self.http_port))
+        self.stack = Stack(run_dir / "hub", hub_env, settings_of(hub_env))
         (run_dir / "hub").mkdir(parents=True)
         self.url = f"http://{hosts.hub.address}:{self.http_port}"
 
-    def up(self) -> None:
+    def up(self, workers: list[tuple[Host, dict[str, str]]] | None = None,
+           ready: int = 2) -> list[subprocess.Popen[bytes]]:
+        """Start the hub and a worker on each host of ``workers`` (with its extra settings; default:
+        every other host), wait for ``ready`` of them; the workers' processes."""
         command = [sys.executable, "-m", "common.cli", "up", "--workers", "0"]
         starting = self.hosts.hub.popen(command, dict(self.stack.env), self.run_dir / "up.log")
-        for host in self.hosts.others:
-            self.start_worker(host)
+        if workers is None:
+            workers = [(host, {}) for host in self.hosts.others]
+        started = [self.start_worker(host, **env) for host, env in workers]
         if starting.wait(timeout=READY_S + 30) != 0:
             raise RuntimeError(f"tiller up failed:\n{(self.run_dir / 'up.log').read_text()}\n{self.stack.logs()}")
-        self.wait_for_workers(2)
+        self.wait_for_workers(ready)
+        return started
 
-    def start_worker(self, host: Host) -> None:
-        env = dict(self.base_env, TILLER_RUN_DIR=str(self.run_dir / host.name), TILLER_LIMITS__MAX_BATCH_SIZE="4")
+    def start_worker(self, host: Host, **extra_env: str) -> subprocess.Popen[bytes]:
+        env = dict(self.base_env, TILLER_RUN_DIR=str(self.run_dir / host.name), TILLER_LIMITS__MAX_BATCH_SIZE="4",
+                   **extra_env)
         scheduler = f"tcp://{self.hosts.hub_address_for(host)}:{WORKER_PORT}"
-        host.popen([sys.executable, "-m", "common.cli", "worker", "--scheduler", scheduler], env,
-                   self.run_dir / f"{host.name}.log")
+        return host.popen([sys.executable, "-m", "common.cli", "worker", "--scheduler", scheduler], env,
+                          self.run_dir / f"{host.name}.log")
 
     def workers(self) -> list[dict]:
         return [w for w in self.stack.scheduler_health()["workers"] if w["stage"] == "ready"]
@@ -89,15 +101,21 @@ class Cluster:
         return {w["worker"]: w["placed"] for w in self.workers()}
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with Hosts(others=2) as hosts:
-        made = Cluster(hosts, tmp_path_factory.mktemp("hosts"))
+def brought_up(others: int, run_dir: Path, make: Callable[[Hosts, Path], T]) -> Iterator[T]:
+    """``make(hosts, run_dir)`` on ``others`` hosts besides the hub, up (``up()``) until the caller is done,
+    then its stack down and the hosts gone: the body of a cluster fixture."""
+    with Hosts(others=others) as hosts:
+        made = make(hosts, run_dir)
         try:
             made.up()
             yield made
         finally:
             made.stack.down()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    yield from brought_up(2, tmp_path_factory.mktemp("hosts"), Cluster)
 
 
 def _completion(client: httpx.Client, prompt: list[int], max_tokens: int) -> httpx.Response:

@@ -41,8 +41,8 @@ class SessionStoreClient:
         # immediate: a call that timed out (UNAVAILABLE to the client) while the store was down is never
         # delivered to the restarted store; else a Generate told to retry would still commit its tokens
         # and hold the session busy later, for no turn
-        self._dealer = Dealer(ctx, settings.endpoint("session_store"), immediate=True)
-        self._scheduler = Dealer(ctx, settings.endpoint("scheduler"))
+        self._dealer = Dealer(ctx, settings.endpoint("session_store"), curve=settings.curve, immediate=True)
+        self._scheduler = Dealer(ctx, settings.endpoint("scheduler"), curve=settings.curve)
         self._drops: set[asyncio.Task[None]] = set()  # SessionDrops on their way (nobody waits for them)
 
     def close(self) -> None:
