@@ -55,7 +55,8 @@ class Limits(BaseModel):
     worker_absent_s: float = Field(30.0, gt=0, description="a request waiting for the model fails (retryable) once "
                                    "no worker has been connected for this long (a loading worker is waited for until "
                                    "request_timeout_s)")
-    rate_limit_per_minute: int = Field(0, ge=0, description="requests per client address; 0 disables")
+    rate_limit_per_minute: int = Field(0, ge=0, description="requests per user when api_auth tokens name them, else "
+                                       "per client address; 0 disables")
     worker_step_timeout_s: float = Field(60.0, gt=0)
     gateway_heartbeat_s: float = Field(1.0, gt=0, description="a gateway tells the scheduler (and the session store "
                                        "while it holds Salience leases or Evergreen sessions) it is alive this often")
@@ -200,7 +201,8 @@ class ApiAuth(BaseModel):
         "--api-key); without this, only the controller API does",
     )
     default_user: str = Field("localhost", description="the user when no token is configured and the header is absent")
-    admins: list[str] = Field(default_factory=lambda: ["localhost"], description="users who may set any tag")
+    admins: list[str] = Field(default_factory=lambda: ["localhost"], description="users who may set any tag and "
+                              "reach every user's sessions, request records and tags")
 
 
 class Distributed(BaseModel):

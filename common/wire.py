@@ -28,6 +28,14 @@ U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 Finite = Annotated[float, msgspec.Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]  # no inf, no nan
 
 
+class Principal(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Who makes a call, as the gateway identified them (``api_auth``): stored objects belong to ``user``, and
+    an ``admin`` reaches every user's (:func:`common.tenancy.may_access`)."""
+
+    user: str
+    admin: bool = False
+
+
 class Msg(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True):
     """Base of every internal message. ``mid`` matches a reply to its request."""
 
@@ -685,6 +693,7 @@ class WorkerHello(Msg, tag="worker_hello"):
 
 class RecordRequest(Msg, tag="record_request"):
     rid: str
+    owner: str  # the user whose request it is: only they (and admins) may read it or give feedback on it
     surface: str  # "websocket" | "rest" | "openai" | ...
     model: str
     prompt: str
@@ -705,6 +714,7 @@ class RecordFeedback(Msg, tag="record_feedback"):
     """Replied with :class:`FeedbackRecorded`, or ``Error(code="not_found")`` for an unknown request."""
 
     rid: str
+    caller: Principal
     rating: Finite
     text: str = ""
     position: Count | None = None
@@ -715,9 +725,10 @@ class FeedbackRecorded(Msg, tag="feedback_recorded"):
 
 
 class GetRequest(Msg, tag="get_request"):
-    """Replied with :class:`RequestRecordReply`, or ``Error(code="not_found")``."""
+    """Replied with :class:`RequestRecordReply`, or ``Error(code="not_found")`` (also for another user's request)."""
 
     rid: str
+    caller: Principal
 
 
 class FeedbackEntry(msgspec.Struct, kw_only=True):
@@ -795,28 +806,34 @@ class EvergreenNodes(Msg, tag="evergreen_nodes"):
 
 
 # gateway -> session store: Salience sessions (salience.proto). Errors use codes not_found,
-# failed_precondition, resource_exhausted and aborted (the gRPC status the gateway answers with).
+# failed_precondition, resource_exhausted and aborted (the gRPC status the gateway answers with). A session
+# belongs to the user who opened it (a fork, to the user who forked it): to ``caller``s who are neither it nor
+# an admin, every message naming it answers not_found, as for a session that does not exist.
 
 
 class SalienceOpen(Msg, tag="salience_open"):
     model: str
+    caller: Principal  # the session's owner
 
 
 class SalienceClose(Msg, tag="salience_close"):
-    """Idempotent: closing an unknown or closed session is Ok."""
+    """Closing an unknown or closed session is Ok; another user's is not_found."""
 
     session_id: str
+    caller: Principal
 
 
 class SalienceFork(Msg, tag="salience_fork"):
     """A new session with tokens ``[0, at_position)`` and the images wholly inside them."""
 
     session_id: str
+    caller: Principal
     at_position: U32
 
 
 class SalienceGet(Msg, tag="salience_get"):
     session_id: str
+    caller: Principal
 
 
 class SalienceBegin(Msg, tag="salience_begin"):
@@ -826,6 +843,7 @@ class SalienceBegin(Msg, tag="salience_begin"):
     ``check_only`` it only makes those checks (the reply is then an empty session): nothing changes."""
 
     session_id: str
+    caller: Principal
     offset: U32
     max_len: Count
     lease_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]

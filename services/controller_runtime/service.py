@@ -27,6 +27,7 @@ from common.errors import WireError
 from common.incarnation import process_incarnation
 from common.model_source import resolve_model
 from common.sockets import MAX_MESSAGE_BYTES, LoopReader, bind, copy_flag
+from common.wire import Principal
 from controllers.native import load_native_controllers
 from services.controller_runtime.registry import ModuleRegistry, RegistryError
 from services.controller_runtime.runtime import Runtime, UserError
@@ -98,22 +99,21 @@ class ControllerRuntime:
             return aici_wire.error(str(exc), is_user_error=True)
         rid = {"$rid": request["$rid"]}
         auth = request.get("$auth") if isinstance(request.get("$auth"), dict) else DEFAULT_AUTH
-        user, is_admin = str(auth.get("user", "local")), auth.get("is_admin") is True
+        who = Principal(user=str(auth.get("user", "local")), admin=auth.get("is_admin") is True)
         op = request.get("op")
-        bound = structlog.contextvars.bound_contextvars(rid=request["$rid"], op=op, user=user)
+        bound = structlog.contextvars.bound_contextvars(rid=request["$rid"], op=op, user=who.user)
         with bound:
             try:
                 if op == "mk_module":
-                    data = await asyncio.to_thread(self.registry.create, _binary(request), user)
+                    data = await asyncio.to_thread(self.registry.create, _binary(request), who.user)
                 elif op == "set_tags":
-                    data = {"tags": self.registry.set_tags(request.get("module_id"), request.get("tags"), user,
-                                                           is_admin)}
+                    data = {"tags": self.registry.set_tags(request.get("module_id"), request.get("tags"), who)}
                 elif op == "get_tags":
-                    data = {"tags": self.registry.get_tags()}
+                    data = {"tags": self.registry.get_tags(who)}
                 elif op == "instantiate":
                     ok, data = await asyncio.to_thread(
                         self.runtime.instantiate, request.get("req_id"), request.get("prompt"),
-                        request.get("module_id"), request.get("module_arg"), user)
+                        request.get("module_id"), request.get("module_arg"), who)
                     if not ok:
                         log.info("controller_runtime.instantiate_failed", error=data.error)
                         return aici_wire.error(data.error, is_user_error=True, **rid) | {"data": data}

@@ -51,6 +51,7 @@ from services.gateway.httputil import (
     SSE_HEADERS,
     client_of,
     gateway_of,
+    tenant_of,
     merge,
     read_json_object,
     sse,
@@ -740,10 +741,12 @@ async def _start(
     """Start a generation per choice, each up to its ``init``; the first refusal ends them all."""
     gw = gateway_of(request)
     caller = format_caller(request, gw.settings)
+    tenant = tenant_of(request)
     choices: list[_Choice] = []
     for i, req in enumerate(requests):
         rid_i = rid if len(requests) == 1 else f"{rid}-{i}"
-        gen = Generation(gw, req, rid=rid_i, surface="openai", client=client_of(request), caller=caller)
+        gen = Generation(gw, req, rid=rid_i, surface="openai", client=client_of(request), tenant=tenant,
+                         caller=caller)
         messages = gen.stream()
         first = await anext(messages)
         if isinstance(first, ErrorMsg):

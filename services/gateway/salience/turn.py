@@ -37,6 +37,7 @@ from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, facts_of, worker
 from services.gateway.salience.decoded import DecodedTokens, covers, readout_values
 from services.gateway.salience.images import ImageError, ImageSupport, check_unattached, prepare_images
 from services.gateway.salience.store import SessionStoreClient, SessionStoreError
+from services.gateway.tenants import Tenant
 
 log = structlog.get_logger()
 
@@ -78,7 +79,8 @@ class Turn:
     store: SessionStoreClient
     images: ImageSupport
     request: pb.GenerateRequest
-    client: str  # the caller's address (the rate limit's key)
+    client: str  # the caller's address
+    tenant: Tenant  # whose call it is (the sessions it may reach, its rate limit, its cache domain)
     rid: str = field(default_factory=lambda: new_request_id("sal-"))
     sent: list[int] = field(default_factory=list)  # decoded tokens the client was sent
     generated: str = ""  # their text, as the content filter reads it
@@ -91,7 +93,7 @@ class Turn:
         """The call's events, through the admission pipeline; raises :class:`Abort` (or the store's
         error) for a refused or failed call."""
         structlog.contextvars.bind_contextvars(request_id=self.rid, session_id=self.request.session_id)
-        self._admission = Admission(self.gw, rid=self.rid, surface="salience", client=self.client)
+        self._admission = Admission(self.gw, rid=self.rid, surface="salience", client=self.client, tenant=self.tenant)
         try:
             async for event in self._run():
                 yield event
@@ -170,6 +172,7 @@ class Turn:
         req = self.request
         return wire.SalienceBegin(
             session_id=req.session_id,
+            caller=self.tenant.principal,
             offset=req.offset,
             truncating=req.truncating,
             append_tokens=list(req.append_tokens),
@@ -246,7 +249,7 @@ class Turn:
             except ImageError as exc:
                 raise Abort(exc.code, exc.message) from None
             return []
-        session = await self.store.get(req.session_id)
+        session = await self.store.get(req.session_id, self.tenant.principal)
         tokens = session.tokens[: req.offset] + list(req.append_tokens)
         if len(tokens) != length:
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION,

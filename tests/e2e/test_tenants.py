@@ -1,0 +1,167 @@
+"""Users apart on a real stack with tokens for alice, bob and an admin (``api_auth.everywhere``): every route and
+RPC that names a stored object answers another user exactly as for an id that does not exist, its owner and
+the admin reach it, and so again after the whole stack went down and up (docs/tenants.md)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import websockets
+
+from common.protos.salience.v1 import salience_pb2 as pb
+from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
+from common.config import Settings
+from common.model_source import load_tokenizer
+from services.gateway.app import create_app
+from tests.gateway.support import call_status, collect, receive, send, wait_for
+from tests.stack import Stack, start_stack
+
+WASM = Path(__file__).resolve().parents[2] / "controllers" / "wasm"
+TOKENS = {"alice-token": "alice", "bob-token": "bob", "root-token": "root"}
+ALICE, BOB, ROOT = ({"authorization": f"Bearer {token}"} for token in TOKENS)
+RPC_TIMEOUT_S = 120.0
+UNKNOWN_SESSION = "sess-" + "0" * 32
+UNKNOWN_RID = "cmpl-" + "0" * 32
+
+
+@pytest.fixture(scope="module")
+def tenants(tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    started = start_stack(tmp_path_factory.mktemp("tenants"), TILLER_API_AUTH__TOKENS=json.dumps(TOKENS),
+                          TILLER_API_AUTH__ADMINS=json.dumps(["root"]), TILLER_API_AUTH__EVERYWHERE="true")
+    started.tokenizer = load_tokenizer(started.settings)
+    yield started
+    started.down()
+
+
+def metadata(headers: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(headers.items())
+
+
+@dataclass
+class Objects:
+    """What alice stored: a Salience session, a request record with her feedback, a tag."""
+
+    session: str
+    session_tokens: list[int]
+    rid: str
+    tag: str
+
+
+async def alice_stores(stack: Stack, http: httpx.AsyncClient, stub: pb_grpc.SalienceStub) -> Objects:
+    opened = await stub.OpenSession(pb.OpenSessionRequest(model=stack.settings.served_model_name),
+                                    metadata=metadata(ALICE), timeout=RPC_TIMEOUT_S)
+    prompt = stack.tokenizer.encode("The secret plan is")
+    await call_status(stub.Generate(pb.GenerateRequest(session_id=opened.session_id, append_tokens=prompt,
+                                                       max_tokens=0), metadata=metadata(ALICE), timeout=RPC_TIMEOUT_S))
+    async with websockets.connect(stack.ws_url, additional_headers=ALICE) as ws:
+        await send(ws, {"type": "config", "prompt": "My password is", "parameters": {"max_tokens": 2}})
+        rid = (await collect(ws))[0]["request_id"]
+        await send(ws, {"type": "feedback", "rating": 1, "text": "mine"})
+        assert (await receive(ws))["operation"] == "feedback"
+    upload = await http.post("/v1/controllers", content=(WASM / "yesno.wasm").read_bytes(), headers=ALICE)
+    tagged = await http.post("/v1/controllers/tags", json={"module_id": upload.json()["module_id"],
+                                                           "tags": ["alice.yesno"]}, headers=ALICE)
+    assert tagged.status_code == 200, tagged.text
+
+    async def recorded() -> bool:
+        return (await http.get(f"/v1/requests/{rid}", headers=ALICE)).json().get("finish_reason") is not None
+
+    await wait_for(recorded, 30, "alice's request record")
+    return Objects(opened.session_id, prompt, rid, "alice.yesno")
+
+
+Check = Callable[[dict[str, str], Objects], Awaitable[tuple[object, object]]]
+OK = (grpc.StatusCode.OK, "")
+
+
+def walk(stack: Stack, http: httpx.AsyncClient, stub: pb_grpc.SalienceStub) -> dict[str, tuple[Check, object]]:
+    """Every route and RPC naming a stored object: its check, which returns what the caller got for alice's
+    object and what it gets for an id no one has (both comparable values), and what reaching the object gets."""
+
+    def salience(method: str, request: Callable[[str, Objects], object]) -> Check:
+        async def check(headers: dict[str, str], objects: Objects) -> tuple[object, object]:
+            async def call(session_id: str) -> tuple[object, str]:
+                rpc = getattr(stub, method)(request(session_id, objects), metadata=metadata(headers),
+                                            timeout=RPC_TIMEOUT_S)
+                return await call_status(rpc)
+            unknown = await call(UNKNOWN_SESSION)
+            return await call(objects.session), (unknown[0], unknown[1].replace(UNKNOWN_SESSION, objects.session))
+        return check
+
+    async def record(headers: dict[str, str], objects: Objects) -> tuple[object, object]:
+        async def get(rid: str) -> tuple[int, str]:
+            answer = await http.get(f"/v1/requests/{rid}", headers=headers)
+            return answer.status_code, answer.text if answer.status_code != 200 else ""
+        unknown = await get(UNKNOWN_RID)
+        return await get(objects.rid), (unknown[0], unknown[1].replace(UNKNOWN_RID, objects.rid))
+
+    async def tags(headers: dict[str, str], objects: Objects) -> tuple[object, object]:
+        listed = [t["tag"] for t in (await http.get("/v1/controllers/tags", headers=headers)).json()["tags"]]
+        return objects.tag in listed, False
+
+    async def run(headers: dict[str, str], objects: Objects) -> tuple[object, object]:
+        async def start(tag: str) -> tuple[int, str]:
+            answer = await http.post("/v1/run", json={"controller": tag, "prompt": "Is it?", "max_tokens": 1},
+                                     headers=headers)
+            return answer.status_code, answer.text if answer.status_code != 200 else ""
+        unknown = await start("alice.unknown")
+        return await start(objects.tag), (unknown[0], unknown[1].replace("alice.unknown", objects.tag))
+
+    return {
+        "GET /v1/requests/{rid}": (record, (200, "")),
+        "GET /v1/controllers/tags": (tags, True),
+        "POST /v1/run (a tag)": (run, (200, "")),
+        "Salience.DumpSession": (salience("DumpSession", lambda s, _: pb.DumpSessionRequest(session_id=s)), OK),
+        "Salience.ForkSession": (salience("ForkSession", lambda s, _: pb.ForkSessionRequest(session_id=s,
+                                                                                            at_position=2)), OK),
+        "Salience.Generate": (salience("Generate", lambda s, o: pb.GenerateRequest(
+            session_id=s, offset=len(o.session_tokens), max_tokens=0)), OK),  # a no-op turn: it refreshes the TTL
+    }
+
+
+def test_the_walk_covers_every_route_and_rpc_naming_a_stored_object():
+    """A new route with an id in its path, or a new Salience RPC with a session_id, must join the walk."""
+    paths = {route.path for route in create_app(Settings()).routes if "{" in getattr(route, "path", "")}
+    assert paths <= {"/v1/requests/{rid}", "/v1/models/{model:path}"}, paths  # a model is no stored object
+    rpcs = {m.name for m in pb.DESCRIPTOR.services_by_name["Salience"].methods
+            if "session_id" in m.input_type.fields_by_name}
+    assert rpcs == {"CloseSession", "ForkSession", "DumpSession", "Generate"}  # CloseSession: checked on its own
+
+
+async def check_apart(stack: Stack, objects: Objects) -> None:
+    async with httpx.AsyncClient(base_url=stack.http_url, timeout=120.0) as http, \
+            grpc.aio.insecure_channel(f"127.0.0.1:{stack.settings.grpc_port}") as channel:
+        stub = pb_grpc.SalienceStub(channel)
+        for name, (check, reached) in walk(stack, http, stub).items():
+            mine, unknown = await check(BOB, objects)
+            assert mine == unknown != reached, f"{name}: bob got {mine}, an unknown id gets {unknown}"
+            for who, headers in (("alice", ALICE), ("root", ROOT)):
+                got, _ = await check(headers, objects)
+                assert got == reached, f"{name}: {who} got {got}"
+        # CloseSession is idempotent (salience.proto): bob's answer is an unknown id's (OK) and closes nothing
+        for session_id in (objects.session, UNKNOWN_SESSION):
+            closed = await call_status(stub.CloseSession(pb.CloseSessionRequest(session_id=session_id),
+                                                         metadata=metadata(BOB), timeout=RPC_TIMEOUT_S))
+            assert closed == OK
+        for headers in (ALICE, ROOT):
+            dump = await stub.DumpSession(pb.DumpSessionRequest(session_id=objects.session),
+                                          metadata=metadata(headers), timeout=RPC_TIMEOUT_S)
+            assert list(dump.tokens) == objects.session_tokens
+        record = (await http.get(f"/v1/requests/{objects.rid}", headers=ALICE)).json()
+        assert [f["text"] for f in record["feedback"]] == ["mine"]
+
+
+async def test_another_user_finds_nothing_of_alices_before_and_after_a_restart(tenants: Stack):
+    async with httpx.AsyncClient(base_url=tenants.http_url, timeout=120.0) as http, \
+            grpc.aio.insecure_channel(f"127.0.0.1:{tenants.settings.grpc_port}") as channel:
+        objects = await alice_stores(tenants, http, pb_grpc.SalienceStub(channel))
+    await check_apart(tenants, objects)
+    tenants.down()  # make down / make up: every process, the session store's SQLite and the tags survive
+    tenants.up()
+    await check_apart(tenants, objects)
