@@ -205,6 +205,30 @@ class ApiAuth(BaseModel):
                               "reach every user's sessions, request records and tags")
 
 
+class Tenants(BaseModel):
+    """Users apart (see docs/tenants.md): which users share prefix-cached KV, and what each user may hold. A quota
+    of 0 is no limit; a call past one is refused (HTTP 429 rate_limited, gRPC RESOURCE_EXHAUSTED) naming it."""
+
+    cache_isolation: Literal["user", "groups", "none"] = Field(
+        "user", description="who shares prefix-cached KV: 'user' each user alone once api_auth.tokens name more "
+        "than one user (else everyone, the one user and anonymous callers); 'groups' the users of one cache_groups "
+        "entry together, any other user alone; 'none' everyone (a request's cache_salt still splits its domain)",
+    )
+    cache_groups: dict[str, list[str]] = Field(
+        default_factory=dict, description="with cache_isolation 'groups': group name -> its users, who share KV",
+    )
+    max_sessions_per_user: int = Field(0, ge=0, description="live Salience sessions one user may hold (opened or "
+                                       "forked, not yet closed or expired)")
+    max_session_tokens_per_user: int = Field(0, ge=0, description="tokens one user's live Salience sessions may "
+                                             "hold together (a turn that would take them past it is refused)")
+    max_generations_per_user: int = Field(0, ge=0, description="generations one user may have running or queued "
+                                          "at once, every surface together (the scheduler counts them)")
+    max_modules_per_user: int = Field(0, ge=0, description="controller modules one user may upload (a module "
+                                      "counts for every user who uploaded it)")
+    max_module_bytes_per_user: int = Field(0, ge=0, description="Wasm bytes of the modules one user uploaded, "
+                                           "together")
+
+
 class Distributed(BaseModel):
     """A worker spread over several ranks (tensor parallel on torch.distributed)."""
 
@@ -298,6 +322,7 @@ class Settings(BaseSettings):
     sessions: Sessions = Field(default_factory=Sessions)
     controllers: Controllers = Field(default_factory=Controllers)
     api_auth: ApiAuth = Field(default_factory=ApiAuth)
+    tenants: Tenants = Field(default_factory=Tenants)
     distributed: Distributed = Field(default_factory=Distributed)
     log_level: str = "info"
     gc_young_threshold: int = Field(

@@ -292,6 +292,10 @@ class Submit(Msg, tag="submit"):
     # The gateway works out the text of this request's events from their tokens (common.event_text): the
     # scheduler sends none, until a TextHandover. Only for a request without stop strings or a controller.
     text_at_gateway: bool = False
+    # The KV cache domain (docs/tenants.md): a digest the gateway makes of the user's domain and the request's
+    # cache_salt ("": the shared domain). KV is reused only from sequences of the same domain (common.blocks).
+    cache_domain: str = ""
+    tenant: str = ""  # the user it runs for: what tenants.max_generations_per_user counts ("": not counted)
 
     @property
     def prompt_len(self) -> int:
@@ -496,6 +500,9 @@ class SeqStep(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     scores: list[ScoreQuery] = []
     top_logprobs: int = 0
     readouts: list[int] = []
+    # Read on the step that creates the sequence (a fork is in its parent's domain; sent with ``sampling``):
+    # its cache domain (Submit.cache_domain), the seed of its blocks' hash chain (common.blocks.domain_root).
+    cache_domain: str = ""
 
 
 class Step(Msg, tag="step", gc=False):

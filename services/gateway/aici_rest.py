@@ -40,8 +40,10 @@ from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, fact
 from services.gateway.httputil import SSE_HEADERS, client_of, gateway_of, read_json_object, sse, tenant_of
 from services.gateway.protocol import GatewayError
 from services.gateway.side_channel import ControllerInitFailed, SideChannel, Unauthorized, caller_of
+from services.gateway.tenants import cache_domain
 from services.gateway.validation import (
     INT64_MAX,
+    CacheSalt,
     Context,
     GenerationRequest,
     Int64,
@@ -135,6 +137,7 @@ class RunRequest(StrictModel, LimitChecks):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     seed: Int64 | None = None
     model: str | None = None  # accepted as the vLLM variant does; must name the served model
+    cache_salt: CacheSalt | None = None  # vLLM's (docs/tenants.md)
 
     @field_validator("temperature", "top_p", "top_k", mode="before")
     @classmethod
@@ -313,12 +316,14 @@ async def _start_run(gw: Gateway, run: RunRequest, caller: wire.Principal, admis
                 max_tokens=max_tokens,
                 timeout_s=gw.settings.limits.request_timeout_s,
                 controller="" if run.plain else rid,
+                cache_domain=cache_domain(admission.tenant, run.cache_salt, gw.settings),
+                tenant=admission.tenant.user,
             )
         )
     except BaseException:
         gw.scheduler.close_stream(rid)
         raise
-    admission.record(prompt=run.prompt_text(), params=run.model_dump(exclude={"prompt", "controller_arg"}))
+    admission.record(prompt=run.prompt_text(), params=run.model_dump(exclude={"prompt", "controller_arg", "cache_salt"}))
     return RunStream(gw, admission, len(prompt_ids), queue, PLAIN_FINISH if run.plain else ABORTED).events(model)
 
 

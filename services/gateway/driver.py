@@ -44,7 +44,7 @@ from services.gateway.protocol import (
     TokenMsg,
     Usage,
 )
-from services.gateway.tenants import Tenant
+from services.gateway.tenants import Tenant, cache_domain
 from services.gateway.validation import GenerationRequest, ParametersPatch
 
 log = structlog.get_logger()
@@ -211,6 +211,8 @@ class Generation:
                     timeout_s=gw.settings.limits.request_timeout_s,
                     controller=self.rid if self.request.controller else "",
                     outputs=self._prompt_scoring(prompt_ids),
+                    cache_domain=cache_domain(self.tenant, self.request.cache_salt, gw.settings),
+                    tenant=self.tenant.user,
                 )
             )
             async for msg in self._consume(queue):

@@ -66,6 +66,7 @@ from services.gateway.validation import (
     Context,
     GenerationRequest,
     INT64_MAX,
+    CacheSalt,
     Int64,
     LimitChecks,
     MaxTokens,
@@ -250,6 +251,7 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ends a choice stays in its text
     skip_special_tokens: bool = True  # vLLM's: False shows special tokens' text (<|im_end|>, ...)
     priority: Int64 = 0  # vLLM's: lower runs first (the scheduler's queue and batch order)
+    cache_salt: CacheSalt | None = None  # vLLM's: KV shared only with requests of the same domain and salt
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -372,6 +374,7 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
                 include_stop_str=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 priority=self.priority,
+                cache_salt=self.cache_salt,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
                 **prompt,

@@ -573,8 +573,9 @@ class SchedulerCore:
     def _add(self, batch: WorkerBatch, items: list[Item], request: LiveRequest, seq: wire.SeqStep) -> None:
         """``seq`` goes into the step, with ``request``'s sampling parameters when they changed; the
         request joins the followers when the step after may follow this one."""
-        if request.sampling_dirty:
+        if request.sampling_dirty:  # (on its first step among others: the worker creates the sequence then)
             seq.sampling = request.submit.sampling
+            seq.cache_domain = request.submit.cache_domain
             request.sampling_dirty = False
         request.in_flight += 1
         request.last_sample = seq.sample

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+import openai
 import pytest
 import websockets
 
@@ -19,6 +20,7 @@ from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
 from common.config import Settings
 from common.model_source import load_tokenizer
 from services.gateway.app import create_app
+from services.gateway.salience.service import CACHED_TOKENS_TRAILER
 from tests.gateway.support import call_status, collect, receive, send, wait_for
 from tests.stack import Stack, start_stack
 
@@ -165,3 +167,58 @@ async def test_another_user_finds_nothing_of_alices_before_and_after_a_restart(t
     tenants.down()  # make down / make up: every process, the session store's SQLite and the tags survive
     tenants.up()
     await check_apart(tenants, objects)
+
+
+async def test_the_prefix_cache_tells_no_user_what_another_sent(tenants: Stack):
+    """bob sending alice's prompt finds none of it cached; alice again, or two requests with one cache_salt,
+    do; greedy output is the same whoever computes it."""
+    clients = {name: openai.AsyncOpenAI(base_url=f"{tenants.http_url}/v1", api_key=token, max_retries=0)
+               for token, name in TOKENS.items()}
+    prompt = "Alice wrote this private note to her doctor about the results of the tests last week:"
+    assert len(tenants.tokenizer.encode(prompt)) > 16  # at least one whole block to find cached
+
+    async def complete(user: str, **extra: str) -> tuple[str, int]:
+        answer = await clients[user].completions.create(
+            model=tenants.settings.served_model_name, prompt=prompt, max_tokens=6, temperature=0,
+            extra_body=extra)
+        details = answer.usage.prompt_tokens_details
+        return answer.choices[0].text, details.cached_tokens if details else 0
+
+    first, cached = await complete("alice")
+    assert cached == 0
+    bobs, cached = await complete("bob")
+    assert cached == 0 and bobs == first
+    again, cached = await complete("alice")
+    assert cached >= 16 and again == first
+    salted, cached = await complete("alice", cache_salt="s1")
+    assert cached == 0 and salted == first  # a salt splits alice's domain
+    salted, cached = await complete("alice", cache_salt="s1")
+    assert cached >= 16 and salted == first
+    _, cached = await complete("bob", cache_salt="s1")
+    assert cached == 0  # a shared salt never joins two users
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        await complete("alice", cache_salt="")
+
+
+async def test_salience_turns_share_kv_only_within_their_domain_and_salt(tenants: Stack):
+    prompt = tenants.tokenizer.encode("Bob's salary review for this year, strictly confidential and not to be shared, says "
+                                      "that his performance was")
+    assert len(prompt) > 16
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{tenants.settings.grpc_port}") as channel:
+        stub = pb_grpc.SalienceStub(channel)
+
+        async def turn(headers: dict[str, str], salt: str = "") -> int:
+            extra = (("tiller-cache-salt", salt),) if salt else ()
+            opened = await stub.OpenSession(pb.OpenSessionRequest(model=tenants.settings.served_model_name),
+                                            metadata=metadata(headers), timeout=RPC_TIMEOUT_S)
+            call = stub.Generate(pb.GenerateRequest(session_id=opened.session_id, append_tokens=prompt, max_tokens=1,
+                                                    top_k=1), metadata=metadata(headers) + extra, timeout=RPC_TIMEOUT_S)
+            async for _ in call:
+                pass
+            return int(dict(await call.trailing_metadata())[CACHED_TOKENS_TRAILER])
+
+        assert await turn(BOB) == 0
+        assert await turn(ALICE) == 0
+        assert await turn(BOB) >= 16  # bob's own prompt, in a new session
+        assert await turn(BOB, "s") == 0
+        assert await turn(BOB, "s") >= 16
