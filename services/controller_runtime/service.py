@@ -26,6 +26,7 @@ from common.config import Settings
 from common.errors import WireError
 from common.incarnation import process_incarnation
 from common.model_source import resolve_model
+from common.quotas import QuotaExceeded
 from common.sockets import MAX_MESSAGE_BYTES, LoopReader, bind, copy_flag
 from common.wire import Principal
 from controllers.native import load_native_controllers
@@ -48,7 +49,7 @@ class ControllerRuntime:
         self.tokenizer = TokenizerInfo.from_directory(resolve_model(settings).directory)
         self.vocab_size = self.tokenizer.vocab_size
         self.engine = WasmEngine(cfg, self.tokenizer)
-        self.registry = ModuleRegistry(settings.controller_module_dir, self.engine)
+        self.registry = ModuleRegistry(settings.controller_module_dir, self.engine, settings.tenants)
         self.runtime = Runtime(cfg, self.tokenizer, self.engine, self.registry,
                                load_native_controllers(cfg.native))
         ctx = zmq.asyncio.Context.instance()
@@ -123,6 +124,8 @@ class ControllerRuntime:
                 return aici_wire.error(str(exc), is_user_error=True, code=exc.code, **rid)
             except RegistryError as exc:
                 return aici_wire.error(str(exc), is_user_error=True, **rid)
+            except QuotaExceeded as exc:  # the gateway answers 429
+                return aici_wire.error(exc.message, is_user_error=True, code=exc.code, **rid)
             except Exception as exc:  # noqa: BLE001
                 log.exception("controller_runtime.side_failed")
                 return aici_wire.error(f"internal error: {type(exc).__name__}: {exc}", is_user_error=False, **rid)

@@ -9,6 +9,10 @@ session under a live lease never expires: its turn ends with :meth:`end`, which 
 A session belongs to the user who opened (or forked) it, stored with it so that it survives restarts. To a
 caller who is neither its owner nor an admin it does not exist: every call answers as for an unknown id
 (:func:`common.tenancy.may_access`), and closing it is the same no-op as closing an unknown one.
+
+Quotas (``tenants.max_sessions_per_user``, ``max_session_tokens_per_user``; :mod:`common.quotas`): opening or
+forking past the user's live sessions, and a fork or turn taking their live sessions' tokens (a turn's
+``reserve_tokens`` included) past theirs, are refused.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import uuid
 from array import array
 from collections.abc import Callable
 
-from common import wire
+from common import quotas, wire
+from common.config import Tenants
 from common.tenancy import may_access
 from services.session_store.db import add_owner_column, transaction
 
@@ -74,10 +79,11 @@ def split_image(images: list[wire.ImageInput], position: int) -> wire.ImageInput
 
 
 class SalienceSessions:
-    def __init__(self, conn: sqlite3.Connection, ttl_s: float, implicit_user: str,
+    def __init__(self, conn: sqlite3.Connection, ttl_s: float, implicit_user: str, limits: Tenants | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.conn = conn
         self.ttl_s = ttl_s
+        self.limits = limits or Tenants()
         self.clock = clock
         conn.executescript(SCHEMA)
         add_owner_column(conn, "salience_sessions", implicit_user)
@@ -98,6 +104,23 @@ class SalienceSessions:
                                           f"{self.ttl_s:g} s idle)")
         self.conn.execute("UPDATE salience_sessions SET last_used=? WHERE session_id=?", (now, session_id))
         return row
+
+    def _held(self, owner: str, besides: str = "") -> tuple[int, int]:
+        """The live sessions ``owner`` holds and their tokens (but session ``besides``'s)."""
+        now = self.clock()
+        count, size = self.conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(LENGTH(tokens)), 0) FROM salience_sessions WHERE owner=? AND session_id!=?"
+            " AND (last_used >= ? OR lease_until >= ?)", (owner, besides, now - self.ttl_s, now)).fetchone()
+        return count, size // 4  # uint32 tokens
+
+    def _check_quotas(self, owner: str, sessions: int, tokens: int, besides: str = "") -> None:
+        """Whether ``owner`` may hold ``sessions`` more sessions and ``tokens`` more tokens (than their sessions
+        but ``besides`` hold); QuotaExceeded if not."""
+        held_sessions, held_tokens = self._held(owner, besides)
+        quotas.check("max_sessions_per_user", self.limits.max_sessions_per_user, owner, held_sessions, sessions,
+                     "live Salience sessions")
+        quotas.check("max_session_tokens_per_user", self.limits.max_session_tokens_per_user, owner, held_tokens,
+                     tokens, "tokens in their live Salience sessions")
 
     def _images(self, session_id: str) -> list[wire.ImageInput]:
         rows = self.conn.execute(
@@ -128,6 +151,7 @@ class SalienceSessions:
 
     def open(self, model: str, who: wire.Principal) -> wire.SalienceSession:
         with transaction(self.conn, "BEGIN IMMEDIATE"):
+            self._check_quotas(who.user, 1, 0)
             return wire.SalienceSession(session_id=self._create(who.user, model, "", [], []))
 
     def close(self, session_id: str, who: wire.Principal) -> None:
@@ -162,6 +186,7 @@ class SalienceSessions:
                     f"at_position {at} falls inside the image block [{cut.start}, {cut.end}); fork at a block boundary",
                 )
             kept = [im for im in images if im.end <= at]
+            self._check_quotas(who.user, 1, at)
             child = self._create(who.user, row["model"], session_id, tokens[:at], kept)
             return wire.SalienceSession(session_id=child, tokens=tokens[:at], images=kept, parent=session_id)
 
@@ -195,6 +220,7 @@ class SalienceSessions:
                     f"the session would hold {new_length} tokens plus {msg.reserve_tokens} to generate, over the "
                     f"model's context of {msg.max_len}",
                 )
+            self._check_quotas(row["owner"], 0, new_length + msg.reserve_tokens, besides=msg.session_id)
             if msg.check_only:
                 return wire.SalienceSession(session_id=msg.session_id)
             tokens = tokens[: msg.offset] + list(msg.append_tokens)

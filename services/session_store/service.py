@@ -18,10 +18,11 @@ from common import wire
 from common.config import Settings
 from common.errors import INTERNAL_ERROR, INVALID_REQUEST
 from common.incarnation import process_incarnation
+from common.quotas import QuotaExceeded
 from common.sockets import Router, reply_mid
 from services.session_store.db import BadRecord, Store
 from services.session_store.holders import EvergreenHolders
-from services.session_store.salience import SalienceSessions, SessionError
+from services.session_store.salience import RESOURCE_EXHAUSTED, SalienceSessions, SessionError
 
 log = structlog.get_logger()
 
@@ -30,7 +31,7 @@ class SessionStore:
     def __init__(self, settings: Settings) -> None:
         implicit_user = settings.api_auth.default_user  # the owner of what a database made before owners holds
         self.store = Store(settings.db_path, implicit_user)
-        self.sessions = SalienceSessions(self.store.conn, settings.sessions.ttl_s, implicit_user)
+        self.sessions = SalienceSessions(self.store.conn, settings.sessions.ttl_s, implicit_user, settings.tenants)
         self.lease_s = settings.sessions.busy_lease_s
         self.evergreen_holders = EvergreenHolders(self.lease_s)
         self.router = Router(zmq.asyncio.Context.instance(), settings.endpoint("session_store"))
@@ -78,6 +79,8 @@ class SessionStore:
                 return self._salience(msg)
             except SessionError as exc:
                 return wire.Error(code=exc.code, message=exc.message)
+            except QuotaExceeded as exc:  # the gateway answers RESOURCE_EXHAUSTED
+                return wire.Error(code=RESOURCE_EXHAUSTED, message=exc.message)
         return wire.Error(code=INVALID_REQUEST, message=f"the session store does not take {type(msg).__name__}")
 
     def _salience(self, msg: wire.Message) -> wire.Msg:

@@ -1,4 +1,5 @@
-"""Tags belong to their users (services/controller_runtime/registry.py 'Ownership'): modules are shared by id."""
+"""Tags belong to their users, modules are shared by id, and each user's uploads are capped
+(services/controller_runtime/registry.py 'Ownership', 'Quotas')."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import json
 
 import pytest
 
+from common.config import Tenants
+from common.errors import RATE_LIMITED
+from common.quotas import QuotaExceeded
 from common.wire import Principal
 from services.controller_runtime.registry import ModuleRegistry, RegistryError
 from tests.controller_runtime.wat import controller
@@ -58,3 +62,20 @@ def test_tags_stored_before_owners_stay_public(tmp_path, engine):
     assert [t["tag"] for t in reopened.get_tags(BOB)] == ["alice.old"]
     reopened.set_tags(module_id, ["alice.old"], ALICE)  # its setter (updated_by) owns it
     assert reopened.resolve("alice.old", BOB)[0] == module_id  # and it stays public
+
+
+def test_a_users_modules_and_their_bytes_are_capped(tmp_path, engine):
+    small, other, third = controller(), controller(pages=3), controller(pages=4)
+    limits = Tenants(max_modules_per_user=2, max_module_bytes_per_user=len(small) + len(other))
+    registry = ModuleRegistry(tmp_path / "modules", engine, limits)
+    registry.create(small, "alice")
+    registry.create(small, "alice")  # uploading it again costs nothing
+    registry.create(other, "alice")
+    with pytest.raises(QuotaExceeded, match="holds 2 controller modules; 1 more would pass "
+                                            "tenants.max_modules_per_user = 2") as refused:
+        registry.create(third, "alice")
+    assert refused.value.code == RATE_LIMITED
+    registry.create(small, "bob")  # alice's module counts for bob too once he uploads it
+    with pytest.raises(QuotaExceeded, match="tenants.max_module_bytes_per_user"):
+        bytes_only = ModuleRegistry(tmp_path / "modules", engine, Tenants(max_module_bytes_per_user=len(small)))
+        bytes_only.create(other, "bob")

@@ -1,6 +1,7 @@
-"""Users apart on a real stack with tokens for alice, bob and an admin (``api_auth.everywhere``): every route and
-RPC that names a stored object answers another user exactly as for an id that does not exist, its owner and
-the admin reach it, and so again after the whole stack went down and up (docs/tenants.md)."""
+"""Users apart on a real stack with tokens for alice, bob, an admin, carol and dave (``api_auth.everywhere``):
+every route and RPC that names a stored object answers another user exactly as for an id that does not exist,
+its owner and the admin reach it, and so again after the whole stack went down and up; the prefix cache finds
+only the caller's own domain's KV; each quota refuses the call that would pass it (docs/tenants.md)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,12 @@ from tests.gateway.support import call_status, collect, receive, send, wait_for
 from tests.stack import Stack, start_stack
 
 WASM = Path(__file__).resolve().parents[2] / "controllers" / "wasm"
-TOKENS = {"alice-token": "alice", "bob-token": "bob", "root-token": "root"}
-ALICE, BOB, ROOT = ({"authorization": f"Bearer {token}"} for token in TOKENS)
+TOKENS = {"alice-token": "alice", "bob-token": "bob", "root-token": "root", "carol-token": "carol",
+          "dave-token": "dave"}
+ALICE, BOB, ROOT, CAROL, DAVE = ({"authorization": f"Bearer {token}"} for token in TOKENS)
+# quotas (every user's; the walk and cache tests stay well within them, carol and dave reach them)
+QUOTAS = {"MAX_SESSIONS_PER_USER": "8", "MAX_SESSION_TOKENS_PER_USER": "200", "MAX_GENERATIONS_PER_USER": "2",
+          "MAX_MODULES_PER_USER": "2", "MAX_MODULE_BYTES_PER_USER": "30000"}
 RPC_TIMEOUT_S = 120.0
 UNKNOWN_SESSION = "sess-" + "0" * 32
 UNKNOWN_RID = "cmpl-" + "0" * 32
@@ -35,7 +40,8 @@ UNKNOWN_RID = "cmpl-" + "0" * 32
 @pytest.fixture(scope="module")
 def tenants(tmp_path_factory: pytest.TempPathFactory) -> Stack:
     started = start_stack(tmp_path_factory.mktemp("tenants"), TILLER_API_AUTH__TOKENS=json.dumps(TOKENS),
-                          TILLER_API_AUTH__ADMINS=json.dumps(["root"]), TILLER_API_AUTH__EVERYWHERE="true")
+                          TILLER_API_AUTH__ADMINS=json.dumps(["root"]), TILLER_API_AUTH__EVERYWHERE="true",
+                          **{f"TILLER_TENANTS__{name}": value for name, value in QUOTAS.items()})
     started.tokenizer = load_tokenizer(started.settings)
     yield started
     started.down()
@@ -222,3 +228,66 @@ async def test_salience_turns_share_kv_only_within_their_domain_and_salt(tenants
         assert await turn(BOB) >= 16  # bob's own prompt, in a new session
         assert await turn(BOB, "s") == 0
         assert await turn(BOB, "s") >= 16
+
+
+async def test_a_user_past_a_session_quota_is_told_which(tenants: Stack):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{tenants.settings.grpc_port}") as channel:
+        stub = pb_grpc.SalienceStub(channel)
+        opened = [await stub.OpenSession(pb.OpenSessionRequest(model=tenants.settings.served_model_name),
+                                         metadata=metadata(CAROL), timeout=RPC_TIMEOUT_S) for _ in range(8)]
+        refused = await call_status(stub.OpenSession(pb.OpenSessionRequest(model=tenants.settings.served_model_name),
+                                                     metadata=metadata(CAROL), timeout=RPC_TIMEOUT_S))
+        assert refused[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "tenants.max_sessions_per_user = 8" in refused[1]
+        session = opened[0].session_id
+        too_long = stub.Generate(pb.GenerateRequest(session_id=session, append_tokens=[1] * 150, max_tokens=60),
+                                 metadata=metadata(CAROL), timeout=RPC_TIMEOUT_S)
+        refused = await call_status(too_long)
+        assert refused[0] == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+        assert "tenants.max_session_tokens_per_user = 200" in refused[1]
+        fits = stub.Generate(pb.GenerateRequest(session_id=session, append_tokens=[1] * 150, max_tokens=1),
+                             metadata=metadata(CAROL), timeout=RPC_TIMEOUT_S)
+        assert await call_status(fits) == OK
+        await stub.CloseSession(pb.CloseSessionRequest(session_id=session), metadata=metadata(CAROL),
+                                timeout=RPC_TIMEOUT_S)
+        assert await stub.OpenSession(pb.OpenSessionRequest(model=tenants.settings.served_model_name),
+                                      metadata=metadata(CAROL), timeout=RPC_TIMEOUT_S)  # closing one frees its room
+
+
+async def test_a_user_past_the_generations_quota_gets_429_and_others_go_on(tenants: Stack):
+    long = {"type": "config", "prompt": "Tell a very long story:", "parameters": {"max_tokens": 1500}}
+    async with websockets.connect(tenants.ws_url, additional_headers=CAROL) as first, \
+            websockets.connect(tenants.ws_url, additional_headers=CAROL) as second:
+        for ws in (first, second):
+            await send(ws, long)
+            while (await receive(ws))["type"] != "token":  # running
+                pass
+        carol = openai.AsyncOpenAI(base_url=f"{tenants.http_url}/v1", api_key="carol-token", max_retries=0)
+        with pytest.raises(openai.RateLimitError, match="tenants.max_generations_per_user = 2"):
+            await carol.completions.create(model=tenants.settings.served_model_name, prompt="Hi", max_tokens=2)
+        dave = openai.AsyncOpenAI(base_url=f"{tenants.http_url}/v1", api_key="dave-token", max_retries=0)
+        answer = await dave.completions.create(model=tenants.settings.served_model_name, prompt="Hi", max_tokens=2)
+        assert answer.usage.completion_tokens == 2
+    # (the connections closed: carol's generations are cancelled, and she may start again)
+    async def carol_may() -> bool:
+        try:
+            await carol.completions.create(model=tenants.settings.served_model_name, prompt="Hi", max_tokens=1)
+        except openai.RateLimitError:
+            return False
+        return True
+
+    await wait_for(carol_may, 30, "carol's generations to end")
+
+
+async def test_a_user_past_a_module_quota_gets_429(tenants: Stack):
+    async with httpx.AsyncClient(base_url=tenants.http_url, timeout=120.0) as http:
+        async def upload(name: str, headers: dict[str, str]) -> httpx.Response:
+            return await http.post("/v1/controllers", content=(WASM / name).read_bytes(), headers=headers)
+
+        for name in ("uppercase.wasm", "constrain.wasm", "uppercase.wasm"):  # the same one again is free
+            assert (await upload(name, CAROL)).status_code == 200
+        refused = await upload("declctrl.wasm", CAROL)
+        assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limited", refused.text
+        assert "tenants.max_modules_per_user = 2" in refused.json()["error"]["message"]
+        assert (await upload("declctrl.wasm", DAVE)).status_code == 200  # 21453 bytes
+        refused = await upload("constrain.wasm", DAVE)  # + 13799 > 30000
+        assert refused.status_code == 429 and "tenants.max_module_bytes_per_user = 30000" in refused.text

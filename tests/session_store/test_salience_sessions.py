@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from common import wire
+from common.config import Tenants
+from common.quotas import QuotaExceeded
 from services.session_store.salience import SalienceSessions, SessionError
 
 
@@ -189,3 +191,27 @@ def test_a_database_made_before_owners_is_migrated_to_the_implicit_user(tmp_path
     assert migrated.get("sess-old", wire.Principal(user="localhost")).tokens == [4, 5]
     assert code_of(lambda: migrated.get("sess-old", ME)) == "not_found"
     assert migrated.open("m", ME).session_id  # new rows take their owner
+
+
+def test_a_users_live_sessions_and_their_tokens_are_capped(tmp_path: Path, clock) -> None:
+    limits = Tenants(max_sessions_per_user=2, max_session_tokens_per_user=9)
+    sessions = SalienceSessions(connect(tmp_path / "q.sqlite3"), ttl_s=60, implicit_user="localhost", limits=limits,
+                                clock=clock)
+    first = sessions.open("m", ME).session_id
+    turn = begin(sessions, first, 0, [1] * 6, reserve_tokens=2)  # 8 of 9
+    sessions.end(wire.SalienceEnd(session_id=first, lease=turn.lease, append_tokens=[2, 2]))
+    with pytest.raises(QuotaExceeded, match="tenants.max_session_tokens_per_user = 9"):
+        begin(sessions, first, 8, [3], reserve_tokens=2)  # 11
+    turn = begin(sessions, first, 4, [3], truncating=True, reserve_tokens=1)  # a rewrite frees its cut: 6, then 5 held
+    sessions.end(wire.SalienceEnd(session_id=first, lease=turn.lease))
+    with pytest.raises(QuotaExceeded, match="tenants.max_session_tokens_per_user"):
+        sessions.fork(first, 5, ME)  # 5 + 5
+    second = sessions.fork(first, 4, ME).session_id  # 5 + 4
+    with pytest.raises(QuotaExceeded, match="holds 2 live Salience sessions; 1 more would pass "
+                                            "tenants.max_sessions_per_user = 2"):
+        sessions.open("m", ME)
+    assert sessions.open("m", BOB).session_id  # bob's are his own
+    sessions.close(second, ME)
+    assert sessions.open("m", ME).session_id
+    clock.now += 61  # expired sessions hold nothing
+    assert sessions.open("m", ME).session_id and sessions.open("m", ME).session_id
