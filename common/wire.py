@@ -824,7 +824,8 @@ class SalienceOpen(Msg, tag="salience_open"):
 
 
 class SalienceClose(Msg, tag="salience_close"):
-    """Closing an unknown or closed session is Ok; another user's is not_found."""
+    """Replied with the closed session's (empty) SalienceSession; closing an unknown or closed session, or another
+    user's, is Ok and changes nothing."""
 
     session_id: str
     caller: Principal

@@ -154,12 +154,14 @@ class SalienceSessions:
             self._check_quotas(who.user, 1, 0)
             return wire.SalienceSession(session_id=self._create(who.user, model, "", [], []))
 
-    def close(self, session_id: str, who: wire.Principal) -> None:
-        """Idempotent (salience.proto): an unknown session, or another user's, is left as it is."""
+    def close(self, session_id: str, who: wire.Principal) -> bool:
+        """Idempotent (salience.proto): an unknown session, or another user's, is left as it is; whether one closed."""
         with transaction(self.conn, "BEGIN IMMEDIATE"):
             row = self.conn.execute("SELECT owner FROM salience_sessions WHERE session_id=?", (session_id,)).fetchone()
-            if row is not None and may_access(row["owner"], who):
-                self._delete(session_id)
+            if row is None or not may_access(row["owner"], who):
+                return False
+            self._delete(session_id)
+            return True
 
     def get(self, session_id: str, who: wire.Principal) -> wire.SalienceSession:
         with transaction(self.conn, "BEGIN IMMEDIATE"):

@@ -88,7 +88,8 @@ class SessionStore:
         if isinstance(msg, wire.SalienceOpen):
             return sessions.open(msg.model, msg.caller)
         if isinstance(msg, wire.SalienceClose):
-            sessions.close(msg.session_id, msg.caller)
+            if sessions.close(msg.session_id, msg.caller):
+                return wire.SalienceSession(session_id=msg.session_id)
             return wire.Ok()
         if isinstance(msg, wire.SalienceFork):
             return sessions.fork(msg.session_id, msg.at_position, msg.caller)

@@ -291,3 +291,29 @@ async def test_a_user_past_a_module_quota_gets_429(tenants: Stack):
         assert (await upload("declctrl.wasm", DAVE)).status_code == 200  # 21453 bytes
         refused = await upload("constrain.wasm", DAVE)  # + 13799 > 30000
         assert refused.status_code == 429 and "tenants.max_module_bytes_per_user = 30000" in refused.text
+
+
+async def test_a_bad_cache_salt_is_refused_clearly_on_every_surface(tenants: Stack):
+    long = "s" * 1025
+    async with httpx.AsyncClient(base_url=tenants.http_url, timeout=120.0, headers=ALICE) as http:
+        for path, body in (("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "cache_salt": long}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                                                     "cache_salt": ""}),
+                           ("/v1/generate", {"prompt": "Hi", "max_tokens": 1, "cache_salt": long}),
+                           ("/v1/run", {"controller": "none", "controller_arg": "Hi", "cache_salt": 7})):
+            refused = await http.post(path, json={"model": tenants.settings.served_model_name, **body})
+            assert refused.status_code == 400 and "cache_salt" in refused.text, (path, refused.text)
+    async with websockets.connect(tenants.ws_url, additional_headers=ALICE) as ws:
+        await send(ws, {"type": "config", "prompt": "Hi", "parameters": {"max_tokens": 1, "cache_salt": ""}})
+        error = await receive(ws)
+        assert error["type"] == "error" and "cache_salt" in error["message"], error
+        await send(ws, {"type": "config", "prompt": "Hi", "parameters": {"max_tokens": 1, "cache_salt": "ok"}})
+        assert (await collect(ws))[-1]["type"] == "completion"  # the connection goes on
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{tenants.settings.grpc_port}") as channel:
+        stub = pb_grpc.SalienceStub(channel)
+        opened = await stub.OpenSession(pb.OpenSessionRequest(model=tenants.settings.served_model_name),
+                                        metadata=metadata(ALICE), timeout=RPC_TIMEOUT_S)
+        refused = await call_status(stub.Generate(
+            pb.GenerateRequest(session_id=opened.session_id, append_tokens=[1, 2], max_tokens=1),
+            metadata=metadata(ALICE) + (("tiller-cache-salt", long),), timeout=RPC_TIMEOUT_S))
+        assert refused[0] == grpc.StatusCode.INVALID_ARGUMENT and "tiller-cache-salt" in refused[1], refused

@@ -117,3 +117,12 @@ def test_a_requests_table_made_before_owners_is_migrated_to_the_implicit_user(tm
         assert store.get_request("old", ALICE) is None
     finally:
         store.close()
+
+
+def test_close_says_whether_it_closed_so_that_only_then_parked_kv_goes(service: SessionStore):
+    opened = service.handle(wire.SalienceOpen(model="m", caller=ALICE))
+    bobs = over_the_wire(service.handle(wire.SalienceClose(session_id=opened.session_id, caller=BOB)))
+    assert bobs == wire.Ok()  # as for an unknown id: the gateway sends the scheduler no SessionDrop
+    closed = over_the_wire(service.handle(wire.SalienceClose(session_id=opened.session_id, caller=ALICE)))
+    assert closed == wire.SalienceSession(session_id=opened.session_id)
+    assert over_the_wire(service.handle(wire.SalienceClose(session_id=opened.session_id, caller=ALICE))) == wire.Ok()

@@ -137,8 +137,8 @@ def test_ttl_any_call_refreshes_and_close_is_idempotent(sessions, clock) -> None
     clock.now += 61
     assert sessions.expire() == 1
     assert code_of(lambda: sessions.get(kept, ME)) == "not_found"
-    sessions.close(kept, ME)
-    sessions.close("never-opened", ME)
+    assert not sessions.close(kept, ME)  # expired: nothing left to close
+    assert not sessions.close("never-opened", ME)
 
 
 def test_sessions_are_durable(tmp_path: Path, clock) -> None:
@@ -167,13 +167,13 @@ def test_another_users_session_does_not_exist_for_them(sessions) -> None:
         assert code_of(lambda: sessions.fork(session_id, 1, BOB)) == "not_found"
         assert code_of(lambda: begin(sessions, session_id, 3, [4], caller=BOB)) == "not_found"
         assert code_of(lambda: begin(sessions, session_id, 3, check_only=True, caller=BOB)) == "not_found"
-        sessions.close(session_id, BOB)  # idempotent either way, and it closes nothing
+        assert not sessions.close(session_id, BOB)  # idempotent either way, and it closes nothing
     assert sessions.get(sid, ME).tokens == [1, 2, 3]
     fork = sessions.fork(sid, 2, ADMIN)  # an admin reaches every session; the fork is the admin's
     assert sessions.get(sid, ADMIN).tokens == [1, 2, 3]
     assert code_of(lambda: sessions.get(fork.session_id, ME)) == "not_found"
     assert sessions.get(fork.session_id, ADMIN).tokens == [1, 2]
-    sessions.close(sid, ADMIN)
+    assert sessions.close(sid, ADMIN)
     assert code_of(lambda: sessions.get(sid, ME)) == "not_found"
 
 

@@ -73,7 +73,9 @@ class SessionStoreClient:
         """Close the session in the store, then tell the scheduler its parked KV may go, without waiting for that:
         the session is closed once the store says so (a stopped scheduler held CloseSession for the store's
         timeout, past a client's shorter deadline)."""
-        await self._call(wire.SalienceClose(session_id=session_id, caller=caller))
+        closed = await self._call(wire.SalienceClose(session_id=session_id, caller=caller))
+        if not isinstance(closed, wire.SalienceSession):  # nothing was closed: nothing parked may go either
+            return
         drop = asyncio.ensure_future(self._drop(session_id))
         self._drops.add(drop)
         drop.add_done_callback(self._drops.discard)
