@@ -15,6 +15,8 @@ import zmq.asyncio
 from common import aici_wire, wire
 from common.sockets import MAX_MESSAGE_BYTES, Dealer, probe_health
 
+TESTER = wire.Principal(user="tester")  # who the store calls below are for
+
 pytestmark = pytest.mark.asyncio
 
 
@@ -213,12 +215,13 @@ async def test_session_store_keeps_records_across_a_restart(stack):
     dealer = Dealer(zmq.asyncio.Context.instance(), endpoint)
     rid = f"durable-{uuid.uuid4().hex[:8]}"
     try:
-        reply, _ = await dealer.request(wire.RecordRequest(rid=rid, surface="test", model="m", prompt="hi",
-                                                           created_at=time.time()))
+        reply, _ = await dealer.request(wire.RecordRequest(rid=rid, owner=TESTER.user, surface="test", model="m",
+                                                           prompt="hi", created_at=time.time()))
         assert isinstance(reply, wire.Ok)
-        reply, _ = await dealer.request(wire.RecordFeedback(rid=rid, rating=1, text="good", position=3))
+        reply, _ = await dealer.request(wire.RecordFeedback(rid=rid, caller=TESTER, rating=1, text="good",
+                                                            position=3))
         assert isinstance(reply, wire.FeedbackRecorded) and reply.feedback_id > 0
-        reply, _ = await dealer.request(wire.RecordFeedback(rid="unknown-request", rating=1))
+        reply, _ = await dealer.request(wire.RecordFeedback(rid="unknown-request", caller=TESTER, rating=1))
         assert isinstance(reply, wire.Error) and reply.code == "not_found"
     finally:
         dealer.close()
@@ -229,7 +232,7 @@ async def test_session_store_keeps_records_across_a_restart(stack):
     try:
         for _ in range(50):
             try:
-                reply, _ = await dealer.request(wire.GetRequest(rid=rid), timeout=1.0)
+                reply, _ = await dealer.request(wire.GetRequest(rid=rid, caller=TESTER), timeout=1.0)
                 break
             except asyncio.TimeoutError:
                 continue
@@ -327,9 +330,10 @@ async def test_the_session_store_refuses_values_it_cannot_store_and_goes_on(stac
     dealer = Dealer(zmq.asyncio.Context.instance(), endpoint)
     try:
         rid = f"after-{uuid.uuid4().hex[:8]}"
-        reply, _ = await dealer.request(wire.RecordRequest(rid=rid, surface="test", model="m", prompt="hi"))
+        reply, _ = await dealer.request(wire.RecordRequest(rid=rid, owner=TESTER.user, surface="test", model="m",
+                                                           prompt="hi"))
         assert isinstance(reply, wire.Ok)
-        reply, _ = await dealer.request(wire.GetRequest(rid=rid))
+        reply, _ = await dealer.request(wire.GetRequest(rid=rid, caller=TESTER))
         assert isinstance(reply, wire.RequestRecordReply) and reply.record.prompt == "hi"
     finally:
         dealer.close()
