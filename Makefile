@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tiller-installed
 
-.PHONY: install toolchain up down status test bench logs clean controllers
+.PHONY: install toolchain up down status test bench logs clean controllers docs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ bench: install
 # rebuild controllers/wasm/*.wasm from controllers/src + controllers/sdk (needs clang + lld)
 controllers: install
 	$(PY) controllers/build.py
+
+# regenerate docs/configuration.md from the settings object (tests/unit/test_config_doc.py fails while they differ)
+docs: install
+	$(PY) -m common.config_doc > docs/configuration.md
 
 logs: install
 	$(VENV)/bin/tiller logs

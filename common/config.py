@@ -37,18 +37,19 @@ class Limits(BaseModel):
     chat_default_max_tokens: int | None = Field(None, ge=1, description="the same for OpenAI /v1/chat/completions; "
                                                 "none: default_max_tokens (vLLM's default, the room left in the "
                                                 "context, would reserve a whole context of KV for every choice)")
-    max_tokens_cap: int = Field(4096, ge=1)
+    max_tokens_cap: int = Field(4096, ge=1, description="the largest max_tokens a request may ask for; more is refused "
+                                "naming the cap and the context")
     prefill_chunk_tokens: int = Field(512, ge=16, description="prompt tokens of one sequence per step")
     step_token_budget: int = Field(2048, ge=16, description="tokens fed to the model in one step")
     pipeline_depth: int = Field(2, ge=1, le=2, description="steps in flight per worker: 2 queues the next "
                                 "decode step while one runs (a sequence's step feeds the worker's own last sample)")
-    max_top_logprobs: int = Field(20, ge=0)
-    max_stop_strings: int = Field(16, ge=0)
+    max_top_logprobs: int = Field(20, ge=0, description="most alternatives per token a request may ask logprobs for")
+    max_stop_strings: int = Field(16, ge=0, description="stop strings one request may give")
     max_token_biases: int = Field(300, ge=0, description="entries of an OpenAI logit_bias, and stop_token_ids "
                                   "(each is work in every step of the request)")
     max_choices: int = Field(64, ge=1, description="choices one OpenAI request may ask for (prompts x n)")
     max_ws_message_bytes: int = Field(1 << 20, ge=1024, description="largest WebSocket frame accepted")
-    max_http_body_bytes: int = Field(4 << 20, ge=1024)
+    max_http_body_bytes: int = Field(4 << 20, ge=1024, description="largest HTTP request body accepted")
     max_json_depth: int = Field(64, ge=2, le=512, description="deepest nesting of arrays and objects in a JSON "
                                 "request body or WebSocket message; deeper ones are refused with invalid_request")
     request_timeout_s: float = Field(600.0, gt=0, description="a generation running longer ends with timeout")
@@ -57,7 +58,8 @@ class Limits(BaseModel):
                                    "request_timeout_s)")
     rate_limit_per_minute: int = Field(0, ge=0, description="requests per user when api_auth tokens name them, else "
                                        "per client address; 0 disables")
-    worker_step_timeout_s: float = Field(60.0, gt=0)
+    worker_step_timeout_s: float = Field(60.0, gt=0, description="how long a step may take: the scheduler waits this "
+                                         "long for a step's result, a worker as long for its masks")
     gateway_heartbeat_s: float = Field(1.0, gt=0, description="a gateway tells the scheduler (and the session store "
                                        "while it holds Salience leases or Evergreen sessions) it is alive this often")
     peer_suspect_grace_s: float = Field(0.5, gt=0, description="after the connection to a peer holding our work "
@@ -87,7 +89,7 @@ class Images(BaseModel):
     max_image_pixels: int = Field(
         32_000_000, ge=1, description="largest image (width x height) decoded; larger ones are refused unread"
     )
-    max_images_per_request: int = Field(16, ge=0)
+    max_images_per_request: int = Field(16, ge=0, description="images one Salience Generate call may carry")
 
 
 class Sessions(BaseModel):
@@ -142,7 +144,7 @@ class Controllers(BaseModel):
     post_deadline_ms: float = Field(10.0, gt=0, description="post_process")
     epoch_tick_ms: float = Field(1.0, gt=0, description="deadline resolution: the epoch ticker's period")
     max_memory_bytes: int = Field(64 << 20, ge=1 << 17, description="linear memory of one controller instance")
-    max_wasm_stack_bytes: int = Field(512 << 10, ge=64 << 10)
+    max_wasm_stack_bytes: int = Field(512 << 10, ge=64 << 10, description="Wasm stack of one controller instance")
     max_forks: int = Field(16, ge=1, description="live sequences one request may fork into")
     max_ff_rounds: int = Field(10, ge=1, description="pre_process ff_tokens fed back to post_process per step")
     deadlock_steps: int = Field(3, ge=1, description="steps every sequence of a request may stay suspended before "
@@ -162,7 +164,7 @@ class Controllers(BaseModel):
     max_controlled_per_user: int = Field(64, ge=1, description="controlled requests one user may have live at once")
     nice: int = Field(0, ge=0, le=19, description="the runtime's CPU priority (Unix nice, applied at start; 0: as "
                       "started): above 0 controller code yields the CPU to the worker's forward pass, and every "
-                      "controlled step waits longer for its calls on a busy host (see README 'Controllers')")
+                      "controlled step waits longer for its calls on a busy host (see docs/controllers.md)")
     module_dir: Path | None = Field(None, description="modules, compiled cache and tags (default: <run_dir>/controllers)")
     native: dict[str, str] = Field(
         default_factory=lambda: {"constrained": "controllers.native.constrained:ConstrainedController"},
@@ -256,29 +258,34 @@ class Settings(BaseSettings):
     run_dir: Path = Field(Path("run"), description="sockets, pid files, logs, SQLite")
     cache_dir: Path = Field(
         Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tiller",
-        description="converted model weights",
+        description="converted model weights, one directory per model per machine (`tiller cache`)",
+        json_schema_extra={"doc_default": "$XDG_CACHE_HOME/tiller, else ~/.cache/tiller"},
     )
     model: str = Field(
         DEFAULT_MODEL,
         description="'smollm2' (embedded), a local Hugging Face model directory, or 'random:<config dir or name>'",
     )
-    served_model_name: str = "SmolLM2-135M-Instruct"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    seed: int = 0
+    served_model_name: str = Field("SmolLM2-135M-Instruct", description="the model name clients see and send "
+                                   "(OpenAI `model`, Salience OpenSession, /v1/models)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the worker runs the model: 'auto' CUDA "
+                                                  "when a GPU is present, else the CPU")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="activations and KV: 'auto' bfloat16 on a GPU, float32 on the CPU")
+    seed: int = Field(0, description="the seed of a random: model's weights")
     weights: Literal["auto", "fp32", "gguf", "gguf-bf16", "int8"] = Field(
         "auto", description="how the worker holds the projections: 'fp32' dense at `dtype` (what the model "
         "loads as); 'gguf' the GGUF's own 4/8-bit blocks exactly, on Tiller's CPU kernel (float32 activations; "
         "torch's packed kernel where it cannot be built) (the default model); 'gguf-bf16' the blocks on "
         "torch's packed kernel with their scales rounded to bfloat16; 'int8' weights rounded to int8 per "
         "output row (CPU, any model); 'auto' picks 'gguf' on the CPU when the model ships as a GGUF and "
-        "Tiller's kernel builds, 'gguf-bf16' when it does not, else 'fp32' (see README 'Quantized weights')",
+        "Tiller's kernel builds, 'gguf-bf16' when it does not, else 'fp32' (see docs/models.md, 'Weights')",
     )
     gpu_kernels: Literal["torch", "triton"] = Field(
         "torch", description="the ops around the native forward's matmuls on a GPU: 'torch' torch's ops (attention "
         "over a gather of the KV blocks, rounding as transformers does); 'triton' Tiller's Triton kernels (norms, "
         "rotation with the KV write, paged attention reading the blocks in place, activation: five kernels a layer "
-        "where torch's ops take some fifteen), checked so far in Triton's interpreter only (see README 'GPU')",
+        "where torch's ops take some fifteen), checked so far in Triton's interpreter only (see docs/models.md, "
+        "'On a GPU')",
     )
     worker_threads: int | None = Field(
         None, ge=1, description="CPU threads of the worker's matmuls (OpenMP); unset: the environment's "
@@ -286,12 +293,12 @@ class Settings(BaseSettings):
     )
     worker_reserved_cores: float = Field(
         0.0, ge=0, description="cores left to the other four processes when worker_threads is unset (they idle "
-        "between requests: see README 'CPU threads')",
+        "between requests: see docs/models.md, 'CPU threads')",
     )
     worker_wait_policy: Literal["PASSIVE", "ACTIVE", ""] = Field(
         "", description="OMP_WAIT_POLICY of the worker's threads: '' OpenMP's default (spin a few ms, then "
         "sleep; fast alone, and worker_threads_interval_s yields cores to other load), PASSIVE sleeps at once "
-        "(every kernel then pays a wake-up), ACTIVE spins (see README 'CPU threads')",
+        "(every kernel then pays a wake-up), ACTIVE spins (see docs/models.md, 'CPU threads')",
     )
     worker_spin_count: int | None = Field(
         None, ge=0, description="rounds a waiting worker thread spins before it sleeps (GOMP_SPINCOUNT; tens "
@@ -302,19 +309,23 @@ class Settings(BaseSettings):
         "with its threads, and runs fewer threads while they would take a core from it; 0: never",
     )
 
-    http_host: str = "127.0.0.1"
-    http_port: int = 8080
-    grpc_port: int = 50051
+    http_host: str = Field("127.0.0.1", description="the address the gateway's HTTP and gRPC servers bind")
+    http_port: int = Field(8080, description="HTTP: WebSocket, REST, OpenAI API, AICI REST, /health, /metrics")
+    grpc_port: int = Field(50051, description="gRPC: Evergreen and Salience")
     shutdown_grace_s: float = Field(2.0, ge=0, description="on SIGTERM the gateway lets its HTTP streams run this "
                                     "long, then ends them (then its gRPC streams get as long): well within "
                                     "supervisord's 10 s before SIGKILL")
 
     # ZeroMQ endpoints; empty means an ipc:// socket in run_dir.
-    scheduler_endpoint: str = ""
-    worker_endpoint: str = ""
-    controller_main_endpoint: str = ""
-    controller_side_endpoint: str = ""
-    session_store_endpoint: str = ""
+    scheduler_endpoint: str = Field("", description="the scheduler's frontend for gateways (ZeroMQ endpoint; '': "
+                                    "ipc:// in run_dir)")
+    worker_endpoint: str = Field("", description="the scheduler's socket workers connect to (tcp://HOST:PORT for "
+                                 "workers on other hosts; '': ipc:// in run_dir)")
+    controller_main_endpoint: str = Field("", description="the controller runtime's main channel, used by the "
+                                          "scheduler ('': ipc:// in run_dir)")
+    controller_side_endpoint: str = Field("", description="the controller runtime's side channel, used by gateways "
+                                          "('': ipc:// in run_dir)")
+    session_store_endpoint: str = Field("", description="the session store ('': ipc:// in run_dir)")
 
     limits: Limits = Field(default_factory=Limits)
     evergreen: Evergreen = Field(default_factory=Evergreen)
@@ -324,13 +335,14 @@ class Settings(BaseSettings):
     api_auth: ApiAuth = Field(default_factory=ApiAuth)
     tenants: Tenants = Field(default_factory=Tenants)
     distributed: Distributed = Field(default_factory=Distributed)
-    log_level: str = "info"
+    log_level: str = Field("info", description="every service's log level (structlog JSON lines in run_dir/logs)")
     gc_young_threshold: int = Field(
         50_000, ge=1, description="allocations (less deallocations) of tracked objects between two collections of "
         "the cyclic garbage collector's youngest generation in the scheduler (Python's default is 700: a "
         "scheduler stepping hundreds of sequences then spends a third of its time collecting; at 10,000 one "
         "with thousands of live requests still collected every few steps, walking their prompts each time; the "
-        "objects alive after start-up are frozen out of its reach anyway; see README 'The collector, again')",
+        "objects alive after start-up are frozen out of its reach anyway; see docs/benchmarks.md, 'The collector, "
+        "again')",
     )
     ready_timeout_s: float = Field(600.0, description="how long `tiller up` waits for every service")
 

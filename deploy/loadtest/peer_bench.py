@@ -10,7 +10,7 @@ Tiller dependency.
 
 Each server runs alone: llama.cpp with ``-t 2 -np 16`` on the embedded model's GGUF (Q4_1), then
 Tiller's stack on the same model with the caller's TILLER_* settings (the default weights unless
-``TILLER_WEIGHTS`` is set: the GGUF's blocks, see README 'Quantized weights'). For each, one OpenAI
+``TILLER_WEIGHTS`` is set: the GGUF's blocks, see docs/models.md, 'Weights'). For each, one OpenAI
 streaming client per stream sends the same prompt (about 113 tokens) for 128 greedy tokens
 (``ignore_eos``) at 1, 16 and 64 concurrent streams, after a warm-up request. Printed: aggregate
 tokens/s, TTFT and inter-token latency p50/p99, the RSS (and PSS) of the whole server after the
