@@ -5,6 +5,11 @@ A full block of ``block_size`` tokens is named by a hash chain: the hash of its 
 name and its own token ids, so equal names mean equal token prefixes. Workers report the names
 they register and forget as 64-bit keys (the first 8 bytes of the name), which is all the
 scheduler's placement needs: a collision only misplaces a request, it never changes its output.
+
+Cache domains (docs/tenants.md): a sequence's chain starts from its domain's root (:func:`domain_root`)
+instead of ``ROOT_HASH``, so blocks of equal tokens in two domains have different names: the KV one domain
+computed is never found by another, on a worker or in the scheduler's index. The default domain ("") keeps
+``ROOT_HASH``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,13 @@ from collections.abc import Iterator, Sequence
 
 BLOCK_SIZE = 16  # tokens per block
 ROOT_HASH = b""  # the parent name of a sequence's first block
+
+
+def domain_root(domain: str) -> bytes:
+    """The parent name of the first block of a sequence in cache domain ``domain`` (``Submit.cache_domain``)."""
+    if not domain:
+        return ROOT_HASH
+    return hashlib.blake2b(b"tiller-cache-domain\0" + domain.encode(), digest_size=16).digest()
 
 
 def whole_blocks(tokens: int) -> int:
@@ -38,9 +50,11 @@ def block_key(name: bytes) -> int:
     return int.from_bytes(name[:8], "little", signed=True)
 
 
-def prefix_keys(tokens: Sequence[int], block_size: int = BLOCK_SIZE, limit: int | None = None) -> Iterator[int]:
-    """The keys of the full blocks of ``tokens``, first block first (at most ``limit`` of them)."""
-    parent = ROOT_HASH
+def prefix_keys(tokens: Sequence[int], block_size: int = BLOCK_SIZE, limit: int | None = None,
+                root: bytes = ROOT_HASH) -> Iterator[int]:
+    """The keys of the full blocks of ``tokens`` chained from ``root`` (a domain's), first block first (at most
+    ``limit`` of them)."""
+    parent = root
     blocks = len(tokens) // block_size if limit is None else min(limit, len(tokens) // block_size)
     data = memoryview(array("q", tokens[: blocks * block_size]).tobytes())  # block_hash's bytes, made once
     size = block_size * 8  # bytes per block (int64 tokens)

@@ -56,7 +56,8 @@ class Limits(BaseModel):
     worker_absent_s: float = Field(30.0, gt=0, description="a request waiting for the model fails (retryable) once "
                                    "no worker has been connected for this long (a loading worker is waited for until "
                                    "request_timeout_s)")
-    rate_limit_per_minute: int = Field(0, ge=0, description="requests per client address; 0 disables")
+    rate_limit_per_minute: int = Field(0, ge=0, description="requests per user when api_auth tokens name them, else "
+                                       "per client address; 0 disables")
     worker_step_timeout_s: float = Field(60.0, gt=0, description="how long a step may take: the scheduler waits this "
                                          "long for a step's result, a worker as long for its masks")
     gateway_heartbeat_s: float = Field(1.0, gt=0, description="a gateway tells the scheduler (and the session store "
@@ -206,7 +207,32 @@ class ApiAuth(BaseModel):
         "--api-key); without this, only the controller API does",
     )
     default_user: str = Field("localhost", description="the user when no token is configured and the header is absent")
-    admins: list[str] = Field(default_factory=lambda: ["localhost"], description="users who may set any tag")
+    admins: list[str] = Field(default_factory=lambda: ["localhost"], description="users who may set any tag and "
+                              "reach every user's sessions, request records and tags")
+
+
+class Tenants(BaseModel):
+    """Users apart (see docs/tenants.md): which users share prefix-cached KV, and what each user may hold. A quota
+    of 0 is no limit; a call past one is refused (HTTP 429 rate_limited, gRPC RESOURCE_EXHAUSTED) naming it."""
+
+    cache_isolation: Literal["user", "groups", "none"] = Field(
+        "user", description="who shares prefix-cached KV: 'user' each user alone once api_auth.tokens name more "
+        "than one user (else everyone, the one user and anonymous callers); 'groups' the users of one cache_groups "
+        "entry together, any other user alone; 'none' everyone (a request's cache_salt still splits its domain)",
+    )
+    cache_groups: dict[str, list[str]] = Field(
+        default_factory=dict, description="with cache_isolation 'groups': group name -> its users, who share KV",
+    )
+    max_sessions_per_user: int = Field(0, ge=0, description="live Salience sessions one user may hold (opened or "
+                                       "forked, not yet closed or expired)")
+    max_session_tokens_per_user: int = Field(0, ge=0, description="tokens one user's live Salience sessions may "
+                                             "hold together (a turn that would take them past it is refused)")
+    max_generations_per_user: int = Field(0, ge=0, description="generations one user may have running or queued "
+                                          "at once, every surface together (the scheduler counts them)")
+    max_modules_per_user: int = Field(0, ge=0, description="controller modules one user may upload (a module "
+                                      "counts for every user who uploaded it)")
+    max_module_bytes_per_user: int = Field(0, ge=0, description="Wasm bytes of the modules one user uploaded, "
+                                           "together")
 
 
 class Distributed(BaseModel):
@@ -346,6 +372,7 @@ class Settings(BaseSettings):
     sessions: Sessions = Field(default_factory=Sessions)
     controllers: Controllers = Field(default_factory=Controllers)
     api_auth: ApiAuth = Field(default_factory=ApiAuth)
+    tenants: Tenants = Field(default_factory=Tenants)
     distributed: Distributed = Field(default_factory=Distributed)
     curve: Curve = Field(default_factory=Curve)
     tls: Tls = Field(default_factory=Tls)

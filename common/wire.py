@@ -28,6 +28,14 @@ U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 Finite = Annotated[float, msgspec.Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]  # no inf, no nan
 
 
+class Principal(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Who makes a call, as the gateway identified them (``api_auth``): stored objects belong to ``user``, and
+    an ``admin`` reaches every user's (:func:`common.tenancy.may_access`)."""
+
+    user: str
+    admin: bool = False
+
+
 class Msg(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True):
     """Base of every internal message. ``mid`` matches a reply to its request."""
 
@@ -284,6 +292,10 @@ class Submit(Msg, tag="submit"):
     # The gateway works out the text of this request's events from their tokens (common.event_text): the
     # scheduler sends none, until a TextHandover. Only for a request without stop strings or a controller.
     text_at_gateway: bool = False
+    # The KV cache domain (docs/tenants.md): a digest the gateway makes of the user's domain and the request's
+    # cache_salt ("": the shared domain). KV is reused only from sequences of the same domain (common.blocks).
+    cache_domain: str = ""
+    tenant: str = ""  # the user it runs for: what tenants.max_generations_per_user counts ("": not counted)
 
     @property
     def prompt_len(self) -> int:
@@ -488,6 +500,9 @@ class SeqStep(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     scores: list[ScoreQuery] = []
     top_logprobs: int = 0
     readouts: list[int] = []
+    # Read on the step that creates the sequence (a fork is in its parent's domain; sent with ``sampling``):
+    # its cache domain (Submit.cache_domain), the seed of its blocks' hash chain (common.blocks.domain_root).
+    cache_domain: str = ""
 
 
 class Step(Msg, tag="step", gc=False):
@@ -685,6 +700,7 @@ class WorkerHello(Msg, tag="worker_hello"):
 
 class RecordRequest(Msg, tag="record_request"):
     rid: str
+    owner: str  # the user whose request it is: only they (and admins) may read it or give feedback on it
     surface: str  # "websocket" | "rest" | "openai" | ...
     model: str
     prompt: str
@@ -705,6 +721,7 @@ class RecordFeedback(Msg, tag="record_feedback"):
     """Replied with :class:`FeedbackRecorded`, or ``Error(code="not_found")`` for an unknown request."""
 
     rid: str
+    caller: Principal
     rating: Finite
     text: str = ""
     position: Count | None = None
@@ -715,9 +732,10 @@ class FeedbackRecorded(Msg, tag="feedback_recorded"):
 
 
 class GetRequest(Msg, tag="get_request"):
-    """Replied with :class:`RequestRecordReply`, or ``Error(code="not_found")``."""
+    """Replied with :class:`RequestRecordReply`, or ``Error(code="not_found")`` (also for another user's request)."""
 
     rid: str
+    caller: Principal
 
 
 class FeedbackEntry(msgspec.Struct, kw_only=True):
@@ -795,28 +813,35 @@ class EvergreenNodes(Msg, tag="evergreen_nodes"):
 
 
 # gateway -> session store: Salience sessions (salience.proto). Errors use codes not_found,
-# failed_precondition, resource_exhausted and aborted (the gRPC status the gateway answers with).
+# failed_precondition, resource_exhausted and aborted (the gRPC status the gateway answers with). A session
+# belongs to the user who opened it (a fork, to the user who forked it): to ``caller``s who are neither it nor
+# an admin, every message naming it answers not_found, as for a session that does not exist.
 
 
 class SalienceOpen(Msg, tag="salience_open"):
     model: str
+    caller: Principal  # the session's owner
 
 
 class SalienceClose(Msg, tag="salience_close"):
-    """Idempotent: closing an unknown or closed session is Ok."""
+    """Replied with the closed session's (empty) SalienceSession; closing an unknown or closed session, or another
+    user's, is Ok and changes nothing."""
 
     session_id: str
+    caller: Principal
 
 
 class SalienceFork(Msg, tag="salience_fork"):
     """A new session with tokens ``[0, at_position)`` and the images wholly inside them."""
 
     session_id: str
+    caller: Principal
     at_position: U32
 
 
 class SalienceGet(Msg, tag="salience_get"):
     session_id: str
+    caller: Principal
 
 
 class SalienceBegin(Msg, tag="salience_begin"):
@@ -826,6 +851,7 @@ class SalienceBegin(Msg, tag="salience_begin"):
     ``check_only`` it only makes those checks (the reply is then an empty session): nothing changes."""
 
     session_id: str
+    caller: Principal
     offset: U32
     max_len: Count
     lease_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]

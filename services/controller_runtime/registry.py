@@ -2,11 +2,21 @@
 
     wasm/<id>.wasm                 the module as uploaded (id = sha256 hex of these bytes)
     compiled/<id>.<cache_key>.bin  wasmtime's serialized artifact (bound to wasmtime version + config)
-    meta/<id>.json                 {"created", "created_by", "wasm_size", "compiled_size"}
-    tags.json                      {tag: {"module_id", "updated_at", "updated_by"}}
+    meta/<id>.json                 {"created", "created_by", "wasm_size", "compiled_size", "uploaded_by"}
+    tags.json                      {tag: {"module_id", "updated_at", "updated_by", "owner", "public"}}
 
 Files are written to a temporary name and renamed, so a crash never leaves a half-written one.
 Only artifacts this registry produced are deserialized (wasmtime artifacts must be trusted).
+
+Ownership. Modules are content-addressed: whoever names a module's id has its bytes (or was given the id), so a
+module is usable by anyone who names it. A tag is a name one user gives a module, and it is theirs: its owner is
+the user who first set it. A tag an admin set is public (the server's catalogue: every user sees and may
+instantiate it); any other tag exists only for its owner and admins (:func:`common.tenancy.may_access`):
+another user's ``get_tags`` does not list it, and instantiating it is "unknown controller module or tag", as for
+a name no one set. Only its owner or an admin may move a tag. Tags stored before owners existed stay public.
+
+Quotas (``tenants.max_modules_per_user``, ``max_module_bytes_per_user``; :mod:`common.quotas`): a module counts,
+with its Wasm bytes, for every user who uploaded it (``uploaded_by``); uploading one again costs nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +31,10 @@ from pathlib import Path
 
 import wasmtime
 
+from common import quotas
+from common.config import Tenants
+from common.tenancy import may_access
+from common.wire import Principal
 from services.controller_runtime.wasm import ControllerError, WasmEngine, WasmModule
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -37,6 +51,23 @@ def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def _owner(entry: dict) -> str:
+    return entry.get("owner", entry["updated_by"])
+
+
+def _uploaders(meta: dict) -> list[str]:
+    return meta.get("uploaded_by", [meta["created_by"]])
+
+
+def _public(entry: dict) -> bool:
+    return entry.get("public", "owner" not in entry)
+
+
+def visible(entry: dict, who: Principal) -> bool:
+    """Whether ``who`` sees (and may instantiate) the tag stored as ``entry`` (see the module docstring)."""
+    return _public(entry) or may_access(_owner(entry), who)
 
 
 def check_tag(tag: object, user: str, is_admin: bool) -> str:
@@ -56,9 +87,10 @@ def check_tag(tag: object, user: str, is_admin: bool) -> str:
 
 
 class ModuleRegistry:
-    def __init__(self, root: Path, engine: WasmEngine) -> None:
+    def __init__(self, root: Path, engine: WasmEngine, limits: Tenants | None = None) -> None:
         self.root = root
         self.engine = engine
+        self.limits = limits or Tenants()
         for sub in ("wasm", "compiled", "meta"):
             (root / sub).mkdir(parents=True, exist_ok=True)
         self._tags_path = root / "tags.json"
@@ -82,6 +114,11 @@ class ModuleRegistry:
                                 f"{self.engine.settings.max_module_bytes}")
         module_id = hashlib.sha256(wasm).hexdigest()
         start = time.perf_counter()
+        if self.exists(module_id) and user in _uploaders(self._meta(module_id)):
+            new = False
+        else:
+            self._check_quotas(user, len(wasm))
+            new = True
         if not (self.exists(module_id) and self._artifact(module_id).exists()):
             try:
                 compiled = self.engine.compile(wasm)
@@ -93,16 +130,35 @@ class ModuleRegistry:
                 _write_atomic(self.root / "wasm" / f"{module_id}.wasm", wasm)
                 _write_atomic(self._artifact(module_id), artifact)
                 meta = {"created": int(time.time()), "created_by": user, "wasm_size": len(wasm),
-                        "compiled_size": len(artifact)}
+                        "compiled_size": len(artifact), "uploaded_by": [user]}
                 _write_atomic(self.root / "meta" / f"{module_id}.json", json.dumps(meta).encode())
                 self._loaded[module_id] = prepared
         meta = self._meta(module_id)
+        if new and user not in _uploaders(meta):  # a module someone else uploaded first
+            with self._lock:
+                meta["uploaded_by"] = [*_uploaders(meta), user]
+                _write_atomic(self.root / "meta" / f"{module_id}.json", json.dumps(meta).encode())
         return {"module_id": module_id, "wasm_size": meta["wasm_size"], "compiled_size": meta["compiled_size"],
                 "time": round((time.perf_counter() - start) * 1000)}
 
-    def resolve(self, ref: str) -> tuple[str, WasmModule]:
-        """A module id or tag -> (module id, ready module); RegistryError when unknown."""
-        module_id = ref if _HEX64.fullmatch(ref) else self._tags.get(ref, {}).get("module_id")
+    def _check_quotas(self, user: str, size: int) -> None:
+        """Whether ``user`` may upload one more module of ``size`` bytes; QuotaExceeded if not."""
+        limits = self.limits
+        if not (limits.max_modules_per_user or limits.max_module_bytes_per_user):
+            return  # (no limit: no walk over every module's meta)
+        theirs = [meta for meta in map(self._meta, self._module_ids()) if user in _uploaders(meta)]
+        quotas.check("max_modules_per_user", limits.max_modules_per_user, user, len(theirs), 1, "controller modules")
+        quotas.check("max_module_bytes_per_user", limits.max_module_bytes_per_user, user,
+                     sum(meta["wasm_size"] for meta in theirs), size, "bytes of controller modules")
+
+    def _module_ids(self) -> list[str]:
+        return [path.stem for path in (self.root / "meta").glob("*.json")]
+
+    def resolve(self, ref: str, who: Principal) -> tuple[str, WasmModule]:
+        """A module id or a tag ``who`` sees -> (module id, ready module); RegistryError when unknown."""
+        entry = self._tags.get(ref)
+        tagged = entry["module_id"] if entry is not None and visible(entry, who) else None
+        module_id = ref if _HEX64.fullmatch(ref) else tagged
         if module_id is None or not self.exists(module_id):
             raise RegistryError(f"unknown controller module or tag {ref!r}")
         with self._lock:
@@ -130,21 +186,29 @@ class ModuleRegistry:
                 "updated_by": entry["updated_by"], "wasm_size": meta["wasm_size"],
                 "compiled_size": meta["compiled_size"]}
 
-    def set_tags(self, module_id: object, tags: object, user: str, is_admin: bool) -> list[dict]:
+    def set_tags(self, module_id: object, tags: object, who: Principal) -> list[dict]:
         if not isinstance(module_id, str) or not self.exists(module_id):
             raise RegistryError(f"unknown module id {module_id!r}")
         if not isinstance(tags, list) or not tags:
             raise RegistryError("tags must be a non-empty list of strings")
-        checked = [check_tag(t, user, is_admin) for t in tags]
+        checked = [check_tag(t, who.user, who.admin) for t in tags]
         now = int(time.time())
         with self._lock:
+            for tag in checked:  # all or nothing: every tag is checked before any moves
+                entry = self._tags.get(tag)
+                if entry is not None and not may_access(_owner(entry), who):
+                    raise RegistryError(f"tag {tag!r} belongs to another user; only they or an admin may move it")
             for tag in checked:
-                self._tags[tag] = {"module_id": module_id, "updated_at": now, "updated_by": user}
+                entry = self._tags.get(tag)
+                owner, public = (who.user, who.admin) if entry is None else (_owner(entry), _public(entry))
+                self._tags[tag] = {"module_id": module_id, "updated_at": now, "updated_by": who.user,
+                                   "owner": owner, "public": public}
             _write_atomic(self._tags_path, json.dumps(self._tags, indent=1).encode())
         return [self._tag_info(t) for t in checked]
 
-    def get_tags(self) -> list[dict]:
-        """All tags, most recently updated first (ties by name)."""
+    def get_tags(self, who: Principal) -> list[dict]:
+        """The tags ``who`` sees, most recently updated first (ties by name)."""
         with self._lock:
-            names = sorted(self._tags, key=lambda t: (-self._tags[t]["updated_at"], t))
+            names = sorted((t for t, entry in self._tags.items() if visible(entry, who)),
+                           key=lambda t: (-self._tags[t]["updated_at"], t))
             return [self._tag_info(t) for t in names]

@@ -20,6 +20,7 @@ import structlog
 from common import aici_wire
 from common.config import Controllers
 from common.errors import INVALID_REQUEST, RATE_LIMITED
+from common.wire import Principal
 from controllers.native.base import NativeController
 from services.controller_runtime.budget import CpuShare, OpClock, UserBudgets
 from services.controller_runtime.host import RequestState, SeqHost, VariableStore
@@ -32,6 +33,7 @@ log = structlog.get_logger()
 
 NATIVE_PREFIX = "native:"
 CAPABILITIES = {"fork": True, "backtrack": True, "ff_tokens": True}
+LOCAL = Principal(user="local")  # who instantiates when no one is named (in-process callers)
 # the reply for a pre_process the guest lets the runtime skip (shared: only ever encoded)
 PRE_DEFAULT_REPLY = aici_wire.PreOutcome(result=aici_wire.PreProcessResult())
 O = TypeVar("O", bound=aici_wire.SeqOutcome)
@@ -134,8 +136,10 @@ class Runtime:
 
     # -- side channel: instantiate (runs in a worker thread) ----------------------------------------------
     def instantiate(self, req_id: Any, prompt: Any, module_ref: Any, module_arg: Any,
-                    user: str = "local") -> tuple[bool, aici_wire.InitOutcome]:
-        """Create and initialise a controller for ``user``; returns (ok, its outcome: the AICI SequenceResult)."""
+                    who: Principal = LOCAL) -> tuple[bool, aici_wire.InitOutcome]:
+        """Create and initialise a controller for ``who`` (a tag: one they see); returns (ok, its outcome: the
+        AICI SequenceResult)."""
+        user = who.user
         if not isinstance(req_id, str) or not req_id:
             raise UserError("instantiate needs a string req_id")
         self._expire_pending()
@@ -157,7 +161,7 @@ class Runtime:
         instance: Instance | None = None
         try:
             with self.engine.ticker:  # a span: the epoch ticker stays awake between its guest calls
-                instance = self._make_instance(module_ref, host)  # (a Wasm start function runs here)
+                instance = self._make_instance(module_ref, host, who)  # (a Wasm start function runs here)
                 instance.setup(prompt)
         except ControllerError as exc:  # as in AICI: a failed start is the sequence's result, not a refusal
             if instance is not None:
@@ -198,7 +202,7 @@ class Runtime:
             if created < cutoff and self.pending.pop(req_id, None) is not None:
                 self._ended(instance)
 
-    def _make_instance(self, module_ref: str, host: SeqHost) -> Instance:
+    def _make_instance(self, module_ref: str, host: SeqHost, who: Principal) -> Instance:
         """A sequence's controller from ``module_ref``: an unknown module raises UserError (a refusal), a
         module that fails to instantiate ControllerError (a failed start)."""
         if module_ref.startswith(NATIVE_PREFIX):
@@ -208,7 +212,7 @@ class Runtime:
                                 f"{sorted(NATIVE_PREFIX + n for n in self.natives)}")
             return NativeInstance(cls, host, self.settings, self.op_clock)
         try:
-            _, module = self.registry.resolve(module_ref)
+            _, module = self.registry.resolve(module_ref, who)
         except RegistryError as exc:
             raise UserError(str(exc)) from exc
         return WasmInstance(WasmController(self.engine, module, host), self.settings)

@@ -26,7 +26,9 @@ from common.config import Settings
 from common.errors import WireError
 from common.incarnation import process_incarnation
 from common.model_source import resolve_model
+from common.quotas import QuotaExceeded
 from common.sockets import MAX_MESSAGE_BYTES, LoopReader, bind, copy_flag
+from common.wire import Principal
 from controllers.native import load_native_controllers
 from services.controller_runtime.registry import ModuleRegistry, RegistryError
 from services.controller_runtime.runtime import Runtime, UserError
@@ -47,7 +49,7 @@ class ControllerRuntime:
         self.tokenizer = TokenizerInfo.from_directory(resolve_model(settings).directory)
         self.vocab_size = self.tokenizer.vocab_size
         self.engine = WasmEngine(cfg, self.tokenizer)
-        self.registry = ModuleRegistry(settings.controller_module_dir, self.engine)
+        self.registry = ModuleRegistry(settings.controller_module_dir, self.engine, settings.tenants)
         self.runtime = Runtime(cfg, self.tokenizer, self.engine, self.registry,
                                load_native_controllers(cfg.native))
         ctx = zmq.asyncio.Context.instance()
@@ -97,22 +99,21 @@ class ControllerRuntime:
             return aici_wire.error(str(exc), is_user_error=True)
         rid = {"$rid": request["$rid"]}
         auth = request.get("$auth") if isinstance(request.get("$auth"), dict) else DEFAULT_AUTH
-        user, is_admin = str(auth.get("user", "local")), auth.get("is_admin") is True
+        who = Principal(user=str(auth.get("user", "local")), admin=auth.get("is_admin") is True)
         op = request.get("op")
-        bound = structlog.contextvars.bound_contextvars(rid=request["$rid"], op=op, user=user)
+        bound = structlog.contextvars.bound_contextvars(rid=request["$rid"], op=op, user=who.user)
         with bound:
             try:
                 if op == "mk_module":
-                    data = await asyncio.to_thread(self.registry.create, _binary(request), user)
+                    data = await asyncio.to_thread(self.registry.create, _binary(request), who.user)
                 elif op == "set_tags":
-                    data = {"tags": self.registry.set_tags(request.get("module_id"), request.get("tags"), user,
-                                                           is_admin)}
+                    data = {"tags": self.registry.set_tags(request.get("module_id"), request.get("tags"), who)}
                 elif op == "get_tags":
-                    data = {"tags": self.registry.get_tags()}
+                    data = {"tags": self.registry.get_tags(who)}
                 elif op == "instantiate":
                     ok, data = await asyncio.to_thread(
                         self.runtime.instantiate, request.get("req_id"), request.get("prompt"),
-                        request.get("module_id"), request.get("module_arg"), user)
+                        request.get("module_id"), request.get("module_arg"), who)
                     if not ok:
                         log.info("controller_runtime.instantiate_failed", error=data.error)
                         return aici_wire.error(data.error, is_user_error=True, **rid) | {"data": data}
@@ -122,6 +123,8 @@ class ControllerRuntime:
                 return aici_wire.error(str(exc), is_user_error=True, code=exc.code, **rid)
             except RegistryError as exc:
                 return aici_wire.error(str(exc), is_user_error=True, **rid)
+            except QuotaExceeded as exc:  # the gateway answers 429
+                return aici_wire.error(exc.message, is_user_error=True, code=exc.code, **rid)
             except Exception as exc:  # noqa: BLE001
                 log.exception("controller_runtime.side_failed")
                 return aici_wire.error(f"internal error: {type(exc).__name__}: {exc}", is_user_error=False, **rid)

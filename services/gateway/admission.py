@@ -1,9 +1,10 @@
 """The admission pipeline: every generation, on every surface (WebSocket, REST/SSE, OpenAI, AICI
 ``/v1/run``, Salience, Evergreen), passes the same checks and leaves the same traces.
 
-- :meth:`Admission.admit`: the per-client rate limit, then the content filter on what the client wrote;
+- :meth:`Admission.admit`: the rate limit (per user with auth, else per client address), then the content filter
+  on what the client wrote;
 - :meth:`Admission.screens_out`: the content filter on generated text (the surface withholds it and ends the request);
-- :meth:`Admission.record`: the request's record in the session store, once it is accepted;
+- :meth:`Admission.record`: the request's record in the session store, owned by its tenant, once it is accepted;
 - :meth:`Admission.tokens` and :meth:`Admission.end`: ``tiller:requests_total{surface,outcome}``, latency, token
   counts, the active-streams gauge and the record's completion, whatever way the request ends.
 
@@ -20,6 +21,7 @@ from typing import Any
 from common.errors import CONTENT_FILTER
 from services.gateway.deps import Gateway
 from services.gateway.protocol import GatewayError
+from services.gateway.tenants import Tenant
 
 # Finish reasons that end a generation normally, with a completion.
 COMPLETED = ("length", "stop", "cancelled")
@@ -34,12 +36,13 @@ def record_error(outcome: str) -> str:
 class Admission:
     """One request's passage through the gateway, from the moment a surface takes it."""
 
-    def __init__(self, gw: Gateway, *, rid: str, surface: str, client: str,
+    def __init__(self, gw: Gateway, *, rid: str, surface: str, client: str, tenant: Tenant,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.gw = gw
         self.rid = rid
         self.surface = surface
-        self.client = client
+        self.client = client  # the caller's address
+        self.tenant = tenant
         self._clock = clock
         self.started_at = clock()
         self._first_token_at: float | None = None
@@ -49,9 +52,9 @@ class Admission:
         self._generated = gw.metrics.generation_tokens.labels(surface)  # counted per event: looked up once
 
     def admit(self, written: str, param: str = "prompt") -> None:
-        """Count the request against its client's rate limit, then screen what the client wrote (for
+        """Count the request against its tenant's rate limit, then screen what the client wrote (for
         chat: the messages' contents, not the template around them); raise the refusal."""
-        self.gw.limiter.check(self.client)
+        self.gw.limiter.check(self.tenant.rate_key(self.client))
         if self.gw.text.refused(written):
             raise GatewayError(CONTENT_FILTER, f"the {param} was refused by the content filter", param=param)
 
@@ -65,8 +68,8 @@ class Admission:
 
     def record(self, *, prompt: str, params: dict[str, Any]) -> None:
         """The request's record (``GET /v1/requests/{id}``), once it is accepted."""
-        self.gw.store.record_request(self.rid, surface=self.surface, model=self.gw.settings.served_model_name,
-                                     prompt=prompt, params=params)
+        self.gw.store.record_request(self.rid, owner=self.tenant.user, surface=self.surface,
+                                     model=self.gw.settings.served_model_name, prompt=prompt, params=params)
         self._recorded = True
 
     def tokens(self, count: int) -> None:

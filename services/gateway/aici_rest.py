@@ -37,11 +37,13 @@ from common.errors import CONTENT_FILTER, ERROR_TRAITS, INTERNAL_ERROR, INVALID_
 from services.gateway.admission import Admission
 from services.gateway.deps import Gateway, new_request_id
 from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, facts_of, worker_stage
-from services.gateway.httputil import SSE_HEADERS, client_of, gateway_of, read_json_object, sse
+from services.gateway.httputil import SSE_HEADERS, client_of, gateway_of, read_json_object, sse, tenant_of
 from services.gateway.protocol import GatewayError
-from services.gateway.side_channel import Caller, ControllerInitFailed, SideChannel, Unauthorized, caller_of
+from services.gateway.side_channel import ControllerInitFailed, SideChannel, Unauthorized, caller_of
+from services.gateway.tenants import cache_domain
 from services.gateway.validation import (
     INT64_MAX,
+    CacheSalt,
     Context,
     GenerationRequest,
     Int64,
@@ -135,6 +137,7 @@ class RunRequest(StrictModel, LimitChecks):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     seed: Int64 | None = None
     model: str | None = None  # accepted as the vLLM variant does; must name the served model
+    cache_salt: CacheSalt | None = None  # vLLM's (docs/tenants.md)
 
     @field_validator("temperature", "top_p", "top_k", mode="before")
     @classmethod
@@ -277,7 +280,7 @@ async def failed_start(rid: str, model: str, result: dict[str, Any]) -> AsyncIte
     yield sse("[DONE]")
 
 
-async def _start_run(gw: Gateway, run: RunRequest, caller: Caller, admission: Admission) -> AsyncIterator[bytes]:
+async def _start_run(gw: Gateway, run: RunRequest, caller: wire.Principal, admission: Admission) -> AsyncIterator[bytes]:
     """Admit, tokenize, check the model, instantiate the controller and submit; the stream's events.
     Errors before the controller runs raise (HTTP errors); a failing controller start is a stream."""
     model = gw.settings.served_model_name
@@ -313,12 +316,14 @@ async def _start_run(gw: Gateway, run: RunRequest, caller: Caller, admission: Ad
                 max_tokens=max_tokens,
                 timeout_s=gw.settings.limits.request_timeout_s,
                 controller="" if run.plain else rid,
+                cache_domain=cache_domain(admission.tenant, run.cache_salt, gw.settings),
+                tenant=admission.tenant.user,
             )
         )
     except BaseException:
         gw.scheduler.close_stream(rid)
         raise
-    admission.record(prompt=run.prompt_text(), params=run.model_dump(exclude={"prompt", "controller_arg"}))
+    admission.record(prompt=run.prompt_text(), params=run.model_dump(exclude={"prompt", "controller_arg", "cache_salt"}))
     return RunStream(gw, admission, len(prompt_ids), queue, PLAIN_FINISH if run.plain else ABORTED).events(model)
 
 
@@ -332,7 +337,8 @@ async def run(request: Request) -> Response:
     except TillerError as exc:
         gw.metrics.refused("aici", exc.code)
         return _error(exc)
-    admission = Admission(gw, rid=new_request_id("run-"), surface="aici", client=client_of(request))
+    admission = Admission(gw, rid=new_request_id("run-"), surface="aici", client=client_of(request),
+                          tenant=tenant_of(request))
     try:
         events = await _start_run(gw, run_request, caller, admission)
     except TillerError as exc:

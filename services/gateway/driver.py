@@ -28,6 +28,7 @@ from common.errors import (
     TIMEOUT,
     TillerError,
 )
+from common.wire import Principal
 from services.gateway.admission import COMPLETED, Admission
 from services.gateway.deps import Gateway
 from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, facts_of, worker_stage
@@ -43,7 +44,7 @@ from services.gateway.protocol import (
     TokenMsg,
     Usage,
 )
-from services.gateway.side_channel import Caller
+from services.gateway.tenants import Tenant, cache_domain
 from services.gateway.validation import GenerationRequest, ParametersPatch
 
 log = structlog.get_logger()
@@ -72,7 +73,8 @@ RESUMED = _Resumed()
 
 class Generation:
     def __init__(
-        self, gw: Gateway, request: GenerationRequest, *, rid: str, surface: str, client: str, caller: Caller | None = None
+        self, gw: Gateway, request: GenerationRequest, *, rid: str, surface: str, client: str, tenant: Tenant,
+        caller: Principal | None = None,
     ) -> None:
         self.rid = rid
         self.request = request  # with modifications applied: what ``regenerate`` runs again
@@ -80,6 +82,7 @@ class Generation:
         self.caller = caller  # who runs the request's controller (``$auth``), when it has one
         self._gw = gw
         self._client = client
+        self.tenant = tenant  # whose request it is (its record's owner, its rate limit, its cache domain)
         self._phase = Phase.PREPARING
         self._prepared = asyncio.Event()  # set once the phase is past PREPARING
         self._queue: asyncio.Queue[StreamItem | _Resumed] | None = None  # the scheduler's events, once submitted
@@ -125,7 +128,7 @@ class Generation:
         gw = self._gw
         structlog.contextvars.bind_contextvars(request_id=self.rid)
         self._started = time.monotonic()
-        self._admission = Admission(gw, rid=self.rid, surface=self.surface, client=self._client)
+        self._admission = Admission(gw, rid=self.rid, surface=self.surface, client=self._client, tenant=self.tenant)
         outcome = "cancelled"  # unless a final message says otherwise: the consumer left
         try:
             try:
@@ -209,6 +212,8 @@ class Generation:
                     controller=self.rid if self.request.controller else "",
                     session=self._session(),
                     outputs=self._prompt_scoring(prompt_ids),
+                    cache_domain=cache_domain(self.tenant, self.request.cache_salt, gw.settings),
+                    tenant=self.tenant.user,
                 )
             )
             async for msg in self._consume(queue):

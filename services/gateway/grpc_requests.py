@@ -1,4 +1,5 @@
-"""Registering a gRPC servicer so that a request that does not parse is the client's error; a caller's address.
+"""Registering a gRPC servicer so that a request that does not parse is the client's error; a caller's address and
+tenant.
 
 grpcio turns a request deserializer's exception into UNKNOWN (unary) or an exception inside the
 request iterator (streaming), which the servicers would report as INTERNAL. Registered with
@@ -8,7 +9,7 @@ and the handler answers INVALID_ARGUMENT naming the message type and the parse e
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,9 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
+
+from common.config import Settings
+from services.gateway.tenants import Tenant, identify
 
 HANDLER_KINDS = {  # (client_streaming, server_streaming) -> grpc's handler constructor
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -58,6 +62,16 @@ def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: 
             response_serializer=GetMessageClass(method.output_type).SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def text_metadata(pairs: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:
+    """A call's metadata as a mapping of its text entries (binary ``-bin`` ones left out)."""
+    return {key: value for key, value in pairs or () if isinstance(value, str)}
+
+
+def tenant_of_call(context: grpc.aio.ServicerContext, settings: Settings) -> Tenant:
+    """Who a gRPC call is for (services.gateway.tenants), from its metadata."""
+    return identify(text_metadata(context.invocation_metadata()), settings)
 
 
 def client_address(peer: str) -> str:

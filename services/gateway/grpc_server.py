@@ -15,7 +15,7 @@ from common.config import Tls
 from services.gateway import auth
 from services.gateway.deps import Gateway
 from services.gateway.evergreen import service as evergreen
-from services.gateway.grpc_requests import HANDLER_KINDS
+from services.gateway.grpc_requests import HANDLER_KINDS, text_metadata
 from services.gateway.salience import service as salience
 
 log = structlog.get_logger()
@@ -39,7 +39,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
         package = details.method.lstrip("/").partition(".")[0]  # "/salience.v1.Salience/Generate" -> "salience"
-        metadata = {key: value for key, value in details.invocation_metadata or () if isinstance(value, str)}
+        metadata = text_metadata(details.invocation_metadata)
         problem = auth.refusal(self._tokens.get(package, frozenset()),
                                auth.presented_token(metadata, self._key_header), self._key_header)
         if handler is None or problem is None:

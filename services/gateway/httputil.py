@@ -15,6 +15,7 @@ from common.errors import INVALID_REQUEST
 from services.gateway.deps import Gateway
 from services.gateway.json_body import parse_json
 from services.gateway.protocol import GatewayError
+from services.gateway.tenants import Tenant, identify
 
 T = TypeVar("T")
 _json_encoder = msgspec.json.Encoder()
@@ -30,6 +31,11 @@ def gateway_of(conn: HTTPConnection) -> Gateway:
 
 def client_of(conn: HTTPConnection) -> str:
     return conn.client.host if conn.client else "unknown"
+
+
+def tenant_of(conn: HTTPConnection) -> Tenant:
+    """Who the request is for (services.gateway.tenants)."""
+    return identify(conn.headers, gateway_of(conn).settings)
 
 
 async def read_json_object(request: Request) -> dict[str, Any]:

@@ -51,6 +51,7 @@ from services.gateway.httputil import (
     SSE_HEADERS,
     client_of,
     gateway_of,
+    tenant_of,
     merge,
     read_json_object,
     sse,
@@ -65,6 +66,7 @@ from services.gateway.validation import (
     Context,
     GenerationRequest,
     INT64_MAX,
+    CacheSalt,
     Int64,
     LimitChecks,
     MaxTokens,
@@ -249,6 +251,7 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ends a choice stays in its text
     skip_special_tokens: bool = True  # vLLM's: False shows special tokens' text (<|im_end|>, ...)
     priority: Int64 = 0  # vLLM's: lower runs first (the scheduler's queue and batch order)
+    cache_salt: CacheSalt | None = None  # vLLM's: KV shared only with requests of the same domain and salt
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -375,6 +378,7 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
                 include_stop_str=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 priority=self.priority,
+                cache_salt=self.cache_salt,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
                 **prompt,
@@ -697,10 +701,12 @@ async def _start(
     """Start a generation per choice, each up to its ``init``; the first refusal ends them all."""
     gw = gateway_of(request)
     caller = format_caller(request, gw.settings)
+    tenant = tenant_of(request)
     choices: list[_Choice] = []
     for i, req in enumerate(requests):
         rid_i = rid if len(requests) == 1 else f"{rid}-{i}"
-        gen = Generation(gw, req, rid=rid_i, surface="openai", client=client_of(request), caller=caller)
+        gen = Generation(gw, req, rid=rid_i, surface="openai", client=client_of(request), tenant=tenant,
+                         caller=caller)
         messages = gen.stream()
         first = await anext(messages)
         if isinstance(first, ErrorMsg):

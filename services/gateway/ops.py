@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from common import wire
 from common.errors import ERROR_TRAITS, TillerError
 from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, facts_of, worker_stage
-from services.gateway.httputil import gateway_of
+from services.gateway.httputil import gateway_of, tenant_of
 from services.gateway.store import NOT_FOUND, StoreError
 
 router = APIRouter()
@@ -84,9 +84,10 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/requests/{rid}")
 async def get_request(request: Request, rid: str) -> JSONResponse:
-    """A request's record in the session store, feedback included."""
+    """A request's record in the session store, feedback included (404 for another user's, as for an unknown id)."""
     try:
-        return JSONResponse(msgspec.to_builtins(await gateway_of(request).store.get_request(rid)))
+        record = await gateway_of(request).store.get_request(rid, tenant_of(request).principal)
+        return JSONResponse(msgspec.to_builtins(record))
     except StoreError as exc:
         status = 404 if exc.code == NOT_FOUND else ERROR_TRAITS[exc.code][2]
         return JSONResponse({"error": {"type": exc.code, "message": exc.message}}, status_code=status)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -26,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common import wire
 from common.errors import INTERNAL_ERROR, INVALID_REQUEST, TillerError
+from common.tenancy import may_access
 from services.gateway.deps import Gateway
 from services.gateway.driver import Generation
 from services.gateway.httputil import (
@@ -34,6 +34,7 @@ from services.gateway.httputil import (
     gateway_of,
     json_text,
     read_json_object,
+    tenant_of,
     unless_disconnected,
 )
 from services.gateway.openai_api import error_response, model_not_found
@@ -56,13 +57,9 @@ class _Missing(Exception):
     """The response does not exist for this caller (unknown, expired, deleted, or another user's)."""
 
 
-def visible_to(record: wire.ResponseRecord, user: str) -> bool:
-    """Whether ``user`` may see a stored response: it is its creator's (the tenants rule: others get NOT_FOUND)."""
-    return hmac.compare_digest(record.owner.encode(), user.encode())
-
-
-def _user(request: Request) -> str:
-    return format_caller(request, gateway_of(request).settings).user
+def _caller(request: Request) -> wire.Principal:
+    """Who the call is for, as on every surface (a stored response is its creator's; an admin may reach all)."""
+    return tenant_of(request).principal
 
 
 async def _owned(request: Request, response_id: str) -> wire.ResponseRecord:
@@ -73,7 +70,7 @@ async def _owned(request: Request, response_id: str) -> wire.ResponseRecord:
         if exc.code == NOT_FOUND:
             raise _Missing from None
         raise
-    if not visible_to(record, _user(request)):
+    if not may_access(record.owner, _caller(request)):
         raise _Missing
     return record
 
@@ -136,7 +133,7 @@ async def _events(request: Request, turn: _Turn, messages: AsyncIterator[Any]) -
                 body = turn.body(status, msg)
                 if turn.parsed.store:
                     try:
-                        await gateway_of(request).store.put_response(turn.record(gateway_of(request), _user(request),
+                        await gateway_of(request).store.put_response(turn.record(gateway_of(request), _caller(request).user,
                                                                                  body))
                     except TillerError as exc:
                         error = ErrorMsg.from_error(TillerError(INTERNAL_ERROR, f"the response could not be stored: "
@@ -192,7 +189,7 @@ async def _start(request: Request) -> tuple[_Turn, AsyncIterator[Any]] | Respons
         generation_request = dataclasses.replace(generation_request, park_as=rid,
                                                  continues=parsed.previous_response_id or "")
     gen = Generation(gw, generation_request, rid=rid, surface="openai", client=client_of(request),
-                     caller=format_caller(request, gw.settings))
+                     tenant=tenant_of(request), caller=format_caller(request, gw.settings))
     messages = gen.stream()
     first = await anext(messages)
     if isinstance(first, ErrorMsg):

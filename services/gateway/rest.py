@@ -24,6 +24,7 @@ from services.gateway.httputil import (
     SSE_HEADERS,
     client_of,
     gateway_of,
+    tenant_of,
     prepend,
     read_json_object,
     sse,
@@ -76,7 +77,8 @@ async def generate(request: Request) -> Response:
         gw.metrics.refused("rest", exc.code)
         return error_response(ErrorMsg.from_error(exc).to_json())
     gen = Generation(
-        gw, config.to_request(), rid=new_request_id("gen_"), surface="rest", client=client_of(request), caller=caller
+        gw, config.to_request(), rid=new_request_id("gen_"), surface="rest", client=client_of(request),
+        tenant=tenant_of(request), caller=caller,
     )
     messages = protocol_messages(gen, config.options)
     first = await anext(messages)

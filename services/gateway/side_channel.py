@@ -1,12 +1,8 @@
 """The gateway's side channel to the controller runtime (the AICI runtime protocol): asynchronous requests matched by
-``$rid``, each carrying the caller as ``$auth``; and how a caller is identified.
+``$rid``, each carrying the caller as ``$auth``; and who may call the controller API.
 
-Identification (``settings.api_auth``): when tokens are configured, a request must carry
-``Authorization: Bearer <token>`` (or pyaici's ``api-key: <token>``) and the token's user is the
-caller, admin iff its name is in ``admins``. Otherwise the caller is the user named by the
-``x-user-id`` header (as rLLM expects a front proxy to set it), or ``default_user``; it is admin iff
-an ``x-user-role`` header says ``admin`` (rLLM's rule), or, without that header, its name is in
-``admins``.
+The caller is identified as on every surface (:func:`services.gateway.tenants.identify`); when tokens are
+configured, the controller API needs one (``Authorization: Bearer <token>``, or pyaici's ``api-key: <token>``).
 """
 
 from __future__ import annotations
@@ -14,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -24,6 +19,7 @@ from starlette.requests import HTTPConnection
 from zmq.utils.monitor import recv_monitor_message
 
 from common import aici_wire
+from common.wire import Principal
 from common.config import Settings
 from common.errors import (
     INTERNAL_ERROR,
@@ -34,7 +30,7 @@ from common.errors import (
     WireError,
 )
 from common.sockets import connect, ensure_ipc_dir
-from services.gateway.auth import presented_token
+from services.gateway.tenants import identify
 
 log = structlog.get_logger()
 
@@ -48,42 +44,26 @@ class Unauthorized(TillerError):
         super().__init__(INVALID_REQUEST, message)
 
 
-@dataclass(frozen=True)
-class Caller:
-    user: str
-    is_admin: bool
-
-    def auth(self) -> dict[str, Any]:
-        return {"user": self.user, "is_admin": self.is_admin}
-
-
-def caller_of(conn: HTTPConnection, settings: Settings) -> Caller:
-    """The caller of an HTTP or WebSocket request (see the module docstring); Unauthorized if none."""
-    auth = settings.api_auth
-    if auth.tokens:
-        user = auth.tokens.get(presented_token(conn.headers, auth.key_header))
-        if user is None:
-            raise Unauthorized(f"the controller API needs 'Authorization: Bearer <token>' (or '{auth.key_header}: "
-                               "<token>') with a known token")
-        return Caller(user=user, is_admin=user in auth.admins)
-    user = conn.headers.get(auth.user_header) or auth.default_user
-    role = conn.headers.get(auth.role_header)
-    return Caller(user=user, is_admin=user in auth.admins if role is None else role == "admin")
+def caller_of(conn: HTTPConnection, settings: Settings) -> Principal:
+    """The caller of an HTTP or WebSocket request to the controller API; Unauthorized if tokens are configured
+    and it presents none of them."""
+    tenant = identify(conn.headers, settings)
+    if settings.api_auth.tokens and not tenant.authenticated:
+        key_header = settings.api_auth.key_header
+        raise Unauthorized(f"the controller API needs 'Authorization: Bearer <token>' (or '{key_header}: "
+                           "<token>') with a known token")
+    return tenant.principal
 
 
 # what a side-channel refusal may name besides invalid_request (a user past their controller budget)
 REFUSAL_CODES = frozenset({INVALID_REQUEST, RATE_LIMITED})
 
 
-def format_caller(conn: HTTPConnection, settings: Settings) -> Caller:
+def format_caller(conn: HTTPConnection, settings: Settings) -> Principal:
     """Who runs the JSON controller the gateway starts for an OpenAI ``response_format``, for any client: the
     caller a request names (its token's user; without tokens, the user header), else the default user. Its
     controller time and live requests count against that user's budget, not one account shared by all."""
-    try:
-        user = caller_of(conn, settings).user
-    except Unauthorized:  # no token where tokens are configured: the OpenAI API serves it all the same
-        user = settings.api_auth.default_user
-    return Caller(user=user, is_admin=False)
+    return Principal(user=identify(conn.headers, settings).user)  # no token where tokens are: the default user
 
 
 class ControllerError(TillerError):
@@ -171,14 +151,14 @@ class SideChannel:
             if future is not None and not future.done():
                 future.set_result(reply)
 
-    async def call(self, op: str, caller: Caller, **fields: Any) -> dict[str, Any]:
+    async def call(self, op: str, caller: Principal, **fields: Any) -> dict[str, Any]:
         """Run ``op``; its ``data``, or ControllerError with the runtime's message."""
         reply = await self._exchange(op, caller, fields)
         if reply["type"] != "ok":
             raise ControllerError.refused(reply, op)
         return reply.get("data") or {}
 
-    async def _exchange(self, op: str, caller: Caller, fields: dict[str, Any]) -> dict[str, Any]:
+    async def _exchange(self, op: str, caller: Principal, fields: dict[str, Any]) -> dict[str, Any]:
         """Send ``op`` and wait for the reply with its ``$rid``."""
         self.start()
         if self._down:
@@ -187,7 +167,8 @@ class SideChannel:
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
         try:
-            await self._sock.send(aici_wire.encode({"$rid": rid, "$auth": caller.auth(), "op": op, **fields}))
+            auth = {"user": caller.user, "is_admin": caller.admin}
+            await self._sock.send(aici_wire.encode({"$rid": rid, "$auth": auth, "op": op, **fields}))
             async with asyncio.timeout(self._timeout_s):
                 reply = await future
         except TimeoutError:
@@ -201,17 +182,17 @@ class SideChannel:
         """False while the connection to the runtime is known to be down."""
         return not self._down
 
-    async def mk_module(self, caller: Caller, wasm: bytes) -> dict[str, Any]:
+    async def mk_module(self, caller: Principal, wasm: bytes) -> dict[str, Any]:
         return await self.call("mk_module", caller, binary=base64.b64encode(wasm).decode("ascii"))
 
-    async def set_tags(self, caller: Caller, module_id: str, tags: list[str]) -> dict[str, Any]:
+    async def set_tags(self, caller: Principal, module_id: str, tags: list[str]) -> dict[str, Any]:
         return await self.call("set_tags", caller, module_id=module_id, tags=tags)
 
-    async def get_tags(self, caller: Caller) -> dict[str, Any]:
+    async def get_tags(self, caller: Principal) -> dict[str, Any]:
         return await self.call("get_tags", caller)
 
     async def instantiate(
-        self, caller: Caller, req_id: str, prompt: list[int], module_id: str, module_arg: str
+        self, caller: Principal, req_id: str, prompt: list[int], module_id: str, module_arg: str
     ) -> dict[str, Any]:
         """Instantiate a controller for ``req_id``. A refused request (unknown module, bad prompt) raises
         ControllerError; a controller that fails while starting raises ControllerInitFailed."""

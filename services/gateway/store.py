@@ -110,10 +110,11 @@ class StoreClient:
         except StoreError as exc:
             log.warning("store.record_failed", type=type(msg).__name__, code=exc.code, error=exc.message)
 
-    def record_request(self, rid: str, *, surface: str, model: str, prompt: str, params: dict[str, Any]) -> None:
+    def record_request(self, rid: str, *, owner: str, surface: str, model: str, prompt: str,
+                       params: dict[str, Any]) -> None:
         self._fire(
             wire.RecordRequest(
-                rid=rid, surface=surface, model=model, prompt=prompt, params=params, created_at=time.time()
+                rid=rid, owner=owner, surface=surface, model=model, prompt=prompt, params=params, created_at=time.time()
             )
         )
 
@@ -138,8 +139,9 @@ class StoreClient:
             )
         )
 
-    async def record_feedback(self, rid: str, *, rating: float, text: str | None, position: int | None) -> int:
-        msg = wire.RecordFeedback(rid=rid, rating=rating, text=text or "", position=position)
+    async def record_feedback(self, rid: str, caller: wire.Principal, *, rating: float, text: str | None,
+                              position: int | None) -> int:
+        msg = wire.RecordFeedback(rid=rid, caller=caller, rating=rating, text=text or "", position=position)
         return (await self._ask(msg, wire.FeedbackRecorded)).feedback_id
 
     async def answers(self, timeout: float = 0.5) -> bool:
@@ -150,8 +152,8 @@ class StoreClient:
             return False
         return isinstance(reply, wire.HealthReply)
 
-    async def get_request(self, rid: str) -> wire.RequestRecord:
-        return (await self._ask(wire.GetRequest(rid=rid), wire.RequestRecordReply)).record
+    async def get_request(self, rid: str, caller: wire.Principal) -> wire.RequestRecord:
+        return (await self._ask(wire.GetRequest(rid=rid, caller=caller), wire.RequestRecordReply)).record
 
     # -- stored responses (the OpenAI Responses API) ------------------------------------------
 

@@ -95,6 +95,9 @@ TopK = Annotated[int, Field(ge=0, le=INT64_MAX)]
 RepetitionPenalty = Annotated[float, Field(gt=0)]
 MaxTokens = Annotated[int, Field(ge=1)]
 StopList = Annotated[list[Annotated[str, Field(min_length=1)]], BeforeValidator(_as_list)]
+MAX_CACHE_SALT_CHARS = 1024
+# vLLM's cache_salt: KV is shared only with requests of the same cache domain and salt (docs/tenants.md)
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 TopLogprobs = Annotated[Annotated[int, Field(ge=0)] | None, BeforeValidator(_logprobs_flag)]
 
 
@@ -166,6 +169,7 @@ class Parameters(StrictModel, LimitChecks):
     stop: StopList = []
     seed: Int64 | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past EOS (benchmarks)
+    cache_salt: CacheSalt | None = None
 
     def request_fields(self) -> dict[str, Any]:
         """These parameters as keyword arguments of :class:`GenerationRequest`."""
@@ -294,6 +298,7 @@ class GenerationRequest:
     # fork the KV parked under ``continues`` (the previous turn), as a Salience session's turn does
     park_as: str = ""
     continues: str = ""
+    cache_salt: str | None = None  # vLLM's: shares KV only with requests of the same domain and salt
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -329,7 +334,7 @@ class GenerationRequest:
     def record(self) -> dict[str, Any]:
         """The parameters as stored with the request record."""
         out = dataclasses.asdict(self)
-        for key in ("prompt", "messages", "prompt_ids", "controller_arg"):
+        for key in ("prompt", "messages", "prompt_ids", "controller_arg", "cache_salt"):
             out.pop(key)
         out["stop"] = list(self.stop)
         return out

@@ -19,7 +19,7 @@ from starlette.websockets import WebSocketState
 from common.errors import INTERNAL_ERROR, INVALID_REQUEST, TillerError
 from services.gateway.deps import Gateway, new_request_id
 from services.gateway.driver import Generation, protocol_messages
-from services.gateway.httputil import client_of, gateway_of, json_text
+from services.gateway.httputil import client_of, gateway_of, json_text, tenant_of
 from services.gateway.protocol import ErrorMsg, GatewayError, StatusMsg
 from services.gateway.side_channel import caller_of
 from services.gateway.store import NOT_FOUND, StoreError
@@ -52,6 +52,7 @@ class Connection:
         self._ws = websocket
         self._context = Context.of(gw.settings)
         self._client = client_of(websocket)
+        self._tenant = tenant_of(websocket)
         self._send_lock = asyncio.Lock()
         self._configured = False
         self._generation: Generation | None = None  # the running one, or the last one
@@ -125,7 +126,8 @@ class Connection:
             self._earlier_rid = self._generation.rid
         caller = caller_of(self._ws, self._gw.settings) if request.controller else None
         gen = Generation(
-            self._gw, request, rid=new_request_id("gen_"), surface="websocket", client=self._client, caller=caller
+            self._gw, request, rid=new_request_id("gen_"), surface="websocket", client=self._client,
+            tenant=self._tenant, caller=caller,
         )
         self._generation = gen
         self._pump = asyncio.get_running_loop().create_task(self._run_pump(gen, self._options))
@@ -191,7 +193,7 @@ class Connection:
             raise GatewayError(INVALID_REQUEST, "no generation on this connection to give feedback on", param="type")
         try:
             feedback_id = await self._gw.store.record_feedback(
-                rid, rating=feedback.rating, text=feedback.text, position=feedback.position
+                rid, self._tenant.principal, rating=feedback.rating, text=feedback.text, position=feedback.position
             )
         except StoreError as exc:
             code = INVALID_REQUEST if exc.code == NOT_FOUND else exc.code

@@ -502,6 +502,7 @@ class ControlledSteps:
             seq.fork_of = branch.fork_of
         elif branch.fresh or request.sampling_dirty:
             seq.sampling = request.submit.sampling
+            seq.cache_domain = request.submit.cache_domain
         plan.per_worker[request.worker].append((branch, seq))
         plan.tokens += len(tokens)
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from common import aici_wire, wire
+from common import aici_wire, quotas, wire
 from common.admission import ContextLengthExceeded, context_budget
 from common.config import Controllers, Limits, Sessions
 from common.errors import (
@@ -168,8 +168,10 @@ class SchedulerCore:
         place: Place = least_loaded,
         worker_gone: Callable[[bytes], None] = lambda identity: None,
         clock: Callable[[], float] = time.monotonic,
+        generations_per_user: int = 0,
     ) -> None:
         self.limits = limits
+        self.generations_per_user = generations_per_user  # tenants.max_generations_per_user (0: no limit)
         self.text_stream = text_stream
         self.place = place
         self.worker_gone = worker_gone
@@ -245,6 +247,13 @@ class SchedulerCore:
             return refuse(exc.code, exc.message)
         if len(self.queue) >= self.limits.max_queued:
             return refuse(MEMORY_PRESSURE, f"{len(self.queue)} requests are already waiting; try again shortly")
+        if self.generations_per_user and submit.tenant:
+            live = sum(1 for r in self.requests.values() if r.submit.tenant == submit.tenant)  # only when limited
+            try:
+                quotas.check("max_generations_per_user", self.generations_per_user, submit.tenant, live, 1,
+                             "generations running or queued")
+            except quotas.QuotaExceeded as exc:
+                return refuse(exc.code, exc.message)
         timeout = submit.timeout_s if submit.timeout_s > 0 else self.limits.request_timeout_s
         request = LiveRequest(
             submit=submit,
@@ -573,8 +582,9 @@ class SchedulerCore:
     def _add(self, batch: WorkerBatch, items: list[Item], request: LiveRequest, seq: wire.SeqStep) -> None:
         """``seq`` goes into the step, with ``request``'s sampling parameters when they changed; the
         request joins the followers when the step after may follow this one."""
-        if request.sampling_dirty:
+        if request.sampling_dirty:  # (on its first step among others: the worker creates the sequence then)
             seq.sampling = request.submit.sampling
+            seq.cache_domain = request.submit.cache_domain
             request.sampling_dirty = False
         request.in_flight += 1
         request.last_sample = seq.sample

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from common import wire
-from common.blocks import BLOCK_SIZE, prefix_keys
+from common.blocks import BLOCK_SIZE, domain_root, prefix_keys
 
 if TYPE_CHECKING:
     from services.scheduler.requests import LiveRequest
@@ -216,7 +216,8 @@ class KVAwarePlacement:
         candidates = [Candidate(w.identity, w.unreserved, w.running) for w in workers if w.suspect_since is None]
         keys = request.block_keys
         if keys is None:  # hashed once: a request that waits for room is placed again at every admission
-            keys = request.block_keys = list(prefix_keys(request.prompt))
+            root = domain_root(request.submit.cache_domain)  # the worker names its blocks in the same chain
+            keys = request.block_keys = list(prefix_keys(request.prompt, root=root))
         decision = choose(candidates, request.needed_tokens, keys, self.index, balance=self.balance)
         if decision is None:
             return None

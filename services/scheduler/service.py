@@ -87,7 +87,8 @@ class Scheduler:
         self.placement = KVAwarePlacement(settings.distributed.placement_balance)
         self.core = SchedulerCore(settings.limits, settings.sessions, settings.controllers,
                                   lambda stop, **options: TextStream(tokenizer, stop=stop, **options),
-                                  place=self.placement, worker_gone=self.placement.forget)
+                                  place=self.placement, worker_gone=self.placement.forget,
+                                  generations_per_user=settings.tenants.max_generations_per_user)
         ctx = zmq.asyncio.Context.instance()
         self.frontend = Router(ctx, settings.endpoint("scheduler"), curve=settings.curve)
         self.worker_router = Router(ctx, settings.endpoint("worker"), curve=settings.curve, heartbeat_s=(

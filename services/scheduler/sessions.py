@@ -8,7 +8,8 @@ first turn of a forked session forks its parent's parked sequence (blocks shared
 
 Parked sequences are only a cache: the session store holds the tokens, and every Submit carries
 the whole prompt, so a parked sequence that is gone (evicted, its worker lost) only costs a
-recomputation. Budgets keep idle sessions from starving live requests: a session keeps at most
+recomputation. A parked sequence is taken over only by a turn of its own cache domain
+(``Submit.cache_domain``): its KV is that domain's. Budgets keep idle sessions from starving live requests: a session keeps at most
 ``kv_tokens_per_session`` tokens, idle sessions together at most ``kv_parked_fraction`` of a
 worker's pool, and admission evicts parked sequences (least recently used first) whenever a live
 request needs the room.
@@ -42,6 +43,7 @@ class Parked:
     # it: compared whole with a turn's prompt, and made a token array again only when a turn takes the sequence
     packed: bytes
     parked_at: float
+    domain: str  # the cache domain of the turn that parked it: only a turn of the same one takes it over
     images: list[wire.ImageInput] = field(default_factory=list)  # the images whose blocks it holds
 
     @property
@@ -152,8 +154,8 @@ class SessionKV:
         base = own or parent
         if own is not None and own.seq_id in self.pinned:
             return WAIT
-        if base is None:
-            return None
+        if base is None or base.domain != request.submit.cache_domain:
+            return None  # (its own, of another domain, goes when this turn parks)
         placement = self._place_on(base, own is not None, request, needed)
         if placement is None and own is not None:  # it cannot be used: let it go rather than hold it twice
             self._evict(own)
@@ -201,7 +203,7 @@ class SessionKV:
             self._evict(previous)
         images = [image for image in request.submit.images if image.end <= len(request.kv_tokens)]
         parked = self.parked[ref.key] = Parked(ref.key, request.seq_id, worker.identity, wire.token_array_bytes(tokens),
-                                               self.clock(), images)
+                                               self.clock(), request.submit.cache_domain, images)
         self._parked_on.setdefault(worker.identity, OrderedDict())[ref.key] = parked
         self._held[worker.identity] += len(tokens)
         worker.reserved_tokens += parked.reserved

@@ -1,4 +1,8 @@
-"""SQLite (WAL) storage of request records and feedback; one connection, owned by the service loop."""
+"""SQLite (WAL) storage of request records and feedback; one connection, owned by the service loop.
+
+Every request record has an owner (the user who made the request); a lookup or feedback by anyone else
+but an admin finds nothing (:func:`common.tenancy.may_access`). A database made before owners existed
+gets the column on open, its rows owned by the implicit user (:func:`add_owner_column`)."""
 
 from __future__ import annotations
 
@@ -11,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from common import wire
+from common.tenancy import may_access
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     rid TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
     surface TEXT NOT NULL,
     model TEXT NOT NULL,
     prompt TEXT NOT NULL,
@@ -69,12 +75,22 @@ def transaction(conn: sqlite3.Connection, begin: str = "BEGIN") -> Iterator[None
     conn.execute("COMMIT")
 
 
+def add_owner_column(conn: sqlite3.Connection, table: str, implicit_user: str) -> None:
+    """The migration of a table made before owners existed: an ``owner`` column, its rows owned by
+    ``implicit_user`` (who made them all: there were no users apart). Nothing when it has the column."""
+    if any(row[1] == "owner" for row in conn.execute(f"PRAGMA table_info({table})")):
+        return
+    with transaction(conn, "BEGIN IMMEDIATE"):
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+        conn.execute(f"UPDATE {table} SET owner=?", (implicit_user,))
+
+
 class BadRecord(ValueError):
     """A record the store cannot keep as it came (the message decoded, but a value does not fit its column)."""
 
 
 class Store:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, implicit_user: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(path, isolation_level=None)
         self.conn.row_factory = sqlite3.Row
@@ -82,8 +98,9 @@ class Store:
         self.conn.execute("PRAGMA synchronous=NORMAL")
         self.conn.execute("PRAGMA foreign_keys=ON")
         self.conn.executescript(SCHEMA)
+        add_owner_column(self.conn, "requests", implicit_user)
 
-    def record_request(self, rid: str, surface: str, model: str, prompt: str, params: dict[str, Any],
+    def record_request(self, rid: str, owner: str, surface: str, model: str, prompt: str, params: dict[str, Any],
                        created_at: float) -> None:
         """BadRecord: ``params`` is not JSON (msgpack carries bytes and nesting JSON has no room for)."""
         try:
@@ -91,8 +108,9 @@ class Store:
         except (TypeError, ValueError, RecursionError) as exc:
             raise BadRecord(f"the request's params are not JSON: {exc}") from exc
         self.conn.execute(
-            "INSERT OR REPLACE INTO requests (rid, surface, model, prompt, params, created_at) VALUES (?,?,?,?,?,?)",
-            (rid, surface, model, prompt, params_json, created_at or time.time()),
+            "INSERT OR REPLACE INTO requests (rid, owner, surface, model, prompt, params, created_at)"
+            " VALUES (?,?,?,?,?,?,?)",
+            (rid, owner, surface, model, prompt, params_json, created_at or time.time()),
         )
 
     def record_completion(self, rid: str, generated_text: str, finish_reason: str, prompt_tokens: int,
@@ -104,9 +122,15 @@ class Store:
         )
         return cursor.rowcount == 1
 
-    def record_feedback(self, rid: str, rating: float, text: str, position: int | None) -> int | None:
-        """Store feedback for a known request; None when the request is unknown."""
-        if self.conn.execute("SELECT 1 FROM requests WHERE rid=?", (rid,)).fetchone() is None:
+    def _owner(self, rid: str) -> str | None:
+        row = self.conn.execute("SELECT owner FROM requests WHERE rid=?", (rid,)).fetchone()
+        return None if row is None else row[0]
+
+    def record_feedback(self, rid: str, who: wire.Principal, rating: float, text: str,
+                        position: int | None) -> int | None:
+        """Store feedback for a request ``who`` may reach; None when there is none (unknown, or another user's)."""
+        owner = self._owner(rid)
+        if owner is None or not may_access(owner, who):
             return None
         cursor = self.conn.execute(
             "INSERT INTO feedback (rid, rating, text, position, created_at) VALUES (?,?,?,?,?)",
@@ -114,15 +138,16 @@ class Store:
         )
         return int(cursor.lastrowid)
 
-    def get_request(self, rid: str) -> wire.RequestRecord | None:
+    def get_request(self, rid: str, who: wire.Principal) -> wire.RequestRecord | None:
+        """The record of a request ``who`` may reach; None when there is none (unknown, or another user's)."""
         row = self.conn.execute("SELECT * FROM requests WHERE rid=?", (rid,)).fetchone()
-        if row is None:
+        if row is None or not may_access(row["owner"], who):
             return None
         feedback = self.conn.execute(
             "SELECT id, rating, text, position, created_at FROM feedback WHERE rid=? ORDER BY id", (rid,)
         )
         return wire.RequestRecord(
-            **{**dict(row), "params": json.loads(row["params"])},
+            **{**{k: row[k] for k in row.keys() if k != "owner"}, "params": json.loads(row["params"])},
             feedback=[wire.FeedbackEntry(**dict(f)) for f in feedback],
         )
 

@@ -5,6 +5,14 @@ last used, and the lease of the Generate running on it (if any). Images live in 
 keyed by the position of their vision block. Every call on a session refreshes its TTL; a session
 idle longer than the TTL is gone (deleted on access and by :meth:`SalienceSessions.expire`), but a
 session under a live lease never expires: its turn ends with :meth:`end`, which refreshes it.
+
+A session belongs to the user who opened (or forked) it, stored with it so that it survives restarts. To a
+caller who is neither its owner nor an admin it does not exist: every call answers as for an unknown id
+(:func:`common.tenancy.may_access`), and closing it is the same no-op as closing an unknown one.
+
+Quotas (``tenants.max_sessions_per_user``, ``max_session_tokens_per_user``; :mod:`common.quotas`): opening or
+forking past the user's live sessions, and a fork or turn taking their live sessions' tokens (a turn's
+``reserve_tokens`` included) past theirs, are refused.
 """
 
 from __future__ import annotations
@@ -15,12 +23,15 @@ import uuid
 from array import array
 from collections.abc import Callable
 
-from common import wire
-from services.session_store.db import transaction
+from common import quotas, wire
+from common.config import Tenants
+from common.tenancy import may_access
+from services.session_store.db import add_owner_column, transaction
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS salience_sessions (
     session_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
     model TEXT NOT NULL,
     parent TEXT NOT NULL,
     tokens BLOB NOT NULL,
@@ -37,6 +48,7 @@ CREATE TABLE IF NOT EXISTS salience_images (
     PRIMARY KEY (session_id, start)
 ) WITHOUT ROWID;
 """
+OWNER_INDEX = "CREATE INDEX IF NOT EXISTS salience_sessions_owner ON salience_sessions(owner)"
 
 NOT_FOUND = "not_found"
 FAILED_PRECONDITION = "failed_precondition"
@@ -67,26 +79,48 @@ def split_image(images: list[wire.ImageInput], position: int) -> wire.ImageInput
 
 
 class SalienceSessions:
-    def __init__(self, conn: sqlite3.Connection, ttl_s: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, conn: sqlite3.Connection, ttl_s: float, implicit_user: str, limits: Tenants | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.conn = conn
         self.ttl_s = ttl_s
+        self.limits = limits or Tenants()
         self.clock = clock
         conn.executescript(SCHEMA)
+        add_owner_column(conn, "salience_sessions", implicit_user)
+        conn.execute(OWNER_INDEX)
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _row(self, session_id: str) -> sqlite3.Row:
-        """A live session's row, its TTL refreshed; expired sessions are deleted here."""
+    def _row(self, session_id: str, who: wire.Principal | None) -> sqlite3.Row:
+        """A live session's row, its TTL refreshed; expired sessions are deleted here. ``who`` (None: the
+        turn's own lease holder, checked by lease) must be its owner or an admin, else it is not found."""
         now = self.clock()
         row = self.conn.execute("SELECT * FROM salience_sessions WHERE session_id=?", (session_id,)).fetchone()
         if row is not None and row["last_used"] + self.ttl_s < now and row["lease_until"] < now:
             self._delete(session_id)
             row = None
-        if row is None:
+        if row is None or (who is not None and not may_access(row["owner"], who)):
             raise SessionError(NOT_FOUND, f"no session {session_id!r} (never opened, closed, or expired after "
                                           f"{self.ttl_s:g} s idle)")
         self.conn.execute("UPDATE salience_sessions SET last_used=? WHERE session_id=?", (now, session_id))
         return row
+
+    def _held(self, owner: str, besides: str = "") -> tuple[int, int]:
+        """The live sessions ``owner`` holds and their tokens (but session ``besides``'s)."""
+        now = self.clock()
+        count, size = self.conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(LENGTH(tokens)), 0) FROM salience_sessions WHERE owner=? AND session_id!=?"
+            " AND (last_used >= ? OR lease_until >= ?)", (owner, besides, now - self.ttl_s, now)).fetchone()
+        return count, size // 4  # uint32 tokens
+
+    def _check_quotas(self, owner: str, sessions: int, tokens: int, besides: str = "") -> None:
+        """Whether ``owner`` may hold ``sessions`` more sessions and ``tokens`` more tokens (than their sessions
+        but ``besides`` hold); QuotaExceeded if not."""
+        held_sessions, held_tokens = self._held(owner, besides)
+        quotas.check("max_sessions_per_user", self.limits.max_sessions_per_user, owner, held_sessions, sessions,
+                     "live Salience sessions")
+        quotas.check("max_session_tokens_per_user", self.limits.max_session_tokens_per_user, owner, held_tokens,
+                     tokens, "tokens in their live Salience sessions")
 
     def _images(self, session_id: str) -> list[wire.ImageInput]:
         rows = self.conn.execute(
@@ -104,28 +138,34 @@ class SalienceSessions:
         self.conn.execute("DELETE FROM salience_images WHERE session_id=?", (session_id,))
         self.conn.execute("DELETE FROM salience_sessions WHERE session_id=?", (session_id,))
 
-    def _create(self, model: str, parent: str, tokens: list[int], images: list[wire.ImageInput]) -> str:
+    def _create(self, owner: str, model: str, parent: str, tokens: list[int], images: list[wire.ImageInput]) -> str:
         session_id = f"sess-{uuid.uuid4().hex}"
         self.conn.execute(
-            "INSERT INTO salience_sessions (session_id, model, parent, tokens, last_used) VALUES (?,?,?,?,?)",
-            (session_id, model, parent, _pack(tokens), self.clock()),
+            "INSERT INTO salience_sessions (session_id, owner, model, parent, tokens, last_used) VALUES (?,?,?,?,?,?)",
+            (session_id, owner, model, parent, _pack(tokens), self.clock()),
         )
         self._put_images(session_id, images)
         return session_id
 
     # -- operations ----------------------------------------------------------------------------
 
-    def open(self, model: str) -> wire.SalienceSession:
+    def open(self, model: str, who: wire.Principal) -> wire.SalienceSession:
         with transaction(self.conn, "BEGIN IMMEDIATE"):
-            return wire.SalienceSession(session_id=self._create(model, "", [], []))
+            self._check_quotas(who.user, 1, 0)
+            return wire.SalienceSession(session_id=self._create(who.user, model, "", [], []))
 
-    def close(self, session_id: str) -> None:
+    def close(self, session_id: str, who: wire.Principal) -> bool:
+        """Idempotent (salience.proto): an unknown session, or another user's, is left as it is; whether one closed."""
         with transaction(self.conn, "BEGIN IMMEDIATE"):
+            row = self.conn.execute("SELECT owner FROM salience_sessions WHERE session_id=?", (session_id,)).fetchone()
+            if row is None or not may_access(row["owner"], who):
+                return False
             self._delete(session_id)
+            return True
 
-    def get(self, session_id: str) -> wire.SalienceSession:
+    def get(self, session_id: str, who: wire.Principal) -> wire.SalienceSession:
         with transaction(self.conn, "BEGIN IMMEDIATE"):
-            row = self._row(session_id)
+            row = self._row(session_id, who)
             return wire.SalienceSession(
                 session_id=session_id,
                 tokens=_unpack(row["tokens"]),
@@ -133,9 +173,10 @@ class SalienceSessions:
                 parent=row["parent"],
             )
 
-    def fork(self, session_id: str, at: int) -> wire.SalienceSession:
+    def fork(self, session_id: str, at: int, who: wire.Principal) -> wire.SalienceSession:
+        """The fork belongs to ``who`` (an admin forking another user's session owns the fork)."""
         with transaction(self.conn, "BEGIN IMMEDIATE"):
-            row = self._row(session_id)
+            row = self._row(session_id, who)
             tokens = _unpack(row["tokens"])
             if at > len(tokens):
                 raise SessionError(FAILED_PRECONDITION, f"at_position {at} is past the session's {len(tokens)} tokens")
@@ -147,12 +188,13 @@ class SalienceSessions:
                     f"at_position {at} falls inside the image block [{cut.start}, {cut.end}); fork at a block boundary",
                 )
             kept = [im for im in images if im.end <= at]
-            child = self._create(row["model"], session_id, tokens[:at], kept)
+            self._check_quotas(who.user, 1, at)
+            child = self._create(who.user, row["model"], session_id, tokens[:at], kept)
             return wire.SalienceSession(session_id=child, tokens=tokens[:at], images=kept, parent=session_id)
 
     def begin(self, msg: wire.SalienceBegin) -> wire.SalienceSession:
         with transaction(self.conn, "BEGIN IMMEDIATE"):
-            row = self._row(msg.session_id)
+            row = self._row(msg.session_id, msg.caller)
             now = self.clock()
             if row["lease"] and row["lease_until"] >= now:
                 raise SessionError(ABORTED, f"session busy: session {msg.session_id!r} has a Generate running")
@@ -180,6 +222,7 @@ class SalienceSessions:
                     f"the session would hold {new_length} tokens plus {msg.reserve_tokens} to generate, over the "
                     f"model's context of {msg.max_len}",
                 )
+            self._check_quotas(row["owner"], 0, new_length + msg.reserve_tokens, besides=msg.session_id)
             if msg.check_only:
                 return wire.SalienceSession(session_id=msg.session_id)
             tokens = tokens[: msg.offset] + list(msg.append_tokens)
@@ -203,7 +246,7 @@ class SalienceSessions:
 
     def end(self, msg: wire.SalienceEnd) -> None:
         with transaction(self.conn, "BEGIN IMMEDIATE"):
-            row = self._row(msg.session_id)
+            row = self._row(msg.session_id, None)
             if row["lease"] != msg.lease:
                 raise SessionError(ABORTED, f"the turn's lease on session {msg.session_id!r} had expired")
             tokens = _unpack(row["tokens"]) + list(msg.append_tokens)

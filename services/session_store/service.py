@@ -18,18 +18,20 @@ from common import wire
 from common.config import Settings
 from common.errors import INTERNAL_ERROR, INVALID_REQUEST
 from common.incarnation import process_incarnation
+from common.quotas import QuotaExceeded
 from common.sockets import Router, reply_mid
 from services.session_store.db import BadRecord, Store
 from services.session_store.holders import EvergreenHolders
-from services.session_store.salience import SalienceSessions, SessionError
+from services.session_store.salience import RESOURCE_EXHAUSTED, SalienceSessions, SessionError
 
 log = structlog.get_logger()
 
 
 class SessionStore:
     def __init__(self, settings: Settings) -> None:
-        self.store = Store(settings.db_path)
-        self.sessions = SalienceSessions(self.store.conn, settings.sessions.ttl_s)
+        implicit_user = settings.api_auth.default_user  # the owner of what a database made before owners holds
+        self.store = Store(settings.db_path, implicit_user)
+        self.sessions = SalienceSessions(self.store.conn, settings.sessions.ttl_s, implicit_user, settings.tenants)
         self.lease_s = settings.sessions.busy_lease_s
         self.evergreen_holders = EvergreenHolders(self.lease_s)
         self.router = Router(zmq.asyncio.Context.instance(), settings.endpoint("session_store"), curve=settings.curve)
@@ -42,7 +44,8 @@ class SessionStore:
             self.evergreen_holders.renew(msg.evergreen, time.monotonic())
             return wire.Alive(service="session_store", incarnation=process_incarnation())
         if isinstance(msg, wire.RecordRequest):
-            self.store.record_request(msg.rid, msg.surface, msg.model, msg.prompt, msg.params, msg.created_at)
+            self.store.record_request(msg.rid, msg.owner, msg.surface, msg.model, msg.prompt, msg.params,
+                                      msg.created_at)
             return wire.Ok()
         if isinstance(msg, wire.RecordCompletion):
             if not self.store.record_completion(msg.rid, msg.generated_text, msg.finish_reason, msg.prompt_tokens,
@@ -50,12 +53,12 @@ class SessionStore:
                 return wire.Error(code="not_found", message=f"no request {msg.rid!r}", rid=msg.rid)
             return wire.Ok()
         if isinstance(msg, wire.RecordFeedback):
-            feedback_id = self.store.record_feedback(msg.rid, msg.rating, msg.text, msg.position)
+            feedback_id = self.store.record_feedback(msg.rid, msg.caller, msg.rating, msg.text, msg.position)
             if feedback_id is None:
                 return wire.Error(code="not_found", message=f"no request {msg.rid!r} to attach feedback to", rid=msg.rid)
             return wire.FeedbackRecorded(feedback_id=feedback_id)
         if isinstance(msg, wire.GetRequest):
-            record = self.store.get_request(msg.rid)
+            record = self.store.get_request(msg.rid, msg.caller)
             if record is None:
                 return wire.Error(code="not_found", message=f"no request {msg.rid!r}", rid=msg.rid)
             return wire.RequestRecordReply(record=record)
@@ -78,6 +81,8 @@ class SessionStore:
                 return self._salience(msg)
             except SessionError as exc:
                 return wire.Error(code=exc.code, message=exc.message)
+            except QuotaExceeded as exc:  # the gateway answers RESOURCE_EXHAUSTED
+                return wire.Error(code=RESOURCE_EXHAUSTED, message=exc.message)
         return wire.Error(code=INVALID_REQUEST, message=f"the session store does not take {type(msg).__name__}")
 
     def _response(self, msg: wire.ResponsePut | wire.ResponseGet | wire.ResponseDelete) -> wire.Msg:
@@ -92,14 +97,15 @@ class SessionStore:
     def _salience(self, msg: wire.Message) -> wire.Msg:
         sessions = self.sessions
         if isinstance(msg, wire.SalienceOpen):
-            return sessions.open(msg.model)
+            return sessions.open(msg.model, msg.caller)
         if isinstance(msg, wire.SalienceClose):
-            sessions.close(msg.session_id)
+            if sessions.close(msg.session_id, msg.caller):
+                return wire.SalienceSession(session_id=msg.session_id)
             return wire.Ok()
         if isinstance(msg, wire.SalienceFork):
-            return sessions.fork(msg.session_id, msg.at_position)
+            return sessions.fork(msg.session_id, msg.at_position, msg.caller)
         if isinstance(msg, wire.SalienceGet):
-            return sessions.get(msg.session_id)
+            return sessions.get(msg.session_id, msg.caller)
         if isinstance(msg, wire.SalienceBegin):
             return sessions.begin(msg)
         assert isinstance(msg, wire.SalienceEnd)

@@ -637,6 +637,7 @@ class Engine:
         if seq is None:
             assert s.sampling is not None
             seq = self.seqs[s.seq_id] = _Seq(sampler=SeqSampler(s.sampling))
+            self.tables.set_domain(s.seq_id, s.cache_domain)
         elif s.sampling is not None:
             seq.sampler.update(s.sampling)
         if s.backtrack:

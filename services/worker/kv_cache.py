@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import psutil
 import torch
 
-from common.blocks import BLOCK_SIZE, ROOT_HASH, block_hash, block_key
+from common.blocks import BLOCK_SIZE, ROOT_HASH, block_hash, block_key, domain_root
 from services.worker.transfer import to_device
 
 NULL_BLOCK = 0
@@ -172,6 +172,7 @@ class BlockTables:
         self.seqs: dict[int, list[int]] = {}  # seq id -> its blocks, in position order
         # seq id -> the names of its full blocks (len == its length // block_size, when caching)
         self.hashes: dict[int, list[bytes]] = {}
+        self.roots: dict[int, bytes] = {}  # seq id -> its chain's root, when not ROOT_HASH (its cache domain's)
         self.copies: list[tuple[int, int]] = []  # (source, destination) block copies not yet done
         self.hit_tokens = 0  # tokens whose KV came from the cache (all lookups so far)
 
@@ -209,9 +210,15 @@ class BlockTables:
             blocks = blocks + self.allocator.allocate(need)
         self.seqs[seq_id] = blocks
 
+    def set_domain(self, seq_id: int, domain: str) -> None:
+        """A new sequence's cache domain: its blocks are named in that domain's chain (common.blocks)."""
+        if domain:
+            self.roots[seq_id] = domain_root(domain)
+
     def release(self, seq_id: int) -> None:
         blocks = self.seqs.pop(seq_id, None)
         self.hashes.pop(seq_id, None)
+        self.roots.pop(seq_id, None)
         if blocks is not None:
             self.allocator.release(blocks[::-1])  # last block first: it is the first to evict
 
@@ -221,6 +228,8 @@ class BlockTables:
         self.allocator.incref(blocks)
         self.seqs[child] = list(blocks)
         self.hashes[child] = list(self.hashes.get(parent, []))
+        if parent in self.roots:
+            self.roots[child] = self.roots[parent]
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Keep the first ``length`` tokens' blocks. A partially kept block stays as it is (shared or
@@ -251,7 +260,7 @@ class BlockTables:
         hashes = self.hashes.setdefault(seq_id, [])
         assert len(hashes) == j and len(blocks) <= j + 1, "a sequence's full blocks are all named"
         history = prefix[j * bs :] + feed  # from the start of block j
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else self.roots.get(seq_id, ROOT_HASH)
         offset = 0
         while (j + 1) * bs <= limit:
             h = block_hash(parent, history[offset : offset + bs])
@@ -299,7 +308,7 @@ class BlockTables:
         bs = self.block_size
         blocks = self.seqs[seq_id]
         hashes = self.hashes.setdefault(seq_id, [])
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else self.roots.get(seq_id, ROOT_HASH)
         for j in range(len(hashes), len(tokens) // bs):
             h = block_hash(parent, tokens[j * bs : (j + 1) * bs])
             existing = self.allocator.lookup(h)

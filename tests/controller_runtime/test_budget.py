@@ -9,6 +9,7 @@ import pytest
 from common import aici_wire
 from common.config import Controllers
 from common.errors import RATE_LIMITED
+from common.wire import Principal
 from services.controller_runtime.budget import CpuShare, UserBudgets
 from services.controller_runtime.runtime import CallLedger, OverBudget, Runtime
 from tests.controller_runtime.conftest import wire_runtime
@@ -95,7 +96,7 @@ def strict(tmp_path, engine, tokenizer) -> Runtime:
 
 
 def bind(runtime: Runtime, module_id: str, seq_id: int, user: str) -> None:
-    ok, result = runtime.instantiate(f"r{seq_id}", [1], module_id, "", user)
+    ok, result = runtime.instantiate(f"r{seq_id}", [1], module_id, "", Principal(user=user))
     assert ok, result
     runtime.post_pre_process(aici_wire.PostPreProcess(pre_ops=[aici_wire.PreOp(id=seq_id, req_id=f"r{seq_id}")]))
 
@@ -118,7 +119,7 @@ def test_a_looping_controller_is_charged_to_its_owner_only(strict: Runtime):
     assert "used up their controller CPU time" in data["seqs"]["2"]["error"]  # ...who may not run another call
     assert data["seqs"]["3"]["error"] == ""  # alice's controller is not affected
     with pytest.raises(OverBudget, match="used up their controller CPU time") as refused:
-        strict.instantiate("r9", [1], spin, "", "mallory")
+        strict.instantiate("r9", [1], spin, "", Principal(user="mallory"))
     assert refused.value.code == RATE_LIMITED
     bind(strict, fine, 4, "alice")
 
@@ -140,7 +141,7 @@ def test_live_controlled_requests_per_user_are_capped(strict: Runtime):
     for seq_id in (1, 2, 3):
         bind(strict, fine, seq_id, "alice")
     with pytest.raises(OverBudget, match="already has 3 controlled requests running") as refused:
-        strict.instantiate("r4", [1], fine, "", "alice")
+        strict.instantiate("r4", [1], fine, "", Principal(user="alice"))
     assert refused.value.code == RATE_LIMITED  # a 429 to the client, not a 400
     strict.free([2])
     bind(strict, fine, 4, "alice")

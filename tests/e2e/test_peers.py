@@ -15,6 +15,9 @@ import zmq.asyncio
 from common import aici_wire, wire
 from common.sockets import MAX_MESSAGE_BYTES, Dealer, probe_health
 
+TESTER = wire.Principal(user="tester")  # who the store calls below are for
+CALLER = msgspec.to_builtins(TESTER)  # the same in a raw header
+
 pytestmark = pytest.mark.asyncio
 
 
@@ -213,12 +216,13 @@ async def test_session_store_keeps_records_across_a_restart(stack):
     dealer = Dealer(zmq.asyncio.Context.instance(), endpoint)
     rid = f"durable-{uuid.uuid4().hex[:8]}"
     try:
-        reply, _ = await dealer.request(wire.RecordRequest(rid=rid, surface="test", model="m", prompt="hi",
-                                                           created_at=time.time()))
+        reply, _ = await dealer.request(wire.RecordRequest(rid=rid, owner=TESTER.user, surface="test", model="m",
+                                                           prompt="hi", created_at=time.time()))
         assert isinstance(reply, wire.Ok)
-        reply, _ = await dealer.request(wire.RecordFeedback(rid=rid, rating=1, text="good", position=3))
+        reply, _ = await dealer.request(wire.RecordFeedback(rid=rid, caller=TESTER, rating=1, text="good",
+                                                            position=3))
         assert isinstance(reply, wire.FeedbackRecorded) and reply.feedback_id > 0
-        reply, _ = await dealer.request(wire.RecordFeedback(rid="unknown-request", rating=1))
+        reply, _ = await dealer.request(wire.RecordFeedback(rid="unknown-request", caller=TESTER, rating=1))
         assert isinstance(reply, wire.Error) and reply.code == "not_found"
     finally:
         dealer.close()
@@ -229,7 +233,7 @@ async def test_session_store_keeps_records_across_a_restart(stack):
     try:
         for _ in range(50):
             try:
-                reply, _ = await dealer.request(wire.GetRequest(rid=rid), timeout=1.0)
+                reply, _ = await dealer.request(wire.GetRequest(rid=rid, caller=TESTER), timeout=1.0)
                 break
             except asyncio.TimeoutError:
                 continue
@@ -306,17 +310,21 @@ async def test_a_restarted_scheduler_starts_from_a_clean_worker(stack, hf_greedy
 @pytest.mark.parametrize("header, expected", [
     # values msgpack carries and the store's columns cannot hold: each crashed the store (a new pid, every
     # request in flight to it lost) before
-    ({"type": "record_request", "rid": "r", "surface": "s", "model": "m", "prompt": "p", "params": {"a": b"\x00"}},
+    ({"type": "record_request", "rid": "r", "owner": "tester", "surface": "s", "model": "m", "prompt": "p",
+      "params": {"a": b"\x00"}},
      "the request's params are not JSON: Object of type bytes is not JSON serializable"),
     ({"type": "record_completion", "rid": "r", "generated_text": "", "finish_reason": "stop",
       "prompt_tokens": 2**64 - 1, "completion_tokens": 0}, "Expected `int` <= 9223372036854775807 - at `$.prompt_tokens`"),
-    ({"type": "record_feedback", "rid": "r", "rating": 1.0, "position": 2**64 - 1}, "at `$.position`"),
-    ({"type": "record_feedback", "rid": "r", "rating": float("nan")}, "at `$.rating`"),
-    ({"type": "salience_begin", "session_id": "s", "offset": 0, "max_len": 9, "lease_s": 1.0, "append_tokens": [-1]},
+    ({"type": "record_feedback", "rid": "r", "caller": CALLER, "rating": 1.0, "position": 2**64 - 1},
+     "at `$.position`"),
+    ({"type": "record_feedback", "rid": "r", "caller": CALLER, "rating": float("nan")}, "at `$.rating`"),
+    ({"type": "salience_begin", "session_id": "s", "caller": CALLER, "offset": 0, "max_len": 9, "lease_s": 1.0,
+      "append_tokens": [-1]},
      "Expected `int` >= 0 - at `$.append_tokens[0]`"),
     ({"type": "salience_end", "session_id": "s", "lease": "", "append_tokens": [2**32]},
      "Expected `int` <= 4294967295 - at `$.append_tokens[0]`"),
-    ({"type": "salience_fork", "session_id": "s", "at_position": -1}, "Expected `int` >= 0 - at `$.at_position`"),
+    ({"type": "salience_fork", "session_id": "s", "caller": CALLER, "at_position": -1},
+     "Expected `int` >= 0 - at `$.at_position`"),
 ])
 async def test_the_session_store_refuses_values_it_cannot_store_and_goes_on(stack, header, expected):
     endpoint = stack.settings.endpoint("session_store")
@@ -327,9 +335,10 @@ async def test_the_session_store_refuses_values_it_cannot_store_and_goes_on(stac
     dealer = Dealer(zmq.asyncio.Context.instance(), endpoint)
     try:
         rid = f"after-{uuid.uuid4().hex[:8]}"
-        reply, _ = await dealer.request(wire.RecordRequest(rid=rid, surface="test", model="m", prompt="hi"))
+        reply, _ = await dealer.request(wire.RecordRequest(rid=rid, owner=TESTER.user, surface="test", model="m",
+                                                           prompt="hi"))
         assert isinstance(reply, wire.Ok)
-        reply, _ = await dealer.request(wire.GetRequest(rid=rid))
+        reply, _ = await dealer.request(wire.GetRequest(rid=rid, caller=TESTER))
         assert isinstance(reply, wire.RequestRecordReply) and reply.record.prompt == "hi"
     finally:
         dealer.close()

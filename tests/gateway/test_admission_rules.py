@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from common.config import Settings
+from common import wire
 from common.errors import CONTENT_FILTER, RATE_LIMITED
 from services.gateway.admission import Admission, record_error
 from services.gateway.auth import EVERGREEN, HTTP, SALIENCE, accepted_tokens, presented_token, refusal
@@ -13,6 +14,7 @@ from services.gateway.deps import Gateway
 from services.gateway.metrics import Metrics
 from services.gateway.protocol import GatewayError
 from services.gateway.ratelimit import RateLimiter
+from services.gateway.tenants import Tenant
 
 
 class FakeText:
@@ -42,6 +44,9 @@ class Clock:
         return self.now
 
 
+ANYONE = Tenant(wire.Principal(user="localhost", admin=True), authenticated=False)  # no auth: the implicit user
+
+
 def gateway(rate_limit: int = 0) -> Gateway:
     return Gateway(settings=Settings(), scheduler=None, store=FakeStore(), text=FakeText(),
                    limiter=RateLimiter(rate_limit), metrics=Metrics(), created=0)
@@ -54,23 +59,33 @@ def sample(gw: Gateway, name: str, **labels: str) -> float:
 def test_rate_limit_comes_before_the_content_filter_and_counts_refused_prompts():
     gw = gateway(rate_limit=1)
     with pytest.raises(GatewayError) as caught:
-        Admission(gw, rid="a", surface="salience", client="c").admit("forbidden words", "append_tokens")
+        Admission(gw, rid="a", surface="salience", client="c", tenant=ANYONE).admit("forbidden words", "append_tokens")
     assert caught.value.code == CONTENT_FILTER and "append_tokens" in caught.value.message
     with pytest.raises(GatewayError) as caught:
-        Admission(gw, rid="b", surface="aici", client="c").admit("fine")
+        Admission(gw, rid="b", surface="aici", client="c", tenant=ANYONE).admit("fine")
     assert caught.value.code == RATE_LIMITED
-    Admission(gw, rid="c", surface="aici", client="other").admit("fine")  # clients are counted apart
+    Admission(gw, rid="c", surface="aici", client="other", tenant=ANYONE).admit("fine")  # clients are counted apart
+
+
+def test_with_auth_the_rate_limit_counts_users_not_addresses():
+    gw = gateway(rate_limit=1)
+    alice, bob = (Tenant(wire.Principal(user=u), authenticated=True) for u in ("alice", "bob"))
+    Admission(gw, rid="a", surface="openai", client="10.0.0.1", tenant=alice).admit("fine")
+    with pytest.raises(GatewayError) as caught:  # alice from another address is still alice
+        Admission(gw, rid="b", surface="openai", client="10.0.0.2", tenant=alice).admit("fine")
+    assert caught.value.code == RATE_LIMITED
+    Admission(gw, rid="c", surface="openai", client="10.0.0.1", tenant=bob).admit("fine")  # bob behind alice's NAT
 
 
 def test_written_tokens_are_screened_as_text_and_output_is_screened():
-    admission = Admission(gateway(), rid="r", surface="salience", client="c")
+    admission = Admission(gateway(), rid="r", surface="salience", client="c", tenant=ANYONE)
     assert admission.written_tokens([1, 2]) == "forbidden"
     assert admission.screens_out("so forbidden") and not admission.screens_out("") and not admission.screens_out("ok")
 
 
 def test_end_counts_once_and_completes_the_record_of_an_accepted_request():
     gw, clock = gateway(), Clock()
-    admission = Admission(gw, rid="r1", surface="salience", client="c", clock=clock)
+    admission = Admission(gw, rid="r1", surface="salience", client="c", tenant=ANYONE, clock=clock)
     assert sample(gw, "tiller:active_streams", surface="salience") == 1
     admission.record(prompt="hi", params={"max_tokens": 2})
     clock.now += 0.5
@@ -84,14 +99,14 @@ def test_end_counts_once_and_completes_the_record_of_an_accepted_request():
     assert sample(gw, "tiller:generation_tokens_total", surface="salience") == 2
     assert sample(gw, "tiller:prompt_tokens_total", surface="salience") == 3
     assert sample(gw, "tiller:time_to_first_token_seconds_count", surface="salience") == 1
-    assert gw.store.requests == [("r1", {"surface": "salience", "model": gw.settings.served_model_name,
+    assert gw.store.requests == [("r1", {"owner": "localhost", "surface": "salience", "model": gw.settings.served_model_name,
                                          "prompt": "hi", "params": {"max_tokens": 2}})]
     assert gw.store.completions[0][1]["error"] == "" and gw.store.completions[0][1]["completion_tokens"] == 2
 
 
 def test_a_refused_request_is_counted_but_leaves_no_record():
     gw = gateway()
-    Admission(gw, rid="r", surface="aici", client="c").end(RATE_LIMITED)
+    Admission(gw, rid="r", surface="aici", client="c", tenant=ANYONE).end(RATE_LIMITED)
     assert sample(gw, "tiller:requests_total", surface="aici", outcome=RATE_LIMITED) == 1
     assert not gw.store.requests and not gw.store.completions
 

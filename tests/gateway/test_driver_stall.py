@@ -18,6 +18,7 @@ from services.gateway.metrics import Metrics
 from services.gateway.protocol import CompletionMsg, ErrorMsg, InitMsg, TokenMsg
 from services.gateway.ratelimit import RateLimiter
 from services.gateway.validation import GenerationRequest
+from services.gateway.tenants import identify
 from tests.gateway.test_admission_rules import FakeStore, FakeText
 
 TIMEOUT_S = 0.2
@@ -59,7 +60,8 @@ def generation(scheduler: SilentScheduler) -> Generation:
     gw = Gateway(settings=settings, scheduler=scheduler, store=FakeStore(), text=FakePrompts(),
                  limiter=RateLimiter(0), metrics=Metrics(), created=0)
     request = GenerationRequest(prompt="hi", max_tokens=4)
-    return Generation(gw, request, rid="gen_1", surface="websocket", client="test")
+    return Generation(gw, request, rid="gen_1", surface="websocket", client="test",
+                      tenant=identify({}, settings))
 
 
 async def messages(gen: Generation) -> list:
@@ -111,7 +113,7 @@ async def test_a_request_waits_for_a_loading_worker_but_not_long_for_a_missing_o
     gw = Gateway(settings=settings, scheduler=WorkerlessScheduler(stage), store=FakeStore(), text=FakePrompts(),
                  limiter=RateLimiter(0), metrics=Metrics(), created=0)
     gen = Generation(gw, GenerationRequest(prompt="hi", max_tokens=4), rid="gen_1", surface="websocket",
-                     client="test")
+                     client="test", tenant=identify({}, settings))
     out = await asyncio.wait_for(messages(gen), 10)
     assert isinstance(out[-1], ErrorMsg) and out[-1].code == code and out[-1].recoverable, out[-1]
     if stage == "absent":

@@ -41,12 +41,12 @@ class Harness:
 
     def __init__(self, *, place: Place = least_loaded, sessions: Sessions | None = None,
                  controllers: Controllers | None = None, worker_gone: Callable[[bytes], None] = lambda identity: None,
-                 **limits: object) -> None:
+                 generations_per_user: int = 0, **limits: object) -> None:
         self.clock = Clock()
         self.core = SchedulerCore(
             Limits(**limits), sessions or Sessions(), controllers or Controllers(),
             lambda stop, **options: TextStream(FakeTokenizer(), stop=stop, **options),
-            place=place, worker_gone=worker_gone, clock=self.clock,
+            place=place, worker_gone=worker_gone, clock=self.clock, generations_per_user=generations_per_user,
         )
         self.sent: list[tuple[bytes, wire.Msg]] = []
         self.texts = EventTexts(lambda: TextStream(FakeTokenizer()))  # the gateway's side (common.event_text)

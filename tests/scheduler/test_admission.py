@@ -1,7 +1,7 @@
 """Admission: refusals, the KV budget, the batch limit, priority order and placement."""
 
 from common import wire
-from common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, MEMORY_PRESSURE, MODEL_LOADING_ERROR
+from common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, MEMORY_PRESSURE, MODEL_LOADING_ERROR, RATE_LIMITED
 from services.scheduler.requests import State
 from tests.scheduler.harness import Harness, prompt, seqs_of
 
@@ -185,3 +185,17 @@ def test_the_first_step_to_a_worker_drops_what_it_held():
     assert first[0].step.free_all
     h.apply(first)
     assert not h.build()[0].step.free_all
+
+
+def test_a_user_at_their_generations_quota_is_refused_and_others_are_not():
+    h = Harness(generations_per_user=2)
+    h.worker()
+    assert isinstance(h.submit("a1", prompt(3), 2, tenant="alice"), wire.Queued)
+    assert isinstance(h.submit("a2", prompt(3), 2, tenant="alice"), wire.Queued)
+    refused = h.submit("a3", prompt(3), 2, tenant="alice")
+    assert isinstance(refused, wire.Error) and refused.code == RATE_LIMITED
+    assert "tenants.max_generations_per_user = 2" in refused.message and "a3" not in h.core.requests
+    assert isinstance(h.submit("b1", prompt(3), 2, tenant="bob"), wire.Queued)
+    assert isinstance(h.submit("n1", prompt(3), 2), wire.Queued)  # no tenant named: not counted
+    h.run({"a1": [1, 2]})  # one of alice's ends: she may start another
+    assert isinstance(h.submit("a3", prompt(3), 2, tenant="alice"), wire.Queued)

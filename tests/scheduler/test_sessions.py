@@ -164,3 +164,13 @@ def test_a_timed_out_turn_is_not_parked():
     h.clock.now += 2
     h.core.expire()
     assert h.final("t1").finish_reason == "timeout" and not h.core.sessions.parked
+
+
+def test_a_parked_sequence_is_taken_over_only_by_a_turn_of_its_cache_domain():
+    h = Harness()
+    h.worker()
+    history = turn(h, "t1", prompt(5))
+    h.submit("t2", history + [WOR], 2, session=wire.SessionRef(key="s1"), cache_domain="salted")
+    (seq,) = seqs_of(h.build(), "t2")
+    assert seq.seq_id != h.core.sessions.parked["s1"].seq_id and seq.backtrack == 0  # a sequence of its own
+    assert seq.cache_domain == "salted" and h.core.requests["t2"].cached_tokens == 0

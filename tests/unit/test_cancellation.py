@@ -23,6 +23,7 @@ from common import wire
 from common.config import Settings
 from common.sockets import Dealer, Router
 from services.gateway.driver import Generation
+from services.gateway.tenants import identify
 
 TURNS = range(6)  # loop turns between delivering the event and cancelling
 
@@ -52,7 +53,8 @@ async def cancel_after_delivery(start: Callable[[], Awaitable[Any]], deliver: Ca
 async def test_a_generation_waiting_for_tokens_ends_when_cancelled(turns: int) -> None:
     queue: asyncio.Queue[wire.TokenEvent | wire.RequestFailed] = asyncio.Queue()
     gateway = SimpleNamespace(settings=Settings())
-    generation = Generation(gateway, request=None, rid="gen_1", surface="test", client="127.0.0.1")  # type: ignore[arg-type]
+    generation = Generation(gateway, request=None, rid="gen_1", surface="test", client="127.0.0.1",
+                            tenant=identify({}, gateway.settings))  # type: ignore[arg-type]
 
     async def consume() -> list[Any]:
         return [msg async for msg in generation._consume(queue)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.blocks import domain_root, prefix_keys
 from services.worker.kv_cache import (
     ROOT_HASH,
     NULL_BLOCK,
@@ -165,3 +166,22 @@ def test_truncate_drops_blocks_and_unnames_or_copies_a_kept_block_before_writing
     assert tables.seqs[2][0] == b0 and tables.seqs[2][1] != b1 and tables.take_copies() == [(b1, tables.seqs[2][1])]
     tables.truncate(2, 0)
     assert tables.seqs[2] == [] and tables.allocator.refcount(b0) == 1
+
+
+def test_blocks_are_shared_only_within_a_cache_domain() -> None:
+    tables = _tables(num_blocks=16)
+    a = list(range(1, 10))  # 2 full blocks of 4
+    tables.set_domain(1, "alice")
+    assert _feed(tables, 1, [], a) == 0
+    tables.set_domain(2, "bob")
+    assert _feed(tables, 2, [], a) == 0  # the same tokens in another domain: computed again
+    assert _feed(tables, 3, [], a) == 0  # nor does the shared domain find either
+    tables.set_domain(4, "alice")
+    assert _feed(tables, 4, [], a) == 8  # the same domain does
+    tables.fork(4, 5)  # a fork stays in its parent's domain
+    tables.truncate(5, 4)
+    assert _feed(tables, 5, a[:4], a[4:]) == 8
+    named = [tables.allocator.hash_of(b) for b in tables.seqs[1][:2]]
+    assert named[0] == block_hash(domain_root("alice"), a[:4])  # the chain the scheduler's index computes
+    assert [int.from_bytes(h[:8], "little", signed=True) for h in named] == list(
+        prefix_keys(a, 4, root=domain_root("alice")))

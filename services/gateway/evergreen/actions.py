@@ -40,6 +40,7 @@ from services.gateway.evergreen.graph import Leaf
 from services.gateway.evergreen.refs import read_ref
 from services.gateway.evergreen.turns import to_turns
 from services.gateway.protocol import CompletionMsg, ErrorMsg, GatewayError, TokenMsg
+from services.gateway.tenants import Tenant
 from services.gateway.validation import GenerationRequest
 
 log = structlog.get_logger()
@@ -146,7 +147,8 @@ class Phase(enum.Enum):
 class GenerateRun:
     """One GENERATE action: waits for its input, then streams the model's answer into its output node."""
 
-    def __init__(self, gw: Gateway, bound: Bound, params: GenerateParams, emit: Emit, *, client: str) -> None:
+    def __init__(self, gw: Gateway, bound: Bound, params: GenerateParams, emit: Emit, *, client: str,
+                 tenant: Tenant) -> None:
         self.bound = bound
         self.phase = Phase.PENDING
         self.waiting_for: frozenset[str] = frozenset()  # the input's nodes missing at the last look
@@ -155,6 +157,7 @@ class GenerateRun:
         self._params = params
         self._emit = emit
         self._client = client
+        self._tenant = tenant
         self._gen: Generation | None = None
         self._output = (
             OutputWriter(bound.output_id, emit, OUTPUT_MIMETYPE, OUTPUT_ROLE) if bound.output_id is not None else None
@@ -205,7 +208,8 @@ class GenerateRun:
     async def _generate(self, leaves: list[Leaf]) -> None:
         chunks = [(leaf.node_id, leaf.metadata, await self._payload(leaf)) for leaf in leaves]
         request = GenerationRequest(messages=to_turns(chunks), **self._params.request_fields())
-        self._gen = Generation(self._gw, request, rid=new_request_id("eg_"), surface="evergreen", client=self._client)
+        self._gen = Generation(self._gw, request, rid=new_request_id("eg_"), surface="evergreen", client=self._client,
+                               tenant=self._tenant)
         async for msg in self._gen.stream():
             if isinstance(msg, TokenMsg) and msg.finish_reason is None and msg.token:
                 self._write(msg.token, final=False)

@@ -31,6 +31,7 @@ from services.gateway.evergreen.errors import SessionAbort
 from services.gateway.evergreen.graph import NodeGraph
 from services.gateway.evergreen.turns import check_media
 from services.gateway.grpc_requests import Malformed
+from services.gateway.tenants import Tenant
 
 log = structlog.get_logger()
 
@@ -42,10 +43,11 @@ def new_session_id() -> str:
 
 
 class Session:
-    def __init__(self, gw: Gateway, *, client: str) -> None:
+    def __init__(self, gw: Gateway, *, client: str, tenant: Tenant) -> None:
         self.id = new_session_id()
         self._gw = gw
         self._client = client
+        self._tenant = tenant  # the session is bound to its stream: no other call can name it
         limits = gw.settings.evergreen
         self.graph = NodeGraph(
             max_depth=limits.max_nesting_depth,
@@ -180,7 +182,7 @@ class Session:
                     "GENERATE: configs.controller / controller_arg: controllers are not supported on the "
                     "Evergreen surface yet",
                 )
-        run = GenerateRun(self._gw, bound, params, self._emit, client=self._client)
+        run = GenerateRun(self._gw, bound, params, self._emit, client=self._client, tenant=self._tenant)
         self._runs[key] = run
         if failure is not None:
             self._fail(run, failure)

@@ -22,10 +22,10 @@ from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
 from common.errors import INVALID_REQUEST, TillerError
 from services.gateway.deps import Gateway
 from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, facts_of
-from services.gateway.grpc_requests import Malformed, add_servicer, client_address
+from services.gateway.grpc_requests import Malformed, add_servicer, client_address, tenant_of_call, text_metadata
 from services.gateway.salience.images import ImageSupport
 from services.gateway.salience.store import SessionStoreClient, SessionStoreError
-from services.gateway.salience.turn import Abort, Turn
+from services.gateway.salience.turn import CACHE_SALT_METADATA, Abort, Turn
 
 log = structlog.get_logger()
 
@@ -66,6 +66,10 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         self.store = store
         self.images = images
 
+    def _caller(self, context: grpc.aio.ServicerContext) -> wire.Principal:
+        """Whose sessions the call may reach (the session store's owner check)."""
+        return tenant_of_call(context, self.gw.settings).principal
+
     async def _facts(self) -> wire.ModelFacts:
         try:
             return facts_of(await self.gw.scheduler.health(max_age=HEALTH_MAX_AGE_S))
@@ -78,25 +82,25 @@ class SalienceServicer(pb_grpc.SalienceServicer):
         if request.model != served:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"model {request.model!r} is not served here; this server serves {served!r}")
         facts = await self._facts()
-        session = await self.store.open(request.model)
+        session = await self.store.open(request.model, self._caller(context))
         log.info("salience.session_opened", session_id=session.session_id)
         max_len = facts.max_model_len or self.gw.settings.limits.max_model_len
         return pb.OpenSessionResponse(session_id=session.session_id, max_model_len=max_len)
 
     @unary
     async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:  # noqa: N802
-        await self.store.close_session(request.session_id)
+        await self.store.close_session(request.session_id, self._caller(context))
         return pb.CloseSessionResponse()
 
     @unary
     async def ForkSession(self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext) -> pb.ForkSessionResponse:  # noqa: N802
-        child = await self.store.fork(request.session_id, request.at_position)
+        child = await self.store.fork(request.session_id, request.at_position, self._caller(context))
         log.info("salience.session_forked", session_id=child.session_id, parent=request.session_id, at=request.at_position)
         return pb.ForkSessionResponse(session_id=child.session_id)
 
     @unary
     async def DumpSession(self, request: pb.DumpSessionRequest, context: grpc.aio.ServicerContext) -> pb.DumpSessionResponse:  # noqa: N802
-        session = await self.store.get(request.session_id)
+        session = await self.store.get(request.session_id, self._caller(context))
         return pb.DumpSessionResponse(tokens=session.tokens)
 
     @unary
@@ -111,7 +115,9 @@ class SalienceServicer(pb_grpc.SalienceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:  # noqa: N802
         await _parsed(self.gw, request, context)
-        turn = Turn(self.gw, self.store, self.images, request, client_address(context.peer()))
+        salt = text_metadata(context.invocation_metadata()).get(CACHE_SALT_METADATA, "")
+        turn = Turn(self.gw, self.store, self.images, request, client_address(context.peer()),
+                    tenant_of_call(context, self.gw.settings), salt)
         try:
             async for event in turn.run():
                 if event.HasField("done"):

@@ -66,14 +66,16 @@ class SessionStoreClient:
             raise SessionStoreError(grpc.StatusCode.INTERNAL, f"unexpected session store reply {type(reply).__name__}")
         return reply
 
-    async def open(self, model: str) -> wire.SalienceSession:
-        return await self._session(wire.SalienceOpen(model=model))
+    async def open(self, model: str, caller: wire.Principal) -> wire.SalienceSession:
+        return await self._session(wire.SalienceOpen(model=model, caller=caller))
 
-    async def close_session(self, session_id: str) -> None:
+    async def close_session(self, session_id: str, caller: wire.Principal) -> None:
         """Close the session in the store, then tell the scheduler its parked KV may go, without waiting for that:
         the session is closed once the store says so (a stopped scheduler held CloseSession for the store's
         timeout, past a client's shorter deadline)."""
-        await self._call(wire.SalienceClose(session_id=session_id))
+        closed = await self._call(wire.SalienceClose(session_id=session_id, caller=caller))
+        if not isinstance(closed, wire.SalienceSession):  # nothing was closed: nothing parked may go either
+            return
         drop = asyncio.ensure_future(self._drop(session_id))
         self._drops.add(drop)
         drop.add_done_callback(self._drops.discard)
@@ -84,11 +86,11 @@ class SessionStoreClient:
         except TimeoutError:
             log.info("salience.session_drop_unanswered", session_id=session_id)
 
-    async def fork(self, session_id: str, at_position: int) -> wire.SalienceSession:
-        return await self._session(wire.SalienceFork(session_id=session_id, at_position=at_position))
+    async def fork(self, session_id: str, at_position: int, caller: wire.Principal) -> wire.SalienceSession:
+        return await self._session(wire.SalienceFork(session_id=session_id, caller=caller, at_position=at_position))
 
-    async def get(self, session_id: str) -> wire.SalienceSession:
-        return await self._session(wire.SalienceGet(session_id=session_id))
+    async def get(self, session_id: str, caller: wire.Principal) -> wire.SalienceSession:
+        return await self._session(wire.SalienceGet(session_id=session_id, caller=caller))
 
     async def begin(self, begin: wire.SalienceBegin) -> wire.SalienceSession:
         return await self._session(begin)

@@ -37,10 +37,14 @@ from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, facts_of, worker
 from services.gateway.salience.decoded import DecodedTokens, covers, readout_values
 from services.gateway.salience.images import ImageError, ImageSupport, check_unattached, prepare_images
 from services.gateway.salience.store import SessionStoreClient, SessionStoreError
+from services.gateway.tenants import Tenant, cache_domain
+from services.gateway.validation import MAX_CACHE_SALT_CHARS
 
 log = structlog.get_logger()
 
 Done = pb.GenerateDone
+# gRPC metadata of a Generate call: vLLM's cache_salt (salience.proto has no field for it; docs/tenants.md)
+CACHE_SALT_METADATA = "tiller-cache-salt"
 
 # scheduler failure codes -> gRPC status
 FAILURE_STATUS = {
@@ -78,7 +82,9 @@ class Turn:
     store: SessionStoreClient
     images: ImageSupport
     request: pb.GenerateRequest
-    client: str  # the caller's address (the rate limit's key)
+    client: str  # the caller's address
+    tenant: Tenant  # whose call it is (the sessions it may reach, its rate limit, its cache domain)
+    cache_salt: str = ""  # the call's CACHE_SALT_METADATA ("": none)
     rid: str = field(default_factory=lambda: new_request_id("sal-"))
     sent: list[int] = field(default_factory=list)  # decoded tokens the client was sent
     generated: str = ""  # their text, as the content filter reads it
@@ -91,7 +97,7 @@ class Turn:
         """The call's events, through the admission pipeline; raises :class:`Abort` (or the store's
         error) for a refused or failed call."""
         structlog.contextvars.bind_contextvars(request_id=self.rid, session_id=self.request.session_id)
-        self._admission = Admission(self.gw, rid=self.rid, surface="salience", client=self.client)
+        self._admission = Admission(self.gw, rid=self.rid, surface="salience", client=self.client, tenant=self.tenant)
         try:
             async for event in self._run():
                 yield event
@@ -170,6 +176,7 @@ class Turn:
         req = self.request
         return wire.SalienceBegin(
             session_id=req.session_id,
+            caller=self.tenant.principal,
             offset=req.offset,
             truncating=req.truncating,
             append_tokens=list(req.append_tokens),
@@ -184,6 +191,8 @@ class Turn:
         """The checks that do not depend on the session's length."""
         req = self.request
         limits = self.gw.settings.limits
+        if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise _invalid(f"{CACHE_SALT_METADATA} must be at most {MAX_CACHE_SALT_CHARS} characters")
         if not req.session_id:  # no session has that id: NOT_FOUND, as DumpSession and ForkSession answer it
             raise Abort(grpc.StatusCode.NOT_FOUND, "no session has the empty session_id; open one with OpenSession")
         if vocab_size and any(t >= vocab_size for t in req.append_tokens):
@@ -246,7 +255,7 @@ class Turn:
             except ImageError as exc:
                 raise Abort(exc.code, exc.message) from None
             return []
-        session = await self.store.get(req.session_id)
+        session = await self.store.get(req.session_id, self.tenant.principal)
         tokens = session.tokens[: req.offset] + list(req.append_tokens)
         if len(tokens) != length:
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -271,6 +280,8 @@ class Turn:
             session=wire.SessionRef(key=session.session_id, parent=session.parent),
             outputs=outputs,
             images=session.images,
+            cache_domain=self._cache_domain(),
+            tenant=self.tenant.user,
         )
         decoded = DecodedTokens(outputs.readout_ranges)
         decoded_ids: list[int] = []
@@ -309,6 +320,8 @@ class Turn:
                 session=wire.SessionRef(key=session.session_id, parent=session.parent),
                 outputs=wire.OutputRequest(readout_ranges=[wire.PositionSpan(waiting[0], waiting[-1] + 1)]),
                 images=session.images,
+                cache_domain=self._cache_domain(),
+                tenant=self.tenant.user,
             )
             async for item in self._events(tail):
                 for out in item.prompt_outputs:
@@ -317,6 +330,9 @@ class Turn:
         self.cached_tokens = final.cached_tokens
         self.outcome = final.finish_reason or ""
         yield pb.GenerateEvent(done=self._done(final, length))
+
+    def _cache_domain(self) -> str:
+        return cache_domain(self.tenant, self.cache_salt or None, self.gw.settings)
 
     def _send(self, token: pb.Token) -> pb.GenerateEvent:
         """A decoded token's event; the token counts as sent (committed to the session) from here: a
