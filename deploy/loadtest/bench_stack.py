@@ -68,7 +68,7 @@ def in_process_baselines(tokens: int) -> tuple[float, float]:
     from services.worker.model_loader import load_model
 
     settings = get_settings()
-    loaded = load_model(settings, lambda progress, message: None)
+    loaded = load_model(settings, lambda progress, message: None, keep_dense=True)  # generate runs on it too
     ids = load_tokenizer(settings)(PROMPT).input_ids
     engine = Engine.create(loaded, settings)
     engine.capture_graphs()  # as the worker does at start-up

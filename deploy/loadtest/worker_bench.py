@@ -135,7 +135,7 @@ def load(spec: str, settings: Settings) -> tuple[LoadedModel, list[int]]:
     """The model named by ``spec`` (see the module docstring) and the prompt to use with it."""
     if spec != "llama-1b":
         model_settings = settings.model_copy(update={"model": spec})
-        loaded = load_model(model_settings, lambda progress, message: None)
+        loaded = load_model(model_settings, lambda progress, message: None, keep_dense=True)  # generate runs on it too
         tokenizer = load_tokenizer(model_settings)
         return loaded, tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_dict=False)
     device = pick_device(settings.device)
