@@ -212,6 +212,34 @@ def _watch_handshakes(sock: zmq.Socket, endpoint: str) -> None:
     socket_events.watch(sock, _HANDSHAKE_FAILURES, refused)
 
 
+class ClientHandshakes:
+    """Whether a client's failed handshakes with one server mean it is refused for good (ZeroMQ retries
+    none of them, and neither should the client).
+
+    A key the server's ZAP handler turns down (AUTH) or a mechanism the client sees differ from its own
+    (PROTOCOL) is final at once. A server that sees the mechanisms differ first closes the connection
+    before the client has read its greeting, and the client sees only a handshake cut short (NO_DETAIL),
+    which ZeroMQ retries: that is final once it happens :data:`CUT_SHORT_REPEATS` times in a row, since a
+    server dying mid-handshake cuts one short too. A handshake that succeeds starts the count again."""
+
+    EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    CUT_SHORT_REPEATS = 3
+
+    def __init__(self) -> None:
+        self.cut_short = 0
+
+    def refused(self, event: int) -> bool:
+        """Whether ``event`` (a socket monitor's) makes the refusal final."""
+        if event & zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.cut_short = 0
+            return False
+        if event & zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self.cut_short += 1
+            return self.cut_short >= self.CUT_SHORT_REPEATS
+        return bool(event & (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL))
+
+
 def refused_by_server(event: int, endpoint: str, curve: Curve) -> str:
     """What a client whose handshake with ``endpoint`` failed (``event``) is told; ZeroMQ does not retry it."""
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:

@@ -31,14 +31,13 @@ from common import wire
 from common.config import Settings
 from common.errors import WireError
 from common.incarnation import process_incarnation
-from common.curve import refused_by_server
+from common.curve import ClientHandshakes, refused_by_server
 from common.sockets import connect, heartbeat
 from services.worker.engine import Engine
 from services.worker.model_loader import load_model, return_freed_memory
 from services.worker.tensor_parallel import Ranks, start_followers
 from services.worker.threads import thread_governor
 
-HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL  # the scheduler refused us
 LOADING_HELLO_INTERVAL_S = 1.0
 FAILED_HELLO_INTERVAL_S = 2.0
 SILENT_SCHEDULER_HELLO_S = 5.0
@@ -118,7 +117,8 @@ class WorkerService:
     def run(self) -> None:
         """Serve until interrupted."""
         # Every (re)connection gets a hello: a restarted scheduler learns of a ready worker at once.
-        monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | HANDSHAKE_FAILED)
+        monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | ClientHandshakes.EVENTS)
+        handshakes = ClientHandshakes()
         connect(self.sock, self.endpoint, self.settings.curve)
         self.log.info("worker.start", worker_id=self.worker_id, endpoint=self.endpoint, model=self.settings.model)
         self.loader.start()
@@ -134,7 +134,7 @@ class WorkerService:
                 timeout = 0 if self.backlog else SILENT_SCHEDULER_HELLO_S * 1000 if self.engine is not None else 100
                 events = dict(poller.poll(timeout))
                 if monitor in events:
-                    self._on_connection_event(recv_monitor_message(monitor))
+                    self._on_connection_event(recv_monitor_message(monitor), handshakes)
                 if self.backlog:
                     self._handle(self.backlog.popleft())
                 elif self.sock in events:
@@ -162,12 +162,13 @@ class WorkerService:
             monitor.close(0)
             self.sock.close(0)
 
-    def _on_connection_event(self, event: dict) -> None:
-        if event["event"] & HANDSHAKE_FAILED:  # keys that do not match: ZeroMQ does not try again, nor do we
+    def _on_connection_event(self, event: dict, handshakes: ClientHandshakes) -> None:
+        if handshakes.refused(event["event"]):  # keys that do not match
             reason = refused_by_server(event["event"], self.endpoint, self.settings.curve)
             self.log.error("worker.refused", endpoint=self.endpoint, reason=reason)
             raise SystemExit(f"worker: {reason}")
-        self._hello()
+        if event["event"] & zmq.EVENT_CONNECTED:
+            self._hello()
 
     def _hello(self) -> None:
         stage = self.stage

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import stat
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +22,7 @@ from pydantic import ValidationError
 
 from common import cli_ops, wire
 from common.config import Curve, Settings, Tls
-from common.curve import CurveError, RefusalLog, keys_of, make_key_pair
+from common.curve import ClientHandshakes, CurveError, RefusalLog, keys_of, make_key_pair
 from common.sockets import Dealer, Router, owner_only_dir
 from common.startup_checks import check_security
 from tests.stack import free_port
@@ -163,3 +167,52 @@ async def test_a_curve_server_answers_listed_keys_only_and_logs_each_refused_pee
     finally:
         serving.cancel()
         router.close()
+
+
+def test_a_handshake_refused_or_cut_short_again_and_again_is_final_and_one_that_succeeds_resets() -> None:
+    handshakes = ClientHandshakes()
+    assert handshakes.refused(zmq.EVENT_HANDSHAKE_FAILED_AUTH) and handshakes.refused(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+    cut = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    assert not handshakes.refused(cut) and not handshakes.refused(cut)
+    assert not handshakes.refused(zmq.EVENT_HANDSHAKE_SUCCEEDED)  # a server that died mid-handshake, back
+    assert not handshakes.refused(cut) and not handshakes.refused(cut) and handshakes.refused(cut)
+    assert not ClientHandshakes().refused(zmq.EVENT_CONNECTED)
+
+
+def _greeting_cutter() -> tuple[socket.socket, threading.Event]:
+    """A server that, like a CURVE server seeing a NULL client's mechanism before its own greeting is out,
+    closes every connection after the first 11 bytes of its ZMTP greeting."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03")
+                received = b""
+                while len(received) < 64 and (chunk := conn.recv(64)):
+                    received += chunk
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, stop
+
+
+def test_a_worker_whose_handshakes_are_cut_short_stops_saying_why(tmp_path: Path) -> None:
+    """ZeroMQ retries a handshake the server cut short forever: the worker counts them and stops."""
+    listener, stop = _greeting_cutter()
+    env = dict(os.environ, TILLER_RUN_DIR=str(tmp_path))
+    try:
+        worker = subprocess.run(
+            [sys.executable, "-m", "common.cli", "worker", "--scheduler", f"tcp://127.0.0.1:{listener.getsockname()[1]}"],
+            env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        stop.set()
+        listener.close()
+    assert worker.returncode != 0
+    assert '"worker.refused"' in worker.stdout + worker.stderr and "this host has no CURVE key" in worker.stderr, \
+        worker.stderr[-3000:]
