@@ -190,13 +190,13 @@ def _greeting_cutter() -> tuple[socket.socket, threading.Event]:
         while not stop.is_set():
             try:
                 conn, _ = listener.accept()
-            except TimeoutError:
+                with conn:
+                    conn.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03")
+                    received = b""
+                    while len(received) < 64 and (chunk := conn.recv(64)):
+                        received += chunk
+            except OSError:  # no client this interval (a timeout), one gone mid-greeting, the listener closed
                 continue
-            with conn:
-                conn.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03")
-                received = b""
-                while len(received) < 64 and (chunk := conn.recv(64)):
-                    received += chunk
 
     threading.Thread(target=serve, daemon=True).start()
     return listener, stop
