@@ -66,7 +66,7 @@ def add_round_arguments(parser: argparse.ArgumentParser, rounds: int, tokens: in
     parser.add_argument("--tokens", type=int, default=tokens)
     parser.add_argument("--streams", type=int, default=streams)
     parser.add_argument("--cpu-proxy", action=argparse.BooleanOptionalAction, default=True,
-                        help="bench_stack.py's tiny model, torch on one thread (the default)")
+                        help="bench_stack.py's tiny model, torch on one thread (ab_stack's default; guard.py's is the real model)")
 
 
 def compare(args: argparse.Namespace, weights: list[str | None]) -> None:

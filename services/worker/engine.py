@@ -243,6 +243,7 @@ class Engine:
             num_layers=loaded.config.get_text_config().num_hidden_layers,
             unembedding=loaded.model.get_output_embeddings().weight.detach(),
             tokenizer=loaded.tokenizer if loaded.tokenizer is not None else load_tokenizer(settings),
+            dtype=loaded.dtype,
         )
         return cls(loaded, num_blocks=num_blocks, cuda_graph_batch=graphs, readouts=readouts, ranks=ranks,
                    gpu_kernels=settings.gpu_kernels)

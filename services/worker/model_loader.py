@@ -115,7 +115,8 @@ def _own_weights(model: PreTrainedModel, skip_projections: bool = False) -> None
 
     safetensors tensors sit at arbitrary file offsets; CPU matmuls over them measured ~25% slower.
     Tied weights stay tied: each Parameter object is visited once. ``skip_projections``: leave the
-    linear layers' weights (but the token embedding's) mapped, unread: GGUF blocks replace them.
+    linear layers' weights (but the token embedding's) mapped, unread: GGUF blocks or dense tiles
+    replace them.
     """
     embedding = model.get_input_embeddings().weight
     skipped = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and m.weight is not embedding}
@@ -188,7 +189,7 @@ def load_model(settings: Settings, progress: Progress, keep_dense: bool = False)
     progress(70, f"moving weights to {device}")
     model = model.to(device).eval()
     if device.type == "cpu" and source.pretrained_weights:
-        _own_weights(model, skip_projections=mode.startswith("gguf"))
+        _own_weights(model, skip_projections=mode.startswith("gguf") or bool(kernel and tiled))
     linears = None
     if mode != "fp32" or kernel:
         progress(75, f"packing {mode} weights")

@@ -225,9 +225,9 @@ class DenseLinears:
 class TiledLinears:
     """The modules' own weights, fused as :class:`DenseLinears` fuses them, on Tiller's kernel as
     dense tiles (:meth:`BlockLinear.of_dense`), in the dtype they load in: exact values, float32
-    activations and accumulation. MKL's few-row products on an AMD EPYC ran 1.3-4x slower than the
-    tiles (``deploy/loadtest/quant_kernels_bench.py --dense``), and a decode step's layers become one
-    kernel call each, a parallel region each instead of some twenty-five.
+    activations and accumulation. MKL's few-row products on an AMD EPYC ran 1.9-5x slower than the
+    tiles (``deploy/loadtest/quant_kernels_bench.py --rows 1 4 16 --kernels fp32 "fp32 tiles"``), and a
+    decode step's layers become one kernel call each, a parallel region each instead of some twenty-five.
 
     A matrix the kernel cannot take (inputs not a multiple of 32) stays a :class:`Dense` layer."""
 

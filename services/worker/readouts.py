@@ -30,7 +30,7 @@ def default_layers(num_layers: int) -> list[int]:
 class Readouts:
     concepts: list[str]
     layers: list[int]
-    matrix: torch.Tensor  # [concepts, hidden], the model's dtype (the activations' at each projection) and device
+    matrix: torch.Tensor  # [concepts, hidden], in the activations' dtype and on the model's device
 
     @classmethod
     def build(
@@ -40,6 +40,7 @@ class Readouts:
         num_layers: int,
         unembedding: torch.Tensor,
         tokenizer: PreTrainedTokenizerBase,
+        dtype: torch.dtype,
     ) -> Readouts:
         """Readouts from the settings; raises ValueError on a bad layer, word or concepts file."""
         layers = sorted(set(config.readout_layers)) if config.readout_layers else default_layers(num_layers)
@@ -48,7 +49,6 @@ class Readouts:
             raise ValueError(f"readout layers {bad} are outside the model's {num_layers} decoder layers")
         if config.concepts_file is not None:
             names, matrix = _load_concepts(config.concepts_file, unembedding.shape[1])
-            matrix = matrix.to(unembedding.device, unembedding.dtype)
         else:
             names = list(config.readout_concepts)
             rows = []
@@ -58,12 +58,12 @@ class Readouts:
                     raise ValueError(f"readout concept {word!r} encodes to no token")
                 rows.append(ids[0])
             matrix = unembedding[to_device(rows, unembedding.device)]
-        return cls(concepts=names, layers=layers, matrix=matrix)
+        return cls(concepts=names, layers=layers, matrix=matrix.to(unembedding.device, dtype))
 
     def project(self, hidden: Sequence[torch.Tensor], final_norm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``hidden[i]``: ``[positions, hidden]`` after layer ``self.layers[i]`` ->
         float32 ``[positions, layers, concepts]``."""
-        return torch.stack([(final_norm(h) @ self.matrix.T.to(h.dtype)).float() for h in hidden], dim=1)
+        return torch.stack([(final_norm(h) @ self.matrix.T).float() for h in hidden], dim=1)
 
 
 def _load_concepts(path: Path, hidden_size: int) -> tuple[list[str], torch.Tensor]:

@@ -187,7 +187,7 @@ def test_prompt_scores_and_readouts_match_transformers(vl: LoadedModel, spec: Vi
     settings = Settings(model="random:qwen2-vl-tiny", device="cpu")
     readouts = Readouts.build(settings.sessions, num_layers=vl.config.get_text_config().num_hidden_layers,
                               unembedding=vl.model.get_output_embeddings().weight.detach(),
-                              tokenizer=load_tokenizer(settings))
+                              tokenizer=load_tokenizer(settings), dtype=vl.dtype)
     engine = Engine(vl, num_blocks=64, readouts=readouts)
     prompt, images = build(spec, [11, 22], png(11), [33, 44, 55])
     positions = [len(prompt) - 4, len(prompt) - 2, len(prompt) - 1]  # <|vision_end|> and text after the image

@@ -23,7 +23,8 @@ TEXT = "The quick brown fox jumps over the lazy dog, and then the dog chases the
 @pytest.fixture(scope="module")
 def readouts(loaded, tokenizer) -> Readouts:
     return Readouts.build(Sessions(), num_layers=loaded.config.num_hidden_layers,
-                          unembedding=loaded.model.get_output_embeddings().weight.detach(), tokenizer=tokenizer)
+                          unembedding=loaded.model.get_output_embeddings().weight.detach(), tokenizer=tokenizer,
+                          dtype=loaded.dtype)
 
 
 @pytest.fixture(scope="module")
@@ -92,14 +93,16 @@ def test_concepts_file_replaces_the_words(tmp_path: Path, loaded, tokenizer) -> 
     path.write_text(json.dumps({"concepts": vectors}))
     unembedding = loaded.model.get_output_embeddings().weight.detach()
     built = Readouts.build(Sessions(concepts_file=path, readout_layers=[3, 1]), num_layers=30,
-                           unembedding=unembedding, tokenizer=tokenizer)
+                           unembedding=unembedding, tokenizer=tokenizer, dtype=loaded.dtype)
     assert built.concepts == ["up", "first"] and built.layers == [1, 3]
     assert torch.equal(built.matrix.float(), torch.tensor([vectors["up"], vectors["first"]]))
     path.write_text(json.dumps({"concepts": {"short": [1.0, 2.0]}}))
     with pytest.raises(ValueError, match="must map names"):
-        Readouts.build(Sessions(concepts_file=path), num_layers=30, unembedding=unembedding, tokenizer=tokenizer)
+        Readouts.build(Sessions(concepts_file=path), num_layers=30, unembedding=unembedding, tokenizer=tokenizer,
+                          dtype=loaded.dtype)
     with pytest.raises(ValueError, match="outside"):
-        Readouts.build(Sessions(readout_layers=[30]), num_layers=30, unembedding=unembedding, tokenizer=tokenizer)
+        Readouts.build(Sessions(readout_layers=[30]), num_layers=30, unembedding=unembedding, tokenizer=tokenizer,
+                          dtype=loaded.dtype)
 
 
 def test_bad_output_requests_fail_only_their_sequence(scorer, reference) -> None:
