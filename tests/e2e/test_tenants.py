@@ -206,6 +206,21 @@ async def test_the_prefix_cache_tells_no_user_what_another_sent(tenants: Stack):
         await complete("alice", cache_salt="")
 
 
+async def test_a_response_shares_kv_only_within_its_cache_salt(tenants: Stack):
+    alice = openai.AsyncOpenAI(base_url=f"{tenants.http_url}/v1", api_key="alice-token", max_retries=0)
+    words = "The minutes of the board meeting on the merger, which nobody outside the room may read, say that"
+
+    async def respond(**extra: str) -> int:
+        answer = await alice.responses.create(model=tenants.settings.served_model_name, input=words, temperature=0,
+                                              max_output_tokens=2, store=False, extra_body=extra)
+        return answer.usage.input_tokens_details.cached_tokens
+
+    await respond()
+    assert await respond() >= 16
+    assert await respond(cache_salt="r1") == 0
+    assert await respond(cache_salt="r1") >= 16
+
+
 async def test_salience_turns_share_kv_only_within_their_domain_and_salt(tenants: Stack):
     prompt = tenants.tokenizer.encode("Bob's salary review for this year, strictly confidential and not to be shared, says "
                                       "that his performance was")
@@ -300,6 +315,7 @@ async def test_a_bad_cache_salt_is_refused_clearly_on_every_surface(tenants: Sta
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
                                                      "cache_salt": ""}),
                            ("/v1/generate", {"prompt": "Hi", "max_tokens": 1, "cache_salt": long}),
+                           ("/v1/responses", {"input": "Hi", "max_output_tokens": 1, "cache_salt": ""}),
                            ("/v1/run", {"controller": "none", "controller_arg": "Hi", "cache_salt": 7})):
             refused = await http.post(path, json={"model": tenants.settings.served_model_name, **body})
             assert refused.status_code == 400 and "cache_salt" in refused.text, (path, refused.text)
