@@ -6,7 +6,8 @@ Supported block types (llama.cpp's layouts; each block starts with float16 field
 * ``Q4_1`` (20 bytes): scale ``d``, minimum ``m``, 16 bytes of 4-bit codes; ``w = d * q + m``
 * ``Q8_0`` (34 bytes): scale ``d``, 32 signed bytes; ``w = d * q``
 
-A 4-bit block keeps weight ``j`` in the low nibble of byte ``j`` and weight ``j + 16`` in its high
+and, unpacked by :mod:`services.worker.gguf_kquants`, Q5_0, Q5_1 and the K-quants Q4_K, Q5_K and Q6_K
+(so the Q4_K_M and Q5_K_M mixes, which combine them with Q8_0 per tensor). A 4-bit block keeps weight ``j`` in the low nibble of byte ``j`` and weight ``j + 16`` in its high
 nibble. llama.cpp stores Llama's q and k projections with the rows of each head interleaved for its
 rotary layout; they are put back in transformers' order here, as transformers does when it loads a
 GGUF (rows are whole blocks, so reordering them keeps every block intact).
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-GROUP = 32  # weights per block, for all supported types
+GROUP = 32  # weights per block of a scale and minimum (Q6_K and K8: a scale per 16)
 _LAYOUT = {"Q4_0": (18, False), "Q4_1": (20, True), "Q8_0": (34, False)}  # bytes per block, has a minimum
 _NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -36,9 +37,14 @@ _NAMES = {
 
 @dataclass(frozen=True)
 class Blocks:
-    """A weight matrix ``[out, in]`` quantized in blocks of 32 along ``in``: codes ``q`` (uint8
-    0..15 for the 4-bit types, int8 for Q8_0) and, per block, ``scale`` and (Q4_1) ``minimum``,
-    both float32 ``[out, in // 32]``."""
+    """A weight matrix ``[out, in]`` quantized in blocks of 32 along ``in``: codes ``q`` (uint8 0..15
+    for the 4-bit types, 0..31 for the 5-bit ones, int8 for Q8_0, Q6_K and K8), ``scale`` float32
+    ``[out, in // 32]`` (Q6_K and K8: ``[out, in // 16]``) and, for the types with one, ``minimum``
+    float32 ``[out, in // 32]``: ``w = q * scale + minimum`` (Q4_0: ``(q - 8) * scale``).
+
+    K8 is no file's type but the kernel's widest record, which holds every other type exactly
+    (:meth:`to_k8`): Q5_0, Q5_1, Q5_K and Q6_K are served as K8, and so is a fused projection whose parts
+    ship in different types (a Q4_K_M's q and v, say)."""
 
     kind: str
     q: torch.Tensor
@@ -51,13 +57,20 @@ class Blocks:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights the blocks stand for."""
-        scale = self.scale.repeat_interleave(GROUP, dim=1)
+        scale = self.scale.repeat_interleave(self.shape[1] // self.scale.shape[1], dim=1)
         if self.kind == "Q4_0":
             return (self.q.float() - 8) * scale
-        if self.kind == "Q4_1":
-            assert self.minimum is not None
-            return self.q.float() * scale + self.minimum.repeat_interleave(GROUP, dim=1)
-        return self.q.float() * scale
+        weights = self.q.float() * scale
+        return weights if self.minimum is None else weights + self.minimum.repeat_interleave(GROUP, dim=1)
+
+    def to_k8(self) -> Blocks:
+        """The same weights as K8 blocks: signed codes, a scale per 16 inputs, a minimum per 32."""
+        if self.kind == "K8":
+            return self
+        scale = self.scale if self.scale.shape[1] * 16 == self.shape[1] else self.scale.repeat_interleave(2, dim=1)
+        minimum = self.minimum if self.minimum is not None else self.scale.new_zeros(self.shape[0], self.shape[1] // GROUP)
+        q = self.q.to(torch.int16) - 8 if self.kind == "Q4_0" else self.q
+        return Blocks("K8", q.to(torch.int8), scale, minimum)
 
     def rows(self, index: torch.Tensor) -> Blocks:
         minimum = None if self.minimum is None else self.minimum[index]
@@ -65,10 +78,9 @@ class Blocks:
 
     @staticmethod
     def cat(parts: list[Blocks]) -> Blocks:
-        """Matrices of one kind stacked along ``out`` (fused projections)."""
-        kinds = {p.kind for p in parts}
-        if len(kinds) != 1:
-            raise ValueError(f"cannot fuse projections quantized differently: {sorted(kinds)}")
+        """Matrices stacked along ``out`` (fused projections): of one kind, or of several as K8."""
+        if len({p.kind for p in parts}) != 1:
+            parts = [p.to_k8() for p in parts]
         minimum = None if parts[0].minimum is None else torch.cat([p.minimum for p in parts])  # type: ignore[misc]
         return Blocks(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), minimum)
 
@@ -111,14 +123,16 @@ def read_blocks(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Bloc
     transformers' parameter name; other tensors (norms, float tensors) are left out."""
     import gguf
 
+    from services.worker import gguf_kquants
+
     reader = gguf.GGUFReader(str(path))
     found: dict[str, Blocks] = {}
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
         name = hf_name(tensor.name)
-        if name is None or kind not in _LAYOUT:
+        if name is None or (kind not in _LAYOUT and kind not in gguf_kquants.SIZES):
             continue
-        blocks = decode(kind, tensor.data)
+        blocks = decode(kind, tensor.data) if kind in _LAYOUT else gguf_kquants.decode(kind, tensor.data)
         if ".attn_q." in tensor.name:
             blocks = _unpermute(blocks, num_heads)
         elif ".attn_k." in tensor.name:

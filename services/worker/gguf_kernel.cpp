@@ -8,7 +8,11 @@
 // registers (q * d + m; Q4_0 m = -8 d) and multiplied into up to 16 rows of x at once; or, for up to
 // three rows, left unscaled and the block's sums scaled instead (few_kernel). Unquantized weights
 // (float32, bfloat16, float16) take the same tiles with the values in place of the codes and no scales,
-// so a dense layer is read once a step too and runs in the same fused decoder layer.
+// so a dense layer is read once a step too and runs in the same fused decoder layer. GGUF K-quants
+// (256-weight super-blocks of 6- or 8-bit sub-scales) are unpacked to per-32-input float32 scales, which
+// hold each product of a super-block's float16 scale and a sub-scale exactly: Q4_K as Q4_1's codes with
+// float32 scales and minimums, Q5_K and Q6_K (and a fused projection mixing K-quants) as K8, signed bytes
+// with a scale per 16 inputs and a minimum per 32.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -163,14 +167,21 @@ constexpr int TILE = 16;   // output features per tile (one V16)
 constexpr int GROUP = 32;  // inputs per block
 // The GGUF's blocks, and unquantized weights in the same tiles (no scales: a record is the 32 inputs'
 // 16 column values, input by input, as float32, bfloat16 or float16 as the checkpoint ships them).
-enum Kind { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3, BF16 = 4, F16 = 5 };
-constexpr int KINDS = 6;
+enum Kind { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F32 = 3, BF16 = 4, F16 = 5, Q4_K = 6, K8 = 7 };
+constexpr int KINDS = 8;
 
-constexpr bool is_float(int kind) { return kind >= F32; }
+constexpr bool is_float(int kind) { return kind == F32 || kind == BF16 || kind == F16; }
+constexpr bool has_minimum(int kind) { return kind == Q4_0 || kind == Q4_1 || kind == Q4_K || kind == K8; }
 
+// Q4_K: float32 scales (64 bytes) and minimums (64), nibbles (256). K8: float32 scales of inputs 0-15
+// (64 bytes) and of inputs 16-31 (64), float32 minimums (64), signed bytes (512).
 constexpr int record_bytes(int kind) {
-  return kind == Q4_1 ? 64 + 256 : kind == Q4_0 ? 32 + 256 : kind == Q8_0 ? 32 + 512 : kind == F32 ? 2048 : 1024;
+  return kind == Q4_1 ? 64 + 256 : kind == Q4_0 ? 32 + 256 : kind == Q8_0 ? 32 + 512 : kind == F32 ? 2048
+       : kind == Q4_K ? 128 + 256 : kind == K8 ? 192 + 512 : 1024;
 }
+
+// Where a record's codes start.
+constexpr int codes_at(int kind) { return kind == Q4_1 ? 64 : kind == Q4_K ? 128 : kind == K8 ? 192 : 32; }
 
 // The codes of inputs k and k + 1 (k even) in one tile's block record, as floats (unscaled).
 template <int KIND>
@@ -184,19 +195,29 @@ inline void widen(const uint8_t* rec, int k, V16& q0, V16& q1) {
   } else if constexpr (KIND == F16) {
     q0 = vhalves(rec + k * 2 * TILE);
     q1 = vhalves(rec + (k + 1) * 2 * TILE);
-  } else if constexpr (KIND == Q8_0) {
-    const uint8_t* c = rec + 32 + k * TILE;
+  } else if constexpr (KIND == Q8_0 || KIND == K8) {
+    const uint8_t* c = rec + codes_at(KIND) + k * TILE;
     q0 = vsbytes(c);
     q1 = vsbytes(c + TILE);
   } else {
-    vnibbles(rec + (KIND == Q4_1 ? 64 : 32) + k / 2 * TILE, q0, q1);
+    vnibbles(rec + codes_at(KIND) + k / 2 * TILE, q0, q1);
   }
 }
 
-// The block's minimum per column: Q4_1's own, Q4_0's -8 d (Q8_0 has none).
+// The block's scale per column (K8: of its inputs 16-31 when ``second``).
+template <int KIND>
+inline V16 scale(const uint8_t* rec, bool second = false) {
+  if constexpr (KIND == Q4_K) return vload(reinterpret_cast<const float*>(rec));
+  if constexpr (KIND == K8) return vload(reinterpret_cast<const float*>(rec) + (second ? TILE : 0));
+  return vhalves(rec);
+}
+
+// The block's minimum per column: Q4_1's own, Q4_0's -8 d, the K kinds' float32 ones (Q8_0 has none).
 template <int KIND>
 inline V16 minimum(const uint8_t* rec, V16 d) {
   if constexpr (KIND == Q4_1) return vhalves(rec + 32);
+  if constexpr (KIND == Q4_K) return vload(reinterpret_cast<const float*>(rec) + TILE);
+  if constexpr (KIND == K8) return vload(reinterpret_cast<const float*>(rec) + 2 * TILE);
   return vmul(d, vset(-8.0f));
 }
 
@@ -236,12 +257,15 @@ void tile_kernel(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, 
     for (int v = 0; v < NV; ++v) {
       rec[v] = w + v * tile_stride + b * REC;
       if constexpr (!is_float(KIND)) {
-        d[v] = vhalves(rec[v]);
-        if constexpr (KIND != Q8_0) m[v] = minimum<KIND>(rec[v], d[v]);
+        d[v] = scale<KIND>(rec[v]);
+        if constexpr (has_minimum(KIND)) m[v] = minimum<KIND>(rec[v], d[v]);
       }
     }
     const float* xb = x + b * GROUP;
     for (int k = 0; k < GROUP; k += 2) {
+      if constexpr (KIND == K8)
+        if (k == GROUP / 2)
+          for (int v = 0; v < NV; ++v) d[v] = scale<KIND>(rec[v], true);
       for (int v = 0; v < NV; ++v) {
         V16 w0, w1;
         widen<KIND>(rec[v], k, w0, w1);
@@ -278,6 +302,15 @@ void few_kernel(const float* x, int64_t ldx, const float* sx, int64_t blocks, co
     zero(even);
     zero(odd);
     for (int k = 0; k < GROUP; k += 2) {
+      if constexpr (KIND == K8)
+        if (k == GROUP / 2) {  // inputs 0-15 done: their own scale
+          for (int v = 0; v < NV; ++v) {
+            const V16 d = scale<KIND>(w + v * tile_stride + b * REC);
+            for (int r = 0; r < MR; ++r) acc[r][v] = vfma(d, vadd(even[r][v], odd[r][v]), acc[r][v]);
+          }
+          zero(even);
+          zero(odd);
+        }
       for (int v = 0; v < NV; ++v) {
         V16 q0, q1;
         widen<KIND>(w + v * tile_stride + b * REC, k, q0, q1);
@@ -293,10 +326,10 @@ void few_kernel(const float* x, int64_t ldx, const float* sx, int64_t blocks, co
         continue;
       }
       const uint8_t* rec = w + v * tile_stride + b * REC;
-      const V16 d = vhalves(rec);
+      const V16 d = scale<KIND>(rec, true);
       for (int r = 0; r < MR; ++r) {
         acc[r][v] = vfma(d, vadd(even[r][v], odd[r][v]), acc[r][v]);
-        if constexpr (KIND != Q8_0)
+        if constexpr (has_minimum(KIND))
           acc[r][v] = vfma(minimum<KIND>(rec, d), vset(sx[r * blocks + b]), acc[r][v]);
       }
     }
@@ -354,6 +387,8 @@ struct Kernels {
     add<F32>();
     add<BF16>();
     add<F16>();
+    add<Q4_K>();
+    add<K8>();
   }
 };
 

@@ -171,7 +171,7 @@ class Int4Packed(_Quantized):
         d, in_features = blocks.scale, blocks.shape[1]
         if blocks.kind == "Q4_0":
             return cls.pack(blocks.q, d, torch.zeros_like(d), bias, in_features, parts)
-        if blocks.kind == "Q4_1":
+        if blocks.kind in ("Q4_1", "Q4_K"):  # (Q4_K's float32 scales in two bfloat16 parts: 16 of their 19 bits)
             assert blocks.minimum is not None
             return cls.pack(blocks.q, d, blocks.minimum + 8 * d, bias, in_features, parts)
         if blocks.kind == "Q8_0":

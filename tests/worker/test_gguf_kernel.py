@@ -18,9 +18,13 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
 
+from services.worker import gguf_kquants
 from services.worker.gguf_blocks import GROUP, Blocks
 from services.worker.gguf_linear import BlockLinear, dense_packable, pack, pack_dense
 from services.worker.quantized import Int4Packed
@@ -55,7 +59,7 @@ def _check(blocks: Blocks, rows: int, seed: int = 0) -> tuple[float, float | Non
     assert err <= FLOAT32_ROUNDING and with_residual <= FLOAT32_ROUNDING, (err, with_residual)
     unbiased = BlockLinear.of(blocks, None)
     assert ((unbiased(x).double() - exact + bias.double()).abs() / size).max().item() <= FLOAT32_ROUNDING
-    if out % 16:
+    if out % 16 or blocks.kind not in ("Q4_0", "Q4_1", "Q8_0"):  # what torch's packed kernel takes exactly
         return err, None
     torch_err = ((Int4Packed.of(blocks, bias, parts=2)(x).double() - exact).abs() / size).max().item()
     return err, torch_err
@@ -67,6 +71,41 @@ def _check(blocks: Blocks, rows: int, seed: int = 0) -> tuple[float, float | Non
 def test_the_kernel_equals_a_float64_matmul_over_the_dequantized_blocks(gguf_kernel, kind, rows, shape) -> None:
     err, torch_err = _check(_random_blocks(kind, *shape, seed=rows), rows)
     assert torch_err is None or err < torch_err  # float32 activations: closer than bfloat16 ones
+
+
+def _random_file_blocks(kind: str, out: int, inputs: int, seed: int) -> np.ndarray:
+    """Random raw blocks of ``kind`` as a GGUF holds them, ``[out, bytes]``: random codes, sub-scales and
+    high bits, and float16 scales (and minimums) of a trained model's size."""
+    weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(out, inputs // weights, size), dtype=np.uint8)
+    halves = [208] if kind == "Q6_K" else [0, 2] if kind in ("Q5_1", "Q4_K", "Q5_K") else [0]
+    for at in halves:
+        values = rng.uniform(1e-4, 2e-3, size=raw.shape[:2]).astype(np.float16)
+        raw[..., at:at + 2] = values[..., None].view(np.uint8)
+    return raw.reshape(out, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 3, 16, 5, 37])
+@pytest.mark.parametrize("shape", [(40, 256), (576, 1536), (3, 512)])
+def test_k_quants_equal_the_gguf_packages_dequantized_weights(gguf_kernel, kind, rows, shape) -> None:
+    raw = _random_file_blocks(kind, *shape, seed=rows)
+    blocks = gguf_kquants.decode(kind, raw)
+    reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).reshape(shape)).double()
+    assert torch.equal(blocks.dequantize().double(), reference)  # the unpacking is exact
+    _check(blocks, rows)  # and the kernel's product is a float64 matmul's within float32 rounding
+    assert BlockLinear.of(blocks, None).kind == ("Q4_K" if kind == "Q4_K" else "K8")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16])
+def test_a_projection_fused_from_parts_of_different_types_is_one_k8_layer(gguf_kernel, rows) -> None:
+    parts = [gguf_kquants.decode("Q4_K", _random_file_blocks("Q4_K", 64, 512, 1)),
+             gguf_kquants.decode("Q6_K", _random_file_blocks("Q6_K", 16, 512, 2)),
+             _random_blocks("Q8_0", 16, 512, 3), _random_blocks("Q4_0", 8, 512, 4), _random_blocks("Q4_1", 8, 512, 5)]
+    fused = Blocks.cat(parts)
+    assert fused.kind == "K8" and torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    _check(fused, rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
