@@ -7,6 +7,9 @@
   under ``cache_dir``, in a directory named by the GGUF's content hash (:mod:`common.model_cache`), so
   every checkout and venv shares it; later loads read the cache (well under a second).
 * a local Hugging Face model directory.
+* a local ``.gguf`` file (llama.cpp's format, of an architecture transformers' GGUF loader knows):
+  converted once like the embedded one, into an entry named by its content hash; its quantized
+  matrices are then served as they ship (see services/worker/gguf_blocks.py for the block types).
 * ``random:<smollm2 | model dir>`` — that model's config and tokenizer with random weights (for
   benchmarks on machines without the real weights), like vLLM's dummy load format.
 * ``random:qwen2-vl-tiny`` — a tiny Qwen2-VL (vision-language) model at random weights, for the
@@ -53,14 +56,24 @@ def _embedded_gguf() -> Path:
     return path
 
 
-def _gguf_cache_dir(settings: Settings) -> Path:
-    digest = model_cache.content_digest(_embedded_gguf(), settings.cache_dir)
-    return settings.cache_dir / model_cache.entry_name(DEFAULT_MODEL, digest)
+def _gguf_cache_dir(settings: Settings, gguf: Path, name: str) -> Path:
+    digest = model_cache.content_digest(gguf, settings.cache_dir)
+    return settings.cache_dir / model_cache.entry_name(name, digest)
+
+
+def _gguf_file(settings: Settings) -> Path | None:
+    """The ``.gguf`` file ``settings.model`` names (``random:`` or not), if it names one."""
+    spec = settings.model.removeprefix("random:")
+    return Path(spec).expanduser() if spec.endswith(".gguf") else None
 
 
 def cache_entries_in_use(settings: Settings) -> set[str]:
     """The names of the ``cache_dir`` entries this code reads (``tiller cache clean`` keeps them)."""
-    return {_gguf_cache_dir(settings).name, tiny_vl.cache_name(), model_cache.KERNELS}
+    used = {_gguf_cache_dir(settings, _embedded_gguf(), DEFAULT_MODEL).name, tiny_vl.cache_name(), model_cache.KERNELS}
+    served = _gguf_file(settings)
+    if served is not None and served.is_file():
+        used.add(_gguf_cache_dir(settings, served, served.stem).name)
+    return used
 
 
 def _convert_tokenizer(gguf: Path, target: Path) -> None:
@@ -90,9 +103,9 @@ def _convert_weights(gguf: Path, target: Path) -> None:
     model.generation_config.save_pretrained(target)
 
 
-def _prepare_embedded(settings: Settings, *, weights: bool) -> Path:
-    gguf = _embedded_gguf()
-    target = _gguf_cache_dir(settings)
+def _prepare_gguf(settings: Settings, gguf: Path, name: str, *, weights: bool) -> Path:
+    """The converted directory of ``gguf`` (tokenizer; with ``weights`` config and weights too)."""
+    target = _gguf_cache_dir(settings, gguf, name)
     target.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if not (target / "tokenizer_config.json").is_file():
@@ -108,20 +121,25 @@ def resolve_model(settings: Settings, *, weights: bool = False) -> ModelSource:
     random = spec.startswith("random:")
     if random:
         spec = spec[len("random:") :] or DEFAULT_MODEL
+    gguf = _embedded_gguf() if spec in (DEFAULT_MODEL, tiny_vl.NAME) else _gguf_file(settings)
     if spec == tiny_vl.NAME:
         if not random:
             raise RuntimeError(f"{tiny_vl.NAME} has no trained weights: serve it as 'random:{tiny_vl.NAME}'")
-        directory = tiny_vl.prepare(settings.cache_dir, _prepare_embedded(settings, weights=False))
-    elif spec == DEFAULT_MODEL:
-        directory = _prepare_embedded(settings, weights=weights and not random)
-        if random and not (directory / "config.json").is_file():
-            directory = _prepare_embedded(settings, weights=True)
+        directory = tiny_vl.prepare(settings.cache_dir, _prepare_gguf(settings, gguf, DEFAULT_MODEL, weights=False))
+    elif gguf is not None:
+        if not gguf.is_file():
+            raise RuntimeError(f"model file {gguf} does not exist")
+        name = DEFAULT_MODEL if spec == DEFAULT_MODEL else gguf.stem
+        directory = _prepare_gguf(settings, gguf, name, weights=weights and not random)
+        if random and not (directory / "config.json").is_file():  # the config comes with the converted weights
+            directory = _prepare_gguf(settings, gguf, name, weights=True)
     else:
         directory = Path(spec).expanduser()
         if not (directory / "config.json").is_file():
             raise RuntimeError(f"model directory {directory} has no config.json")
-    gguf = _embedded_gguf() if spec == DEFAULT_MODEL and not random else None
-    return ModelSource(directory=directory, pretrained_weights=not random, name=settings.served_model_name, gguf=gguf)
+    served_gguf = gguf if gguf is not None and spec != tiny_vl.NAME and not random else None
+    return ModelSource(directory=directory, pretrained_weights=not random, name=settings.served_model_name,
+                       gguf=served_gguf)
 
 
 def load_tokenizer(settings: Settings):  # -> transformers.PreTrainedTokenizerBase
