@@ -18,6 +18,9 @@ than sit in cache, which a loop over one matrix would hide. Kernels:
   (what ``TILLER_WEIGHTS=fp32`` runs on a CPU where the kernel builds; bf16: a bfloat16 checkpoint)
 * ``tiller``: Tiller's own kernel on the blocks as they ship (``TILLER_WEIGHTS=gguf``): float32
   activations, each code read once, float16 scales (built into the settings' cache if needed)
+* ``tiller Q4_K``, ``tiller K8``: the same codes in the kernel's records for a GGUF's K-quants: Q4_K's
+  (nibbles, float32 scales and minimums) and K8's (signed bytes, a float32 scale per 16 inputs: what
+  Q5_0, Q5_1, Q5_K and Q6_K blocks are served as)
 
 torch's packed kernels run on bfloat16 activations (their float32 path is not vectorized: 5-150x
 slower than dense float32, printed once for reference). Kernels alternate pass by pass, so a busy
@@ -75,6 +78,11 @@ def build(kernel: str) -> list[tuple[str, Fn]]:
             out.append((name, Int4Packed.of(blocks, None, parts=2)))
         elif kernel == "tiller":
             out.append((name, BlockLinear.of(blocks, None)))
+        elif kernel == "tiller Q4_K":
+            as_q4_k = Blocks("Q4_K", blocks.q, blocks.scale, blocks.minimum) if blocks.kind == "Q4_1" else blocks
+            out.append((name, BlockLinear.of(as_q4_k, None)))  # (the head stays Q8_0)
+        elif kernel == "tiller K8":
+            out.append((name, BlockLinear.of(blocks.to_k8(), None)))
         elif kernel.endswith(" tiles"):
             dtype = torch.float32 if kernel == "fp32 tiles" else torch.bfloat16
             out.append((name, BlockLinear.of_dense(blocks.dequantize().to(dtype), None)))
@@ -110,7 +118,7 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", default=["fp32", "bf16", "int4", "int4 exact", "int8/row", "tiller"])
     args = parser.parse_args()
     kernels = args.kernels
-    if any(k == "tiller" or k.endswith(" tiles") for k in kernels) and not kernel_build.load(Settings().cache_dir):
+    if any(k.startswith("tiller") or k.endswith(" tiles") for k in kernels) and not kernel_build.load(Settings().cache_dir):
         raise SystemExit("Tiller's kernel did not build (see the log above)")
     print(f"threads={torch.get_num_threads()} cpu={torch.backends.cpu.get_cpu_capability()} passes={args.passes}")
     fp32_activation_note()
