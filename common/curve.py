@@ -13,6 +13,7 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -238,6 +239,25 @@ class ClientHandshakes:
             self.cut_short += 1
             return self.cut_short >= self.CUT_SHORT_REPEATS
         return bool(event & (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL))
+
+
+def watch_refusal(sock: zmq.Socket, endpoint: str, curve: Curve, refused: Callable[[str], None]) -> None:
+    """On ``sock``, a client of tcp ``endpoint``: log the server's final refusal of its handshakes (see
+    :class:`ClientHandshakes`) once, saying why, and call ``refused(what a caller is told)`` on the
+    monitor's thread. ZeroMQ retries none of them: every later send would wait for nothing."""
+    if not is_tcp(endpoint):
+        return
+    handshakes = ClientHandshakes()
+    fields = dict(structlog.contextvars.get_contextvars())
+
+    def on_event(event: zmq.Event, _value: int) -> None:
+        if handshakes.refused(event):
+            log.error("curve.refused_by_server", **fields, endpoint=endpoint,
+                      reason=refused_by_server(event, endpoint, curve))
+            refused(f"{endpoint} refused this host's CURVE handshake (its keys): see this host's log, "
+                    "curve.refused_by_server")
+
+    socket_events.watch(sock, ClientHandshakes.EVENTS, on_event)
 
 
 def refused_by_server(event: int, endpoint: str, curve: Curve) -> str:

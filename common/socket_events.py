@@ -1,13 +1,15 @@
 """A socket's connection events for several watchers at once: ZeroMQ gives a socket one monitor (a
 second replaces the first), so each monitored socket gets one, read on a thread of its own, and
 every watcher is called there with the events it asked for (the scheduler's dropped workers, and
-common.curve's refused handshakes on the same socket)."""
+common.curve's refused handshakes on the same socket; a client's refusal by its server, and the gateway's
+dropped connection to the scheduler)."""
 
 from __future__ import annotations
 
 import itertools
 import os
 import threading
+import weakref
 from collections.abc import Callable
 
 import structlog
@@ -18,10 +20,11 @@ log = structlog.get_logger()
 
 Watcher = Callable[[zmq.Event, int], None]  # (event, its value)
 MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-             | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+             | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
 
 _lock = threading.Lock()
-_watchers: dict[int, list[tuple[int, Watcher]]] = {}  # by the underlying socket
+# by the socket object: a closed socket's address may be a new socket's, which needs a monitor of its own
+_watchers: weakref.WeakKeyDictionary[zmq.Socket, list[tuple[int, Watcher]]] = weakref.WeakKeyDictionary()
 _numbers = itertools.count(1)
 
 
@@ -31,10 +34,10 @@ def watch(sock: zmq.Socket, events: int, watcher: Watcher) -> None:
     own thread, e.g. ``loop.call_soon_threadsafe``)."""
     assert events & ~MONITORED == 0, "ask for MONITORED events only"
     with _lock:
-        if sock.underlying in _watchers:
-            _watchers[sock.underlying].append((events, watcher))
+        if sock in _watchers:
+            _watchers[sock].append((events, watcher))
             return
-        watchers = _watchers[sock.underlying] = [(events, watcher)]
+        watchers = _watchers[sock] = [(events, watcher)]
         address = f"inproc://tiller-monitor-{os.getpid()}-{next(_numbers)}"
         sock.monitor(address, MONITORED)
     context = zmq.Context.shadow(sock.context.underlying)  # a plain context: the thread reads synchronously

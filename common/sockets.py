@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from common import wire
 from common.config import Curve
-from common.curve import client_side, server_side
+from common.curve import client_side, server_side, watch_refusal
 from common.errors import WireError
 
 log = structlog.get_logger()
@@ -33,7 +33,8 @@ _EVENTS, _POLLIN, _POLLOUT, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq
 
 
 class PeerLost(Exception):
-    """A request's peer died or restarted before it replied (:meth:`Dealer.abandon`)."""
+    """A request's peer died or restarted before it replied (:meth:`Dealer.abandon`), or refused this
+    socket's CURVE handshake (:attr:`Dealer.refusal`)."""
 
 
 def ensure_ipc_dir(endpoint: str) -> None:
@@ -268,15 +269,25 @@ class Dealer:
         self.sock.setsockopt(zmq.IMMEDIATE, int(immediate))
         if identity is not None:
             self.sock.setsockopt(zmq.IDENTITY, identity)
-        connect(self.sock, endpoint, curve or Curve())
         self._on_message = on_message
         self._pending: dict[int, asyncio.Future[tuple[wire.Message, list[bytes]]]] = {}
         self._mids = itertools.count(1)
         self._reader: LoopReader | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.refusal: str | None = None  # why the server refused this socket's handshakes for good
+        watch_refusal(self.sock, endpoint, curve or Curve(), self._refused)  # before connecting: no event missed
+        connect(self.sock, endpoint, curve or Curve())
 
     def start(self) -> None:
         if self._reader is None:
+            self._loop = asyncio.get_running_loop()
             self._reader = LoopReader(self.sock, self._on_frames)
+
+    def _refused(self, reason: str) -> None:
+        """(On the monitor's thread.) Every request fails from now on, the waiting ones at once."""
+        self.refusal = reason
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.abandon, reason)
 
     def _on_frames(self, parts: list[bytes]) -> None:
         try:
@@ -305,11 +316,15 @@ class Dealer:
         await self._reader.send([wire.encode(msg), *binary], copy_flag(binary))
 
     async def request(self, msg: wire.Msg, binary: Frames = (), *, timeout: float = 10.0) -> tuple[wire.Message, list[bytes]]:
-        """Send ``msg`` with a fresh ``mid`` and wait for the reply carrying it."""
+        """Send ``msg`` with a fresh ``mid`` and wait for the reply carrying it; :class:`PeerLost` at once
+        where the server refused this socket's keys."""
         self.start()
         msg.mid = next(self._mids)
         future: asyncio.Future[tuple[wire.Message, list[bytes]]] = asyncio.get_running_loop().create_future()
         self._pending[msg.mid] = future
+        if self.refusal is not None:  # (a refusal after this line abandons the future)
+            self._pending.pop(msg.mid)
+            raise PeerLost(self.refusal)
         sending = asyncio.ensure_future(self.send(msg, binary))
         try:
             async with asyncio.timeout(timeout):  # the send too: it waits while the peer's queue is full

@@ -19,9 +19,8 @@ from typing import Any
 import structlog
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
 
-from common import wire
+from common import socket_events, wire
 from common.config import Settings
 from common.errors import ERROR_TRAITS, INTERNAL_ERROR, SERVICE_UNAVAILABLE, TillerError
 from common.event_text import EventTexts
@@ -76,13 +75,15 @@ class SchedulerClient:
         self._health_at = 0.0
         self._health_refreshing = False
         self._background: set[asyncio.Task[None]] = set()
-        self._monitor: zmq.asyncio.Socket | None = None  # the dealer's disconnect events, once started
 
     def start(self) -> None:
         self._dealer.start()
-        self._monitor = self._dealer.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        for loop in (self._heartbeat(), self._judge(), self._watch_disconnects()):
-            self._spawn(loop)
+        loop = asyncio.get_running_loop()
+        # a dropped connection to the scheduler (it died, or the network dropped) is checked at once
+        socket_events.watch(self._dealer.sock, zmq.EVENT_DISCONNECTED,
+                            lambda _event, _value: loop.call_soon_threadsafe(self._disconnected))
+        for background in (self._heartbeat(), self._judge()):
+            self._spawn(background)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -111,12 +112,9 @@ class SchedulerClient:
             await asyncio.sleep(WATCH_TICK_S)
             self._lost(self._watch.check(time.monotonic(), busy=bool(self._streams)))
 
-    async def _watch_disconnects(self) -> None:
-        """A dropped connection to the scheduler (it died, or the network dropped) is checked at once."""
-        while True:
-            await recv_monitor_message(self._monitor)
-            self._watch.disconnected(time.monotonic())
-            self._spawn(self._beat())
+    def _disconnected(self) -> None:
+        self._watch.disconnected(time.monotonic())
+        self._spawn(self._beat())
 
     def _lost(self, reason: str | None) -> None:
         """The scheduler lost the requests it had: each live one ends now with a retryable error."""
@@ -137,9 +135,6 @@ class SchedulerClient:
         run only once the loop turns again)."""
         for task in self._background:
             task.cancel()
-        if self._monitor is not None:
-            self._dealer.sock.disable_monitor()
-            self._monitor.close(0)
         self._dealer.close()
 
     def _on_message(self, msg: wire.Message, _binary: list[bytes]) -> None:

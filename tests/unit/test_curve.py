@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from common import cli_ops, wire
 from common.config import Curve, Settings, Tls
 from common.curve import ClientHandshakes, CurveError, RefusalLog, keys_of, make_key_pair
-from common.sockets import Dealer, Router, owner_only_dir
+from common.sockets import Dealer, PeerLost, Router, owner_only_dir
 from common.startup_checks import check_security
 from tests.stack import free_port
 
@@ -123,13 +123,17 @@ def test_tiller_up_warns_on_plaintext_tcp_and_refuses_bad_keys_or_certificates(p
     assert "tls: cannot serve" in check_security(Settings(run_dir=run_dir, tls=tls)).refusal
 
 
-async def _answered(endpoint: str, curve: Curve | None) -> bool:
+async def _answered(endpoint: str, curve: Curve | None) -> bool | str:
+    """True: answered; else what the Dealer's request raised, which names the refusal (never a timeout)."""
     dealer = Dealer(zmq.asyncio.Context.instance(), endpoint, curve=curve)
     try:
-        await dealer.request(wire.Health(), timeout=1.0)
+        await dealer.request(wire.Health(), timeout=10.0)
         return True
-    except TimeoutError:
-        return False
+    except PeerLost as exc:
+        assert dealer.refusal == str(exc)
+        with pytest.raises(PeerLost):  # at once from now on
+            await dealer.request(wire.Health(), timeout=10.0)
+        return str(exc)
     finally:
         dealer.close()
 
@@ -150,14 +154,19 @@ async def test_a_curve_server_answers_listed_keys_only_and_logs_each_refused_pee
         with structlog.testing.capture_logs() as logs:
             assert await _answered(endpoint, Curve(secret_key=pairs["worker"][1], server_key=hub_public))
             assert await _answered(endpoint, Curve(secret_key=hub_secret))  # the hub's own processes
-            assert not await _answered(endpoint, Curve(secret_key=pairs["stranger"][1], server_key=hub_public))
-            assert not await _answered(endpoint, None)  # no key at all
+            refusal = f"{endpoint} refused this host's CURVE handshake"
+            assert refusal in await _answered(endpoint, Curve(secret_key=pairs["stranger"][1], server_key=hub_public))
+            assert refusal in await _answered(endpoint, None)  # no key at all
             # a key for another server: the hub cannot read its hello
-            assert not await _answered(endpoint, Curve(secret_key=pairs["worker"][1], server_key=pairs["stranger"][0]))
+            assert refusal in await _answered(endpoint, Curve(secret_key=pairs["worker"][1],
+                                                              server_key=pairs["stranger"][0]))
             # listed now, it is let in without a restart
             (tmp_path / "authorized" / "stranger.key").write_bytes(pairs["stranger"][0].read_bytes())
             assert await _answered(endpoint, Curve(secret_key=pairs["stranger"][1], server_key=hub_public))
             time.sleep(0.2)  # the monitor thread's last line
+        told = [e["reason"] for e in logs if e["event"] == "curve.refused_by_server"]  # each client logs why
+        assert len(told) == 3 and "refused this host's key" in told[0] and "has no CURVE key" in told[1], told
+        assert "this host has a CURVE key" in told[2], told
         refused = [entry for entry in logs if entry["event"] == "curve.refused"]
         stranger = zmq.auth.load_certificate(pairs["stranger"][0])[0].decode()
         assert any(e.get("key") == stranger and e.get("address") == "127.0.0.1" and e["reason"] == "Unknown key"
