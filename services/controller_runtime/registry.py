@@ -72,7 +72,8 @@ def visible(entry: dict, who: Principal) -> bool:
 
 def check_tag(tag: object, user: str, is_admin: bool) -> str:
     """AICI's tag rules: starts with a letter, [A-Za-z0-9_.-], at most 50 chars, not hex-looking
-    (longer than 20 hex digits) so it cannot be taken for a module id; non-admins only '<user>.'."""
+    (longer than 20 hex digits) so it cannot be taken for a module id; non-admins only '<user>.<name>', the
+    name without dots."""
     if not isinstance(tag, str) or not tag:
         raise RegistryError("a tag must be a non-empty string")
     if len(tag) > MAX_TAG_LEN:
@@ -81,8 +82,10 @@ def check_tag(tag: object, user: str, is_admin: bool) -> str:
         raise RegistryError(f"tag {tag!r} must start with a letter and use only letters, digits, '_', '.', '-'")
     if len(tag) > 20 and _HEX.fullmatch(tag):
         raise RegistryError(f"tag {tag!r} looks like a module id")
-    if not is_admin and not tag.startswith(f"{user}."):
-        raise RegistryError(f"tag {tag!r} must start with {user + '.'!r} (only admins may set other tags)")
+    # one dot after the user's name: a user named 'a' cannot take (nor learn of) user 'a.b''s tag 'a.b.x'
+    if not is_admin and not (tag.startswith(f"{user}.") and "." not in tag[len(user) + 1:]):
+        raise RegistryError(f"tag {tag!r} must start with {user + '.'!r} and have no other dot (only admins may "
+                            "set other tags)")
     return tag
 
 
@@ -97,6 +100,7 @@ class ModuleRegistry:
         self._tags: dict[str, dict] = json.loads(self._tags_path.read_text()) if self._tags_path.exists() else {}
         self._loaded: dict[str, WasmModule] = {}
         self._lock = threading.Lock()  # mk_module/instantiate run in worker threads
+        self._uploading: dict[tuple[str, str], int] = {}  # (user, module id) -> bytes, counted by the quotas
 
     def _artifact(self, module_id: str) -> Path:
         return self.root / "compiled" / f"{module_id}.{self.engine.cache_key}.bin"
@@ -114,11 +118,19 @@ class ModuleRegistry:
                                 f"{self.engine.settings.max_module_bytes}")
         module_id = hashlib.sha256(wasm).hexdigest()
         start = time.perf_counter()
-        if self.exists(module_id) and user in _uploaders(self._meta(module_id)):
-            new = False
-        else:
-            self._check_quotas(user, len(wasm))
-            new = True
+        with self._lock:  # checked and reserved at once: two uploads at a time cannot both take the last slot
+            new = not (self.exists(module_id) and user in _uploaders(self._meta(module_id)))
+            if new:
+                self._check_quotas(user, module_id, len(wasm))
+                self._uploading[(user, module_id)] = len(wasm)
+        try:
+            return self._store(wasm, module_id, user, start)
+        finally:
+            with self._lock:
+                self._uploading.pop((user, module_id), None)
+
+    def _store(self, wasm: bytes, module_id: str, user: str, start: float) -> dict:
+        compiled_size = None
         if not (self.exists(module_id) and self._artifact(module_id).exists()):
             try:
                 compiled = self.engine.compile(wasm)
@@ -126,30 +138,35 @@ class ModuleRegistry:
             except ControllerError as exc:
                 raise RegistryError(str(exc)) from exc
             artifact = compiled.serialize()
-            with self._lock:
+            compiled_size = len(artifact)
+        with self._lock:  # the module, its artifact and its meta change together (the same module may be uploading twice)
+            meta_path = self.root / "meta" / f"{module_id}.json"
+            meta = json.loads(meta_path.read_text()) if meta_path.exists() else {
+                "created": int(time.time()), "created_by": user, "wasm_size": len(wasm), "uploaded_by": []}
+            if compiled_size is not None:
                 _write_atomic(self.root / "wasm" / f"{module_id}.wasm", wasm)
                 _write_atomic(self._artifact(module_id), artifact)
-                meta = {"created": int(time.time()), "created_by": user, "wasm_size": len(wasm),
-                        "compiled_size": len(artifact), "uploaded_by": [user]}
-                _write_atomic(self.root / "meta" / f"{module_id}.json", json.dumps(meta).encode())
                 self._loaded[module_id] = prepared
-        meta = self._meta(module_id)
-        if new and user not in _uploaders(meta):  # a module someone else uploaded first
-            with self._lock:
-                meta["uploaded_by"] = [*_uploaders(meta), user]
-                _write_atomic(self.root / "meta" / f"{module_id}.json", json.dumps(meta).encode())
+                meta["compiled_size"] = compiled_size
+            if compiled_size is not None or user not in _uploaders(meta):
+                meta["uploaded_by"] = [*_uploaders(meta), *([] if user in _uploaders(meta) else [user])]
+                _write_atomic(meta_path, json.dumps(meta).encode())
         return {"module_id": module_id, "wasm_size": meta["wasm_size"], "compiled_size": meta["compiled_size"],
                 "time": round((time.perf_counter() - start) * 1000)}
 
-    def _check_quotas(self, user: str, size: int) -> None:
-        """Whether ``user`` may upload one more module of ``size`` bytes; QuotaExceeded if not."""
+    def _check_quotas(self, user: str, module_id: str, size: int) -> None:
+        """Whether ``user`` may upload one more module (``module_id``, ``size`` bytes), counting the ones
+        they have and the ones they are uploading now; QuotaExceeded if not. Under the lock."""
         limits = self.limits
         if not (limits.max_modules_per_user or limits.max_module_bytes_per_user):
             return  # (no limit: no walk over every module's meta)
-        theirs = [meta for meta in map(self._meta, self._module_ids()) if user in _uploaders(meta)]
+        theirs = {mid: meta["wasm_size"] for mid, meta in ((mid, self._meta(mid)) for mid in self._module_ids())
+                  if user in _uploaders(meta)}
+        theirs.update({mid: size for (who, mid), size in self._uploading.items() if who == user})
+        theirs.pop(module_id, None)  # (the same module uploading twice at once counts once)
         quotas.check("max_modules_per_user", limits.max_modules_per_user, user, len(theirs), 1, "controller modules")
         quotas.check("max_module_bytes_per_user", limits.max_module_bytes_per_user, user,
-                     sum(meta["wasm_size"] for meta in theirs), size, "bytes of controller modules")
+                     sum(theirs.values()), size, "bytes of controller modules")
 
     def _module_ids(self) -> list[str]:
         return [path.stem for path in (self.root / "meta").glob("*.json")]

@@ -79,3 +79,49 @@ def test_a_users_modules_and_their_bytes_are_capped(tmp_path, engine):
     with pytest.raises(QuotaExceeded, match="tenants.max_module_bytes_per_user"):
         bytes_only = ModuleRegistry(tmp_path / "modules", engine, Tenants(max_module_bytes_per_user=len(small)))
         bytes_only.create(other, "bob")
+
+
+def test_a_user_whose_name_begins_another_users_neither_takes_nor_learns_of_their_tags(registry: ModuleRegistry):
+    module_id = registry.create(controller(), "a.b")["module_id"]
+    registry.set_tags(module_id, ["a.b.x"], Principal(user="a.b"))
+    refusals = []
+    for tag in ("a.b.x", "a.b.never"):  # set, and never set: told the same
+        with pytest.raises(RegistryError) as refused:
+            registry.set_tags(module_id, [tag], Principal(user="a"))
+        refusals.append(str(refused.value).replace(tag, "TAG"))
+    assert refusals[0] == refusals[1] and "no other dot" in refusals[0]
+    registry.set_tags(module_id, ["a.mine"], Principal(user="a"))
+
+
+def test_uploads_at_once_cannot_pass_the_quota_together(tmp_path, engine):
+    """Each upload compiles in a worker thread: the quota is checked and reserved in one step."""
+    import threading
+
+    limits = Tenants(max_modules_per_user=2)
+    registry = ModuleRegistry(tmp_path / "modules", engine, limits)
+    modules = [controller(pages=p) for p in (2, 3, 4, 5, 6)]
+    outcomes: list[str] = []
+    start = threading.Barrier(len(modules))
+
+    def upload(wasm: bytes) -> None:
+        start.wait()
+        try:
+            registry.create(wasm, "alice")
+            outcomes.append("stored")
+        except QuotaExceeded:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=upload, args=(m,)) for m in modules]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["refused"] * 3 + ["stored"] * 2, outcomes
+    same = controller(pages=7)  # one module uploading twice at once counts once
+    both = [threading.Thread(target=registry.create, args=(same, "bob")) for _ in range(2)]
+    for t in both:
+        t.start()
+    for t in both:
+        t.join()
+    assert json.loads((tmp_path / "modules" / "meta" / f"{registry.create(same, 'bob')['module_id']}.json")
+                      .read_text())["uploaded_by"] == ["bob"]
