@@ -27,6 +27,10 @@ class Limits(BaseModel):
     """Admission, batching and input-size limits."""
 
     max_batch_size: int = Field(64, ge=1, description="sequences in one worker step")
+    adaptive_batch: bool = Field(True, description="admit to each worker no more sequences than the batch past which "
+                                 "its measured decode throughput stops growing (5% per doubling), max_batch_size "
+                                 "staying the ceiling: a saturated CPU runs 64 sequences no faster than 16, only "
+                                 "slower each (services/scheduler/batch_ceiling.py)")
     max_queued: int = Field(4096, ge=0, description="requests waiting for admission before memory_pressure (load "
                             "tools made for vLLM, which queues without a bound, send a thousand requests at once)")
     max_model_len: int = Field(2048, ge=16, description="context cap (clamped to the model's own)")

@@ -55,6 +55,7 @@ from common.errors import (
 )
 from common.textstream import TextStream, ends_with_flush
 from services.scheduler.batch import WorkerBatch
+from services.scheduler.batch_ceiling import BatchCeiling
 from services.scheduler.controlled import Branch, ControlledSteps, MainReply, Plan
 from services.scheduler.requests import LiveRequest, State, stop_tokens, token_limit
 from services.scheduler.sessions import WAIT, Placement, SessionKV
@@ -453,8 +454,8 @@ class SchedulerCore:
             return None
         if isinstance(reused, Placement):
             return reused
-        while True:  # limits.max_batch_size is per worker: a full worker takes no new sequence
-            roomy = [w for w in self.pool.ready() if w.running < self.limits.max_batch_size]
+        while True:  # the batch limit is per worker: a full worker takes no new sequence
+            roomy = [w for w in self.pool.ready() if w.running < self._batch_limit(w)]
             if not roomy:
                 return None
             identity = self.place(request, roomy)
@@ -462,6 +463,11 @@ class SchedulerCore:
                 return Placement(worker=self.pool.workers[identity])
             if not self.sessions.evict_lru():
                 return None
+
+    def _batch_limit(self, worker: WorkerInfo) -> int:
+        """How many sequences ``worker`` may run: ``limits.max_batch_size``, or less where its decode
+        throughput stopped growing below that (``limits.adaptive_batch``, :mod:`.batch_ceiling`)."""
+        return worker.batch.ceiling if worker.batch is not None else self.limits.max_batch_size
 
     def plan_controlled(self) -> tuple[Plan, aici_wire.PostPreProcess | None]:
         """The controlled part of the next step; send the request (when there is one) and pass its
@@ -600,6 +606,16 @@ class SchedulerCore:
         return (request.last_sample and len(request.generated) + request.in_flight < request.limit
                 and not request.readout_positions)
 
+    def _observe_batch(self, dispatch: Dispatch, slots: int, forward_ms: float) -> None:
+        """A decode-only step's time, for its worker's batch ceiling (a step with a prompt chunk says nothing
+        about the decode batch)."""
+        if any(len(seq.tokens) > 1 for seq in dispatch.step.seqs):
+            return
+        info = dispatch.info
+        if info.batch is None:
+            info.batch = BatchCeiling(self.limits.max_batch_size)
+        info.batch.observe(slots, forward_ms)
+
     def _unfollow(self, request: LiveRequest) -> None:
         """``request``'s next step is built on its own again (it changed, or paused)."""
         if request.follower:
@@ -630,6 +646,8 @@ class SchedulerCore:
                 self.worker_lost(dispatch.worker, f"its step result does not fit the step: {exc}")
             return
         top = result.top
+        if self.limits.adaptive_batch:
+            self._observe_batch(dispatch, slots, result.forward_ms)
 
         def sampled(slot: int) -> wire.SampledToken:  # a slot's token as events carry it (made only for those)
             return wire.SampledToken(tokens[slot], logprobs[slot], top.get(slot) or [])

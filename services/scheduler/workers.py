@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common import wire
+from services.scheduler.batch_ceiling import BatchCeiling
 
 if TYPE_CHECKING:
     from services.scheduler.requests import LiveRequest
@@ -29,6 +30,7 @@ class WorkerInfo:
     kv_cached_tokens: int = 0  # likewise: blocks that only hold reusable prefixes
     fresh: bool = True  # no step sent yet: the first one drops whatever the worker holds (Step.free_all)
     running: int = 0  # sequences admitted to it
+    batch: BatchCeiling | None = None  # where its decode throughput stops growing (limits.adaptive_batch)
     steps_out: int = 0  # steps sent to it whose results are not applied yet
 
     @property

@@ -1,7 +1,10 @@
 """Admission: refusals, the KV budget, the batch limit, priority order and placement."""
 
+import pytest
+
 from common import wire
 from common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, MEMORY_PRESSURE, MODEL_LOADING_ERROR, RATE_LIMITED
+from services.scheduler.batch_ceiling import MIN_STEPS
 from services.scheduler.requests import State
 from tests.scheduler.harness import Harness, prompt, seqs_of
 
@@ -199,3 +202,34 @@ def test_a_user_at_their_generations_quota_is_refused_and_others_are_not():
     assert isinstance(h.submit("n1", prompt(3), 2), wire.Queued)  # no tenant named: not counted
     h.run({"a1": [1, 2]})  # one of alice's ends: she may start another
     assert isinstance(h.submit("a3", prompt(3), 2, tenant="alice"), wire.Queued)
+
+
+def _decode_steps(h: Harness, steps: int) -> None:
+    """``steps`` cycles whose forward time grows as the rows (a saturated CPU: no batch runs faster)."""
+    for _ in range(steps):
+        for dispatch in h.build():
+            rows = len(dispatch.followers) + len(dispatch.batch)
+            result = h.result(dispatch, forward_ms=10.0 * rows)
+            h.core.step_done(dispatch.worker, result)
+            h.core.apply(dispatch, result)
+        h.core.end_step()
+        h.core.emit_deferred()
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_admission_stops_at_the_batch_past_which_a_worker_runs_no_faster(adaptive):
+    h = Harness(max_batch_size=9, adaptive_batch=adaptive)
+    h.worker()
+    for rid in ("a1", "a2", "a3", "a4"):
+        h.submit(rid, prompt(3), 100)
+    _decode_steps(h, MIN_STEPS + 1)  # the first step feeds the prompts: only decode steps count
+    for rid in ("b1", "b2", "b3", "b4"):
+        h.submit(rid, prompt(3), 100)
+    _decode_steps(h, MIN_STEPS + 1)  # 8 rows cost twice 4 rows: twice the batch, no more tokens a second
+    h.submit("late", prompt(3), 100)
+    h.build()
+    late = h.core.requests["late"].state
+    if adaptive:
+        assert h.core.pool.workers[b"w1"].batch.ceiling == 4 and late is State.QUEUED  # 8 run, 4 would do
+    else:
+        assert h.core.pool.workers[b"w1"].batch is None and late is State.RUNNING  # max_batch_size 9 only
