@@ -70,9 +70,9 @@ def check_dimensions(dimensions: int | None, hidden_size: int) -> None:
 def input_refusal(refused: Refused, inputs: int) -> ErrorMsg:
     """A refusal of one input as the client sees it: a prompt too long for the context names the input."""
     error = refused.error
-    if error.param == "prompt":
+    if error.param == "prompt":  # the driver's name for it (a token id outside the vocabulary, a prompt too long)
         where = f"input {refused.index}" if inputs > 1 else "input"
-        error = dataclasses.replace(error, param="input", message=f"{where}: {error.message}")
+        error = dataclasses.replace(error, param="input", message=f"{where}: {error.message.removeprefix('prompt: ')}")
     return error
 
 
