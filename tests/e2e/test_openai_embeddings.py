@@ -1,6 +1,7 @@
 """``POST /v1/embeddings`` through the official ``openai`` client, on the real stack: each vector is the pooled
 final hidden state (after the final norm) transformers computes on the same weights, in either encoding, for
-every input form; bad requests get a specific 400 in OpenAI's error shape."""
+every input form, by the last token (the default, normalized) and by the mean over prefill chunks (a stack of
+its own, unnormalized); bad requests get a specific 400 in OpenAI's error shape."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import openai
 import pytest
 import torch
 
+from common.model_source import load_tokenizer
+from tests.stack import Stack, start_stack
+
 TEXTS = ["The capital of France is Paris.", "def add(a, b):\n    return a + b", "A cat sat on the mat, purring."]
 
 
@@ -20,17 +24,32 @@ def client(stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def expected(stack, hf_model) -> list[np.ndarray]:
-    """transformers' pooled vectors of TEXTS, pooled and normalized as the stack's settings say."""
+def pooled(stack, hf_model, texts: list[str]) -> list[np.ndarray]:
+    """transformers' vectors of ``texts``: the final hidden states (after the final norm) pooled and normalized
+    as the stack's settings say."""
     settings = stack.settings.embeddings
     out = []
-    for text in TEXTS:
+    for text in texts:
         with torch.inference_mode():
             states = hf_model.model(torch.tensor([stack.tokenizer(text).input_ids])).last_hidden_state[0].double()
         vector = states[-1] if settings.pooling == "last" else states.mean(0)
         out.append((vector / vector.norm() if settings.normalize else vector).numpy())
     return out
+
+
+@pytest.fixture(scope="module")
+def expected(stack, hf_model) -> list[np.ndarray]:
+    return pooled(stack, hf_model, TEXTS)
+
+
+@pytest.fixture(scope="module")
+def mean_stack(tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    """A stack pooling by the mean, unnormalized, its prompts fed in chunks of 16 tokens."""
+    started = start_stack(tmp_path_factory.mktemp("mean"), TILLER_EMBEDDINGS__POOLING="mean",
+                          TILLER_EMBEDDINGS__NORMALIZE="false", TILLER_LIMITS__PREFILL_CHUNK_TOKENS="16")
+    started.tokenizer = load_tokenizer(started.settings)
+    yield started
+    started.down()
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -109,3 +128,12 @@ def test_too_long_and_unknown_model_through_the_client(stack, client):
     assert f"context of {limit} tokens cannot hold it" in caught.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="text-embedding-3-small", input="x")
+
+
+def test_mean_pooling_across_prefill_chunks_unnormalized(mean_stack, hf_model):
+    texts = [TEXTS[1], " ".join(TEXTS * 2)]  # one chunk; four (about 60 tokens)
+    client = openai.OpenAI(base_url=f"{mean_stack.http_url}/v1", api_key="unused", max_retries=0)
+    reply = client.embeddings.create(model=mean_stack.settings.served_model_name, input=texts)
+    for got, want in zip(reply.data, pooled(mean_stack, hf_model, texts), strict=True):
+        assert cosine(got.embedding, want) >= 0.9999
+        assert np.linalg.norm(got.embedding) == pytest.approx(np.linalg.norm(want), rel=1e-3)
