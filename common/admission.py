@@ -4,7 +4,8 @@ The scheduler applies it to every ``Submit`` at admission (it knows the model's 
 applies the same function with the scheduler's ``ModelFacts`` to answer early and to fill in the
 default. Nothing is ever cut silently:
 
-- the prompt must leave room for one generated token (none when ``max_tokens`` is 0: prefill only);
+- the prompt must leave room for one generated token (none when ``max_tokens`` is 0: prefill only, as scoring and
+  embeddings are);
 - an explicit ``max_tokens`` must fit beside the prompt, else ``context_length_exceeded`` naming the
   context, the prompt's tokens and what would fit;
 - without one, the default is capped by the room left (vLLM's behaviour).
@@ -34,10 +35,10 @@ def context_budget(prompt_tokens: int, max_tokens: int | None, max_model_len: in
     ``max_model_len`` is (the scheduler also holds a request to a worker's whole KV pool)."""
     room = max_model_len - prompt_tokens
     if room < (0 if max_tokens == 0 else 1):
+        too_long = "cannot hold it" if max_tokens == 0 else "leaves no room to generate"
         raise ContextLengthExceeded(
             CONTEXT_LENGTH_EXCEEDED,
-            f"the prompt has {prompt_tokens} tokens; {what} of {max_model_len} tokens "
-            "leaves no room to generate",
+            f"the prompt has {prompt_tokens} tokens; {what} of {max_model_len} tokens {too_long}",
             param="prompt",
         )
     if max_tokens is None:

@@ -127,6 +127,20 @@ class Sessions(BaseModel):
     )
 
 
+class Embeddings(BaseModel):
+    """OpenAI's ``POST /v1/embeddings`` on the served model (see docs/openai-tools.md, 'Embeddings')."""
+
+    pooling: Literal["last", "mean"] = Field(
+        "last", description="how a prompt's final hidden states (after the final norm) become one vector: 'last' the "
+        "last token's (in a causal model the one position that has read the whole input; what decoder embedding "
+        "models such as e5-mistral use, and vLLM's default for them), 'mean' the average over every token",
+    )
+    normalize: bool = Field(True, description="scale each vector to length 1, as OpenAI's are (cosine similarity "
+                            "is then a dot product)")
+    max_inputs: int = Field(2048, ge=1, description="inputs one request may embed (OpenAI's limit); each runs as a "
+                            "prefill-only request through the scheduler")
+
+
 class Evergreen(BaseModel):
     """Limits and external-ref policy of the Evergreen gRPC service."""
 
@@ -374,6 +388,7 @@ class Settings(BaseSettings):
     evergreen: Evergreen = Field(default_factory=Evergreen)
     images: Images = Field(default_factory=Images)
     sessions: Sessions = Field(default_factory=Sessions)
+    embeddings: Embeddings = Field(default_factory=Embeddings)
     controllers: Controllers = Field(default_factory=Controllers)
     api_auth: ApiAuth = Field(default_factory=ApiAuth)
     tenants: Tenants = Field(default_factory=Tenants)

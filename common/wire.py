@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
@@ -255,11 +255,13 @@ class OutputRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     and generated ones on their ``SampledToken``; ``top_logprobs`` alternatives each. ``readout_ranges``:
     positions whose concept readout is reported; a generated token's comes once a step feeds it (the step
     after its sampling), as a ``TokenEvent.prompt_outputs`` entry past the prompt; the last generated
-    token is never fed, so its readout is not reported."""
+    token is never fed, so its readout is not reported. ``pooling`` (a prefill-only request's, max_tokens 0):
+    the prompt's embedding, its final hidden states pooled (common.pooling), on its last ``TokenEvent``."""
 
     logprob_ranges: list[PositionSpan] = []
     top_logprobs: int = 0
     readout_ranges: list[PositionSpan] = []
+    pooling: Literal["", "last", "mean"] = ""  # "": none
 
 
 class SessionRef(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -408,6 +410,7 @@ class TokenEvent(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     ff_tokens: int = 0  # tokens the controller fast-forwarded this step
     prompt_outputs: list[PositionOutput] = []  # Submit.outputs at prompt positions (and generated ones' readouts), in position order
     cached_tokens: int = 0  # on the last event: prompt tokens whose KV was reused, not computed
+    embedding: bytes = b""  # on the last event, with Submit.outputs.pooling: float32 [hidden], little-endian
 
 
 class Events(Msg, tag="events", gc=False):
@@ -496,10 +499,12 @@ class SeqStep(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     images: list[ImageInput] = []
     # Per-position outputs (positions fed in this step; never taken from the prefix cache):
     # ``scores``: the logprob of ``target`` under the logits after ``position``, with
-    # ``top_logprobs`` alternatives; ``readouts``: the concept readout of the hidden states at each position.
+    # ``top_logprobs`` alternatives; ``readouts``: the concept readout of the hidden states at each position;
+    # ``pool``: the final hidden states (after the final norm) at these positions, summed (StepResult.pooled).
     scores: list[ScoreQuery] = []
     top_logprobs: int = 0
     readouts: list[int] = []
+    pool: list[int] = []
     # Read on the step that creates the sequence (a fork is in its parent's domain; sent with ``sampling``):
     # its cache domain (Submit.cache_domain), the seed of its blocks' hash chain (common.blocks.domain_root).
     cache_domain: str = ""
@@ -567,6 +572,7 @@ class StepResult(Msg, tag="step_result", gc=False):
     cached_tokens: dict[int, int] = {}  # seq_id -> fed tokens whose KV came from the prefix cache
     scores: dict[int, list[ScoreResult]] = {}  # seq_id -> answers to its SeqStep.scores
     readouts: dict[int, list[ReadoutResult]] = {}  # seq_id -> answers to its SeqStep.readouts
+    pooled: dict[int, bytes] = {}  # seq_id -> the sum of its SeqStep.pool positions' states, float32 little-endian
     # the worker's KV pool after the step (-1: not reported): tokens of empty blocks, and of blocks that
     # only hold reusable prefixes (allocations take them when empty ones run out); the rest is in use
     kv_free_tokens: int = -1
@@ -671,7 +677,7 @@ assert array("q").itemsize == 8 and array("i").itemsize == 4 and array("f").item
 # The scheduler-worker protocol's version: bump it with any change to the messages between them (Step, StepResult,
 # StepMasks, WorkerHello ...) that a peer running older code would misread. A worker names it in every hello; the
 # scheduler places work only on workers of its own version (another one is shown as a failed worker, with why).
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 
 
 class WorkerHello(Msg, tag="worker_hello"):

@@ -102,6 +102,7 @@ class Generation:
         # with request.prompt_logprobs: per prompt position, its token and alternatives, as the
         # scheduler reports them (before the first generated token)
         self.prompt_entries: list[list[LogprobEntry]] = []
+        self.embedding = b""  # with request.pooling: the pooled vector (common.pooling.vector_bytes), once finished
 
     @property
     def initialized(self) -> bool:
@@ -309,6 +310,7 @@ class Generation:
         self._tokens += len(event.tokens)
         if event.finish_reason is not None:
             self._final = event
+            self.embedding = event.embedding
         if not self._filtered and event.text and self._admission.screens_out(self._text + event.text):
             self._filtered = True
             if event.finish_reason is None:
@@ -383,7 +385,9 @@ class Generation:
 
     def _prompt_scoring(self, prompt_ids: list[int]) -> wire.OutputRequest | None:
         """What the scheduler reports of the prompt's positions: every token's logprob but the first's
-        (nothing comes before it), when the request asks for prompt logprobs."""
+        (nothing comes before it), when the request asks for prompt logprobs; its embedding, when it asks one."""
+        if self.request.pooling is not None:
+            return wire.OutputRequest(pooling=self.request.pooling)
         if not self.request.prompt_logprobs:
             return None
         first = prompt_ids[0]

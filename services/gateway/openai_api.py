@@ -16,7 +16,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -110,20 +110,25 @@ def error_response(error: ErrorMsg) -> JSONResponse:
     return JSONResponse(_error_body(error), status_code=error.http_status, headers=headers)
 
 
-def _prompts(value: Any) -> list[str | list[int]]:
-    """OpenAI's prompt forms: one text, one list of token ids, or a batch (a list) of either."""
-    if isinstance(value, str) or (isinstance(value, list) and value and all(_is_token_id(t) for t in value)):
-        value = [value]
-    if not isinstance(value, list) or not value:
-        raise ValueError("must be a non-empty string, a non-empty list of token ids, or a list of those")
-    for i, prompt in enumerate(value):
-        if isinstance(prompt, str) and prompt:
-            continue
-        if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
-            continue
-        where = f"prompt {i}" if len(value) > 1 else "the prompt"
-        raise ValueError(f"{where} must be a non-empty string or a non-empty list of token ids")
-    return value
+def prompt_forms(noun: str) -> Callable[[Any], list[str | list[int]]]:
+    """A validator of OpenAI's prompt forms (a completion's ``prompt``, an embedding's ``input``): one text,
+    one list of token ids, or a batch (a list) of either; a refusal names the ``noun`` at fault."""
+
+    def prompts(value: Any) -> list[str | list[int]]:
+        if isinstance(value, str) or (isinstance(value, list) and value and all(_is_token_id(t) for t in value)):
+            value = [value]
+        if not isinstance(value, list) or not value:
+            raise ValueError("must be a non-empty string, a non-empty list of token ids, or a list of those")
+        for i, prompt in enumerate(value):
+            if isinstance(prompt, str) and prompt:
+                continue
+            if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+                continue
+            where = f"{noun} {i}" if len(value) > 1 else f"the {noun}"
+            raise ValueError(f"{where} must be a non-empty string or a non-empty list of token ids")
+        return value
+
+    return prompts
 
 
 def _is_token_id(value: Any) -> bool:
@@ -390,7 +395,7 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: Annotated[list[str | list[int]], PlainValidator(_prompts)]
+    prompt: Annotated[list[str | list[int]], PlainValidator(prompt_forms("prompt"))]
     max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 with echo: score the prompt only (as vLLM)
     logprobs: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
@@ -581,13 +586,19 @@ def _finish(reason: str) -> str:
 
 
 @dataclass
-class _Choice:
-    """One choice of a response: its generation, already past ``init``, and how it is rendered."""
+class Started:
+    """A generation already past ``init``, and the rest of its messages."""
 
-    fmt: _Format
     gen: Generation
     init: InitMsg
     messages: AsyncIterator[ServerMsg]
+
+
+@dataclass
+class _Choice(Started):
+    """One choice of a response: its generation, and how it is rendered."""
+
+    fmt: _Format
 
 
 def _total_usage(usages: list[Usage], n: int) -> dict[str, Any]:
@@ -678,10 +689,10 @@ async def _collect(messages: AsyncIterator[ServerMsg]) -> tuple[CompletionMsg | 
     return final, entries
 
 
-async def _collect_all(
-    choices: list[_Choice],
+async def collect_all(
+    choices: Sequence[Started],
 ) -> list[tuple[CompletionMsg, list[list[LogprobEntry]]]] | ErrorMsg:
-    """Every choice's final message and logprobs, or the first error (which ends the others)."""
+    """Every generation's final message and logprobs, or the first error (which ends the others)."""
     tasks = [asyncio.ensure_future(_collect(c.messages)) for c in choices]
     try:
         for next_done in asyncio.as_completed(tasks):
@@ -695,14 +706,20 @@ async def _collect_all(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _start(
-    request: Request, requests: list[GenerationRequest], fmt_type: type[_Format], rid: str, tools: ToolPlan | None
-) -> list[_Choice] | ErrorMsg:
-    """Start a generation per choice, each up to its ``init``; the first refusal ends them all."""
+@dataclass
+class Refused:
+    """The refusal of request ``index`` of those :func:`start_all` was given."""
+
+    index: int
+    error: ErrorMsg
+
+
+async def start_all(request: Request, requests: list[GenerationRequest], rid: str) -> list[Started] | Refused:
+    """Start a generation per request, each up to its ``init``; the first refusal ends them all."""
     gw = gateway_of(request)
     caller = format_caller(request, gw.settings)
     tenant = tenant_of(request)
-    choices: list[_Choice] = []
+    started: list[Started] = []
     for i, req in enumerate(requests):
         rid_i = rid if len(requests) == 1 else f"{rid}-{i}"
         gen = Generation(gw, req, rid=rid_i, surface="openai", client=client_of(request), tenant=tenant,
@@ -711,15 +728,26 @@ async def _start(
         first = await anext(messages)
         if isinstance(first, ErrorMsg):
             await messages.aclose()
-            await _close(choices)
-            return first
+            await close_all(started)
+            return Refused(i, first)
         assert isinstance(first, InitMsg)
-        choices.append(_Choice(fmt_type(i, logprobs=req.top_logprobs is not None, tools=tools), gen, first, messages))
-    return choices
+        started.append(Started(gen, first, messages))
+    return started
 
 
-async def _close(choices: list[_Choice]) -> None:
-    """End the choices' generations (those still running free their sequences)."""
+async def _start(
+    request: Request, requests: list[GenerationRequest], fmt_type: type[_Format], rid: str, tools: ToolPlan | None
+) -> list[_Choice] | ErrorMsg:
+    """Start a generation per choice (see :func:`start_all`)."""
+    started = await start_all(request, requests, rid)
+    if isinstance(started, Refused):
+        return started.error
+    return [_Choice(s.gen, s.init, s.messages, fmt_type(i, logprobs=req.top_logprobs is not None, tools=tools))
+            for i, (s, req) in enumerate(zip(started, requests, strict=True))]
+
+
+async def close_all(choices: Sequence[Started]) -> None:
+    """End the generations (those still running free their sequences)."""
     for choice in choices:
         await choice.messages.aclose()
 
@@ -752,9 +780,9 @@ async def _serve(
             headers=SSE_HEADERS,
         )
     try:
-        collected = await unless_disconnected(request, _collect_all(choices))
+        collected = await unless_disconnected(request, collect_all(choices))
     finally:
-        await _close(choices)
+        await close_all(choices)
     if collected is None:  # the client left; nobody reads this
         return Response(status_code=499)
     if isinstance(collected, ErrorMsg):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -24,8 +24,9 @@ from pydantic import (
 )
 
 from common import aici_wire
-from common.config import Limits, Settings
+from common.config import Embeddings, Limits, Settings
 from common.errors import INVALID_REQUEST
+from common.pooling import Pooling
 from common.wire import SamplingParams, SamplingPatch
 from services.gateway.json_body import parse_json
 from services.gateway.protocol import GatewayError
@@ -40,12 +41,13 @@ class Context:
     limits: Limits
     served_model_name: str
     json_controller: str | None = None  # the controller enforcing JSON output (``native:<name>``), if any
+    embeddings: Embeddings = field(default_factory=Embeddings)
 
     @classmethod
     def of(cls, settings: Settings) -> Context:
         name = settings.controllers.response_format
         json_controller = f"native:{name}" if name and name in settings.controllers.native else None
-        return cls(settings.limits, settings.served_model_name, json_controller)
+        return cls(settings.limits, settings.served_model_name, json_controller, settings.embeddings)
 
 
 def context_of(info: ValidationInfo) -> Context:
@@ -299,6 +301,7 @@ class GenerationRequest:
     park_as: str = ""
     continues: str = ""
     cache_salt: str | None = None  # vLLM's: shares KV only with requests of the same domain and salt
+    pooling: Pooling | None = None  # with max_tokens 0: the prompt's embedding (common.pooling), not its tokens
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(

@@ -53,6 +53,7 @@ from common.errors import (
     MODEL_LOADING_ERROR,
     SERVICE_UNAVAILABLE,
 )
+from common.pooling import vector_bytes
 from common.textstream import TextStream, ends_with_flush
 from services.scheduler.batch import WorkerBatch
 from services.scheduler.batch_ceiling import BatchCeiling
@@ -239,6 +240,8 @@ class SchedulerCore:
                 return refuse(INVALID_REQUEST, f"prompt token ids must lie in [0, {facts.vocab_size})")
         if submit.max_tokens < 0:
             return refuse(INVALID_REQUEST, "max_tokens must be >= 0 (0: prefill only)")
+        if submit.outputs is not None and submit.outputs.pooling and submit.max_tokens:
+            return refuse(INVALID_REQUEST, "an embedding (outputs.pooling) is for a prefill-only request (max_tokens 0)")
         try:  # the max_tokens policy: what does not fit is refused, never cut
             context_budget(submit.prompt_len, submit.max_tokens, self.max_model_len(), submit.max_tokens)
             if facts is not None and facts.kv_capacity_tokens:  # a worker's whole KV pool could never hold more
@@ -727,12 +730,23 @@ class SchedulerCore:
                 request.cached_tokens += result.cached_tokens.get(seq.seq_id, 0)
                 request.applied += len(seq.tokens)
                 if request.submit.max_tokens == 0 and request.applied == len(prompt):
-                    self.finish(request, "length")
+                    self._finish_prefill(request)
             elif result.readouts:
                 self._decoded_readouts(request, seq, result)
             if seq.sample:
                 taken.append((request, slot))
         return taken
+
+    def _finish_prefill(self, request: LiveRequest) -> None:
+        """End a prefill-only request once its whole prompt ran: its last event carries its embedding, when asked."""
+        pooled = request.pooled
+        if pooled is None:
+            self.finish(request, "length")
+        elif not pooled.complete:
+            self.fail(request, INTERNAL_ERROR, f"the worker reported {pooled.seen} of the "
+                      f"{len(pooled.positions)} pooled positions of this embedding")
+        else:
+            self.finish(request, "length", wire.TokenEvent(rid=request.rid, embedding=vector_bytes(pooled.vector())))
 
     def _seq_failed(self, request: LiveRequest, seq_id: int, message: str) -> None:
         """The worker failed ``request``'s sequence (and released it)."""
@@ -873,20 +887,30 @@ class SchedulerCore:
                     seq.readouts = [position]
             return
         request.kv_tokens.extend(seq.tokens)
-        if not (request.logprob_positions or request.readout_positions):
+        if not request.has_prompt_outputs:
             return
         prompt, start = request.prompt, request.fed
         fed = range(start, start + len(seq.tokens))
         seq.scores = [wire.ScoreQuery(q, prompt[q + 1]) for q in fed if q + 1 in request.logprob_positions
                       and q + 1 < len(prompt)]
         seq.readouts = [p for p in fed if p in request.readout_positions]
+        if request.pooled is not None:
+            pooled = request.pooled.positions
+            seq.pool = list(range(max(fed.start, pooled.start), min(fed.stop, pooled.stop)))
         if seq.scores and request.submit.outputs is not None:
             seq.top_logprobs = request.submit.outputs.top_logprobs
 
     def _prompt_outputs(self, request: LiveRequest, seq: wire.SeqStep, result: wire.StepResult) -> None:
-        """One event with the outputs of the prompt positions this step fed and were asked about."""
-        if not (request.logprob_positions or request.readout_positions):
+        """One event with the outputs of the prompt positions this step fed and were asked about (the
+        embedding's partial sum is kept for the last event)."""
+        if not request.has_prompt_outputs:
             return
+        if seq.pool and request.pooled is not None:
+            try:
+                request.pooled.add(result.pooled.get(seq.seq_id, b""), len(seq.pool))
+            except ValueError as exc:
+                self.fail(request, INTERNAL_ERROR, f"the worker's pooled hidden states are malformed: {exc}")
+                return
         for score in result.scores.get(seq.seq_id, []):
             request.scored[score.position + 1] = score
         readouts = {r.position: r.values for r in result.readouts.get(seq.seq_id, [])}

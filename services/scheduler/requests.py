@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from common import wire
 from common.blocks import whole_blocks
+from common.pooling import PooledSum, pooled_positions
 from common.textstream import TextStream
 
 
@@ -77,6 +78,7 @@ class LiveRequest:
     logprob_positions: set[int] = field(default_factory=set)
     readout_positions: set[int] = field(default_factory=set)
     scored: dict[int, wire.ScoreResult] = field(default_factory=dict)
+    pooled: PooledSum | None = None  # the embedding's positions and their sum so far (Submit.outputs.pooling)
     cached_tokens: int = 0  # prompt tokens whose KV was reused (a parked sequence, the prefix cache)
     block_keys: list[int] | None = None  # the prompt's full blocks' keys (common.blocks), once placement needed them
     # whether its plain token events may be packed (wire.Events): its gateway works out its text, and none of
@@ -97,8 +99,10 @@ class LiveRequest:
         outputs = self.submit.outputs
         if outputs is None:
             return
-        self.packed = self.packed and not (outputs.logprob_ranges or outputs.readout_ranges)
+        self.packed = self.packed and not (outputs.logprob_ranges or outputs.readout_ranges or outputs.pooling)
         n = len(self.prompt)
+        if outputs.pooling:
+            self.pooled = PooledSum(pooled_positions(outputs.pooling, n))
         for span in outputs.logprob_ranges:
             self.logprob_positions.update(range(max(span.start, 0), min(span.end, n)))
         for span in outputs.readout_ranges:  # decoded positions too: read by the step that feeds them
@@ -108,8 +112,14 @@ class LiveRequest:
     def first_output_position(self) -> int:
         """The first prompt position whose hidden states this request needs computed (len(prompt): none)."""
         n = len(self.prompt)
-        return min([p - 1 for p in self.logprob_positions if p > 0] + [p for p in self.readout_positions if p < n],
-                   default=n)
+        pooled = [self.pooled.positions.start] if self.pooled is not None else []
+        return min([p - 1 for p in self.logprob_positions if p > 0] + [p for p in self.readout_positions if p < n]
+                   + pooled, default=n)
+
+    @property
+    def has_prompt_outputs(self) -> bool:
+        """Whether any prompt position's outputs were asked (logprobs, readouts, the embedding)."""
+        return bool(self.logprob_positions or self.readout_positions or self.pooled is not None)
 
     @property
     def needed_tokens(self) -> int:

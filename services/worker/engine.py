@@ -56,6 +56,7 @@ from transformers import PretrainedConfig
 
 from common.config import Settings
 from common.model_source import load_tokenizer
+from common.pooling import vector_bytes
 from common.wire import (EngineStats, ReadoutResult, SampledToken, ScoreResult, SeqFailure, SeqStep, Step, StepMasks,
                          StepResult, TokenLogprob, pack_logprobs, pack_tokens, unpack_ids)
 from services.worker.hf_fallback import HFFallback
@@ -125,6 +126,7 @@ class Forwarded:
     cached: dict[int, int]
     scores: dict[int, list[ScoreResult]]
     readouts: dict[int, list[ReadoutResult]]
+    pooled: dict[int, bytes]
     elapsed_s: float  # time spent on the step so far (not counting a wait for its masks)
     slots: dict[int, int]  # seq_id -> its slot (``Step.slot_ids``)
     size: int  # the step's slots
@@ -134,7 +136,7 @@ def _plain_decode(s: SeqStep, tokens: list[int]) -> bool:
     """One token fed and sampled after, nothing else asked (see Engine._admit_decode)."""
     return (
         len(tokens) == 1 and s.sample and s.sampling is None and not s.backtrack and s.fork_of is None
-        and not s.images and not s.scores and not s.readouts
+        and not s.images and not s.scores and not s.readouts and not s.pool
     )
 
 
@@ -358,11 +360,11 @@ class Engine:
             logits = self.runner.forward(inputs)  # one row per sampling sequence, in order
         for s in accepted:
             self.tables.commit(s.seq_id, self.seqs[s.seq_id].tokens)
-        scores, readouts = self._position_outputs(inputs, {s.seq_id: s for s in accepted})
+        scores, readouts, pooled = self._position_outputs(inputs, {s.seq_id: s for s in accepted})
         sampling = [s for s in accepted if s.sample]  # each has an input: the last fed token is computed
         slots = {s.seq_id: slot for slot, s in enumerate(batch)}  # a repeated id failed: its slot does not matter
-        return Forwarded(step, failures, sampling, logits, cached, scores, readouts, time.perf_counter() - started,
-                         slots, len(batch))
+        return Forwarded(step, failures, sampling, logits, cached, scores, readouts, pooled,
+                         time.perf_counter() - started, slots, len(batch))
 
     def _batch(self, step: Step) -> list[SeqStep]:
         """The step's SeqSteps in slot order: a follow SeqStep for each of ``follows`` (the same object
@@ -445,6 +447,7 @@ class Engine:
             cached_tokens=forwarded.cached,
             scores=forwarded.scores,
             readouts=forwarded.readouts,
+            pooled=forwarded.pooled,
             kv_free_tokens=self.tables.empty_tokens,
             kv_cached_tokens=self.tables.cached_tokens,
             blocks_new=blocks_new,
@@ -453,13 +456,14 @@ class Engine:
 
     def _position_outputs(
         self, inputs: list[SeqInput], steps: dict[int, SeqStep]
-    ) -> tuple[dict[int, list[ScoreResult]], dict[int, list[ReadoutResult]]]:
-        """Answers to the steps' ``scores`` and ``readouts`` from the runner's captured hidden states."""
+    ) -> tuple[dict[int, list[ScoreResult]], dict[int, list[ReadoutResult]], dict[int, bytes]]:
+        """Answers to the steps' ``scores``, ``readouts`` and ``pool`` from the runner's captured hidden states."""
         captured = getattr(self.runner, "captured", None)
         scores: dict[int, list[ScoreResult]] = {}
         readouts: dict[int, list[ReadoutResult]] = {}
+        pooled: dict[int, bytes] = {}
         if captured is None:
-            return scores, readouts
+            return scores, readouts, pooled
         runner = self.runner
         assert isinstance(runner, (PagedLlama, HFFallback))
         row_of: dict[tuple[int, int], int] = {}
@@ -488,7 +492,12 @@ class Engine:
             values = self.readouts.project(hidden, runner.final_norm_of).cpu().numpy().astype("<f4")
             for j, (seq_id, p) in enumerate(readout_rows):
                 readouts.setdefault(seq_id, []).append(ReadoutResult(p, values[j].tobytes()))
-        return scores, readouts
+        for seq_id, s in steps.items():
+            if s.pool:
+                index = to_device([row_of[(seq_id, p)] for p in s.pool], self.device)
+                states = runner.final_norm_of(captured.final[index]).float()
+                pooled[seq_id] = vector_bytes(states.sum(0).cpu().numpy())
+        return scores, readouts, pooled
 
     def _mask_rows(self, seqs: list[SeqStep], frame: bytes | memoryview | None) -> _Masks:
         """The packed mask rows these sequences refer to, in host memory; a frame too short for a
@@ -546,16 +555,18 @@ class Engine:
             raise _Invalid(f"sequence {s.seq_id}: {exc}") from exc
 
     def _capture(self, s: SeqStep, start: int, end: int) -> tuple[int, ...]:
-        """The positions whose hidden states ``s.scores`` and ``s.readouts`` need, validated: they
-        must be fed in this step, i.e. in ``[start, end)``."""
-        capture = tuple(sorted({q.position for q in s.scores} | set(s.readouts)))
+        """The positions whose hidden states ``s.scores``, ``s.readouts`` and ``s.pool`` need, validated:
+        they must be fed in this step, i.e. in ``[start, end)``."""
+        capture = tuple(sorted({q.position for q in s.scores} | set(s.readouts) | set(s.pool)))
         if not capture:
             return capture
         if isinstance(self.runner, HFFallback) and not self.runner.can_capture:
-            raise _Invalid(f"sequence {s.seq_id}: per-position logprobs and readouts need a decoder with layers and "
-                           "a final norm; this model's transformers class has none")
+            raise _Invalid(f"sequence {s.seq_id}: per-position logprobs, readouts and embeddings need a decoder with "
+                           "layers and a final norm; this model's transformers class has none")
         if s.readouts and self.readouts is None:
             raise _Invalid(f"sequence {s.seq_id}: this worker has no readouts configured")
+        if len(set(s.pool)) != len(s.pool):
+            raise _Invalid(f"sequence {s.seq_id}: pooled positions must differ")
         if capture[0] < start or capture[-1] >= end:
             raise _Invalid(f"sequence {s.seq_id}: output positions must be among those fed, [{start}, {end})")
         if any(not 0 <= q.target < self.vocab_size for q in s.scores):

@@ -29,7 +29,7 @@ from tests.stack import free_port
 TOKEN = "every-surface-token"
 SALIENCE_TOKEN = "salience-only-token"
 RIGHT = {"authorization": f"Bearer {TOKEN}"}
-SURFACES = ["websocket", "rest", "completions", "chat", "run", "salience", "evergreen"]
+SURFACES = ["websocket", "rest", "completions", "chat", "embeddings", "run", "salience", "evergreen"]
 GRPC_TIMEOUT_S = 120.0
 
 
@@ -107,6 +107,11 @@ async def _chat(gw: Guarded, prompt: str, max_tokens: int) -> str:
     return reply.json()["choices"][0]["finish_reason"] if reply.status_code == 200 else _http_outcome(reply)
 
 
+async def _embeddings(gw: Guarded, prompt: str, max_tokens: int) -> str:
+    """An embedding generates nothing: ``max_tokens`` does not apply."""
+    return _http_outcome(await _post(gw, "/v1/embeddings", {"input": prompt}))
+
+
 async def _run(gw: Guarded, prompt: str, max_tokens: int) -> str:
     reply = await _post(gw, "/v1/run", {"controller": "none", "controller_arg": prompt, "max_tokens": max_tokens})
     if reply.status_code != 200:
@@ -154,19 +159,19 @@ async def _evergreen(gw: Guarded, prompt: str, max_tokens: int) -> str:
 
 
 GENERATE: dict[str, Callable[[Guarded, str, int], Awaitable[str]]] = {
-    "websocket": _websocket, "rest": _rest, "completions": _completions, "chat": _chat, "run": _run,
-    "salience": _salience, "evergreen": _evergreen,
+    "websocket": _websocket, "rest": _rest, "completions": _completions, "chat": _chat, "embeddings": _embeddings,
+    "run": _run, "salience": _salience, "evergreen": _evergreen,
 }
-OK = {"websocket": "length", "rest": "ok", "completions": "length", "chat": "length", "run": "length",
-      "salience": "FINISH_REASON_LENGTH", "evergreen": "OK"}
+OK = {"websocket": "length", "rest": "ok", "completions": "length", "chat": "length", "embeddings": "ok",
+      "run": "length", "salience": "FINISH_REASON_LENGTH", "evergreen": "OK"}
 RATE_LIMITED = {"websocket": "rate_limited", "rest": "rate_limited", "completions": "rate_limited",
-                "chat": "rate_limited", "run": "rate_limited", "salience": "RESOURCE_EXHAUSTED",
-                "evergreen": "RESOURCE_EXHAUSTED"}
+                "chat": "rate_limited", "embeddings": "rate_limited", "run": "rate_limited",
+                "salience": "RESOURCE_EXHAUSTED", "evergreen": "RESOURCE_EXHAUSTED"}
 FILTERED = {"websocket": "content_filter", "rest": "content_filter", "completions": "content_filter",
-            "chat": "content_filter", "run": "content_filter", "salience": "PERMISSION_DENIED",
-            "evergreen": "PERMISSION_DENIED"}
-METRIC_SURFACE = {"websocket": "websocket", "rest": "rest", "completions": "openai", "chat": "openai", "run": "aici",
-                  "salience": "salience", "evergreen": "evergreen"}
+            "chat": "content_filter", "embeddings": "content_filter", "run": "content_filter",
+            "salience": "PERMISSION_DENIED", "evergreen": "PERMISSION_DENIED"}
+METRIC_SURFACE = {"websocket": "websocket", "rest": "rest", "completions": "openai", "chat": "openai",
+                  "embeddings": "openai", "run": "aici", "salience": "salience", "evergreen": "evergreen"}
 
 
 def requests_total(metrics: str, surface: str, outcome: str) -> float:
@@ -182,7 +187,7 @@ async def test_every_surface_counts_against_and_obeys_the_rate_limit(limited):
     metrics = httpx.get(f"http://{limited.http}/metrics").text
     for surface in ("websocket", "rest", "aici", "salience", "evergreen"):
         assert requests_total(metrics, surface, "rate_limited") >= 1, surface
-    assert requests_total(metrics, "openai", "rate_limited") == 2
+    assert requests_total(metrics, "openai", "rate_limited") == 3
     assert requests_total(metrics, "salience", "length") == requests_total(metrics, "aici", "length") == 1
 
 

@@ -279,9 +279,13 @@ async def test_a_user_past_the_generations_quota_gets_429_and_others_go_on(tenan
         carol = openai.AsyncOpenAI(base_url=f"{tenants.http_url}/v1", api_key="carol-token", max_retries=0)
         with pytest.raises(openai.RateLimitError, match="tenants.max_generations_per_user = 2"):
             await carol.completions.create(model=tenants.settings.served_model_name, prompt="Hi", max_tokens=2)
+        with pytest.raises(openai.RateLimitError, match="tenants.max_generations_per_user = 2"):  # the same path
+            await carol.embeddings.create(model=tenants.settings.served_model_name, input=["Hi"])
         dave = openai.AsyncOpenAI(base_url=f"{tenants.http_url}/v1", api_key="dave-token", max_retries=0)
         answer = await dave.completions.create(model=tenants.settings.served_model_name, prompt="Hi", max_tokens=2)
         assert answer.usage.completion_tokens == 2
+        embedded = await dave.embeddings.create(model=tenants.settings.served_model_name, input=["Hi", "there"])
+        assert len(embedded.data) == 2
     # (the connections closed: carol's generations are cancelled, and she may start again)
     async def carol_may() -> bool:
         try:
@@ -316,6 +320,7 @@ async def test_a_bad_cache_salt_is_refused_clearly_on_every_surface(tenants: Sta
                                                      "cache_salt": ""}),
                            ("/v1/generate", {"prompt": "Hi", "max_tokens": 1, "cache_salt": long}),
                            ("/v1/responses", {"input": "Hi", "max_output_tokens": 1, "cache_salt": ""}),
+                           ("/v1/embeddings", {"input": "Hi", "cache_salt": ""}),
                            ("/v1/run", {"controller": "none", "controller_arg": "Hi", "cache_salt": 7})):
             refused = await http.post(path, json={"model": tenants.settings.served_model_name, **body})
             assert refused.status_code == 400 and "cache_salt" in refused.text, (path, refused.text)

@@ -116,3 +116,29 @@ def test_bad_output_requests_fail_only_their_sequence(scorer, reference) -> None
     assert "output positions must be among those fed" in failures[4] and "token ids" in failures[5]
     assert len(result.scores[6]) == 8
     scorer.free([6])
+
+
+def test_pooled_final_states_across_chunks_and_cache_hits(scorer, reference, loaded) -> None:
+    """``SeqStep.pool``: the sum of the final hidden states (after the final norm) of the positions a step feeds;
+    a chunked prompt's sums add up to the whole prompt's, and a pooled position is computed even when the prefix
+    cache holds it."""
+    ids, _ = reference
+    n, cut = len(ids), 17
+    with torch.inference_mode():
+        states = loaded.model.model(torch.tensor([ids])).last_hidden_state[0].float().numpy()
+    first = scorer.step(Step(step_id=6, seqs=[SeqStep(seq_id=7, tokens=ids[:cut], sample=False, sampling=GREEDY,
+                                                      pool=list(range(cut)))]))
+    second = scorer.step(Step(step_id=7, seqs=[SeqStep(seq_id=7, tokens=ids[cut:], sample=False,
+                                                       pool=list(range(cut, n)))]))
+    total = np.frombuffer(first.pooled[7], dtype="<f4") + np.frombuffer(second.pooled[7], dtype="<f4")
+    np.testing.assert_allclose(total / n, states.mean(0), atol=1e-4, rtol=1e-4)
+
+    again = scorer.step(Step(step_id=8, seqs=[SeqStep(seq_id=8, tokens=ids, sample=False, sampling=GREEDY,
+                                                      pool=[n - 1])]))
+    assert again.cached_tokens[8] == (n - 1) // 16 * 16  # every full block before the pooled position
+    np.testing.assert_allclose(np.frombuffer(again.pooled[8], dtype="<f4"), states[-1], atol=1e-4, rtol=1e-4)
+
+    bad = scorer.step(Step(step_id=9, seqs=[SeqStep(seq_id=9, tokens=ids[:8], sample=False, sampling=GREEDY,
+                                                    pool=[3, 3])]))
+    assert "pooled positions must differ" in bad.failures[0].message and not bad.pooled
+    scorer.free([7, 8])
