@@ -23,7 +23,7 @@ from common.config import Settings
 from common.curve import CurveError, make_key_pair
 from common.sockets import connect, probe_health
 from common.startup_checks import gateway_answer
-from common.supervisor import SERVICES, program_status, supervisorctl
+from common.supervisor import SERVICES, program_status, programs_in_order, service_of, supervisorctl
 
 COMMANDS = ("ps", "restart", "logs", "check", "cache", "keys")
 
@@ -76,20 +76,25 @@ def ps(settings: Settings, service: str | None) -> int:
     if not programs:
         print(f"Tiller is not running here (run directory {settings.run_dir.resolve()}).")
         return 1
-    for name in [service] if service else SERVICES:
+    for name in programs_in_order(programs, service):
         state, _, rest = programs.get(name, ("UNKNOWN", None, ""))
         print(f"{name:20s} {state:10s} {rest}".rstrip())
     return 0
 
 
 def restart(settings: Settings, service: str) -> int:
-    if not program_status(settings):
+    """Restart ``service`` (every process of it, one after another: with several gateways the others serve
+    meanwhile) or ``all``."""
+    programs = program_status(settings)
+    if not programs:
         print(f"Tiller is not running here (run directory {settings.run_dir.resolve()}).", file=sys.stderr)
         return 1
-    target = "tiller:*" if service == "all" else f"tiller:{service}"
-    result = supervisorctl(settings, "restart", target)
-    print(result.stdout.strip() or result.stderr.strip())
-    ok = result.returncode == 0 and "ERROR" not in result.stdout
+    targets = ["tiller:*"] if service == "all" else [f"tiller:{name}" for name in programs_in_order(programs, service)]
+    ok = True
+    for target in targets:
+        result = supervisorctl(settings, "restart", target)
+        print(result.stdout.strip() or result.stderr.strip())
+        ok = ok and result.returncode == 0 and "ERROR" not in result.stdout
     if ok:
         reload = " (the worker reloads the model)" if service in ("worker", "all") else ""
         print(f"restarted; `tiller status` shows when it serves again{reload}")
@@ -98,7 +103,8 @@ def restart(settings: Settings, service: str) -> int:
 
 def logs(settings: Settings, service: str | None, lines: int, follow: bool) -> int:
     log_dir = settings.run_dir.resolve() / "logs"
-    names = [service] if service else list(SERVICES)
+    on_disk = [path.stem for path in log_dir.glob("*.log") if service_of(path.stem) in SERVICES]
+    names = ["supervisord"] if service == "supervisord" else programs_in_order(on_disk, service)
     files = [str(log_dir / f"{name}.log") for name in names if (log_dir / f"{name}.log").is_file()]
     if not files:
         print(f"no logs in {log_dir}", file=sys.stderr)
