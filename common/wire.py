@@ -331,6 +331,17 @@ class GatewayAlive(Msg, tag="gateway_alive"):
     evergreen: list[str] = []
 
 
+class RateHit(Msg, tag="rate_hit"):
+    """Gateway -> session store, with several gateways on one port: count one request of ``client`` (a user,
+    else an address) against ``limits.rate_limit_per_minute``; answered with ``RateVerdict``."""
+
+    client: str
+
+
+class RateVerdict(Msg, tag="rate_verdict"):
+    retry_after_s: float | None = None  # None: counted and admitted; else refused, retry in this many seconds
+
+
 class SessionDrop(Msg, tag="session_drop"):
     """A session was closed: the KV the scheduler keeps for it between turns can go, and a turn of it
     still running is cancelled (its tokens would go nowhere)."""
