@@ -946,6 +946,8 @@ Message = Union[
     Submit,
     Cancel,
     GatewayAlive,
+    RateHit,
+    RateVerdict,
     SessionDrop,
     Pause,
     Resume,
