@@ -1,6 +1,7 @@
 """Two gateway processes on one port (``distributed.gateways`` = 2, as ``tiller up --gateways 2`` sets it), with
-real clients (httpx, the openai package): both serve, the rate limit holds across them, and a gateway killed
-with SIGKILL loses only its own streams, which the scheduler cancels (no KV stays held).
+real clients (httpx, the openai package, grpc): both serve HTTP and gRPC, the rate limit holds across them, a
+restart goes one process at a time, and a gateway killed with SIGKILL loses only its own streams, which the
+scheduler cancels (no KV stays held).
 
 A client learns which process serves it by asking ``/health`` (its ``pid``) on the one connection its later
 requests reuse (``max_connections=1``): the kernel picks a process per connection.
@@ -18,10 +19,13 @@ import threading
 import time
 from collections import Counter
 
+import grpc
 import httpx
 import openai
 import pytest
 
+from common.protos.salience.v1 import salience_pb2 as pb
+from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
 from tests.gateway.support import wait_for
 from tests.stack import Stack, start_stack
 
@@ -105,6 +109,27 @@ def test_the_rate_limit_holds_across_processes(gateways: Stack):
     client, _ = pinned(gateways, "t-serve")  # another user has a window of its own
     with contextlib.closing(client):
         assert complete(gateways, client, "t-serve") == "length"
+
+
+async def test_grpc_shares_the_port_too_and_a_session_outlives_the_process_that_opened_it(gateways: Stack):
+    """Salience sessions opened on separate connections (a local subchannel pool each: grpc would share one)
+    land on both processes (their logs), and each is found from any other connection."""
+
+    async def on_a_connection_of_its_own(call):
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateways.settings.grpc_port}", options=options) as channel:
+            return await call(pb_grpc.SalienceStub(channel))
+
+    model = gateways.settings.served_model_name
+    opened = [(await on_a_connection_of_its_own(
+        lambda stub: stub.OpenSession(pb.OpenSessionRequest(model=model), timeout=30))).session_id for _ in range(16)]
+    logs = {name: (gateways.run_dir / "logs" / f"{name}.log").read_text() for name in ("gateway", "gateway_1")}
+    assert all(any(session in log for session in opened) for log in logs.values()), "one process opened them all"
+    for session in opened:
+        dumped = await on_a_connection_of_its_own(lambda stub: stub.DumpSession(pb.DumpSessionRequest(
+            session_id=session), timeout=30))
+        assert list(dumped.tokens) == []
+        await on_a_connection_of_its_own(lambda stub: stub.CloseSession(pb.CloseSessionRequest(session_id=session)))
 
 
 def test_a_restart_of_the_gateways_goes_one_at_a_time_so_the_port_keeps_serving(gateways: Stack):
