@@ -17,9 +17,10 @@ from common.config import Distributed, Settings, get_settings
 from common.sockets import probe_health
 from common.startup_checks import busy_ports, gateway_answer, judge_gateway, check_security
 from common.supervisor import (
-    SERVICES,
     program_states,
     program_status,
+    programs_in_order,
+    service_of,
     supervisor_env,
     supervisorctl,
     write_conf,
@@ -55,6 +56,8 @@ def worker(settings: Settings, scheduler: str) -> int:
 def _add_worker_commands(sub: argparse._SubParsersAction, up_parser: argparse.ArgumentParser) -> None:
     up_parser.add_argument("--workers", type=int, default=None, metavar="N",
                            help="local workers to start (default distributed.local_workers, 1; 0: only remote ones)")
+    up_parser.add_argument("--gateways", type=int, default=None, metavar="N",
+                           help="gateway processes sharing the HTTP and gRPC ports (default distributed.gateways, 1)")
     worker_parser = sub.add_parser("worker", help="run one worker here that joins a scheduler, in the foreground")
     worker_parser.add_argument("--scheduler", default="", metavar="tcp://HOST:PORT",
                                help="the scheduler's worker endpoint (default: TILLER_WORKER_ENDPOINT)")
@@ -64,9 +67,10 @@ def _add_worker_commands(sub: argparse._SubParsersAction, up_parser: argparse.Ar
 
 
 def _with_worker_arguments(settings: Settings, args: argparse.Namespace) -> Settings:
-    """``settings`` with ``--workers`` and ``--tensor-parallel`` applied, and exported to the
+    """``settings`` with ``--workers``, ``--gateways`` and ``--tensor-parallel`` applied, and exported to the
     services that ``tiller up`` starts."""
-    given = {"local_workers": getattr(args, "workers", None), "tensor_parallel": args.tensor_parallel}
+    given = {"local_workers": getattr(args, "workers", None), "gateways": getattr(args, "gateways", None),
+             "tensor_parallel": args.tensor_parallel}
     given = {name: value for name, value in given.items() if value is not None}
     try:
         distributed = Distributed.model_validate({**settings.distributed.model_dump(), **given})
@@ -80,10 +84,11 @@ def _with_worker_arguments(settings: Settings, args: argparse.Namespace) -> Sett
 
 
 async def _wait_ready(settings: Settings) -> tuple[bool, str]:
-    """Wait for every service: the zmq ones answer Health, the gateway this start launched (its pid)
-    answers /health with 200."""
+    """Wait for every service: the zmq ones answer Health, every gateway this start launched (their pids)
+    answered /health with 200 (several share the port: each poll reaches one the kernel picks)."""
     deadline = time.monotonic() + settings.ready_timeout_s
     last_note = ""
+    served: set[int] = set()  # the gateway pids that answered 200
     while time.monotonic() < deadline:
         programs = program_status(settings)
         states = {name: state for name, (state, _, _) in programs.items()}
@@ -100,11 +105,14 @@ async def _wait_ready(settings: Settings) -> tuple[bool, str]:
             if note != last_note:
                 print(f"  {note}", flush=True)
                 last_note = note
-        gateway_pid = programs.get("gateway", ("", None, ""))[1]
-        gateway_ready, fatal = judge_gateway(gateway_answer(settings), gateway_pid, settings)
+        gateway_pids = [pid for name, (_, pid, _) in programs.items() if service_of(name) == "gateway"]
+        started = {pid for pid in gateway_pids if pid is not None}
+        served_by, fatal = judge_gateway(gateway_answer(settings), started, settings)
         if fatal:
             return False, fatal
-        if store and store.ready and scheduler and scheduler.ready and gateway_ready:
+        served = (served | {served_by}) & started  # a gateway restarted meanwhile must answer again
+        gateways_ready = len(served) == len(gateway_pids) > 0
+        if store and store.ready and scheduler and scheduler.ready and gateways_ready:
             return True, ""
         await asyncio.sleep(READY_POLL_S)
     return False, f"not ready after {settings.ready_timeout_s:.0f} s (see {settings.run_dir}/logs/)"
@@ -172,9 +180,10 @@ def status(settings: Settings) -> int:
     if not states:
         print("Tiller is not running here.")
         return 1
-    for name in SERVICES:
+    names = programs_in_order(states)
+    for name in names:
         print(f"{name:20s} {states.get(name, 'UNKNOWN')}")
-    return 0 if all(states.get(name) == "RUNNING" for name in SERVICES) else 1
+    return 0 if all(states.get(name) == "RUNNING" for name in names) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

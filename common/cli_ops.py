@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import sys
+import time
 from pathlib import Path
 
 from common import aici_wire, model_cache, wire
@@ -23,9 +24,10 @@ from common.config import Settings
 from common.curve import CurveError, make_key_pair
 from common.sockets import connect, probe_health
 from common.startup_checks import gateway_answer
-from common.supervisor import SERVICES, program_status, supervisorctl
+from common.supervisor import SERVICES, program_status, programs_in_order, service_of, supervisorctl
 
 COMMANDS = ("ps", "restart", "logs", "check", "cache", "keys")
+RESTART_POLL_S = 0.1  # how often a rolling restart of several gateways asks whether the restarted one serves
 
 
 def _service(name: str) -> str:
@@ -76,29 +78,51 @@ def ps(settings: Settings, service: str | None) -> int:
     if not programs:
         print(f"Tiller is not running here (run directory {settings.run_dir.resolve()}).")
         return 1
-    for name in [service] if service else SERVICES:
+    for name in programs_in_order(programs, service):
         state, _, rest = programs.get(name, ("UNKNOWN", None, ""))
         print(f"{name:20s} {state:10s} {rest}".rstrip())
     return 0
 
 
 def restart(settings: Settings, service: str) -> int:
-    if not program_status(settings):
+    """Restart ``service`` (every process of it, one after another: with several gateways the others serve
+    meanwhile) or ``all``."""
+    programs = program_status(settings)
+    if not programs:
         print(f"Tiller is not running here (run directory {settings.run_dir.resolve()}).", file=sys.stderr)
         return 1
-    target = "tiller:*" if service == "all" else f"tiller:{service}"
-    result = supervisorctl(settings, "restart", target)
-    print(result.stdout.strip() or result.stderr.strip())
-    ok = result.returncode == 0 and "ERROR" not in result.stdout
+    names = ["*"] if service == "all" else programs_in_order(programs, service)
+    ok = True
+    for name in names:
+        result = supervisorctl(settings, "restart", f"tiller:{name}")
+        print(result.stdout.strip() or result.stderr.strip())
+        ok = ok and result.returncode == 0 and "ERROR" not in result.stdout
+        if ok and service == "gateway" and len(names) > 1 and not _serves_again(settings, name):
+            print(f"{name} did not answer /health again within {settings.ready_timeout_s:.0f} s", file=sys.stderr)
+            return 1
     if ok:
         reload = " (the worker reloads the model)" if service in ("worker", "all") else ""
         print(f"restarted; `tiller status` shows when it serves again{reload}")
     return 0 if ok else 1
 
 
+def _serves_again(settings: Settings, program: str) -> bool:
+    """Whether the restarted gateway ``program`` answers ``/health`` with 200 itself (its new pid) before
+    ``ready_timeout_s``: only then may the next gateway go down, so that one always serves the port."""
+    deadline = time.monotonic() + settings.ready_timeout_s
+    while time.monotonic() < deadline:
+        pid = program_status(settings).get(program, ("", None, ""))[1]
+        answer = gateway_answer(settings)  # whichever process the kernel picks: polled until it is this one
+        if pid is not None and answer is not None and (answer.pid, answer.status) == (pid, 200):
+            return True
+        time.sleep(RESTART_POLL_S)
+    return False
+
+
 def logs(settings: Settings, service: str | None, lines: int, follow: bool) -> int:
     log_dir = settings.run_dir.resolve() / "logs"
-    names = [service] if service else list(SERVICES)
+    on_disk = [path.stem for path in log_dir.glob("*.log") if service_of(path.stem) in SERVICES]
+    names = ["supervisord"] if service == "supervisord" else programs_in_order(on_disk, service)
     files = [str(log_dir / f"{name}.log") for name in names if (log_dir / f"{name}.log").is_file()]
     if not files:
         print(f"no logs in {log_dir}", file=sys.stderr)

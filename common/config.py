@@ -254,13 +254,17 @@ class Tenants(BaseModel):
 
 
 class Distributed(BaseModel):
-    """A worker spread over several ranks (tensor parallel on torch.distributed)."""
+    """Processes of one stack: local workers and gateways, and a worker spread over several ranks (tensor
+    parallel on torch.distributed)."""
 
     tensor_parallel: int = Field(1, ge=1, description="ranks of one worker, each holding a shard of every layer "
                                  "and of the KV cache (one per GPU; gloo on the CPU); rank 0 talks to the scheduler")
     port: int = Field(0, ge=0, le=65535, description="the ranks' rendezvous port on 127.0.0.1 (0: any free port)")
     local_workers: int = Field(1, ge=0, description="workers `tiller up` starts on this host (0: only workers "
                                "that join from elsewhere; on the CPU the cores are split between them)")
+    gateways: int = Field(1, ge=1, description="gateway processes `tiller up` starts on this host (`--gateways "
+                          "N`), all serving the same HTTP and gRPC ports (SO_REUSEPORT); with more than one the rate "
+                          "limits are counted in the session store and /metrics sums the processes (docs/scale-out.md)")
     placement_balance: int = Field(8, ge=0, description="a new prompt goes to the worker caching its longest prefix "
                                    "(else the one its first block hashes to) only among workers running at most this "
                                    "many sequences beyond the least loaded")

@@ -131,14 +131,15 @@ def gateway_answer(settings: Settings, timeout: float = 2.0) -> GatewayAnswer | 
     return GatewayAnswer(status=status, pid=pid if isinstance(pid, int) else None)
 
 
-def judge_gateway(answer: GatewayAnswer | None, started_pid: int | None, settings: Settings) -> tuple[bool, str]:
-    """(ready, why not ready is fatal or ''): ready when our gateway answers 200; fatal (a non-empty
-    reason) when a server other than the gateway supervisord started answers on the port."""
-    if answer is None or started_pid is None:
-        return False, ""
-    if answer.pid != started_pid:
+def judge_gateway(answer: GatewayAnswer | None, started_pids: set[int], settings: Settings) -> tuple[int | None, str]:
+    """(the started gateway's pid that answered 200, or None; why not ready is fatal, or ''): fatal (a
+    non-empty reason) when a server other than the gateways supervisord started answers on the port."""
+    if answer is None or not started_pids:
+        return None, ""
+    if answer.pid not in started_pids:
         who = f"pid {answer.pid}" if answer.pid is not None else "not a Tiller gateway"
         port = Port(settings.http_host, settings.http_port, "TILLER_HTTP_PORT")
-        return False, (f"{port.describe()} is answered by another server ({who}), not by the gateway this "
-                       f"start launched (pid {started_pid}): stop that server or set TILLER_HTTP_PORT")
-    return answer.status == 200, ""
+        started = ", ".join(str(pid) for pid in sorted(started_pids))
+        return None, (f"{port.describe()} is answered by another server ({who}), not by the gateway this "
+                      f"start launched (pid {started}): stop that server or set TILLER_HTTP_PORT")
+    return (answer.pid if answer.status == 200 else None), ""

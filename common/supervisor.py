@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import xmlrpc.client
+from collections.abc import Iterable
 from pathlib import Path
 
 from supervisor.xmlrpc import SupervisorTransport
@@ -21,8 +23,10 @@ from common.config import Settings
 
 HOME = Path(__file__).resolve().parents[1]
 SUPERVISOR_TEMPLATE = HOME / "deploy" / "supervisord.conf"
-MORE_WORKERS_TEMPLATE = HOME / "deploy" / "supervisord.more_workers.conf"  # appended for `--workers N`, N > 1
+MORE_TEMPLATE = HOME / "deploy" / "supervisord.more.conf"  # appended per service run N > 1 times (`--workers N`)
 SERVICES = ("session_store", "controller_runtime", "scheduler", "worker", "gateway")
+# the services `tiller up` may run more than once, and the supervisord priority of their processes
+REPEATED_PRIORITY = {"worker": 30, "gateway": 40}
 _ENV_REF = re.compile(r"%\(ENV_(\w+)\)s")
 
 
@@ -38,21 +42,32 @@ def supervisor_env(settings: Settings, foreground: bool, base: dict[str, str] | 
         TILLER_FOREGROUND="true" if foreground else "false",
         PYTHONUNBUFFERED="1",
     )
-    env.update(_local_workers_env(settings.distributed.local_workers, env))
+    env.update(_copies_env(process_counts(settings), env, run_dir))
     return env
 
 
-def _local_workers_env(count: int, env: dict[str, str]) -> dict[str, str]:
-    """What the templates need to start ``count`` local workers (worker, then worker_1 .. worker_<count-1>);
-    several CPU workers split the cores instead of each taking all."""
-    more = max(count - 1, 0)
-    extra = {
-        "TILLER_WORKER_AUTOSTART": str(count >= 1).lower(),
-        "TILLER_MORE_WORKERS": str(more),
-        "TILLER_MORE_WORKERS_MEMBER": ",more_workers" if more else "",  # the group's programs
-    }
-    if count > 1 and "OMP_NUM_THREADS" not in env:
-        extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // count))
+def process_counts(settings: Settings) -> dict[str, int]:
+    """How many processes of each service in :data:`REPEATED_PRIORITY` this host runs."""
+    return {"worker": settings.distributed.local_workers, "gateway": settings.distributed.gateways}
+
+
+def metrics_dir(run_dir: Path) -> Path:
+    """Where several gateways keep their Prometheus samples for one /metrics (prometheus_client's multiprocess
+    mode, see services/gateway/metrics.py)."""
+    return run_dir / "prometheus"
+
+
+def _copies_env(counts: dict[str, int], env: dict[str, str], run_dir: Path) -> dict[str, str]:
+    """What the templates need to start ``counts[service]`` processes of each service (worker, then worker_1
+    .. worker_<count-1>; the same for gateways); several CPU workers split the cores instead of each taking
+    all, and several gateways share their metrics through files."""
+    extra = {"TILLER_WORKER_AUTOSTART": str(counts["worker"] >= 1).lower()}
+    for service, count in counts.items():
+        extra[f"TILLER_MORE_{service.upper()}S_MEMBER"] = f",more_{service}s" if count > 1 else ""  # the group's
+    if counts["worker"] > 1 and "OMP_NUM_THREADS" not in env:
+        extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // counts["worker"]))
+    if counts["gateway"] > 1:
+        extra["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir(run_dir))
     return extra
 
 
@@ -74,14 +89,39 @@ def render_conf(template: str, env: dict[str, str]) -> str:
 
 
 def write_conf(settings: Settings, foreground: bool) -> Path:
-    """Write ``<run_dir>/supervisord.conf`` for this start; returns its path."""
+    """Write ``<run_dir>/supervisord.conf`` for this start; returns its path. A service run more than once
+    gets a program for its second and later processes; several gateways get an empty metrics directory."""
     path = conf_path(settings)
     env = supervisor_env(settings, foreground)
-    template = SUPERVISOR_TEMPLATE.read_text()
-    if settings.distributed.local_workers > 1:
-        template += "\n" + MORE_WORKERS_TEMPLATE.read_text()
-    path.write_text(render_conf(template, env))
+    parts = [render_conf(SUPERVISOR_TEMPLATE.read_text(), env)]
+    for service, count in process_counts(settings).items():
+        if count > 1:
+            parts.append(render_conf(MORE_TEMPLATE.read_text(), {
+                **env, "TILLER_MORE_SERVICE": service, "TILLER_MORE_COUNT": str(count - 1),
+                "TILLER_MORE_PRIORITY": str(REPEATED_PRIORITY[service])}))
+    if "PROMETHEUS_MULTIPROC_DIR" in env:  # the last start's samples (dead pids) must not count
+        shutil.rmtree(env["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
+        Path(env["PROMETHEUS_MULTIPROC_DIR"]).mkdir(parents=True)
+    path.write_text("\n".join(parts))
     return path
+
+
+def service_of(program: str) -> str:
+    """The service a supervisord program runs: ``gateway_1`` -> ``gateway``."""
+    base, _, number = program.rpartition("_")
+    return base if number.isdigit() and base in REPEATED_PRIORITY else program
+
+
+def programs_in_order(programs: Iterable[str], service: str | None = None) -> list[str]:
+    """``programs`` (of ``service`` only, if given) in :data:`SERVICES` order, each service's later processes
+    after its first (``gateway``, ``gateway_1``, ...); a service missing from ``programs`` is listed too."""
+    names = set(programs) | set(SERVICES if service is None else [service])
+
+    def rank(name: str) -> tuple[int, int]:
+        number = name.rpartition("_")[2] if name != service_of(name) else "0"
+        return SERVICES.index(service_of(name)) if service_of(name) in SERVICES else len(SERVICES), int(number)
+
+    return sorted((n for n in names if service is None or service_of(n) == service), key=rank)
 
 
 def supervisorctl(

@@ -154,6 +154,15 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
     placed: dict[str, int] = {}  # why sequences went there: reason -> count
 
 
+class GatewayPeer(msgspec.Struct, kw_only=True):
+    """One gateway as the scheduler sees it, from its heartbeats (``GatewayAlive``)."""
+
+    gateway: str  # its ZeroMQ identity (gateway-<host>-<pid>)
+    incarnation: str
+    requests: int  # its live requests
+    silent_s: float  # since its last message
+
+
 class ModelFacts(msgspec.Struct, kw_only=True):
     """The scheduler's health: the served model's facts (from its first ready worker; the configured
     context before one is) and its load. Gateways admit requests against these, and ``/health``
@@ -180,6 +189,7 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     parked_sessions: int = 0
     parked_tokens: int = 0
     workers: list[WorkerLoad] = []
+    gateways: list[GatewayPeer] = []
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -321,6 +331,17 @@ class GatewayAlive(Msg, tag="gateway_alive"):
     incarnation: str = ""
     leases: list[str] = []
     evergreen: list[str] = []
+
+
+class RateHit(Msg, tag="rate_hit"):
+    """Gateway -> session store, with several gateways on one port: count one request of ``client`` (a user,
+    else an address) against ``limits.rate_limit_per_minute``; answered with ``RateVerdict``."""
+
+    client: str
+
+
+class RateVerdict(Msg, tag="rate_verdict"):
+    retry_after_s: float | None = None  # None: counted and admitted; else refused, retry in this many seconds
 
 
 class SessionDrop(Msg, tag="session_drop"):
@@ -931,6 +952,8 @@ Message = Union[
     Submit,
     Cancel,
     GatewayAlive,
+    RateHit,
+    RateVerdict,
     SessionDrop,
     Pause,
     Resume,

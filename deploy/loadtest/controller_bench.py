@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench_stack import CpuPerToken, describe_cpu  # noqa: E402
-from common.cli import SERVICES  # noqa: E402
+from common.supervisor import SERVICES  # noqa: E402
 from services.worker.threads import read_cpu_sample  # noqa: E402  (/proc/stat: the machine's busy CPU time)
 
 CORES = os.sched_getaffinity(0)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from serving import Level, Memory, level, memory  # noqa: E402
 
-from common.cli import SERVICES  # noqa: E402
+from common.supervisor import SERVICES  # noqa: E402
 from common.model_source import _embedded_gguf  # noqa: E402
 from tests.stack import free_port, served_settings, start_stack  # noqa: E402
 

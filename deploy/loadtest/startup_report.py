@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from serving import Memory, memory, openai_stream, process_cpu_s  # noqa: E402
 
-from common.cli import SERVICES  # noqa: E402
+from common.supervisor import SERVICES  # noqa: E402
 from tests.stack import Stack, served_settings, start_stack  # noqa: E402
 
 PROCESS_LIMIT_MB = 150

@@ -51,10 +51,10 @@ class Admission:
         gw.metrics.active_streams.labels(surface).inc()
         self._generated = gw.metrics.generation_tokens.labels(surface)  # counted per event: looked up once
 
-    def admit(self, written: str, param: str = "prompt") -> None:
+    async def admit(self, written: str, param: str = "prompt") -> None:
         """Count the request against its tenant's rate limit, then screen what the client wrote (for
         chat: the messages' contents, not the template around them); raise the refusal."""
-        self.gw.limiter.check(self.tenant.rate_key(self.client))
+        await self.gw.limiter.check(self.tenant.rate_key(self.client))
         if self.gw.text.refused(written):
             raise GatewayError(CONTENT_FILTER, f"the {param} was refused by the content filter", param=param)
 

@@ -286,7 +286,7 @@ async def _start_run(gw: Gateway, run: RunRequest, caller: wire.Principal, admis
     model = gw.settings.served_model_name
     if run.model is not None and run.model != model:
         raise GatewayError(INVALID_REQUEST, f"model {run.model!r} is not served here", param="model")
-    admission.admit(run.prompt_text())
+    await admission.admit(run.prompt_text())
     if run.prompt_text():
         _, prompt_ids = await gw.text.prompt(GenerationRequest(prompt=run.prompt_text()))
     else:  # AICI's default empty prompt: the start symbol

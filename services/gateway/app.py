@@ -40,12 +40,14 @@ def create_app(settings: Settings) -> FastAPI:
         text_streams = await text.event_text_streams()
         release_freed_memory()
         ctx = zmq.asyncio.Context()
+        store = StoreClient(settings, ctx)
+        shared = settings.distributed.gateways > 1  # several gateways on the port: one rate window, in the store
         gw = Gateway(
             settings=settings,
             scheduler=SchedulerClient(settings, ctx, text_streams),
-            store=StoreClient(settings, ctx),
+            store=store,
             text=text,
-            limiter=RateLimiter(settings.limits.rate_limit_per_minute),
+            limiter=RateLimiter(settings.limits.rate_limit_per_minute, remote=store.rate_hit if shared else None),
             metrics=Metrics(),
             created=int(time.time()),
             side=SideChannel(settings, ctx),

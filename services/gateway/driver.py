@@ -166,7 +166,7 @@ class Generation:
         gw = self._gw
         try:
             prompt_text, prompt_ids = await gw.text.prompt(self.request)
-            self._admission.admit(self.request.written_text(prompt_text))
+            await self._admission.admit(self.request.written_text(prompt_text))
             health = await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S)
             facts = facts_of(health)
             self._max_model_len = facts.max_model_len or gw.settings.limits.max_model_len

@@ -77,7 +77,8 @@ async def start_grpc(gw: Gateway) -> grpc.aio.Server:
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(settings)],
         options=[
-            ("grpc.so_reuseport", 0),  # a second gateway on the same port must fail, not share it
+            # alone, a second server on the port must fail, not share it; one of several shares it
+            ("grpc.so_reuseport", int(settings.distributed.gateways > 1)),
             ("grpc.max_receive_message_length", size),
             ("grpc.max_send_message_length", size),
         ]

@@ -1,51 +1,51 @@
-"""Per-client request rate limiting (``limits.rate_limit_per_minute``; 0 disables)."""
+"""Per-client request rate limiting (``limits.rate_limit_per_minute``; 0 disables).
+
+One gateway counts in its own memory. Several gateways sharing the port (``distributed.gateways``) would each
+grant the whole limit, so they count in the session store instead: one ``RateHit`` round trip per request,
+the same window for every process. A store that does not answer lets the request through (logged): the
+limit is a guard, and a store outage must not stop serving.
+"""
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
-from common.errors import RATE_LIMITED
+import structlog
+
+from common.errors import RATE_LIMITED, TillerError
+from common.ratelimit import SlidingWindow
 from services.gateway.protocol import GatewayError
 
-WINDOW_S = 60.0
+log = structlog.get_logger()
+
+# a client's request counted elsewhere: the seconds until it may retry, None when admitted
+RemoteHit = Callable[[str], Awaitable[float | None]]
 
 
 class RateLimiter:
-    """A sliding one-minute window of request start times per client address.
+    """Counts here, or with ``remote`` (the session store's window) when several gateways share the limit."""
 
-    Exact (unlike a token bucket, a client never gets more than the limit in any 60 s), and bounded:
-    a client holds at most ``per_minute`` timestamps, and idle clients are swept once a window.
-    """
+    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic,
+                 remote: RemoteHit | None = None) -> None:
+        self._window = SlidingWindow(per_minute, clock)
+        self._remote = remote
 
-    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self._limit = per_minute
-        self._clock = clock
-        self._hits: dict[str, deque[float]] = {}
-        self._last_sweep = clock()
-
-    def check(self, client: str) -> None:
+    async def check(self, client: str) -> None:
         """Count one request from ``client``; raise ``rate_limited`` when over the limit."""
-        if self._limit <= 0:
+        limit = self._window.limit
+        if limit <= 0:
             return
-        now = self._clock()
-        horizon = now - WINDOW_S
-        if now - self._last_sweep > WINDOW_S:
-            self._sweep(horizon)
-            self._last_sweep = now
-        hits = self._hits.setdefault(client, deque())
-        while hits and hits[0] <= horizon:
-            hits.popleft()
-        if len(hits) >= self._limit:
-            retry_after = hits[0] - horizon
-            raise GatewayError(
-                RATE_LIMITED,
-                f"rate limit of {self._limit} requests per minute exceeded; retry in {retry_after:.1f} s",
-                retry_after_s=retry_after,
-            )
-        hits.append(now)
+        retry_after = self._window.hit(client) if self._remote is None else await self._shared_hit(client)
+        if retry_after is not None:
+            raise GatewayError(RATE_LIMITED,
+                               f"rate limit of {limit} requests per minute exceeded; retry in {retry_after:.1f} s",
+                               retry_after_s=retry_after)
 
-    def _sweep(self, horizon: float) -> None:
-        for client in [c for c, hits in self._hits.items() if not hits or hits[-1] <= horizon]:
-            del self._hits[client]
+    async def _shared_hit(self, client: str) -> float | None:
+        assert self._remote is not None
+        try:
+            return await self._remote(client)
+        except TillerError as exc:
+            log.warning("ratelimit.store_unanswered", client=client, error=exc.message)
+            return None

@@ -12,6 +12,8 @@ and nothing sent while the scheduler was down reaches the next one (the Dealer's
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -64,8 +66,10 @@ class SchedulerClient:
                  text_streams: Callable[[], TextStream] | None = None) -> None:
         # immediate: a Submit that waited while the scheduler was down, and was failed here meanwhile,
         # must not reach the next scheduler (it would generate it for nobody)
+        # a readable identity of its own (several gateways are several peers to the scheduler: tiller up --gateways)
+        self.identity = f"gateway-{socket.gethostname()}-{os.getpid()}"
         self._dealer = Dealer(ctx, settings.endpoint("scheduler"), curve=settings.curve, on_message=self._on_message,
-                              immediate=True)
+                              identity=self.identity.encode(), immediate=True)
         limits = settings.limits
         self._heartbeat_s = limits.gateway_heartbeat_s
         self._watch = PeerWatch(silence_s=limits.peer_silence_s, suspect_grace_s=limits.peer_suspect_grace_s)

@@ -25,6 +25,7 @@ log = structlog.get_logger()
 NOT_FOUND = "not_found"
 
 R = TypeVar("R", bound=wire.Msg)
+RATE_HIT_TIMEOUT_S = 1.0  # a rate check the store leaves unanswered this long admits the request
 
 
 class StoreError(TillerError):
@@ -85,11 +86,11 @@ class StoreClient:
             task.cancel()
         self._dealer.close()
 
-    async def _ask(self, msg: wire.Msg, expect: type[R]) -> R:
+    async def _ask(self, msg: wire.Msg, expect: type[R], timeout: float = 10.0) -> R:
         """Send ``msg`` and return its reply, which must be an ``expect``; anything else raises StoreError."""
         what = type(msg).__name__
         try:
-            reply, _ = await self._dealer.request(msg)
+            reply, _ = await self._dealer.request(msg, timeout=timeout)
         except TimeoutError:
             raise StoreError(INTERNAL_ERROR, f"the session store did not answer {what}; is it running?") from None
         if isinstance(reply, expect):
@@ -143,6 +144,11 @@ class StoreClient:
                               position: int | None) -> int:
         msg = wire.RecordFeedback(rid=rid, caller=caller, rating=rating, text=text or "", position=position)
         return (await self._ask(msg, wire.FeedbackRecorded)).feedback_id
+
+    async def rate_hit(self, client: str) -> float | None:
+        """Count one request of ``client`` in the store's rate window: None when admitted, else the seconds
+        until a retry can be (several gateways share one limit; services/gateway/ratelimit.py)."""
+        return (await self._ask(wire.RateHit(client=client), wire.RateVerdict, RATE_HIT_TIMEOUT_S)).retry_after_s
 
     async def answers(self, timeout: float = 0.5) -> bool:
         """Whether the session store answers a Health request within ``timeout`` seconds."""

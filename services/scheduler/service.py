@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +44,7 @@ from common.sockets import Router, reply_mid
 from common.textstream import TextStream, text_table
 from services.scheduler.controlled import MainReply, Plan
 from services.scheduler.core import Dispatch, SchedulerCore
+from services.scheduler.gateways import Gateways
 from services.scheduler.main_channel import MainChannel
 from services.scheduler.placement import KVAwarePlacement
 from services.scheduler.workers import WorkerInfo
@@ -94,7 +95,7 @@ class Scheduler:
         self.worker_router = Router(ctx, settings.endpoint("worker"), curve=settings.curve, heartbeat_s=(
             settings.distributed.heartbeat_s, settings.distributed.heartbeat_timeout_s))
         self.channel = MainChannel(settings.endpoint("controller_main"), settings.curve)
-        self.gateways_seen: dict[bytes, float] = {}  # gateways that send heartbeats -> when last heard from
+        self.gateways = Gateways(settings.limits.gateway_silence_s)
         self.flights: dict[bytes, deque[InFlight]] = defaultdict(deque)  # worker -> its steps in flight, oldest first
         self.waiter: asyncio.Future[None] | None = None  # the step loop's sleep, while it sleeps
         self.next_check = 0.0  # when the step loop next checks the workers in flight and the deadlines
@@ -124,8 +125,9 @@ class Scheduler:
     # frontend
 
     def on_frontend_message(self, gateway: bytes, msg: wire.Message, _binary: list[bytes]) -> None:
-        if gateway in self.gateways_seen or isinstance(msg, wire.GatewayAlive):
-            self.gateways_seen[gateway] = time.monotonic()
+        incarnation = msg.incarnation if isinstance(msg, wire.GatewayAlive) else None
+        if self.gateways.heard(gateway, incarnation, time.monotonic()):
+            self._gateway_lost(gateway, "it restarted")
         if isinstance(msg, wire.Health):  # it waits for the controller runtime: the other messages do not
             self._spawn(self._answer_health(gateway, msg))
             return
@@ -176,6 +178,8 @@ class Scheduler:
             us_per_seq_step=round(main_s / seq_steps * 1e6, 1) if seq_steps else 0.0,
             followed_steps=self.core.controlled.followed_steps)
         facts.workers = [self.placement.worker_figures(w) for w in self.core.pool.workers.values()]
+        facts.gateways = self.gateways.figures(Counter(r.gateway for r in self.core.requests.values()),
+                                               time.monotonic())
         ready = self.core.model_facts() is not None and controller == "ok"
         return wire.HealthReply(service="scheduler", ready=ready, facts=facts, incarnation=self.incarnation)
 
@@ -247,12 +251,14 @@ class Scheduler:
     def _expire_gateways(self) -> None:
         """Cancel the requests of a gateway whose heartbeats stopped: it died with them (a gateway with
         nothing to stream is silent too, and simply stops being watched until its next heartbeat)."""
-        cutoff = time.monotonic() - self.limits.gateway_silence_s
-        for gateway, seen in list(self.gateways_seen.items()):
-            if seen < cutoff:
-                del self.gateways_seen[gateway]
-                if orphans := self.core.gateway_lost(gateway):
-                    log.warning("scheduler.gateway_lost", gateway=gateway.hex(), requests=orphans)
+        for gateway in self.gateways.expired(time.monotonic()):
+            self._gateway_lost(gateway, "its heartbeats stopped")
+
+    def _gateway_lost(self, gateway: bytes, reason: str) -> None:
+        """Cancel the requests of one gateway (the others' go on)."""
+        if orphans := self.core.gateway_lost(gateway):
+            log.warning("scheduler.gateway_lost", gateway=gateway.decode(errors="replace"), reason=reason,
+                        requests=orphans)
 
     # ------------------------------------------------------------------------------------------
     # the step loop

@@ -3,6 +3,7 @@ session messages from SQLite.
 
 Gateways' heartbeats (``GatewayAlive``) renew the busy leases of their running Salience turns and
 keep their live Evergreen sessions' rows; what a dead gateway held lapses after ``sessions.busy_lease_s``.
+Several gateways on one port count their clients' requests here (``RateHit``), against one limit.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from common.config import Settings
 from common.errors import INTERNAL_ERROR, INVALID_REQUEST
 from common.incarnation import process_incarnation
 from common.quotas import QuotaExceeded
+from common.ratelimit import SlidingWindow
 from common.sockets import Router, reply_mid
 from services.session_store.db import BadRecord, Store
 from services.session_store.holders import EvergreenHolders
@@ -34,6 +36,7 @@ class SessionStore:
         self.sessions = SalienceSessions(self.store.conn, settings.sessions.ttl_s, implicit_user, settings.tenants)
         self.lease_s = settings.sessions.busy_lease_s
         self.evergreen_holders = EvergreenHolders(self.lease_s)
+        self.rates = SlidingWindow(settings.limits.rate_limit_per_minute)  # the gateways' one window (RateHit)
         self.router = Router(zmq.asyncio.Context.instance(), settings.endpoint("session_store"), curve=settings.curve)
 
     def handle(self, msg: wire.Message) -> wire.Msg:
@@ -43,6 +46,8 @@ class SessionStore:
             self.sessions.renew(msg.leases, self.lease_s)
             self.evergreen_holders.renew(msg.evergreen, time.monotonic())
             return wire.Alive(service="session_store", incarnation=process_incarnation())
+        if isinstance(msg, wire.RateHit):
+            return wire.RateVerdict(retry_after_s=self.rates.hit(msg.client))
         if isinstance(msg, wire.RecordRequest):
             self.store.record_request(msg.rid, msg.owner, msg.surface, msg.model, msg.prompt, msg.params,
                                       msg.created_at)

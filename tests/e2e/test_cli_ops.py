@@ -127,10 +127,11 @@ def test_up_names_a_busy_port(tmp_path: Path):
 
 
 @pytest.mark.parametrize(("answer", "started", "verdict"), [
-    (None, 41, (False, "")),  # nothing answers yet
-    (GatewayAnswer(503, 41), 41, (False, "")),  # ours, loading
-    (GatewayAnswer(200, 41), 41, (True, "")),
-    (GatewayAnswer(200, None), None, (False, "")),  # supervisord has no pid for it yet
+    (None, {41}, (None, "")),  # nothing answers yet
+    (GatewayAnswer(503, 41), {41}, (None, "")),  # ours, loading
+    (GatewayAnswer(200, 41), {41}, (41, "")),
+    (GatewayAnswer(200, 42), {41, 42}, (42, "")),  # one of several sharing the port
+    (GatewayAnswer(200, None), set(), (None, "")),  # supervisord has no pid for it yet
 ])
 def test_judge_gateway_waits_for_ours(answer, started, verdict):
     assert judge_gateway(answer, started, Settings(http_port=8123)) == verdict
@@ -138,8 +139,8 @@ def test_judge_gateway_waits_for_ours(answer, started, verdict):
 
 @pytest.mark.parametrize("answer", [GatewayAnswer(200, 7), GatewayAnswer(200, None), GatewayAnswer(404, None)])
 def test_judge_gateway_refuses_another_server(answer):
-    ready, reason = judge_gateway(answer, 41, Settings(http_port=8123))
-    assert not ready and "port 8123 on 127.0.0.1 (TILLER_HTTP_PORT) is answered by another server" in reason
+    ready, reason = judge_gateway(answer, {41}, Settings(http_port=8123))
+    assert ready is None and "port 8123 on 127.0.0.1 (TILLER_HTTP_PORT) is answered by another server" in reason
     assert "(pid 41)" in reason
 
 

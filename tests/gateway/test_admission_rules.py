@@ -56,25 +56,25 @@ def sample(gw: Gateway, name: str, **labels: str) -> float:
     return gw.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-def test_rate_limit_comes_before_the_content_filter_and_counts_refused_prompts():
+async def test_rate_limit_comes_before_the_content_filter_and_counts_refused_prompts():
     gw = gateway(rate_limit=1)
     with pytest.raises(GatewayError) as caught:
-        Admission(gw, rid="a", surface="salience", client="c", tenant=ANYONE).admit("forbidden words", "append_tokens")
+        await Admission(gw, rid="a", surface="salience", client="c", tenant=ANYONE).admit("forbidden words", "append_tokens")
     assert caught.value.code == CONTENT_FILTER and "append_tokens" in caught.value.message
     with pytest.raises(GatewayError) as caught:
-        Admission(gw, rid="b", surface="aici", client="c", tenant=ANYONE).admit("fine")
+        await Admission(gw, rid="b", surface="aici", client="c", tenant=ANYONE).admit("fine")
     assert caught.value.code == RATE_LIMITED
-    Admission(gw, rid="c", surface="aici", client="other", tenant=ANYONE).admit("fine")  # clients are counted apart
+    await Admission(gw, rid="c", surface="aici", client="other", tenant=ANYONE).admit("fine")  # clients are counted apart
 
 
-def test_with_auth_the_rate_limit_counts_users_not_addresses():
+async def test_with_auth_the_rate_limit_counts_users_not_addresses():
     gw = gateway(rate_limit=1)
     alice, bob = (Tenant(wire.Principal(user=u), authenticated=True) for u in ("alice", "bob"))
-    Admission(gw, rid="a", surface="openai", client="10.0.0.1", tenant=alice).admit("fine")
+    await Admission(gw, rid="a", surface="openai", client="10.0.0.1", tenant=alice).admit("fine")
     with pytest.raises(GatewayError) as caught:  # alice from another address is still alice
-        Admission(gw, rid="b", surface="openai", client="10.0.0.2", tenant=alice).admit("fine")
+        await Admission(gw, rid="b", surface="openai", client="10.0.0.2", tenant=alice).admit("fine")
     assert caught.value.code == RATE_LIMITED
-    Admission(gw, rid="c", surface="openai", client="10.0.0.1", tenant=bob).admit("fine")  # bob behind alice's NAT
+    await Admission(gw, rid="c", surface="openai", client="10.0.0.1", tenant=bob).admit("fine")  # bob behind alice's NAT
 
 
 def test_written_tokens_are_screened_as_text_and_output_is_screened():

@@ -1,10 +1,12 @@
-"""The per-client sliding-window rate limiter."""
+"""The per-client sliding-window rate limit: the window, and the gateway's limiter counting here or in the
+session store (several gateways on one port)."""
 
 from __future__ import annotations
 
 import pytest
 
-from common.errors import RATE_LIMITED
+from common.errors import INTERNAL_ERROR, RATE_LIMITED, TillerError
+from common.ratelimit import SlidingWindow
 from services.gateway.protocol import GatewayError
 from services.gateway.ratelimit import RateLimiter
 
@@ -19,32 +21,59 @@ class Clock:
 
 def test_limit_per_client_and_window():
     clock = Clock()
-    limiter = RateLimiter(2, clock)
-    limiter.check("a")
+    window = SlidingWindow(2, clock)
+    assert window.hit("a") is None
     clock.now += 10
-    limiter.check("a")
-    limiter.check("b")  # other clients are counted apart
-    with pytest.raises(GatewayError) as caught:
-        limiter.check("a")
-    assert caught.value.code == RATE_LIMITED
-    assert caught.value.retry_after_s == pytest.approx(50.0)  # the first request leaves the window in 50 s
+    assert window.hit("a") is None
+    assert window.hit("b") is None  # other clients are counted apart
+    assert window.hit("a") == pytest.approx(50.0)  # the first request leaves the window in 50 s
     clock.now += 50.01
-    limiter.check("a")
-    with pytest.raises(GatewayError):
-        limiter.check("a")
+    assert window.hit("a") is None
+    assert window.hit("a") is not None
 
 
 def test_zero_disables():
-    limiter = RateLimiter(0)
-    for _ in range(1000):
-        limiter.check("a")
+    window = SlidingWindow(0)
+    assert all(window.hit("a") is None for _ in range(1000))
 
 
 def test_idle_clients_are_swept():
     clock = Clock()
-    limiter = RateLimiter(5, clock)
+    window = SlidingWindow(5, clock)
     for i in range(100):
-        limiter.check(f"client-{i}")
+        window.hit(f"client-{i}")
     clock.now += 61
-    limiter.check("new")
-    assert list(limiter._hits) == ["new"]
+    window.hit("new")
+    assert list(window._hits) == ["new"]
+
+
+async def test_the_limiter_refuses_with_the_time_to_retry():
+    clock = Clock()
+    limiter = RateLimiter(1, clock)
+    await limiter.check("a")
+    with pytest.raises(GatewayError) as caught:
+        await limiter.check("a")
+    assert caught.value.code == RATE_LIMITED and caught.value.retry_after_s == pytest.approx(60.0)
+    assert "rate limit of 1 requests per minute exceeded" in caught.value.message
+
+
+async def test_a_shared_limit_is_counted_remotely_and_admits_when_the_store_is_silent():
+    asked: list[str] = []
+    answers: list[float | None | Exception] = [None, 12.5, TillerError(INTERNAL_ERROR, "no answer")]
+
+    async def remote(client: str) -> float | None:
+        asked.append(client)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    limiter = RateLimiter(3, remote=remote)
+    await limiter.check("a")
+    with pytest.raises(GatewayError) as caught:
+        await limiter.check("a")
+    assert caught.value.retry_after_s == 12.5
+    await limiter.check("a")  # the store did not answer: admitted (logged)
+    assert asked == ["a", "a", "a"]
+    await RateLimiter(0, remote=remote).check("a")  # disabled: nothing asked
+    assert len(asked) == 3

@@ -118,7 +118,7 @@ class Turn:
         max_len = facts.max_model_len or self.gw.settings.limits.max_model_len
         self._validate(facts.vocab_size, max_len)
         try:
-            self._admission.admit(self._admission.written_tokens(req.append_tokens), "append_tokens")
+            await self._admission.admit(self._admission.written_tokens(req.append_tokens), "append_tokens")
         except TillerError as exc:
             raise Abort.from_error(exc) from None
         length = self.length = req.offset + len(req.append_tokens)
