@@ -63,6 +63,11 @@ class BatchCeiling:
         if bucket is None or bucket.steps >= MIN_STEPS:
             self.ceiling = self._judge()
 
+    def figures(self) -> dict[str, float]:
+        """Each measured bucket's averaged tokens a second, by its averaged rows (for the log)."""
+        return {f"rows_{b.rows:.0f}_tok_s": round(1000 * b.tokens_per_ms, 1)
+                for _, b in sorted(self._buckets.items()) if b.steps >= MIN_STEPS}
+
     def _judge(self) -> int:
         horizon = self._steps - STALE_STEPS
         for key in [k for k, b in self._buckets.items() if b.last_seen < horizon]:

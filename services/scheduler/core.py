@@ -617,7 +617,11 @@ class SchedulerCore:
         info = dispatch.info
         if info.batch is None:
             info.batch = BatchCeiling(self.limits.max_batch_size)
+        before = info.batch.ceiling
         info.batch.observe(slots, forward_ms)
+        if info.batch.ceiling != before:
+            log.info("scheduler.batch_ceiling", worker=dispatch.worker.decode(errors="replace"),
+                     ceiling=info.batch.ceiling, was=before, **info.batch.figures())
 
     def _unfollow(self, request: LiveRequest) -> None:
         """``request``'s next step is built on its own again (it changed, or paused)."""
