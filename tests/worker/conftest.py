@@ -128,6 +128,20 @@ class Driver:
         return tokens
 
 
+ORACLE_PROMPTS = ([5, 17, 99, 3, 250, 42, 7, 300, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [1000, 2000, 3])
+
+
+def assert_greedy_as_transformers(engine: Engine, oracle: torch.nn.Module, n: int) -> None:
+    """``engine``'s greedy tokens after each of :data:`ORACLE_PROMPTS` (a long one and a short one) equal
+    ``oracle``'s (a transformers model on the same weights): exactly ``n`` tokens each."""
+    for prompt in ORACLE_PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            want = oracle.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                   min_new_tokens=n, pad_token_id=0)[0, len(prompt):].tolist()
+        assert Driver(engine).generate(hash(tuple(prompt)) % 1000, prompt, n) == want, prompt
+
+
 @pytest.fixture
 def driver(engine: Engine) -> Driver:
     return Driver(engine)

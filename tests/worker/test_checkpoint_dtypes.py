@@ -17,7 +17,7 @@ from common.model_source import resolve_model
 from services.worker.engine import Engine
 from services.worker.gguf_linear import BlockLinear
 from services.worker.model_loader import load_model
-from tests.worker.conftest import Driver
+from tests.worker.conftest import assert_greedy_as_transformers
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -53,9 +53,4 @@ def test_a_checkpoint_is_served_in_the_dtype_it_ships(tmp_path, gguf_kernel, dty
                if isinstance(m, torch.nn.Linear))  # the dense copies let go once packed
 
     oracle = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    for prompt in ([5, 17, 99, 3, 250, 42, 7, 300, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [1000, 2000, 3]):
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            want = oracle.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20,
-                                   min_new_tokens=20, pad_token_id=0)[0, len(prompt):].tolist()
-        assert Driver(engine).generate(hash(tuple(prompt)) % 1000, prompt, 20) == want
+    assert_greedy_as_transformers(engine, oracle, 20)

@@ -23,7 +23,7 @@ from common.model_source import cache_entries_in_use, resolve_model
 from services.worker.engine import Engine
 from services.worker.gguf_linear import BlockLinear
 from services.worker.model_loader import load_model
-from tests.worker.conftest import Driver
+from tests.worker.conftest import assert_greedy_as_transformers
 
 LAYERS = 4
 
@@ -95,12 +95,7 @@ def test_a_q4_k_m_file_is_served_as_it_ships_and_equals_transformers(mixed_gguf:
     assert kinds == [("K8", "K8", "K8", "K8" if i % 2 == 0 else "Q4_K") for i in range(LAYERS)], kinds
 
     oracle = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32).eval()  # the file, dequantized
-    for prompt in ([5, 17, 99, 3, 250, 42, 7, 300, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [1000, 2000, 3]):
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            want = oracle.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
-                                   min_new_tokens=16, pad_token_id=0)[0, len(prompt):].tolist()
-        assert Driver(engine).generate(hash(tuple(prompt)) % 1000, prompt, 16) == want
+    assert_greedy_as_transformers(engine, oracle, 16)
 
 
 def test_a_gguf_path_that_is_no_file_is_refused_clearly(tmp_path) -> None:
