@@ -202,7 +202,13 @@ class WorkerService:
         self._send(hello)
 
     def _send(self, msg: wire.Msg) -> None:
-        self.sock.send(wire.encode(msg))
+        """Send without blocking: a DEALER whose only connection ZeroMQ dropped for good (a refused handshake,
+        which it never retries) would block a send forever, before the monitor's event saying why is read."""
+        try:
+            self.sock.send(wire.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            self.log.warning("worker.send_dropped", type=type(msg).__name__, endpoint=self.endpoint,
+                             note="no connection to the scheduler to queue it on")
 
     def _handle(self, parts: list[bytes]) -> None:
         try:

@@ -75,8 +75,12 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedCluster]:
 
 
 def _refused(keyed: KeyedCluster, worker: subprocess.Popen[bytes], host) -> str:
-    """The refused worker's exit: it stops, nonzero, saying why."""
-    assert worker.wait(timeout=READY_S) != 0
+    """The refused worker's exit: it stops, nonzero, saying why (its log, if it does not)."""
+    try:
+        code = worker.wait(timeout=READY_S / 2)  # (its refusal comes at its first connection, before it loads)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the refused worker on {host.name} is still running: {keyed.worker_log(host)[-3000:]}")
+    assert code != 0
     log = keyed.worker_log(host)
     assert '"worker.refused"' in log and '"worker.ready"' not in log[log.index('"worker.refused"'):], log[-3000:]
     return log

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from common import cli_ops, wire
 from common.config import Curve, Settings, Tls
 from common.curve import ClientHandshakes, CurveError, RefusalLog, keys_of, make_key_pair
-from common.sockets import Dealer, PeerLost, Router, owner_only_dir
+from common.sockets import Dealer, PeerLost, Router, bind, owner_only_dir
 from common.startup_checks import check_security
 from tests.stack import free_port
 
@@ -211,17 +211,41 @@ def _greeting_cutter() -> tuple[socket.socket, threading.Event]:
     return listener, stop
 
 
+def _refusing_server(tmp_path: Path, pairs) -> tuple[zmq.Socket, str]:
+    """A CURVE server (the hub's key pair, authorized/ listing only the worker) bound on loopback."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    bind(sock, endpoint, Curve(secret_key=pairs["hub"][1], authorized_keys=tmp_path / "authorized"))
+    return sock, endpoint
+
+
+def _worker_exit(endpoint: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "common.cli", "worker", "--scheduler", endpoint],
+                          env=dict(os.environ, TILLER_RUN_DIR=str(tmp_path / "run"), **env),
+                          capture_output=True, text=True, timeout=60)
+
+
 def test_a_worker_whose_handshakes_are_cut_short_stops_saying_why(tmp_path: Path) -> None:
     """ZeroMQ retries a handshake the server cut short forever: the worker counts them and stops."""
     listener, stop = _greeting_cutter()
-    env = dict(os.environ, TILLER_RUN_DIR=str(tmp_path))
     try:
-        worker = subprocess.run(
-            [sys.executable, "-m", "common.cli", "worker", "--scheduler", f"tcp://127.0.0.1:{listener.getsockname()[1]}"],
-            env=env, capture_output=True, text=True, timeout=60)
+        worker = _worker_exit(f"tcp://127.0.0.1:{listener.getsockname()[1]}", tmp_path)
     finally:
         stop.set()
         listener.close()
     assert worker.returncode != 0
     assert '"worker.refused"' in worker.stdout + worker.stderr and "this host has no CURVE key" in worker.stderr, \
         worker.stderr[-3000:]
+
+
+def test_a_worker_whose_key_is_refused_stops_saying_why(tmp_path: Path, pairs) -> None:
+    """ZeroMQ drops a connection whose key the server's ZAP handler refused and never retries it: the worker
+    must read the refusal on its monitor rather than block on a hello it can no longer queue anywhere."""
+    sock, endpoint = _refusing_server(tmp_path, pairs)
+    try:
+        worker = _worker_exit(endpoint, tmp_path, TILLER_CURVE__SECRET_KEY=str(pairs["stranger"][1]),
+                              TILLER_CURVE__SERVER_KEY=str(pairs["hub"][0]))
+    finally:
+        sock.close(0)
+    assert worker.returncode != 0 and "refused this host's key" in worker.stderr, worker.stderr[-3000:]

@@ -6,11 +6,13 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog.testing
 import zmq
 
 from common import wire
@@ -175,5 +177,20 @@ def test_a_step_that_raises_fails_all_its_sequences_and_frees_them(tmp_path: Pat
         assert all("boom" in f.message for f in result.failures)
         assert wire.unpack_tokens(result.tokens) == [-1, -1]  # every slot, followers' too
         assert 70 not in engine.seqs and 71 not in engine.tables.seqs
+    finally:
+        service.sock.close(0)
+
+
+def test_a_hello_with_no_connection_to_queue_on_is_dropped_and_said(tmp_path: Path) -> None:
+    """A DEALER with no connection (ZeroMQ drops one whose handshake was refused, for good) blocks every send:
+    the worker's must return, so its loop goes on to read the monitor event saying why it was refused."""
+    service = WorkerService(Settings(run_dir=tmp_path))  # its socket is connected nowhere yet
+    sender = threading.Thread(target=service._hello, daemon=True)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            sender.start()
+            sender.join(timeout=10)
+        assert not sender.is_alive(), "the hello blocked"
+        assert [e["type"] for e in logs if e["event"] == "worker.send_dropped"] == ["WorkerHello"], logs
     finally:
         service.sock.close(0)
