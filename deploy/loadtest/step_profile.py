@@ -39,7 +39,8 @@ from common.wire import SamplingParams
 from services.worker.engine import Engine
 from services.worker.kv_cache import BLOCK_SIZE
 from services.worker.model_loader import load_model
-from services.worker.paged_llama import PagedLlama
+from services.worker.models.llama import LlamaLayer
+from services.worker.models.paged import PagedModel
 from services.worker.runner import SeqInput
 from services.worker.sampler import SeqSampler, sample
 
@@ -64,20 +65,21 @@ class StandIn:
 class Projections:
     """Swaps a runner's projections for stand-ins and back."""
 
-    def __init__(self, runner: PagedLlama) -> None:
+    def __init__(self, runner: PagedModel) -> None:
         self.runner = runner
-        self.real = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in runner.layers], runner.head
+        self.layers: list[LlamaLayer] = [layer for layer in runner.layers if isinstance(layer, LlamaLayer)]
+        self.real = [layer.projections() for layer in self.layers], runner.head
         self.fake = ([tuple(StandIn(m.out_features) for m in linears) for linears in self.real[0]],
                      StandIn(runner.head.out_features))
 
     def use(self, fake: bool) -> None:
         layers, head = self.fake if fake else self.real
-        for layer, (qkv, o, gate_up, down) in zip(self.runner.layers, layers):
-            layer.qkv, layer.o, layer.gate_up, layer.down = qkv, o, gate_up, down
+        for layer, (qkv, o, gate_up, down) in zip(self.layers, layers):
+            layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down = qkv, o, gate_up, down
         self.runner.head = head
 
 
-def decode_steps(runner: PagedLlama, batch: int, start: int, steps: int) -> float:
+def decode_steps(runner: PagedModel, batch: int, start: int, steps: int) -> float:
     """CPU ms per step of ``steps`` decode steps of sequences 0..batch-1 from position ``start``."""
     began = time.process_time()
     for i in range(steps):
@@ -98,7 +100,7 @@ def sample_ms(batch: int, vocab: int, repeats: int = 50) -> float:
     return (time.process_time() - began) * 1000 / repeats
 
 
-def op_table(runner: PagedLlama, batch: int, start: int, steps: int) -> None:
+def op_table(runner: PagedModel, batch: int, start: int, steps: int) -> None:
     """The profiler's top-level ops of ``steps`` decode steps (projections should be stand-ins)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         decode_steps(runner, batch, start, steps)
@@ -131,12 +133,12 @@ def main() -> None:
     longest = max(c for _, c in shapes) + (6 * args.repeats + 2) * (args.steps + 1)  # 3 variants x 2 forwards
     engine = Engine(loaded, num_blocks=max(b for b, _ in shapes) * -(-longest // BLOCK_SIZE) + 1)
     runner = engine.runner
-    if not isinstance(runner, PagedLlama):
+    if not isinstance(runner, PagedModel):
         raise SystemExit(f"the model runs on the {engine.backend} backend, not the native forward")
     projections = Projections(runner)
     variants = {"torch": (None, False)}
-    if runner.ops is not None:
-        variants |= {"fused": (runner.ops, False), "layer": (runner.ops, True)}
+    if runner.kernels.ops is not None:
+        variants |= {"fused": (runner.kernels.ops, False), "layer": (runner.kernels.ops, True)}
     print(f"model={settings.model} weights={loaded.weights} threads={torch.get_num_threads()} "
           f"steps={args.steps} repeats={args.repeats}")
     print(f"{'batch':>6}{'context':>9}{'ops':>7}{'all':>9}{'non-linear':>12}{'linear':>9}{'sample':>9}"
@@ -152,7 +154,7 @@ def main() -> None:
         position = context
         for _ in range(args.repeats):
             for name, (ops, whole) in variants.items():
-                runner.ops, runner.whole_layers = ops, whole
+                runner.kernels.ops, runner.kernels.whole_layers = ops, whole
                 for fake in (False, True):
                     projections.use(fake)
                     decode_steps(runner, batch, position, 1)  # warm-up

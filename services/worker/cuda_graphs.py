@@ -23,7 +23,7 @@ import torch
 
 from services.worker.kv_cache import NULL_BLOCK, PagedKVCache
 from services.worker.runner import SeqInput
-from services.worker.step_plan import StepPlan
+from services.worker.layers.plan import StepPlan
 
 # The forward captured: token ids, positions and the step plan -> float32 logits, one row per token.
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, StepPlan], torch.Tensor]

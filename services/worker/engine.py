@@ -47,7 +47,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+
 
 import numpy as np
 import structlog
@@ -63,14 +63,15 @@ from services.worker.hf_fallback import HFFallback
 from services.worker.vision import VisionFallback
 from services.worker.kv_cache import BlockTables, PagedKVCache, PoolExhausted, bytes_per_token, plan_num_blocks
 from services.worker.model_loader import LoadedModel
-from services.worker.paged_llama import PagedLlama, unsupported_reason
+from services.worker.layers.kernels import KernelChoice
+from services.worker.models import family_of, unsupported_reason
+from services.worker.models.paged import PagedModel
 from services.worker.readouts import Readouts
 from services.worker.runner import Runner, SeqInput
+from services.worker.tensor_parallel import Ranks
 from services.worker.sampler import SeqSampler, mask_allows_any, masked_scores, sample, validate_params
 from services.worker.transfer import to_device
 
-if TYPE_CHECKING:
-    from services.worker.tensor_parallel import Ranks
 
 log = structlog.get_logger()
 
@@ -84,7 +85,7 @@ class _Seq:
     follow: SeqStep | None = None  # the follow SeqStep that stands for it in ``Step.follows`` (made once)
 
 
-def layer_kernels(loaded: LoadedModel, gpu_kernels: str) -> Literal["torch", "library", "triton"]:
+def layer_kernels(loaded: LoadedModel, gpu_kernels: str) -> KernelChoice:
     """Whose ops run around the native forward's matmuls: the kernel library's where its kernel
     serves the projections (a decode step's layer is then one call), Triton's on a GPU where the
     setting asks, else torch's."""
@@ -195,18 +196,19 @@ class Engine:
             )
             self.cache = cache
             self.tables = cache.tables
-            if ranks is None:
-                runner = PagedLlama(loaded.model, cache, loaded.max_model_len, loaded.linears,
-                                    kernels=layer_kernels(loaded, gpu_kernels))
-            else:
-                runner = ranks.runner(loaded.model, cache, loaded.max_model_len)
+            family = family_of(config)
+            assert family is not None
+            # tensor parallel shards dense weights and runs torch's ops around them
+            runner = family.build(loaded.model, cache, loaded.max_model_len, loaded.linears if ranks is None else None,
+                                  layer_kernels(loaded, gpu_kernels) if ranks is None else "torch",
+                                  None if ranks is None else ranks.shard)
             if cuda_graph_batch > 0 and loaded.device.type == "cuda" and ranks is None:
                 runner.enable_cuda_graphs(cuda_graph_batch, -(-loaded.max_model_len // cache.tables.block_size))
             if readouts is not None:
                 runner.tap_layers = frozenset(readouts.layers)
             self.runner = runner
             self.backend = "paged+cuda_graphs" if runner.graphs is not None else "paged"
-            if getattr(runner, "ops", None) is not None and loaded.device.type == "cuda":
+            if runner.kernels.ops is not None and loaded.device.type == "cuda":
                 self.backend += "+triton"
         else:
             log.info("worker.fallback_forward", reason=reason)
@@ -465,7 +467,7 @@ class Engine:
         if captured is None:
             return scores, readouts, pooled
         runner = self.runner
-        assert isinstance(runner, (PagedLlama, HFFallback))
+        assert isinstance(runner, (PagedModel, HFFallback))
         row_of: dict[tuple[int, int], int] = {}
         for item in inputs:
             for p in item.capture:

@@ -7,7 +7,7 @@ microseconds of overhead around a few hundred multiply-adds. These ops do the sa
 * ``rms_norm(x, w, eps)``: ``x / sqrt(mean(x^2) + eps) * w`` by row;
 * ``silu_mul(gate_up)``: ``silu(gate) * up`` of a fused gate|up projection;
 * ``rope_store(qkv, cos, sin, positions, rotated, pool, slots)``: rotates the query and key heads of
-  ``qkv`` in place (the tables laid out as :class:`services.worker.paged_llama.PagedLlama` makes
+  ``qkv`` in place (the tables laid out as :class:`services.worker.layers.attention.Rotary` makes
   them) and copies each row's keys and values to its slot of a layer's pool;
 * ``decode_attention(q, blocks, tables, lengths, scale)``: the attention of one query row per
   sequence over its keys and values read from the pool's blocks in place, grouped-query;

@@ -28,7 +28,7 @@ from common.model_source import resolve_model, tokenizer_class
 from common.vision import VisionSpec
 from services.worker import kernel_build
 from services.worker.packed_cache import LAYOUTS, PackedStore, cache_key, cache_path
-from services.worker.paged_llama import unsupported_reason
+from services.worker.models import unsupported_reason
 from services.worker.quantized import LinearFactory, linear_factory, weights_mode
 
 log = structlog.get_logger()

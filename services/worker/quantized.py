@@ -1,6 +1,6 @@
 """Linear layers of the native forward: dense, or weight-only quantized on torch's packed CPU kernels.
 
-Every projection of :class:`services.worker.paged_llama.PagedLlama` is a :class:`Linear` made by
+Every projection of a native model (:mod:`services.worker.models`) is a :class:`Linear` made by
 a :class:`LinearFactory` from the transformers modules it replaces (several, side by side, for the
 fused q|k|v and gate|up projections):
 

@@ -143,7 +143,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
                pool: torch.Tensor, slots: torch.Tensor) -> None:
     """Rotates the first ``rotated`` heads of ``qkv [tokens, heads, dim]`` in place (``x * cos +
     roll(x, dim / 2) * sin`` at each token's position, the tables as
-    :class:`services.worker.paged_llama.PagedLlama` lays them out) and copies each token's last
+    :class:`services.worker.layers.attention.Rotary` lays them out) and copies each token's last
     ``pool.shape[1]`` heads (its keys, rotated, and values) to its slot of ``pool [slots, 2 kv_heads, dim]``."""
     tokens, heads, dim = qkv.shape
     if not qkv.is_contiguous() or not pool.is_contiguous() or pool.shape[2] != dim:

@@ -47,7 +47,7 @@ def test_a_checkpoint_is_served_in_the_dtype_it_ships(tmp_path, gguf_kernel, dty
     assert loaded.kernel and loaded.dtype == torch.float32  # float32 activations and KV
     engine = Engine(loaded, num_blocks=32)
     layer = engine.runner.layers[0]
-    assert all(isinstance(p, BlockLinear) and p.kind == kind for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert all(isinstance(p, BlockLinear) and p.kind == kind for p in layer.projections())
     assert isinstance(engine.runner.head, BlockLinear) and engine.runner.head.kind == kind
     assert all(m.weight.device.type == "meta" for m in loaded.model.model.layers[0].mlp.modules()
                if isinstance(m, torch.nn.Linear))  # the dense copies let go once packed

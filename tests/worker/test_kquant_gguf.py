@@ -89,9 +89,9 @@ def test_a_q4_k_m_file_is_served_as_it_ships_and_equals_transformers(mixed_gguf:
     loaded = load_model(settings, lambda progress, message: None)
     assert loaded.weights == "gguf" and loaded.kernel and loaded.config.num_hidden_layers == LAYERS
     engine = Engine(loaded, num_blocks=32)
-    kinds = [(layer.qkv.kind, layer.o.kind, layer.gate_up.kind, layer.down.kind) for layer in engine.runner.layers]
+    kinds = [tuple(p.kind for p in layer.projections()) for layer in engine.runner.layers]
     assert all(isinstance(p, BlockLinear) for layer in engine.runner.layers
-               for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+               for p in layer.projections())
     assert kinds == [("K8", "K8", "K8", "K8" if i % 2 == 0 else "Q4_K") for i in range(LAYERS)], kinds
 
     oracle = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32).eval()  # the file, dequantized

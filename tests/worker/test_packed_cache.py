@@ -79,7 +79,7 @@ class Start:
 
     def layers(self) -> list[Int4Packed | BlockLinear]:
         runner = self.engine.runner
-        return [runner.head] + [p for layer in runner.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [runner.head] + [p for layer in runner.layers for p in layer.projections()]
 
     def generate(self) -> list[int]:
         return Driver(self.engine).generate(0, PROMPT, 8)

@@ -22,7 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from services.worker.gguf_blocks import GROUP, Blocks
 from services.worker.gguf_linear import BlockLinear
 from services.worker.kv_cache import PagedKVCache
-from services.worker.paged_llama import DECODE_ROWS_MAX, PagedLlama
+from services.worker.layers.plan import DECODE_ROWS_MAX
+from services.worker.models import llama
 from services.worker.runner import SeqInput
 
 BLOCK = 4
@@ -46,8 +47,8 @@ class Paged:
                                   head_dim=config.hidden_size // config.num_attention_heads, num_blocks=40,
                                   dtype=torch.float32, device=torch.device("cpu"), block_size=BLOCK)
         self.tables = self.cache.tables
-        self.runner = PagedLlama(model, self.cache, config.max_position_embeddings, kernels=kernels)
-        assert (self.runner.ops is not None) == (kernels != "torch")
+        self.runner = llama.build(model, self.cache, config.max_position_embeddings, kernels=kernels)
+        assert (self.runner.kernels.ops is not None) == (kernels != "torch")
         self.history: dict[int, list[int]] = {}
 
     def fork(self, parent: int, child: int) -> None:
@@ -133,13 +134,14 @@ def test_whole_decode_layers_equal_the_fused_ops_one_by_one(model: LlamaForCausa
         for layer, source in zip(paged.runner.layers, model.model.layers):
             attn, mlp = source.self_attn, source.mlp
             layer.qkv, layer.o = _q8_layer([attn.q_proj, attn.k_proj, attn.v_proj]), _q8_layer([attn.o_proj])
-            layer.gate_up, layer.down = _q8_layer([mlp.gate_proj, mlp.up_proj]), _q8_layer([mlp.down_proj])
-            assert layer.block_weights(paged.runner.eps, paged.runner.intermediate) is not None
-        paged.runner.whole_layers = whole
+            layer.mlp.gate_up, layer.mlp.down = _q8_layer([mlp.gate_proj, mlp.up_proj]), _q8_layer([mlp.down_proj])
+            assert layer.block_weights() is not None
+        kernels = paged.runner.kernels
+        kernels.whole_layers = whole
         calls = []
-        assert paged.runner.ops is not None
-        layer_op = paged.runner.ops.decode_layer
-        paged.runner.ops = dataclasses.replace(paged.runner.ops, decode_layer=lambda *a: calls.append(1) or layer_op(*a))
+        assert kernels.ops is not None
+        layer_op = kernels.ops.decode_layer
+        kernels.ops = dataclasses.replace(kernels.ops, decode_layer=lambda *a: calls.append(1) or layer_op(*a))
         steps = [paged.step({1: _tokens(DECODE_ROWS_MAX + 3, 1), 2: _tokens(3, 2)})]  # a prefill: op by op
         paged.fork(1, 3)
         steps += [paged.step({s: _tokens(1, 10 * s + i) for s in (1, 2, 3)}) for i in range(6)]

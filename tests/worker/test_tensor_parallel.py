@@ -15,7 +15,7 @@ from common.model_source import resolve_model
 from common.config import Settings
 from services.worker.engine import Engine
 from services.worker.model_loader import LoadedModel
-from services.worker.tensor_parallel import Shard, split
+from services.worker.layers.parallel import Shard, split
 from tests.worker.conftest import GREEDY, Driver
 from tests.worker.test_worker_service import Scheduler, _start_worker, _stop, scheduler  # noqa: F401 (fixture)
 
