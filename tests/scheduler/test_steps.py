@@ -274,6 +274,20 @@ def test_a_modified_sampling_goes_with_the_next_follow_only():
     assert [followed(steps, "r") for steps in (first, second, third, fourth)] == [True, True, False, True]
 
 
+def _walks(name: str):
+    def walk(self: "Watched"):
+        self.walked = True
+        return getattr(dict, name)(self)
+    return walk
+
+
+def _reads(name: str):
+    def read(self: "Watched", key, *default):
+        self.read.add(key)
+        return getattr(dict, name)(self, key, *default)
+    return read
+
+
 class Watched(dict):
     """A table that records the keys read one by one, and whether it was walked whole."""
 
@@ -282,33 +296,8 @@ class Watched(dict):
         self.read: set = set()
         self.walked = False
 
-    def get(self, key, default=None):
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __getitem__(self, key):
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def __contains__(self, key):
-        self.read.add(key)
-        return super().__contains__(key)
-
-    def __iter__(self):
-        self.walked = True
-        return super().__iter__()
-
-    def items(self):
-        self.walked = True
-        return super().items()
-
-    def values(self):
-        self.walked = True
-        return super().values()
-
-    def keys(self):
-        self.walked = True
-        return super().keys()
+    get, __getitem__, __contains__ = (_reads(name) for name in ("get", "__getitem__", "__contains__"))
+    __iter__, keys, values, items = (_walks(name) for name in ("__iter__", "keys", "values", "items"))
 
 
 def test_building_steps_visits_only_the_workers_with_work():
