@@ -44,7 +44,7 @@ def decode_us(tokenizer, args: argparse.Namespace, stop: list[str]) -> float:
                                        sampling=wire.SamplingParams(temperature=0.0), max_tokens=max_tokens,
                                        ignore_eos=True, stop=stop,
                                        text_at_gateway=not stop))  # as a gateway sends it (common.event_text)
-    encoder, decoder = wire._encoder, wire._decoder
+    encoder, decoder = wire.codec._encoder, wire.codec._decoder
     spent, tokens = [0.0], [0]
 
     def step() -> None:

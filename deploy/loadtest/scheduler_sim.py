@@ -319,7 +319,7 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
     if args.core_calls and kv_aware and not lockstep:
         time_calls(core, CORE_CALLS, run.calls)
         time_calls(place, ("observe",), run.calls)
-    encoder, decoder = wire._encoder, wire._decoder
+    encoder, decoder = wire.codec._encoder, wire.codec._decoder
     now = 0.0  # simulated seconds: the scheduler's CPU time moves it, and waiting for workers
     free_at = dict.fromkeys(sims, 0.0)  # when each worker finishes the steps it was sent
     flights: dict[bytes, int] = dict.fromkeys(sims, 0)  # steps in flight per worker

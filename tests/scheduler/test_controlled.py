@@ -116,8 +116,8 @@ def send(h: Harness, rt: FakeRuntime) -> tuple[list[Dispatch], Masks]:
 
 def next_seq_id(h: Harness) -> int:
     """The sequence id the core hands out next (the queued request's, once admitted)."""
-    seq_id = next(h.core.seq_ids)
-    h.core.seq_ids = itertools.count(seq_id)
+    seq_id = next(h.core.state.seq_ids)
+    h.core.state.seq_ids = itertools.count(seq_id)
     return seq_id
 
 

@@ -5,7 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-PURE = ["core", "controlled", "requests", "sessions", "workers"]
+PURE = ["core", "state", "admission", "steps", "results", "endings", "membership", "outbox", "controlled",
+        "requests", "sessions", "workers", "batch", "batch_ceiling"]
 FORBIDDEN = {"zmq", "asyncio", "transformers", "torch", "common.sockets", "common.model_source"}
 
 

@@ -272,3 +272,51 @@ def test_a_modified_sampling_goes_with_the_next_follow_only():
     (seq,) = seqs_of(third, "r")
     assert seq.follow and seq.sampling is not None and seq.sampling.temperature == 0.5
     assert [followed(steps, "r") for steps in (first, second, third, fourth)] == [True, True, False, True]
+
+
+def _walks(name: str):
+    def walk(self: "Watched"):
+        self.walked = True
+        return getattr(dict, name)(self)
+    return walk
+
+
+def _reads(name: str):
+    def read(self: "Watched", key, *default):
+        self.read.add(key)
+        return getattr(dict, name)(self, key, *default)
+    return read
+
+
+class Watched(dict):
+    """A table that records the keys read one by one, and whether it was walked whole."""
+
+    def __init__(self, table: dict) -> None:
+        super().__init__(table)
+        self.read: set = set()
+        self.walked = False
+
+    get, __getitem__, __contains__ = (_reads(name) for name in ("get", "__getitem__", "__contains__"))
+    __iter__, keys, values, items = (_walks(name) for name in ("__iter__", "keys", "values", "items"))
+
+
+def test_building_steps_visits_only_the_workers_with_work():
+    h = Harness()
+    idle = [h.worker(f"w{i}".encode()) for i in range(1000)]
+    for i in range(500):  # half the idle workers ran a request, ended and freed since
+        h.submit(f"done{i}", prompt(3), 1)
+    h.cycle()
+    h.cycle()
+    assert not h.core.requests and not h.core.to_free
+    h.submit("r", prompt(3), 8)
+    h.core.admit()
+    busy = h.core.requests["r"].worker
+    state = h.core.state
+    assert len(state.batches) > 1  # the batches of the idle workers that ran a request are still there
+    for roomy in (None, set(idle)):  # all workers, or those the shell says have room
+        workers = state.pool.workers = Watched(state.pool.workers)
+        batches = state.batches = Watched(state.batches)
+        steps = h.core.build_steps(None, roomy)
+        assert [d.worker for d in steps] == [busy] and (seqs_of(steps, "r") or followed(steps, "r"))
+        assert workers.read == batches.read == {busy} and not workers.walked and not batches.walked
+        h.apply(steps)
