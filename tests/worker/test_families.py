@@ -32,6 +32,8 @@ CONFIGS: dict[str, PretrainedConfig] = {
     "llama": LlamaConfig(**SMALL),
     "llama3-rope": LlamaConfig(**SMALL, rope_parameters=LLAMA3_ROPE),  # positions past 32 see the scaled bands
     "mistral": MistralConfig(**SMALL, sliding_window=None),
+    "mistral-window": MistralConfig(**SMALL, sliding_window=8),  # every layer within 8 keys of its query
+    "qwen2-window": Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=1),
     "qwen2": Qwen2Config(**SMALL),  # q/k/v biases
     "qwen3": Qwen3Config(**SMALL, head_dim=16),  # per-head q/k norms
     "smollm3": SmolLM3Config(**SMALL, no_rope_layers=[1, 0, 1], pad_token_id=0),  # its middle layer without rotary

@@ -51,13 +51,16 @@ class PagedAttention:
     """One layer's attention over its slice of the paged pool (``heads`` and ``kv_heads``: this rank's)."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, rotary: Rotary, kernels: Kernels,
-                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, rotates: bool = True) -> None:
+                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, rotates: bool = True,
+                 windowed: bool = False) -> None:
         """``q_norm``, ``k_norm``: per-head norms before the rotation; ``rotates``: False for a layer that
-        applies no rotary (its keys are stored as they come)."""
+        applies no rotary (its keys are stored as they come); ``windowed``: the layer attends within the
+        model's sliding window (the step plan's window masks), never in place."""
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.rotary = rotary
         self.rotates = rotates
+        self.windowed = windowed
         self.kernels = kernels
         self.q_norm, self.k_norm = q_norm, k_norm
 
@@ -86,6 +89,8 @@ class PagedAttention:
             outs.append(ops.decode_attention(q, kv_blocks, tables, lengths, self.scale))
         elif step.decode is not None:
             blocks, mask = step.decode
+            if self.windowed:
+                mask = step.window_decode
             n = step.num_decode
             # Grouped-query attention without repeating keys: [n, kv_heads, heads/kv_heads, dim].
             q = qkv[:n, :heads].reshape(n, kv_heads, heads // kv_heads, dim)
@@ -99,6 +104,7 @@ class PagedAttention:
             else:
                 kv = kv_blocks.index_select(0, p.blocks).view(-1, 2 * kv_heads, dim)
             k, v = kv[:, :kv_heads].transpose(0, 1).unsqueeze(0), kv[:, kv_heads:].transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True)
+            mask = p.window_mask if self.windowed else p.mask
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
             outs.append(out[0].transpose(0, 1).reshape(p.n, heads * dim))
         return outs[0] if len(outs) == 1 else torch.cat(outs)

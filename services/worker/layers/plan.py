@@ -36,6 +36,7 @@ class Prefill:
     n: int
     blocks: torch.Tensor | None
     mask: torch.Tensor | None
+    window_mask: torch.Tensor | None = None  # the causal mask within a sliding window (models that have one)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class StepPlan:
     decode: tuple[torch.Tensor, torch.Tensor] | None
     num_decode: int
     prefills: list[Prefill]
+    window_decode: torch.Tensor | None = None  # the decode rows' key mask within a sliding window
     cos: torch.Tensor = field(init=False)  # the rotation's tables at each row's position (torch's ops)
     sin: torch.Tensor = field(init=False)
     positions: torch.Tensor = field(init=False)  # each row's position (the fused ops index the tables)
@@ -63,10 +65,13 @@ class StepRows:
     last_row: list[int]  # by input: its last row (whose logits it samples from)
 
 
-def plan_step(inputs: list[SeqInput], cache: PagedKVCache, in_place: bool) -> StepRows:
+def plan_step(inputs: list[SeqInput], cache: PagedKVCache, in_place: bool, window: int | None = None) -> StepRows:
     """Lay ``inputs`` out as rows (short ones first, as decode rows of one batch; longer ones after, one
     by one), zero the fresh blocks they write, and plan the attention. ``in_place``: the decode rows'
-    attention reads the blocks in place (the fused ops), so its plan is tables and lengths."""
+    attention reads the blocks in place (the fused ops), so its plan is tables and lengths. ``window``: the
+    model's sliding window, for the masks of its windowed layers (a query at q sees the keys after
+    ``q - window``, as transformers' sliding-window masks do); never in place."""
+    assert window is None or not in_place, "the in-place decode attention has no window"
     tables, device = cache.tables, cache.kv.device
     order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].tokens) > DECODE_ROWS_MAX)
     decode = [(item.seq_id, item.start + j + 1) for item in (inputs[i] for i in order)
@@ -89,7 +94,7 @@ def plan_step(inputs: list[SeqInput], cache: PagedKVCache, in_place: bool) -> St
         last_row[i] = row + n - 1
         first_row[i] = row
         if n > DECODE_ROWS_MAX:
-            prefills.append(_plan_prefill(cache, item, row))
+            prefills.append(_plan_prefill(cache, item, row, window))
     if fresh:
         cache.zero_blocks(fresh)
     plan = StepPlan(
@@ -98,6 +103,11 @@ def plan_step(inputs: list[SeqInput], cache: PagedKVCache, in_place: bool) -> St
         num_decode=len(decode),
         prefills=prefills,
     )
+    if window is not None and plan.decode is not None:
+        _, mask = plan.decode
+        lengths = to_device([length for _, length in decode], device)
+        first = (lengths - window).view(-1, 1, 1, 1)  # each row's first key inside the window
+        plan.window_decode = mask & (torch.arange(mask.shape[-1], device=device) >= first)
     return StepRows(ids, positions, plan, first_row, last_row)
 
 
@@ -119,14 +129,18 @@ def _plan_decode(cache: PagedKVCache, decode: list[tuple[int, int]], in_place: b
     return blocks.view(-1), valid.view(len(decode), 1, 1, width * bs)
 
 
-def _plan_prefill(cache: PagedKVCache, item: SeqInput, row: int) -> Prefill:
+def _plan_prefill(cache: PagedKVCache, item: SeqInput, row: int, window: int | None) -> Prefill:
     n = len(item.tokens)
-    if item.start == 0:
-        return Prefill(row=row, n=n, blocks=None, mask=None)
     device = cache.kv.device
     total = item.start + n
+    query_pos = torch.arange(item.start, total, device=device).unsqueeze(-1)
+    if item.start == 0:  # it attends to its own rows: causal, and a mask only within a window
+        keys = torch.arange(n, device=device)
+        windowed = None if window is None else (keys <= query_pos) & (keys > query_pos - window)
+        return Prefill(row=row, n=n, blocks=None, mask=None, window_mask=windowed)
     bs = cache.tables.block_size
     blocks = cache.tables.seqs[item.seq_id][: -(-total // bs)]
-    query_pos = torch.arange(item.start, total, device=device).unsqueeze(-1)
-    mask = torch.arange(len(blocks) * bs, device=device) <= query_pos
-    return Prefill(row=row, n=n, blocks=to_device(blocks, device), mask=mask)
+    keys = torch.arange(len(blocks) * bs, device=device)
+    mask = keys <= query_pos
+    windowed = None if window is None else mask & (keys > query_pos - window)
+    return Prefill(row=row, n=n, blocks=to_device(blocks, device), mask=mask, window_mask=windowed)

@@ -20,16 +20,5 @@ Builder = Callable[..., "PagedModel"]
 class Family:
     model_types: tuple[str, ...]
     build: Builder
-    unsupported: Callable[[PretrainedConfig, int], str | None]  # (config, max_model_len) -> why not, or None
-
-
-def full_attention_only(config: PretrainedConfig, max_model_len: int) -> str | None:
-    """Why a model whose layers attend over a sliding window shorter than the context cannot run on the
-    paged attention, which attends over every earlier key (None: it attends fully, or the window covers
-    the whole context)."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or []
-    windowed = "sliding_attention" in layer_types if layer_types else True
-    if window is not None and windowed and window < max_model_len:
-        return f"sliding-window attention ({window} < max_model_len {max_model_len})"
-    return None
+    # (config, max_model_len) -> why the family cannot serve this configuration natively, or None
+    unsupported: Callable[[PretrainedConfig, int], str | None] = lambda config, max_model_len: None

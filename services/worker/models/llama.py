@@ -1,6 +1,6 @@
 """Llama-shaped decoder layers: Llama (Llama 3.x rope scaling included: the rotary tables are the model's
-own), Mistral without a sliding window (one shorter than the context falls back), Qwen2/2.5 (biased
-q|k|v) and SmolLM2. Each layer: RMS norm, fused q|k|v, rotary, paged attention, o (a residual add), RMS
+own), Mistral (its sliding window included), Qwen2/2.5 (biased q|k|v; sliding layers where its
+``layer_types`` say so) and SmolLM2. Each layer: RMS norm, fused q|k|v, rotary, paged attention, o (a residual add), RMS
 norm, gated MLP (a residual add). Families of the same shape with a twist (per-head q/k norms, layers
 without rotary, projections fused in the checkpoint) build on :func:`build` with its options.
 """
@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from services.worker.gguf_linear import BlockLinear
 from services.worker.kv_cache import PagedKVCache
@@ -22,7 +22,7 @@ from services.worker.layers.mlp import GatedMLP
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.parallel import Shard, column_parallel, row_parallel
 from services.worker.layers.plan import StepPlan
-from services.worker.models.family import Family, full_attention_only
+from services.worker.models.family import Family
 from services.worker.models.paged import PagedModel
 from services.worker.quantized import DenseLinears, Linear, LinearFactory
 
@@ -91,7 +91,9 @@ def build(model: PreTrainedModel, cache: PagedKVCache, max_positions: int, linea
     eps = config.rms_norm_eps
     act_dtype = cache.kv.dtype  # the activations' (a bfloat16 checkpoint's tiles serve float32 ones)
     base = model.model
-    chosen = Kernels.of(kernels, cache.kv, head_dim, config.hidden_act)
+    windows = sliding_windows(config, max_positions)
+    # the fused ops' attention reads every key in place: a model with a window runs torch's
+    chosen = Kernels() if any(windows) else Kernels.of(kernels, cache.kv, head_dim, config.hidden_act)
     rotary = Rotary(base.rotary_emb, max_positions, head_dim, act_dtype, cache.kv.device)
     act = F.silu if config.hidden_act == "silu" else base.layers[0].mlp.act_fn
     intermediate = config.intermediate_size
@@ -109,7 +111,7 @@ def build(model: PreTrainedModel, cache: PagedKVCache, max_positions: int, linea
             input_norm=norm(layer.input_layernorm),
             qkv=column_parallel(qkv, shard.qkv_columns(heads, kv_heads, head_dim), shard),
             attention=PagedAttention(shard.num_heads, shard.num_kv_heads, head_dim, rotary, chosen, q_norm, k_norm,
-                                     rotates=True if rotated is None else rotated[index]),
+                                     rotates=True if rotated is None else rotated[index], windowed=windows[index]),
             o=row_parallel(o, h0 * head_dim, h1 * head_dim, shard),
             post_norm=norm(layer.post_attention_layernorm),
             mlp=GatedMLP(column_parallel(gate_up, shard.gate_up_columns(intermediate), shard),
@@ -120,7 +122,19 @@ def build(model: PreTrainedModel, cache: PagedKVCache, max_positions: int, linea
             param.data = param.data.new_empty(0)
     return PagedModel(cache, embed=base.embed_tokens.weight.detach().to(act_dtype), layers=layers,
                       final_norm=norm(base.norm), head=linears.head(model.get_output_embeddings()), rotary=rotary,
-                      heads=shard.num_heads, kv_heads=shard.num_kv_heads, kernels=chosen)
+                      heads=shard.num_heads, kv_heads=shard.num_kv_heads, kernels=chosen,
+                      window=config.sliding_window if any(windows) else None)
 
 
-FAMILY = Family(model_types=("llama", "mistral", "qwen2"), build=build, unsupported=full_attention_only)
+def sliding_windows(config: PretrainedConfig, max_positions: int) -> list[bool]:
+    """By layer, whether it attends within ``config.sliding_window`` (as the transformers model does: the
+    layers ``layer_types`` calls sliding, or every layer where the config has no layer types; none where
+    ``use_sliding_window`` is off); a window that covers every position is no window."""
+    window, layers = getattr(config, "sliding_window", None), config.num_hidden_layers
+    if window is None or window >= max_positions or not getattr(config, "use_sliding_window", True):
+        return [False] * layers
+    types = getattr(config, "layer_types", None)
+    return [t == "sliding_attention" for t in types] if types else [True] * layers
+
+
+FAMILY = Family(model_types=("llama", "mistral", "qwen2"), build=build)

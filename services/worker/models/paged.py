@@ -39,8 +39,10 @@ class PagedModel:
     """The native runner (see the module docstring). Implements :class:`services.worker.runner.Runner`."""
 
     def __init__(self, cache: PagedKVCache, *, embed: torch.Tensor, layers: list[DecoderLayer], final_norm: RMSNorm,
-                 head: Linear, rotary: Rotary, heads: int, kv_heads: int, kernels: Kernels) -> None:
-        """``heads`` and ``kv_heads``: this rank's (every layer's)."""
+                 head: Linear, rotary: Rotary, heads: int, kv_heads: int, kernels: Kernels,
+                 window: int | None = None) -> None:
+        """``heads`` and ``kv_heads``: this rank's (every layer's); ``window``: the sliding window of the
+        layers that have one (the step plan makes their masks)."""
         self.cache = cache
         self.device = cache.kv.device
         self.embed = embed
@@ -50,6 +52,7 @@ class PagedModel:
         self.rotary = rotary
         self.num_heads, self.num_kv_heads = heads, kv_heads
         self.kernels = kernels
+        self.window = window
         self.graphs: DecodeGraphs | None = None
         self.tap_layers: frozenset[int] = frozenset()  # decoder layers whose hidden states captures keep
         self.captured: Captured | None = None  # the last forward's captures (None: none asked)
@@ -84,7 +87,7 @@ class PagedModel:
                 self.cache.zero_blocks(fresh)
             return self.graphs.run(inputs)
         device = self.device
-        rows = plan_step(inputs, self.cache, in_place=self.kernels.ops is not None)
+        rows = plan_step(inputs, self.cache, in_place=self.kernels.ops is not None, window=self.window)
         taps: dict[int, torch.Tensor] | None = None
         if capture:
             captured = [rows.first_row[i] + p - item.start for i, item in enumerate(inputs) for p in item.capture]

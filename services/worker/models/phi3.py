@@ -9,7 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from services.worker.models import llama
-from services.worker.models.family import Family, full_attention_only
+from services.worker.models.family import Family
 
 
 def _modules(layer: nn.Module) -> llama.Modules:
@@ -21,7 +21,7 @@ def _unsupported(config: PretrainedConfig, max_model_len: int) -> str | None:
     factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
     if factor != 1.0:
         return f"partial rotary (partial_rotary_factor {factor})"
-    return full_attention_only(config, max_model_len)
+    return None
 
 
 FAMILY = Family(model_types=("phi3",), build=partial(llama.build, modules=_modules), unsupported=_unsupported)

@@ -6,6 +6,6 @@ from __future__ import annotations
 from functools import partial
 
 from services.worker.models import llama
-from services.worker.models.family import Family, full_attention_only
+from services.worker.models.family import Family
 
-FAMILY = Family(model_types=("qwen3",), build=partial(llama.build, qk_norms=True), unsupported=full_attention_only)
+FAMILY = Family(model_types=("qwen3",), build=partial(llama.build, qk_norms=True))

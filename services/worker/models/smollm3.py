@@ -9,7 +9,7 @@ from services.worker.kv_cache import PagedKVCache
 from services.worker.layers.kernels import KernelChoice
 from services.worker.layers.parallel import Shard
 from services.worker.models import llama
-from services.worker.models.family import Family, full_attention_only
+from services.worker.models.family import Family
 from services.worker.models.paged import PagedModel
 from services.worker.quantized import LinearFactory
 
@@ -20,4 +20,4 @@ def build(model: PreTrainedModel, cache: PagedKVCache, max_positions: int, linea
     return llama.build(model, cache, max_positions, linears, kernels, shard, rotated=rotated)
 
 
-FAMILY = Family(model_types=("smollm3",), build=build, unsupported=full_attention_only)
+FAMILY = Family(model_types=("smollm3",), build=build)
