@@ -46,6 +46,8 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
     prefix_blocks_indexed: int  # its prefix blocks in the scheduler's placement index
     prefix_hit_rate: float  # share of the prompt tokens placed there whose KV its cache held
     placed: dict[str, int] = {}  # why sequences went there: reason -> count
+    forward: str = ""  # its engine's backend (WorkerHello.forward)
+    fallback_reason: str = ""  # why it runs the transformers fallback, when it does
 
 
 class GatewayPeer(msgspec.Struct, kw_only=True):

@@ -183,5 +183,7 @@ class WorkerHello(Msg, tag="worker_hello"):
     hidden_size: int = 0
     readout_concepts: list[str] = []
     readout_layers: list[int] = []
+    forward: str = ""  # its engine's backend: "paged" (the native forward, +cuda_graphs, +triton) or "transformers"
+    fallback_reason: str = ""  # on "transformers": why the native forward does not serve this model
     incarnation: str = ""  # the worker process's life: a new one holds none of the old one's sequences
     wire_version: int = 0  # WIRE_VERSION of the worker's code (0: code from before versions)

@@ -256,4 +256,6 @@ class KVAwarePlacement:
             prefix_blocks_indexed=self.index.blocks(worker.identity),
             prefix_hit_rate=figures.hit_tokens / figures.prompt_tokens if figures.prompt_tokens else 0.0,
             placed=dict(figures.placed),
+            forward=worker.hello.forward,
+            fallback_reason=worker.hello.fallback_reason,
         )

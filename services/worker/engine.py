@@ -178,6 +178,7 @@ class Engine:
         self.max_model_len = loaded.max_model_len
         config = loaded.config
         reason = unsupported_reason(config, loaded.max_model_len) if native else "native forward disabled"
+        self.fallback_reason = reason  # None: the native forward runs
         self.runner: Runner
         self.cache: PagedKVCache | None = None
         if reason is not None and ranks is not None:

@@ -188,6 +188,8 @@ class WorkerService:
                 hidden_size=loaded.config.get_text_config().hidden_size,
                 readout_concepts=self.engine.readouts.concepts if self.engine.readouts else [],
                 readout_layers=self.engine.readouts.layers if self.engine.readouts else [],
+                forward=self.engine.backend,
+                fallback_reason=self.engine.fallback_reason or "",
             )
         elif stage == "failed":
             hello = wire.WorkerHello(worker_id=self.worker_id, stage="failed", message=self.loader.error or "")

@@ -150,6 +150,8 @@ async def test_health(stack, client):
     health = reply.json()
     assert health["status"] == "ready" and health["scheduler"]["worker"]["stage"] == "ready"
     assert health["scheduler"]["max_model_len"] == stack.settings.limits.max_model_len
+    [worker] = health["scheduler"]["workers"]
+    assert worker["forward"] == "paged" and worker["fallback_reason"] == ""  # the default model runs natively
 
 
 async def test_metrics(client):

@@ -4,9 +4,10 @@ is forgotten, a worker with no room for now is not."""
 
 from __future__ import annotations
 
+from common import wire
 from common.blocks import prefix_keys
 from services.scheduler.placement import KVAwarePlacement, rendezvous
-from tests.scheduler.harness import Harness, prompt
+from tests.scheduler.harness import EOS, VOCAB, Harness, prompt
 
 SHARED = prompt(64)  # four full blocks
 
@@ -130,3 +131,14 @@ def test_a_prompt_placed_before_its_block_events_draws_the_next_sharing_it() -> 
     h.core.admit()
     assert h.core.requests["b"].worker == other
     assert placement.figures[other].placed == {"hash": 1, "prefix": 1}
+
+
+def test_a_workers_line_says_which_forward_it_runs_and_why_not_the_native_one() -> None:
+    placement = KVAwarePlacement(balance=8)
+    h = Harness(place=placement)
+    h.core.worker_hello(b"w1", wire.WorkerHello(
+        worker_id="w1", stage="ready", vocab_size=len(VOCAB), max_model_len=2048, eos_token_ids=[EOS],
+        kv_capacity_tokens=4096, forward="transformers", fallback_reason="model type 'gpt2' has no native forward",
+        wire_version=wire.WIRE_VERSION))
+    line = placement.worker_figures(h.core.pool.workers[b"w1"])
+    assert line.forward == "transformers" and "gpt2" in line.fallback_reason

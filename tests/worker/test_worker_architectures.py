@@ -29,6 +29,7 @@ def test_an_architecture_no_family_serves_runs_on_the_fallback_as_generate() -> 
     loaded = _loaded(config)
     engine = Engine(loaded, num_blocks=32)
     assert engine.backend == "transformers"
+    assert engine.fallback_reason is not None and "'gpt2' has no native forward" in engine.fallback_reason
     prompt = [5, 17, 99, 3, 250, 42, 7, 300, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # crosses a block boundary
     ids = torch.tensor([prompt])
     with torch.inference_mode():

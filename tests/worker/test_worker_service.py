@@ -98,6 +98,7 @@ def test_worker_process_serves_steps_and_survives_garbage(
         assert scheduler.worker == f"worker-{socket.gethostname()}-{process.pid}".encode()
         assert hello.vocab_size == 49152 and hello.max_model_len == 2048 and hello.eos_token_ids == [2]
         assert hello.device == "cpu" and hello.kv_capacity_tokens >= 4 * 2048
+        assert hello.forward == "paged" and hello.fallback_reason == ""  # SmolLM2: the native Llama family
 
         prompt = tokenizer("The quick brown fox").input_ids
         step = wire.Step(mid=7, step_id=1, seqs=[wire.SeqStep(seq_id=1, tokens=prompt, sampling=GREEDY)])
