@@ -11,34 +11,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, PretrainedConfig, Qwen2Config,
-                          Qwen3Config, SmolLM3Config)
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from common.wire import SeqStep, Step, pack_ids, samples_by_seq
+from common.wire import SeqStep, Step, samples_by_seq
 from services.worker.engine import Engine
 from services.worker.kv_cache import PagedKVCache
 from services.worker.layers.parallel import Shard
 from services.worker.model_loader import LoadedModel
 from services.worker.models import FAMILIES, family_of
+from services.worker.models.tiny import tiny_configs
 from services.worker.readouts import Readouts
 from services.worker.runner import SeqInput
 from tests.worker.conftest import GREEDY, Driver
 
-SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256)
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32, "rope_theta": 10000.0}
-CONFIGS: dict[str, PretrainedConfig] = {
-    "llama": LlamaConfig(**SMALL),
-    "llama3-rope": LlamaConfig(**SMALL, rope_parameters=LLAMA3_ROPE),  # positions past 32 see the scaled bands
-    "mistral": MistralConfig(**SMALL, sliding_window=None),
-    "mistral-window": MistralConfig(**SMALL, sliding_window=8),  # every layer within 8 keys of its query
-    "qwen2-window": Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=1),
-    "qwen2": Qwen2Config(**SMALL),  # q/k/v biases
-    "qwen3": Qwen3Config(**SMALL, head_dim=16),  # per-head q/k norms
-    "smollm3": SmolLM3Config(**SMALL, no_rope_layers=[1, 0, 1], pad_token_id=0),  # its middle layer without rotary
-    "phi3": Phi3Config(**SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2),  # q|k|v, gate|up fused as shipped
-}
+CONFIGS = tiny_configs()
 PROMPTS = [[5, 17, 99], [(7 * i + 3) % 512 for i in range(21)], [(11 * i + 1) % 512 for i in range(40)]]
 TOKENS = 12
 

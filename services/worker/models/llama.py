@@ -8,6 +8,7 @@ without rotary, projections fused in the checkpoint) build on :func:`build` with
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ class LlamaLayer:
     """One decoder layer (see the module docstring)."""
 
     def __init__(self, input_norm: RMSNorm, qkv: Linear, attention: PagedAttention, o: Linear, post_norm: RMSNorm,
-                 mlp: GatedMLP) -> None:
+                 mlp: GatedMLP | Mlp) -> None:
         self.input_norm, self.qkv, self.attention, self.o = input_norm, qkv, attention, o
         self.post_norm, self.mlp = post_norm, mlp
         self._width = attention.heads + 2 * attention.kv_heads
@@ -41,13 +42,16 @@ class LlamaLayer:
         x = self.o.add_to(x, self.attention(qkv, kv_slots, kv_blocks, step))
         return self.mlp.add_to(x, self.post_norm(x))
 
-    def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
-        """q|k|v, o, gate|up and down."""
-        return self.qkv, self.o, self.mlp.gate_up, self.mlp.down
+    def projections(self) -> tuple[Linear, ...]:
+        """q|k|v, o, and a dense MLP's gate|up and down."""
+        mlp = (self.mlp.gate_up, self.mlp.down) if isinstance(self.mlp, GatedMLP) else ()
+        return self.qkv, self.o, *mlp
 
     def block_weights(self) -> tuple | None:
         """The fused ``decode_layer`` op's weight arguments, where all four projections are GGUF
         block layers, the layer rotates and has no per-head norms (None: it cannot run as one call)."""
+        if not isinstance(self.mlp, GatedMLP):
+            return None
         qkv, o, gate_up, down = self.projections()
         if not (isinstance(qkv, BlockLinear) and isinstance(o, BlockLinear) and isinstance(gate_up, BlockLinear)
                 and isinstance(down, BlockLinear)) or self.attention.q_norm is not None or not self.attention.rotates:
@@ -66,7 +70,15 @@ class LlamaLayer:
                                 kv_blocks, step.slots, tables, lengths, self.attention.scale)
 
 
+class Mlp(Protocol):
+    def add_to(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``x`` plus this MLP of ``h``."""
+        ...
+
+
 Modules = tuple[list[nn.Linear], list[nn.Linear], list[nn.Linear], list[nn.Linear]]
+# a family's MLP for the layers that are not a dense gated one (experts): (decoder layer, shard) -> it, or None
+SparseMlp = Callable[[nn.Module, Shard], Mlp | None]
 
 
 def llama_modules(layer: nn.Module) -> Modules:
@@ -77,12 +89,13 @@ def llama_modules(layer: nn.Module) -> Modules:
 
 def build(model: PreTrainedModel, cache: PagedKVCache, max_positions: int, linears: LinearFactory | None = None,
           kernels: KernelChoice = "torch", shard: Shard | None = None, *, qk_norms: bool = False,
-          modules: Callable[[nn.Module], Modules] = llama_modules, rotated: Sequence[bool] | None = None) -> PagedModel:
+          modules: Callable[[nn.Module], Modules] = llama_modules, rotated: Sequence[bool] | None = None,
+          sparse: SparseMlp | None = None) -> PagedModel:
     """The runner of a Llama-shaped ``model`` over ``cache``: its projections made by ``linears`` (default:
     the model's dense weights, fused), its other ops on ``kernels``, this rank's ``shard`` of every layer
     (default: the whole model). Options: ``qk_norms``, each attention has per-head q and k norms (Qwen3's);
     ``modules``, where a layer's projections are; ``rotated``, by layer, whether it applies rotary (all do
-    by default)."""
+    by default); ``sparse``, the MLP of the layers that have experts instead of a gated MLP."""
     linears = linears or DenseLinears()
     config = model.config
     shard = shard or Shard.whole(config)
@@ -105,8 +118,12 @@ def build(model: PreTrainedModel, cache: PagedKVCache, max_positions: int, linea
     for index, layer in enumerate(base.layers):
         attn = layer.self_attn
         q_norm, k_norm = (norm(attn.q_norm, None), norm(attn.k_norm, None)) if qk_norms else (None, None)
-        qkv, o, gate_up, down = (linears.layer(fused) for fused in modules(layer))
+        experts = None if sparse is None else sparse(layer, shard)
+        parts = modules(layer)
+        qkv, o = linears.layer(parts[0]), linears.layer(parts[1])
         (h0, h1), (c0, c1) = shard.heads, shard.columns
+        mlp = experts or GatedMLP(column_parallel(linears.layer(parts[2]), shard.gate_up_columns(intermediate), shard),
+                                  row_parallel(linears.layer(parts[3]), c0, c1, shard), shard.intermediate, act, chosen)
         layers.append(LlamaLayer(
             input_norm=norm(layer.input_layernorm),
             qkv=column_parallel(qkv, shard.qkv_columns(heads, kv_heads, head_dim), shard),
@@ -114,8 +131,7 @@ def build(model: PreTrainedModel, cache: PagedKVCache, max_positions: int, linea
                                      rotates=True if rotated is None else rotated[index], windowed=windows[index]),
             o=row_parallel(o, h0 * head_dim, h1 * head_dim, shard),
             post_norm=norm(layer.post_attention_layernorm),
-            mlp=GatedMLP(column_parallel(gate_up, shard.gate_up_columns(intermediate), shard),
-                         row_parallel(down, c0, c1, shard), shard.intermediate, act, chosen),
+            mlp=mlp,
         ))
     if shard.world > 1:  # the transformers layers still point at the whole fused matrices: let them go
         for param in base.layers.parameters():
