@@ -290,7 +290,7 @@ class Scheduler:
                     if done.result is not None and core.pool.workers.get(identity) is done.worker:
                         core.apply(done.dispatch, done.result)
                         applied = True
-                if not flight:  # (so the loop's turns walk only the workers with steps in flight)
+                if not flight and identity not in core.pool.workers:
                     del self.flights[identity]
             if applied:  # not on a mere wake-up mid-step: controlled events then carry only the controllers' time
                 core.end_step()
@@ -333,10 +333,9 @@ class Scheduler:
         """Build and send the next step of every ready worker whose pipeline has room (with the
         controlled part when it is ready, see the module docstring); whether any went out."""
         core = self.core
-        # only the workers with work can get a step: the idle ones are not visited (one with room is looked
-        # for only when none of those has any, as the controlled part is planned whenever a worker has room)
-        roomy = {identity for identity in core.busy_workers() if self._has_room(identity)}
-        if not roomy and not any(self._has_room(identity) for identity in core.pool.workers):
+        depth = self.limits.pipeline_depth
+        roomy = {w.identity for w in core.pool.ready() if len(self.flights[w.identity]) < depth}
+        if not roomy:
             return False
         plan = self._controlled_part(roomy)
         steps = core.build_steps(plan, roomy)
@@ -361,11 +360,6 @@ class Scheduler:
         if calls is not None:
             self.calls = asyncio.ensure_future(self._controller_calls(calls))
         return True
-
-    def _has_room(self, identity: bytes) -> bool:
-        """Whether a worker is ready and has fewer than ``limits.pipeline_depth`` steps in flight."""
-        worker = self.core.pool.workers.get(identity)
-        return worker is not None and worker.ready and len(self.flights.get(identity, ())) < self.limits.pipeline_depth
 
     def _controlled_part(self, roomy: set[bytes]) -> Plan | None:
         """The controlled part of the steps being built, when it is ready (None: none this time). Its
