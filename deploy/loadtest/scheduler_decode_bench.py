@@ -32,7 +32,7 @@ def decode_us(tokenizer, args: argparse.Namespace, stop: list[str]) -> float:
     """Best µs of scheduler CPU per token over the repeats."""
     max_tokens = args.warm + (args.repeats + 1) * args.steps + 8
     core = SchedulerCore(Limits(max_batch_size=args.seqs), Sessions(), Controllers(),
-                         lambda stop: TextStream(tokenizer, stop=stop))
+                         lambda stop, **options: TextStream(tokenizer, stop=stop, **options))
     worker = SimWorker(b"w", KV_TOKENS // 16)
     core.worker_hello(b"w", wire.WorkerHello(worker_id="w", stage="ready", vocab_size=49152, max_model_len=1 << 20,
                                              eos_token_ids=[EOS], kv_capacity_tokens=KV_TOKENS,

@@ -302,7 +302,8 @@ def simulate(args: argparse.Namespace, workers: int, kv_aware: bool, lockstep: b
                     step_token_budget=args.step_token_budget)
     sessions = Sessions() if kv_aware else Sessions(kv_tokens_per_session=0)
     place = KVAwarePlacement() if kv_aware else random_placement(args.seed)
-    core = SchedulerCore(limits, sessions, Controllers(), lambda stop: TextStream(tokenizer, stop=stop), place=place)
+    core = SchedulerCore(limits, sessions, Controllers(), lambda stop, **options: TextStream(tokenizer, stop=stop, **options),
+                         place=place)
     sims, step_s = {}, {}
     for i in range(workers):
         identity = f"sim-{i}".encode()

@@ -19,9 +19,9 @@ from starlette.responses import JSONResponse, Response
 from common import pooling
 from common.errors import INTERNAL_ERROR, INVALID_REQUEST, TillerError
 from services.gateway.deps import new_request_id
-from services.gateway.httputil import gateway_of, read_json_object, unless_disconnected
-from services.gateway.openai_api import (Refused, Started, close_all, collect_all, error_response, model_not_found,
-                                         prompt_forms, start_all)
+from services.gateway.httputil import gateway_of, read_json_object
+from services.gateway.openai_api import (Refused, Started, error_response, finish_all, model_not_found, prompt_forms,
+                                         start_all)
 from services.gateway.protocol import ErrorMsg, GatewayError
 from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, facts_of
 from services.gateway.validation import (CacheSalt, Context, GenerationRequest, Int64, NullIsLeftOut, context_of,
@@ -104,14 +104,9 @@ async def embeddings(request: Request) -> Response:
     started = await start_all(request, parsed.to_requests(context), new_request_id("embd-"))
     if isinstance(started, Refused):
         return error_response(input_refusal(started, len(parsed.input)))
-    try:
-        collected = await unless_disconnected(request, collect_all(started))
-    finally:
-        await close_all(started)
-    if collected is None:  # the client left; nobody reads this
-        return Response(status_code=499)
-    if isinstance(collected, ErrorMsg):
-        return error_response(collected)
+    collected = await finish_all(request, started)
+    if isinstance(collected, Response):
+        return collected
     try:
         data = _data(started, parsed.encoding_format, gw.settings.embeddings.normalize)
     except TillerError as exc:

@@ -706,6 +706,22 @@ async def collect_all(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def finish_all(
+    request: Request, started: Sequence[Started],
+) -> list[tuple[CompletionMsg, list[list[LogprobEntry]]]] | Response:
+    """:func:`collect_all` for a non-streamed answer, every generation closed after: its collection, or the
+    response that ends the request (499 when the client left, the first error)."""
+    try:
+        collected = await unless_disconnected(request, collect_all(started))
+    finally:
+        await close_all(started)
+    if collected is None:  # the client left; nobody reads this
+        return Response(status_code=499)
+    if isinstance(collected, ErrorMsg):
+        return error_response(collected)
+    return collected
+
+
 @dataclass
 class Refused:
     """The refusal of request ``index`` of those :func:`start_all` was given."""
@@ -779,14 +795,9 @@ async def _serve(
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
-    try:
-        collected = await unless_disconnected(request, collect_all(choices))
-    finally:
-        await close_all(choices)
-    if collected is None:  # the client left; nobody reads this
-        return Response(status_code=499)
-    if isinstance(collected, ErrorMsg):
-        return error_response(collected)
+    collected = await finish_all(request, choices)
+    if isinstance(collected, Response):
+        return collected
     return JSONResponse(
         {
             "id": rid,

@@ -2,8 +2,8 @@
 ``POST /v1/responses/{id}/cancel``, ``GET /v1/responses/{id}/input_items``.
 
 A response is a chat completion underneath (``responses_format.py`` translates): the same validation, prompt,
-constraint and :class:`Generation`. With ``store`` (the default, as OpenAI's) the response, its input items and the
-conversation it ends are kept in the session store (durable, ``sessions.responses_ttl_s``), as its creator's:
+constraint and start (``openai_api.start_all``). With ``store`` (the default, as OpenAI's) the response, its
+input items and the conversation it ends are kept in the session store (durable, ``sessions.responses_ttl_s``), as its creator's:
 ``previous_response_id`` continues that conversation, and two responses continuing one parent fork the chain.
 Each stored response is a turn as a Salience session's is (``Submit.session``): the scheduler parks its KV under
 the response id, and a continuation forks the previous turn's parked sequence (copy-on-write), so it prefills
@@ -27,20 +27,17 @@ from common import wire
 from common.errors import INTERNAL_ERROR, INVALID_REQUEST, TillerError
 from common.tenancy import may_access
 from services.gateway.deps import Gateway
-from services.gateway.driver import Generation
 from services.gateway.httputil import (
     SSE_HEADERS,
-    client_of,
     gateway_of,
     json_text,
     read_json_object,
     tenant_of,
     unless_disconnected,
 )
-from services.gateway.openai_api import error_response, model_not_found
-from services.gateway.protocol import CompletionMsg, ErrorMsg, GatewayError, InitMsg, TokenMsg
+from services.gateway.openai_api import Refused, error_response, model_not_found, start_all
+from services.gateway.protocol import CompletionMsg, ErrorMsg, GatewayError, TokenMsg
 from services.gateway.responses_format import OutputBuilder, ResponsesRequest, ending, new_id, usage_of
-from services.gateway.side_channel import format_caller
 from services.gateway.store import NOT_FOUND, StoreError
 from services.gateway.validation import Context, validate
 
@@ -188,15 +185,11 @@ async def _start(request: Request) -> tuple[_Turn, AsyncIterator[Any]] | Respons
     if parsed.store:  # its KV is parked for a continuation, which forks the previous turn's
         generation_request = dataclasses.replace(generation_request, park_as=rid,
                                                  continues=parsed.previous_response_id or "")
-    gen = Generation(gw, generation_request, rid=rid, surface="openai", client=client_of(request),
-                     tenant=tenant_of(request), caller=format_caller(request, gw.settings))
-    messages = gen.stream()
-    first = await anext(messages)
-    if isinstance(first, ErrorMsg):
-        await messages.aclose()
-        return error_response(first)
-    assert isinstance(first, InitMsg)
-    return _Turn(parsed, rid, first.model, conversation, OutputBuilder(chat.tool_plan)), messages
+    started = await start_all(request, [generation_request], rid)
+    if isinstance(started, Refused):
+        return error_response(started.error)
+    (first,) = started
+    return _Turn(parsed, rid, first.init.model, conversation, OutputBuilder(chat.tool_plan)), first.messages
 
 
 @router.post("/v1/responses")
