@@ -207,6 +207,21 @@ class Controllers(BaseModel):
     side_timeout_s: float = Field(30.0, gt=0, description="how long the gateway waits for a side-channel reply")
 
 
+class Steering(BaseModel):
+    """Steering vectors (docs/steering.md): added to the residual stream after chosen decoder layers, per request."""
+
+    max_vector_bytes: int = Field(64 << 20, ge=1024, description="largest vector file (GGUF, safetensors or "
+                                  "JSON) an upload may carry")
+    max_vectors_per_request: int = Field(8, ge=0, description="vectors one request's steering may name (0: "
+                                         "steering refused)")
+    max_layers_per_request: int = Field(256, ge=1, description="(vector, layer) pairs one request's steering may "
+                                        "add up")
+    max_scale: float = Field(1000.0, gt=0, description="the largest |scale| a steering term may give")
+    max_vectors_per_user: int = Field(0, ge=0, description="vectors one user may store (0: no limit)")
+    max_build_pairs: int = Field(256, ge=1, description="positive/negative pairs one vectors:build may take")
+    max_build_tokens: int = Field(512, ge=1, description="tokens of one text of a vectors:build pair")
+
+
 class ApiAuth(BaseModel):
     """Who calls the controller API (``/v1/controllers``, ``/v1/run``, a ``controller`` on any surface):
     the user name and admin flag sent as ``$auth`` on the side channel (tag ownership, logs)."""
@@ -396,6 +411,7 @@ class Settings(BaseSettings):
     controllers: Controllers = Field(default_factory=Controllers)
     api_auth: ApiAuth = Field(default_factory=ApiAuth)
     tenants: Tenants = Field(default_factory=Tenants)
+    steering: Steering = Field(default_factory=Steering)
     distributed: Distributed = Field(default_factory=Distributed)
     curve: Curve = Field(default_factory=Curve)
     tls: Tls = Field(default_factory=Tls)

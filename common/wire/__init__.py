@@ -24,7 +24,9 @@ replies); their schemas live in :mod:`common.aici_wire`.
 from __future__ import annotations
 
 from common.wire.base import Count, Error, Finite, Msg, Ok, Principal, U32
-from common.wire.sampling import ImageInput, SampledToken, SamplingParams, SamplingPatch, TokenLogprob
+from common.wire.sampling import (
+    ImageInput, SampledToken, SamplingParams, SamplingPatch, SteeringPositions, SteeringTerm, TokenLogprob,
+)
 from common.wire.packing import (
     pack_ids, pack_logprobs, pack_tokens, token_array, token_array_bytes, unpack_ids, unpack_logprobs,
     unpack_tokens,

@@ -8,7 +8,7 @@ import msgspec
 
 from common.wire.base import Msg
 from common.wire.packing import unpack_logprobs, unpack_tokens
-from common.wire.sampling import ImageInput, SampledToken, SamplingParams, SamplingPatch, TokenLogprob
+from common.wire.sampling import ImageInput, SampledToken, SamplingParams, SamplingPatch, SteeringTerm, TokenLogprob
 
 
 class PositionSpan(msgspec.Struct, array_like=True):
@@ -31,6 +31,10 @@ class OutputRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     top_logprobs: int = 0
     readout_ranges: list[PositionSpan] = []
     pooling: Literal["", "last", "mean"] = ""  # "": none
+    # positions whose residual stream (the hidden states after each of ``residual_layers``, 0-based decoder
+    # layers) is reported, as ``PositionOutput.residual`` (what vectors:build takes its differences of)
+    residual_ranges: list[PositionSpan] = []
+    residual_layers: list[int] = []
 
 
 class SessionRef(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -67,6 +71,11 @@ class Submit(Msg, tag="submit"):
     # cache_salt ("": the shared domain). KV is reused only from sequences of the same domain (common.blocks).
     cache_domain: str = ""
     tenant: str = ""  # the user it runs for: what tenants.max_generations_per_user counts ("": not counted)
+    # Activation steering (docs/steering.md): the terms, and the canonical content (common.steering.encode) of
+    # every vector they name by id ("concept:" ones the worker has). The gateway folds the steering into
+    # ``cache_domain``: steered KV is never reused by a request steered otherwise, nor by an unsteered one.
+    steering: list[SteeringTerm] = []
+    steering_vectors: dict[str, bytes] = {}
 
     @property
     def prompt_len(self) -> int:
@@ -121,6 +130,7 @@ class Resume(Msg, tag="resume"):
 class Modify(Msg, tag="modify"):
     rid: str
     patch: SamplingPatch
+    steering_vectors: dict[str, bytes] = {}  # the content of the vectors ``patch.steering`` names (as Submit's)
 
 
 # scheduler -> gateway
@@ -159,6 +169,7 @@ class PositionOutput(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False)
     logprob: float | None = None
     top: list[TokenLogprob] = []
     readout: bytes = b""
+    residual: bytes = b""  # OutputRequest.residual_ranges: float32 [residual_layers][hidden], little-endian
 
 
 class TokenEvent(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):

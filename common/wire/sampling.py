@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
 
-from common.wire.base import Count
+from common.wire.base import Count, Finite
+
+SteeringPositions = Literal["all", "prompt", "generated"]
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -24,6 +28,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     output_start: int = 0  # position of the first generated token: the penalties and min_tokens count from it
 
 
+class SteeringTerm(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    """One vector of a request's steering, as the gateway resolved it (docs/steering.md): ``scale`` times the
+    vector's direction for layer ``i`` is added to the residual stream after 0-based decoder layer ``i`` (the
+    output of transformers' ``model.model.layers[i]``), for each ``i`` of ``layers`` (empty: the vector's own
+    layers), at the token positions ``positions`` names: ``prompt`` those before ``SamplingParams.output_start``,
+    ``generated`` those from it on, ``all`` both. Several terms add up."""
+
+    vector: str  # the vector's id (common.steering.vector_id) or "concept:<name>" (a readout concept's direction)
+    scale: Finite
+    layers: list[Annotated[int, msgspec.Meta(ge=0)]] = []
+    positions: SteeringPositions = "all"
+
+
 class SamplingPatch(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Fields a client may change mid-stream (``control: modify``); None leaves a field as it is."""
 
@@ -34,6 +51,7 @@ class SamplingPatch(msgspec.Struct, kw_only=True, omit_defaults=True):
     seed: int | None = None
     max_tokens: int | None = None
     stop: list[str] | None = None
+    steering: list[SteeringTerm] | None = None  # the request's whole steering from the next token on ([]: none)
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, gc=False):

@@ -6,7 +6,7 @@ import msgspec
 
 from common.wire.base import Msg
 from common.wire.packing import unpack_ids, unpack_logprobs, unpack_tokens
-from common.wire.sampling import ImageInput, SampledToken, SamplingParams, TokenLogprob
+from common.wire.sampling import ImageInput, SampledToken, SamplingParams, SteeringTerm, TokenLogprob
 
 
 class ScoreQuery(msgspec.Struct, array_like=True, gc=False):
@@ -61,6 +61,15 @@ class SeqStep(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     top_logprobs: int = 0
     readouts: list[int] = []
     pool: list[int] = []
+    # ``residuals``: the hidden states after each of ``residual_layers`` (0-based decoder layers) at these
+    # positions (StepResult.residuals, values float32 [layers][hidden])
+    residuals: list[int] = []
+    residual_layers: list[int] = []
+    # The sequence's activation steering (docs/steering.md), from this step's fed tokens on: sent when it starts or
+    # changes ([]: none from now on); a fork starts with its parent's. ``vectors``: the canonical content of every
+    # vector it names by id (common.steering.encode).
+    steering: list[SteeringTerm] | None = None
+    vectors: dict[str, bytes] = {}
     # Read on the step that creates the sequence (a fork is in its parent's domain; sent with ``sampling``):
     # its cache domain (Submit.cache_domain), the seed of its blocks' hash chain (common.blocks.domain_root).
     cache_domain: str = ""
@@ -128,6 +137,7 @@ class StepResult(Msg, tag="step_result", gc=False):
     cached_tokens: dict[int, int] = {}  # seq_id -> fed tokens whose KV came from the prefix cache
     scores: dict[int, list[ScoreResult]] = {}  # seq_id -> answers to its SeqStep.scores
     readouts: dict[int, list[ReadoutResult]] = {}  # seq_id -> answers to its SeqStep.readouts
+    residuals: dict[int, list[ReadoutResult]] = {}  # seq_id -> answers to its SeqStep.residuals
     pooled: dict[int, bytes] = {}  # seq_id -> the sum of its SeqStep.pool positions' states, float32 little-endian
     # the worker's KV pool after the step (-1: not reported): tokens of empty blocks, and of blocks that
     # only hold reusable prefixes (allocations take them when empty ones run out); the rest is in use
@@ -164,7 +174,7 @@ def samples_by_seq(step: Step, result: StepResult) -> dict[int, SampledToken]:
 # The scheduler-worker protocol's version: bump it with any change to the messages between them (Step, StepResult,
 # StepMasks, WorkerHello ...) that a peer running older code would misread. A worker names it in every hello; the
 # scheduler places work only on workers of its own version (another one is shown as a failed worker, with why).
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 
 
 class WorkerHello(Msg, tag="worker_hello"):
