@@ -266,7 +266,8 @@ async def resolve_steering(gw: Gateway, spec: object, who: Principal) -> tuple[l
     one ``who`` reaches, of the model's hidden size, and every layer within the model and (for a vector) one the
     vector has; ``concept:<name>`` names a readout concept of the served model (any name passes while the gateway
     does not know them: the worker checks). Every refusal is a :class:`GatewayError` with a specific message
-    (``invalid_request``; ``model_loading_error`` before the model's shape is known)."""
+    (``invalid_request``; ``model_loading_error`` before the model's shape is known); a peer that does not answer
+    is the TillerError its client raises, as on every other path."""
     terms = parse_spec(spec, gw)
     if not terms:
         return [], {}

@@ -10,33 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFWriter
 from safetensors.numpy import save
 
 from common.steering import SteeringError, SteeringVector, decode, encode, vector_id
 from common.steering_formats import detect, parse
+from tests.steering_files import as_gguf, as_json
 
 HIDDEN = 8
 DIRECTIONS = {3: np.linspace(-1, 1, HIDDEN, dtype=np.float32), 1: np.arange(HIDDEN, dtype=np.float32) / 7}
-
-
-def as_json(directions: dict[int, np.ndarray]) -> bytes:
-    return json.dumps({"directions": {str(k): v.tolist() for k, v in directions.items()}}).encode()
-
-
-def as_gguf(tmp_path: Path, tensors: dict[str, np.ndarray], arch: str = "controlvector") -> bytes:
-    """A control vector as repeng's export_gguf writes one (gguf's GGUFWriter)."""
-    path = tmp_path / "vector.gguf"
-    writer = GGUFWriter(path, arch)
-    writer.add_string(f"{arch}.model_hint", "llama")
-    writer.add_uint32(f"{arch}.layer_count", len(tensors))
-    for name, values in tensors.items():
-        writer.add_tensor(name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path.read_bytes()
 
 
 def canonical_id(directions: dict[int, np.ndarray]) -> str:
