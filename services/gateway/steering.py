@@ -19,6 +19,7 @@ caller does not reach (as for one no one stored), 413 for an oversized file, 429
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 import structlog
@@ -68,15 +69,17 @@ def model_shape(facts: wire.ModelFacts) -> tuple[int, int]:
     return facts.hidden_size, facts.num_layers
 
 
-def check_fits(vector_id: str, hidden_size: int, layers: set[int] | frozenset[int], model: tuple[int, int]) -> None:
-    """``invalid_request`` unless a vector of ``hidden_size`` and ``layers`` fits the served ``model``."""
+def check_fits(what: str, hidden_size: int | None, layers: Iterable[int], model: tuple[int, int],
+               param: str | None = None) -> None:
+    """``invalid_request`` unless ``what``, of ``hidden_size`` (None: a concept's, the model's own) on ``layers``, fits
+    the served ``model`` (hidden size, decoder layers)."""
     model_hidden, model_layers = model
-    if hidden_size != model_hidden:
-        raise GatewayError(INVALID_REQUEST, f"steering vector {vector_id} has hidden size {hidden_size}; the served "
-                                            f"model's is {model_hidden}")
+    if hidden_size is not None and hidden_size != model_hidden:
+        raise GatewayError(INVALID_REQUEST, f"{what} has hidden size {hidden_size}; the served model's is "
+                                            f"{model_hidden}", param=param)
     if outside := sorted(layer for layer in layers if layer >= model_layers):
-        raise GatewayError(INVALID_REQUEST, f"steering vector {vector_id} has layers {outside} outside the served "
-                                            f"model's {model_layers} decoder layers (0-{model_layers - 1})")
+        raise GatewayError(INVALID_REQUEST, f"{what} has layers {outside} outside the served model's {model_layers} "
+                                            f"decoder layers (0-{model_layers - 1})", param=param)
 
 
 def _vector_json(info: wire.VectorInfo) -> dict[str, Any]:
@@ -121,7 +124,7 @@ async def upload_vector(request: Request) -> Response:
             vector: SteeringVector = await asyncio.to_thread(parse, data)
         except SteeringError as exc:
             raise GatewayError(INVALID_REQUEST, f"not a steering vector: {exc}") from None
-        check_fits("upload", vector.hidden_size, set(vector.layers), model_shape(await model_facts(gw)))
+        check_fits("the uploaded vector", vector.hidden_size, vector.layers, model_shape(await model_facts(gw)))
         info = await gw.store.put_vector(caller, encode(vector), tags)
     except _TooLarge as exc:
         return _error(exc, status=413)
@@ -232,7 +235,7 @@ def parse_spec(spec: object, gw: Gateway) -> list[TermSpec]:
 
 def _check_concept(i: int, term: TermSpec, concepts: list[str]) -> None:
     name = term.vector.removeprefix(CONCEPT_PREFIX)
-    if concepts and name not in concepts:
+    if not name or (concepts and name not in concepts):
         raise GatewayError(INVALID_REQUEST, f"steering[{i}].vector: {name!r} is not a readout concept of this server "
                                             f"({', '.join(concepts)})", param=f"steering[{i}].vector")
     if term.layers is None:
@@ -281,18 +284,15 @@ async def resolve_steering(gw: Gateway, spec: object, who: Principal) -> tuple[l
         if term.vector.startswith(CONCEPT_PREFIX):
             _check_concept(i, term, facts.readout_concepts)
             name, layers = term.vector, set(term.layers or ())
+            check_fits(f"steering[{i}]", None, layers, model, param=f"steering[{i}].layers")
         else:
             name, cached = resolved[term.vector]
-            check_fits(name, cached.hidden_size, cached.layers, model)
+            check_fits(f"steering vector {name}", cached.hidden_size, cached.layers, model, param=f"steering[{i}]")
             layers = set(cached.layers if term.layers is None else term.layers)
             if missing := sorted(layers - cached.layers):
                 raise GatewayError(INVALID_REQUEST, f"steering[{i}].layers: vector {name} has no direction for layers "
                                                     f"{missing} (it has {sorted(cached.layers)})",
                                    param=f"steering[{i}].layers")
-        if outside := sorted(layer for layer in layers if layer >= model[1]):
-            raise GatewayError(INVALID_REQUEST, f"steering[{i}].layers: {outside} outside the served model's "
-                                                f"{model[1]} decoder layers (0-{model[1] - 1})",
-                               param=f"steering[{i}].layers")
         pairs += len(layers)
         out.append(SteeringTerm(vector=name, scale=term.scale, layers=term.layers or [], positions=term.positions))
     if pairs > gw.settings.steering.max_layers_per_request:

@@ -128,6 +128,7 @@ def test_cached_content_is_not_sent_again_but_who_may_use_it_is_asked_each_time(
     ([{"vector": vector_id(DEEP), "scale": 1}], "layers [9] outside the served model's 4 decoder layers"),
     ([{"vector": "concept:angry", "scale": 1, "layers": [1]}], "'angry' is not a readout concept"),
     ([{"vector": "concept:happy", "scale": 1}], "a concept has no layers of its own"),
+    ([{"vector": "concept:", "scale": 1, "layers": [1]}], "'' is not a readout concept"),
     ([{"vector": "concept:happy", "scale": 1, "layers": [4]}], "[4] outside the served model's 4 decoder layers"),
     ([{"vector": "alice.calm", "scale": 1}] * 9, "at most 8 are allowed (steering.max_vectors_per_request)"),
 ])
