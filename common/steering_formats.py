@@ -84,7 +84,7 @@ def _check_tensor(name: str, dtype: str, shape: list[int]) -> None:
 
 def parse_gguf(data: bytes) -> SteeringVector:
     """A llama.cpp / repeng control vector (see the module docstring for its layer numbering)."""
-    from gguf import GGMLQuantizationType, GGUFReader  # (imported here: only uploads need it)
+    from gguf import GGUFReader  # (imported here: only uploads need it)
 
     # GGUFReader maps a file; the upload is written to a private temporary one, read, and removed
     with tempfile.NamedTemporaryFile(prefix="tiller-vector-", suffix=".gguf") as file:
@@ -95,14 +95,13 @@ def parse_gguf(data: bytes) -> SteeringVector:
             arch_field = reader.get_field("general.architecture")
             arch = arch_field.contents() if arch_field is not None else None
             tensors = {t.name: (t.tensor_type, [int(n) for n in t.shape], np.array(t.data)) for t in reader.tensors}
-        except Exception as exc:  # noqa: BLE001 - the reader fails on malformed bytes in many ways, each the client's
+        except Exception as exc:  # the reader fails on malformed bytes in many ways (ValueError, IndexError...)
             raise SteeringError(f"not a readable GGUF file: {type(exc).__name__}: {exc}") from None
     if arch != CONTROL_VECTOR_ARCH:
         raise SteeringError(f"a GGUF steering vector must be a control vector (general.architecture = "
                             f"{CONTROL_VECTOR_ARCH!r}), not {arch!r}")
     for name, (tensor_type, shape, _) in tensors.items():
-        kind = tensor_type.name if isinstance(tensor_type, GGMLQuantizationType) else str(tensor_type)
-        _check_tensor(name, kind, shape)
+        _check_tensor(name, tensor_type.name, shape)  # (a GGMLQuantizationType: the reader refuses unknown types)
     layers = _layers({name: values for name, (_, _, values) in tensors.items()}, _GGUF_DIRECTION, "GGUF tensor")
     return SteeringVector.of(layers)
 
@@ -125,7 +124,7 @@ def parse_safetensors(data: bytes) -> SteeringVector:
         _check_tensor(name, str(info.get("dtype")), info["shape"])
     try:
         tensors = load(data)
-    except Exception as exc:  # noqa: BLE001 - safetensors' own checks (offsets, sizes) raise its error types
+    except Exception as exc:  # safetensors' own checks (offsets, sizes) raise its own error types
         raise SteeringError(f"not a readable safetensors file: {type(exc).__name__}: {exc}") from None
     return SteeringVector.of(_layers(tensors, _SAFETENSORS_NAME, "safetensors tensor"))
 
