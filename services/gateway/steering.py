@@ -124,14 +124,21 @@ async def upload_vector(request: Request) -> Response:
             vector: SteeringVector = await asyncio.to_thread(parse, data)
         except SteeringError as exc:
             raise GatewayError(INVALID_REQUEST, f"not a steering vector: {exc}") from None
-        check_fits("the uploaded vector", vector.hidden_size, vector.layers, model_shape(await model_facts(gw)))
-        info = await gw.store.put_vector(caller, encode(vector), tags)
+        stored = await store_vector(gw, vector, caller, tags, "the uploaded vector")
     except _TooLarge as exc:
         return _error(exc, status=413)
     except TillerError as exc:
         return _error(exc)
-    log.info("steering.vector_stored", vector_id=info.id, user=caller.user, layers=len(info.layers), tags=info.tags)
-    return JSONResponse(_vector_json(info))
+    return JSONResponse(stored)
+
+
+async def store_vector(gw: Gateway, vector: SteeringVector, who: Principal, tags: list[str],
+                       what: str = "the vector") -> dict[str, Any]:
+    """Store ``vector`` for ``who`` (an upload's, a build's), tagged, once it fits the served model; its answer."""
+    check_fits(what, vector.hidden_size, vector.layers, model_shape(await model_facts(gw)))
+    info = await gw.store.put_vector(who, encode(vector), tags)
+    log.info("steering.vector_stored", vector_id=info.id, user=who.user, layers=len(info.layers), tags=info.tags)
+    return _vector_json(info)
 
 
 @router.get("/v1/steering/vectors")
@@ -233,13 +240,14 @@ def parse_spec(spec: object, gw: Gateway) -> list[TermSpec]:
     return terms
 
 
-def _check_concept(i: int, term: TermSpec, concepts: list[str]) -> None:
-    name = term.vector.removeprefix(CONCEPT_PREFIX)
+def _check_concept(i: int, term: TermSpec, facts: wire.ModelFacts) -> None:
+    """A concept term names a served readout concept; without layers it steers at the readout layers."""
+    name, concepts = term.vector.removeprefix(CONCEPT_PREFIX), facts.readout_concepts
     if not name or (concepts and name not in concepts):
         raise GatewayError(INVALID_REQUEST, f"steering[{i}].vector: {name!r} is not a readout concept of this server "
                                             f"({', '.join(concepts)})", param=f"steering[{i}].vector")
-    if term.layers is None:
-        raise GatewayError(INVALID_REQUEST, f"steering[{i}].layers: a concept has no layers of its own; name the "
+    if term.layers is None and not facts.readout_layers:
+        raise GatewayError(INVALID_REQUEST, f"steering[{i}].layers: the readout layers are not known yet; name the "
                                             "layers to steer", param=f"steering[{i}].layers")
 
 
@@ -271,6 +279,8 @@ async def resolve_steering(gw: Gateway, spec: object, who: Principal) -> tuple[l
     does not know them: the worker checks). Every refusal is a :class:`GatewayError` with a specific message
     (``invalid_request``; ``model_loading_error`` before the model's shape is known); a peer that does not answer
     is the TillerError its client raises, as on every other path."""
+    if spec is None:  # (a request without steering)
+        return [], {}
     terms = parse_spec(spec, gw)
     if not terms:
         return [], {}
@@ -282,8 +292,8 @@ async def resolve_steering(gw: Gateway, spec: object, who: Principal) -> tuple[l
     pairs = 0
     for i, term in enumerate(terms):
         if term.vector.startswith(CONCEPT_PREFIX):
-            _check_concept(i, term, facts.readout_concepts)
-            name, layers = term.vector, set(term.layers or ())
+            _check_concept(i, term, facts)
+            name, layers = term.vector, set(term.layers or facts.readout_layers)
             check_fits(f"steering[{i}]", None, layers, model, param=f"steering[{i}].layers")
         else:
             name, cached = resolved[term.vector]
@@ -294,7 +304,8 @@ async def resolve_steering(gw: Gateway, spec: object, who: Principal) -> tuple[l
                                                     f"{missing} (it has {sorted(cached.layers)})",
                                    param=f"steering[{i}].layers")
         pairs += len(layers)
-        out.append(SteeringTerm(vector=name, scale=term.scale, layers=term.layers or [], positions=term.positions))
+        out.append(SteeringTerm(vector=name, scale=term.scale, layers=sorted(layers) if term.layers or
+                                name.startswith(CONCEPT_PREFIX) else [], positions=term.positions))
     if pairs > gw.settings.steering.max_layers_per_request:
         raise GatewayError(INVALID_REQUEST, f"steering adds {pairs} (vector, layer) pairs; at most "
                                             f"{gw.settings.steering.max_layers_per_request} are allowed "

@@ -96,6 +96,14 @@ def test_terms_name_ids_and_carry_each_vectors_content_once():
     assert contents == {calm: CALM}
     assert gw.store.asked == [["alice.calm", calm]]  # one lookup per request, each ref once
     assert resolve(gw, [], ALICE) == ([], {}) and len(gw.store.asked) == 1  # no steering: no store
+    assert resolve(gw, None, ALICE) == ([], {}) and len(gw.store.asked) == 1
+
+
+def test_a_concept_without_layers_steers_at_the_readout_layers():
+    gw = gateway()
+    gw.scheduler.facts.readout_layers = [1, 3]
+    terms, contents = resolve(gw, [{"vector": "concept:sad", "scale": -2}])
+    assert terms == [wire.SteeringTerm(vector="concept:sad", scale=-2.0, layers=[1, 3])] and contents == {}
 
 
 def test_cached_content_is_not_sent_again_but_who_may_use_it_is_asked_each_time():
@@ -127,7 +135,7 @@ def test_cached_content_is_not_sent_again_but_who_may_use_it_is_asked_each_time(
     ([{"vector": vector_id(WIDE), "scale": 1}], "has hidden size 16; the served model's is 8"),
     ([{"vector": vector_id(DEEP), "scale": 1}], "layers [9] outside the served model's 4 decoder layers"),
     ([{"vector": "concept:angry", "scale": 1, "layers": [1]}], "'angry' is not a readout concept"),
-    ([{"vector": "concept:happy", "scale": 1}], "a concept has no layers of its own"),
+    ([{"vector": "concept:happy", "scale": 1}], "the readout layers are not known yet"),
     ([{"vector": "concept:", "scale": 1, "layers": [1]}], "'' is not a readout concept"),
     ([{"vector": "concept:happy", "scale": 1, "layers": [4]}], "[4] outside the served model's 4 decoder layers"),
     ([{"vector": "alice.calm", "scale": 1}] * 9, "at most 8 are allowed (steering.max_vectors_per_request)"),
