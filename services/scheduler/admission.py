@@ -113,6 +113,8 @@ class Admission:
             if msg.patch.stop and request.text is None:
                 self._hand_text_over(request)
             request.apply_patch(msg.patch)
+            if msg.patch.steering is not None:
+                request.steer(msg.patch.steering, msg.steering_vectors)
             request.limit = token_limit(request.submit, self.state.max_model_len())
             self.state.unfollow(request)  # its next step carries the new parameters, or is not wanted
             if request.state is not State.QUEUED and len(request.generated) >= request.submit.max_tokens:

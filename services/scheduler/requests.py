@@ -65,6 +65,7 @@ class LiveRequest:
     limit: int = 0  # the tokens it may generate (requests.token_limit), set at admission and by a Modify
     follower: bool = False  # in its worker's follow list (services.scheduler.batch): every step carries it
     sampling_dirty: bool = True  # send SamplingParams with the next SeqStep
+    steering_dirty: bool = False  # send its steering with the next SeqStep (it has some, or a Modify changed it)
     # Session turns (Salience): the first SeqStep forks ``fork_of`` and/or drops ``backtrack``
     # tokens of a parked sequence; ``kv_tokens`` is what the worker's sequence holds of the prompt once
     # every step sent so far has run (``sessions.held_tokens`` adds the generated tokens), ``on_worker``
@@ -77,6 +78,7 @@ class LiveRequest:
     # some of them (a chunk's first position is scored by the step that fed the previous chunk).
     logprob_positions: set[int] = field(default_factory=set)
     readout_positions: set[int] = field(default_factory=set)
+    residual_positions: set[int] = field(default_factory=set)  # prompt positions whose residual stream is asked
     scored: dict[int, wire.ScoreResult] = field(default_factory=dict)
     pooled: PooledSum | None = None  # the embedding's positions and their sum so far (Submit.outputs.pooling)
     cached_tokens: int = 0  # prompt tokens whose KV was reused (a parked sequence, the prefix cache)
@@ -95,11 +97,13 @@ class LiveRequest:
         self.rid, self.prompt = self.submit.rid, wire.token_array(self.submit.prompt)
         self.sort_key = (self.submit.priority, self.order)
         self.controlled = bool(self.submit.controller)
+        self.steering_dirty = bool(self.submit.steering)
         self.packed = self.text is None and not self.submit.sampling.logprobs  # no top alternatives
         outputs = self.submit.outputs
         if outputs is None:
             return
-        self.packed = self.packed and not (outputs.logprob_ranges or outputs.readout_ranges or outputs.pooling)
+        self.packed = self.packed and not (outputs.logprob_ranges or outputs.readout_ranges or outputs.pooling
+                                           or outputs.residual_ranges)
         n = len(self.prompt)
         if outputs.pooling:
             self.pooled = PooledSum(pooled_positions(outputs.pooling, n))
@@ -107,6 +111,9 @@ class LiveRequest:
             self.logprob_positions.update(range(max(span.start, 0), min(span.end, n)))
         for span in outputs.readout_ranges:  # decoded positions too: read by the step that feeds them
             self.readout_positions.update(range(max(span.start, 0), min(span.end, n + self.submit.max_tokens)))
+        if outputs.residual_layers:
+            for span in outputs.residual_ranges:
+                self.residual_positions.update(range(max(span.start, 0), min(span.end, n)))
 
     @property
     def first_output_position(self) -> int:
@@ -114,12 +121,13 @@ class LiveRequest:
         n = len(self.prompt)
         pooled = [self.pooled.positions.start] if self.pooled is not None else []
         return min([p - 1 for p in self.logprob_positions if p > 0] + [p for p in self.readout_positions if p < n]
-                   + pooled, default=n)
+                   + pooled + list(self.residual_positions), default=n)
 
     @property
     def has_prompt_outputs(self) -> bool:
-        """Whether any prompt position's outputs were asked (logprobs, readouts, the embedding)."""
-        return bool(self.logprob_positions or self.readout_positions or self.pooled is not None)
+        """Whether any prompt position's outputs were asked (logprobs, readouts, residuals, the embedding)."""
+        return bool(self.logprob_positions or self.readout_positions or self.residual_positions
+                    or self.pooled is not None)
 
     @property
     def needed_tokens(self) -> int:
@@ -160,3 +168,22 @@ class LiveRequest:
             if self.text is not None:
                 self.text.stop = list(patch.stop)
         self.sampling_dirty = True
+
+    def steer(self, steering: list[wire.SteeringTerm], vectors: dict[str, bytes]) -> None:
+        """A Modify's new steering, from the next fed token on. The KV it computes from then on is steered
+        otherwise than the request's cache domain says, so the domain becomes its own: a session does not
+        park this sequence for a later turn to reuse (the worker stops naming its blocks itself)."""
+        if steering == self.submit.steering:
+            return
+        known = self.submit.steering_vectors | vectors
+        self.submit.steering = steering
+        self.submit.steering_vectors = {t.vector: known[t.vector] for t in steering if t.vector in known}
+        self.submit.cache_domain = f"{self.submit.cache_domain}|steered-mid-stream:{self.rid}"
+        self.steering_dirty = True
+
+    def steering_step(self, seq: wire.SeqStep) -> None:
+        """Put the request's steering on ``seq`` when it has not gone to the worker yet."""
+        if self.steering_dirty:
+            seq.steering = list(self.submit.steering)
+            seq.vectors = dict(self.submit.steering_vectors)
+            self.steering_dirty = False

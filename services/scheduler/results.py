@@ -207,11 +207,13 @@ class Results:
         for score in result.scores.get(seq.seq_id, []):
             request.scored[score.position + 1] = score
         readouts = {r.position: r.values for r in result.readouts.get(seq.seq_id, [])}
+        residuals = {r.position: r.values for r in result.residuals.get(seq.seq_id, [])}
         outputs = []
         for p in range(request.applied, request.applied + len(seq.tokens)):
-            if p not in request.logprob_positions and p not in request.readout_positions:
+            if p not in request.logprob_positions and p not in request.readout_positions and p not in residuals:
                 continue
-            out = wire.PositionOutput(position=p, token_id=request.prompt[p], readout=readouts.get(p, b""))
+            out = wire.PositionOutput(position=p, token_id=request.prompt[p], readout=readouts.get(p, b""),
+                                      residual=residuals.get(p, b""))
             score = request.scored.pop(p, None)
             if score is not None:
                 out.logprob, out.top = score.logprob, score.top

@@ -125,6 +125,7 @@ class StepBuilder:
             seq.sampling = request.submit.sampling
             seq.cache_domain = request.submit.cache_domain
             request.sampling_dirty = False
+        request.steering_step(seq)
         request.in_flight += 1
         request.last_sample = seq.sample
         items.append((request, seq))
@@ -162,6 +163,9 @@ class StepBuilder:
         seq.scores = [wire.ScoreQuery(q, prompt[q + 1]) for q in fed if q + 1 in request.logprob_positions
                       and q + 1 < len(prompt)]
         seq.readouts = [p for p in fed if p in request.readout_positions]
+        seq.residuals = [p for p in fed if p in request.residual_positions]
+        if seq.residuals and request.submit.outputs is not None:
+            seq.residual_layers = list(request.submit.outputs.residual_layers)
         if request.pooled is not None:
             pooled = request.pooled.positions
             seq.pool = list(range(max(fed.start, pooled.start), min(fed.stop, pooled.stop)))

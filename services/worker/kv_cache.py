@@ -173,6 +173,9 @@ class BlockTables:
         # seq id -> the names of its full blocks (len == its length // block_size, when caching)
         self.hashes: dict[int, list[bytes]] = {}
         self.roots: dict[int, bytes] = {}  # seq id -> its chain's root, when not ROOT_HASH (its cache domain's)
+        # sequences whose later blocks are not named (their steering changed: docs/steering.md): what they compute
+        # from then on is not what the chain of their domain says, so no other sequence may take it
+        self.sealed: set[int] = set()
         self.copies: list[tuple[int, int]] = []  # (source, destination) block copies not yet done
         self.hit_tokens = 0  # tokens whose KV came from the cache (all lookups so far)
 
@@ -215,10 +218,15 @@ class BlockTables:
         if domain:
             self.roots[seq_id] = domain_root(domain)
 
+    def seal(self, seq_id: int) -> None:
+        """Name none of ``seq_id``'s blocks from now on (those named so far stay: they hold what their names say)."""
+        self.sealed.add(seq_id)
+
     def release(self, seq_id: int) -> None:
         blocks = self.seqs.pop(seq_id, None)
         self.hashes.pop(seq_id, None)
         self.roots.pop(seq_id, None)
+        self.sealed.discard(seq_id)
         if blocks is not None:
             self.allocator.release(blocks[::-1])  # last block first: it is the first to evict
 
@@ -230,6 +238,8 @@ class BlockTables:
         self.hashes[child] = list(self.hashes.get(parent, []))
         if parent in self.roots:
             self.roots[child] = self.roots[parent]
+        if parent in self.sealed:
+            self.sealed.add(child)
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Keep the first ``length`` tokens' blocks. A partially kept block stays as it is (shared or
@@ -254,7 +264,7 @@ class BlockTables:
         start = len(prefix)
         bs = self.block_size
         j = start // bs  # the first block that could come from the cache
-        if not self.prefix_caching or (j + 1) * bs > limit:
+        if not self.prefix_caching or (j + 1) * bs > limit or seq_id in self.sealed:
             return start
         blocks = self.seqs.setdefault(seq_id, [])
         hashes = self.hashes.setdefault(seq_id, [])
@@ -303,7 +313,7 @@ class BlockTables:
         """After a forward pass: name the blocks ``tokens`` (the whole sequence) now fills. A block
         whose name is already registered to another block is swapped for that one (the two hold
         the same keys and values), so sequences that computed a prefix at once end up sharing it."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq_id in self.sealed:
             return
         bs = self.block_size
         blocks = self.seqs[seq_id]

@@ -185,3 +185,19 @@ def test_blocks_are_shared_only_within_a_cache_domain() -> None:
     assert named[0] == block_hash(domain_root("alice"), a[:4])  # the chain the scheduler's index computes
     assert [int.from_bytes(h[:8], "little", signed=True) for h in named] == list(
         prefix_keys(a, 4, root=domain_root("alice")))
+
+
+def test_a_sealed_sequence_names_no_more_blocks_and_its_forks_neither() -> None:
+    """A sequence whose steering changed mid-way (docs/steering.md): the blocks it fills from then on hold KV that
+    its chain's names do not describe, so none is registered for another sequence to take."""
+    tables = _tables(num_blocks=16)
+    a = list(range(1, 14))  # 3 full blocks of 4
+    assert _feed(tables, 1, [], a[:5]) == 0  # one full block named
+    tables.seal(1)
+    tables.fork(1, 2)
+    assert _feed(tables, 1, a[:5], a[5:]) == 5
+    assert len(tables.allocator._by_hash) == 1
+    assert _feed(tables, 2, a[:4], a[4:12], sample=False) == 4  # nor does a sealed one look any up
+    assert _feed(tables, 3, [], a) == 4  # only the block named before the seal is found
+    tables.release(1)
+    assert 1 not in tables.sealed and 2 in tables.sealed
