@@ -35,6 +35,12 @@ request ends when its last branch does. Sequences without a controller never rea
 
 Each branch keeps the *logical* token list the controller sees and ``kv_len``, how many of them the
 worker holds; what lies beyond is fed on the branch's next step.
+
+Steering and readouts (controllers/ABI.md "Steering and readouts"): each branch has its own steering, the request's
+(``Submit.steering``, a Modify's) until its controller sets another (a reply's ``steering``), sent with its next
+SeqStep; a fork starts with its parent's. A branch whose controller asked for readouts (``readouts_on``) reads out the
+last position of every step that feeds it, and the next ``post_pre_process`` hands that readout to the runtime. (A
+steering changed mid-way seals the sequence's KV in the worker: none of its later blocks is reused.)
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import structlog
 from common import aici_wire, wire
 from common.config import Controllers
 from common.errors import INTERNAL_ERROR, SERVICE_UNAVAILABLE
+from common.steering import SteeringError, decode
 from common.textstream import TextStream
 from services.scheduler.requests import LiveRequest, State, length_reached, stop_token
 
@@ -76,6 +83,7 @@ class Host(Protocol):
     prefill_chunk_tokens: int
 
     def max_model_len(self) -> int: ...
+    def model_facts(self) -> wire.WorkerHello | None: ...
     def new_seq_id(self) -> int: ...
     def reserve(self, worker: bytes, tokens: int) -> None: ...
     def free_seq(self, worker: bytes, seq_id: int) -> None: ...
@@ -108,6 +116,10 @@ class Branch:
     pre_default: bool = False  # its controller flagged pre_process as the default at its last call: it may go ahead
     held: bool = False  # went ahead, but its pre_process waits for the next step: fed, not sampled
     event: wire.TokenEvent | None = None  # what this step has to say about the branch
+    steering: list[wire.SteeringTerm] = field(default_factory=list)  # what its fed tokens are steered with
+    steering_dirty: bool = False  # ``steering`` goes with its next SeqStep
+    readouts: bool = False  # its controller reads out the last position of each step that feeds it
+    readout: bytes = b""  # the last such readout, for the next post_pre_process (b"": none new)
 
     @property
     def unfed(self) -> list[int]:
@@ -170,6 +182,7 @@ class Controlled:
     branches: list[Branch]
     indices: itertools.count = field(default_factory=lambda: itertools.count(1))
     suspended_steps: int = 0  # consecutive steps in which every live branch was suspended
+    vectors: dict[str, bytes] = field(default_factory=dict)  # every vector its steering carried, by id
 
     def live(self) -> list[Branch]:
         return [b for b in self.branches if b.finished is None]
@@ -268,6 +281,11 @@ class ControlledSteps:
                           text=request.text, text_start=len(request.prompt))
             controlled = self.requests[request.rid] = Controlled(request=request, branches=[root])
             self.by_seq[root.seq_id] = root
+        if request.steering_dirty:  # its Submit's steering, or a Modify's: every branch's from its next step on
+            request.steering_dirty = False
+            controlled.vectors |= request.submit.steering_vectors
+            for branch in controlled.live():
+                branch.steering, branch.steering_dirty = list(request.submit.steering), True
         return controlled
 
     def begin(self, running: Iterable[LiveRequest], budget: int, may_go_ahead: bool = False
@@ -312,16 +330,35 @@ class ControlledSteps:
     def _request(self, assign: list[Branch]) -> aici_wire.PostPreProcess:
         """The next ``post_pre_process``: what the runtime has not heard yet (post_ops, ended sequences) and the
         roots to bind to their controllers (``assign``)."""
-        post_ops = []
+        post_ops, readouts = [], []
         for controlled in self.requests.values():
             for b in controlled.live():
                 if b.assigned and (b.report_tokens or b.report_backtrack):
                     post_ops.append(aici_wire.PostOp(id=b.seq_id, tokens=b.report_tokens, backtrack=b.report_backtrack))
                     b.report_tokens, b.report_backtrack = [], 0
-        pre_ops = [aici_wire.PreOp(id=b.seq_id, req_id=b.request.submit.controller) for b in assign]
+                if b.readout:
+                    readouts.append(aici_wire.SeqReadout(id=b.seq_id, values=b.readout))
+                    b.readout = b""
+        pre_ops = [self._binding(b) for b in assign]
         freed, self.freed = self.freed, []
         self._assign, self._post_ops = assign, post_ops
-        return aici_wire.PostPreProcess(post_ops=post_ops, pre_ops=pre_ops, freed=freed, reset=self.runtime_fresh)
+        return aici_wire.PostPreProcess(post_ops=post_ops, pre_ops=pre_ops, freed=freed, reset=self.runtime_fresh,
+                                        readouts=readouts)
+
+    def _binding(self, root: Branch) -> aici_wire.PreOp:
+        """The op binding ``root`` to its controller, with what its steering and readout host calls know: the
+        worker's readout concepts and layers, and the layers of each vector its request's steering carries."""
+        request = root.request
+        facts = self.host.model_facts()
+        vectors = {}
+        for vector_id, data in self.requests[request.rid].vectors.items():
+            try:
+                vectors[vector_id] = decode(data).layers
+            except SteeringError:  # (checked by the gateway: a vector the worker would refuse too)
+                continue
+        return aici_wire.PreOp(id=root.seq_id, req_id=request.submit.controller, vectors=vectors,
+                               concepts=list(facts.readout_concepts) if facts else [],
+                               readout_layers=list(facts.readout_layers) if facts else [])
 
     def follow(self, running: Iterable[LiveRequest], max_len: int) -> Plan | None:
         """The next step of the sequences that sample in the step in flight, to send before its result is back
@@ -361,6 +398,7 @@ class ControlledSteps:
                 seq = wire.SeqStep(seq_id=b.seq_id, tokens=list(splice), mask_row=row)
             else:
                 seq = wire.SeqStep(seq_id=b.seq_id, tokens=[], follow=True, mask_row=row)
+            self._steer_step(b, seq, len(b.tokens) + (len(splice) if splice else 1) - 1)
             if b.request.sampling_dirty:
                 seq.sampling = b.request.submit.sampling
             plan.per_worker[b.request.worker].append((b, seq))
@@ -503,13 +541,38 @@ class ControlledSteps:
         elif branch.fresh or request.sampling_dirty:
             seq.sampling = request.submit.sampling
             seq.cache_domain = request.submit.cache_domain
+        if tokens:
+            self._steer_step(branch, seq, branch.kv_len + len(tokens) - 1)
         plan.per_worker[request.worker].append((branch, seq))
         plan.tokens += len(tokens)
+
+    def _steer_step(self, branch: Branch, seq: wire.SeqStep, last: int) -> None:
+        """``seq``'s steering, when the branch's changed since its last SeqStep, and the readout of ``last`` (the
+        last position it feeds) when the branch's controller reads them out."""
+        if branch.steering_dirty:
+            vectors = self.requests[branch.request.rid].vectors
+            seq.steering = list(branch.steering)
+            seq.vectors = {t.vector: vectors[t.vector] for t in branch.steering if t.vector in vectors}
+            branch.steering_dirty = False
+        if branch.readouts:
+            seq.readouts = [last]
+
+    def _host_effects(self, effects: aici_wire.HostEffects) -> None:
+        """What a reply's controllers asked for besides their results: steering from the next SeqStep of their
+        branch on, readouts from it on."""
+        for change in effects.steering:
+            branch = self.by_seq.get(change.id)
+            if branch is not None and branch.finished is None:
+                branch.steering, branch.steering_dirty = change.terms, True
+        for seq_id in effects.readouts_on:
+            if (branch := self.by_seq.get(seq_id)) is not None:
+                branch.readouts = True
 
     def _post_pre_process(self, post_ops: list[aici_wire.PostOp], reply: aici_wire.PostPreProcessReply
                           ) -> list[tuple[Branch, int | None]]:
         """Apply a post_pre_process reply; returns the branches to run this step, each with its clone parent."""
         self._post_outcomes(post_ops, reply)
+        self._host_effects(reply)
         runnable: list[tuple[Branch, int | None]] = []
         defaults = set(reply.pre_default)
         for controlled in list(self.requests.values()):
@@ -537,6 +600,7 @@ class ControlledSteps:
             return None
         try:
             self._post_outcomes(post_ops, reply.data)
+            self._host_effects(reply.data)  # (for their next step: this one went out)
             waiting, defaults = set(reply.data.waiting), set(reply.data.pre_default)
             kept: list[tuple[Branch, int | None]] = []
             rows: list[int] = []
@@ -649,6 +713,9 @@ class ControlledSteps:
         child.text.released = len(child.text.text)
         if parent.kv_len > 0 and not parent.fresh:  # the parent is live in the worker: copy its KV
             child.fork_of, child.kv_len, child.kv_backtrack = parent.seq_id, parent.kv_len, parent.kv_backtrack
+        # its parent's steering and readouts: the worker's copy has the steering the parent's last SeqStep gave
+        child.steering, child.readouts = list(parent.steering), parent.readouts
+        child.steering_dirty = parent.steering_dirty or (child.fork_of is None and bool(child.steering))
         controlled.branches.append(child)
         self.by_seq[child.seq_id] = child
         self.host.reserve(request.worker, request.needed_tokens)
@@ -656,6 +723,7 @@ class ControlledSteps:
 
     def _mid_process(self, mid: PendingMid, reply: MainReply) -> None:
         seqs = reply.data.seqs
+        self._host_effects(reply.data)  # (for their next step: this one is under way)
         mid.frame = reply.frames[0] if reply.frames else None
         if mid.frame is not None and mid.rows is not None and mid.rows != list(range(mid.num_rows)):
             mid.frame = spread_rows(mid.frame, mid.rows, mid.num_rows)
@@ -707,15 +775,17 @@ class ControlledSteps:
     # -- results ------------------------------------------------------------------------------------
 
     def apply(self, branch: Branch, seq: wire.SeqStep, sampled: wire.SampledToken | None, failure: str | None,
-              max_len: int) -> None:
-        """The worker ran ``seq`` for ``branch`` (and sampled ``sampled``, or failed it with ``failure``):
-        advance it and note what the controller must hear."""
+              max_len: int, readouts: list[wire.ReadoutResult] | None = None) -> None:
+        """The worker ran ``seq`` for ``branch`` (and sampled ``sampled``, or failed it with ``failure``; ``readouts``:
+        its answers to ``seq.readouts``): advance it and note what the controller must hear."""
         request = branch.request
         if branch.finished or request.state is State.FINISHED:
             return
         if failure is not None:
             self._end(branch, "fail", error=f"the worker failed this sequence: {failure}")
             return
+        if readouts:
+            branch.readout = readouts[-1].values
         branch.fresh = False
         branch.fork_of = None
         branch.kv_backtrack = 0
