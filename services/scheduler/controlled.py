@@ -456,6 +456,7 @@ class ControlledSteps:
             runnable = self._post_pre_process(post_ops, reply.data)
             for row, (branch, _) in enumerate(runnable):
                 self._plan_sample(plan, branch, row)
+            self._steer(reply.data, runnable)  # from the token this step samples on: with its next SeqStep
         except Exception as exc:  # a bug or a nonsensical runtime reply fails the controlled requests, not the loop
             self._fail_all(exc)
             return Plan()
@@ -557,22 +558,27 @@ class ControlledSteps:
         if branch.readouts:
             seq.readouts = [last]
 
-    def _host_effects(self, effects: aici_wire.HostEffects) -> None:
-        """What a reply's controllers asked for besides their results: steering from the next SeqStep of their
-        branch on, readouts from it on."""
-        for change in effects.steering:
-            branch = self.by_seq.get(change.id)
-            if branch is not None and branch.finished is None:
-                branch.steering, branch.steering_dirty = change.terms, True
+    def _readouts_on(self, effects: aici_wire.HostEffects) -> None:
+        """The branches whose controllers asked for readouts in a call: from their next SeqStep on."""
         for seq_id in effects.readouts_on:
             if (branch := self.by_seq.get(seq_id)) is not None:
                 branch.readouts = True
+
+    def _steer(self, effects: aici_wire.HostEffects, forks: list[tuple[Branch, int | None]] = ()) -> None:
+        """The steering a step's calls set, from the token that step samples on, whether the step went out before
+        them or not (ABI.md "Steering and readouts"): so apply it only once that step's SeqSteps are planned. The
+        forks made in the call (``forks``: (branch, clone parent)) take the steering their parent set before them."""
+        for change in effects.steering:
+            targets = [self.by_seq.get(change.id), *(b for b, parent in forks if parent == change.id)]
+            for branch in targets:
+                if branch is not None and branch.finished is None:
+                    branch.steering, branch.steering_dirty = list(change.terms), True
 
     def _post_pre_process(self, post_ops: list[aici_wire.PostOp], reply: aici_wire.PostPreProcessReply
                           ) -> list[tuple[Branch, int | None]]:
         """Apply a post_pre_process reply; returns the branches to run this step, each with its clone parent."""
         self._post_outcomes(post_ops, reply)
-        self._host_effects(reply)
+        self._readouts_on(reply)
         runnable: list[tuple[Branch, int | None]] = []
         defaults = set(reply.pre_default)
         for controlled in list(self.requests.values()):
@@ -600,7 +606,8 @@ class ControlledSteps:
             return None
         try:
             self._post_outcomes(post_ops, reply.data)
-            self._host_effects(reply.data)  # (for their next step: this one went out)
+            self._readouts_on(reply.data)  # (from their next step on: this one went out)
+            self._steer(reply.data)
             waiting, defaults = set(reply.data.waiting), set(reply.data.pre_default)
             kept: list[tuple[Branch, int | None]] = []
             rows: list[int] = []
@@ -723,7 +730,8 @@ class ControlledSteps:
 
     def _mid_process(self, mid: PendingMid, reply: MainReply) -> None:
         seqs = reply.data.seqs
-        self._host_effects(reply.data)  # (for their next step: this one is under way)
+        self._readouts_on(reply.data)  # (from their next step on: this one is under way)
+        self._steer(reply.data)
         mid.frame = reply.frames[0] if reply.frames else None
         if mid.frame is not None and mid.rows is not None and mid.rows != list(range(mid.num_rows)):
             mid.frame = spread_rows(mid.frame, mid.rows, mid.num_rows)

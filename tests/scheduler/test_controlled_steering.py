@@ -5,11 +5,12 @@ readouts a controller asked for are read out and handed back with the next post_
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from common import aici_wire, wire
 from common.steering import SteeringVector, encode
 from services.scheduler.controlled import MainReply
-from tests.scheduler.harness import HE, LLO, WOR, Harness, seqs_of
+from tests.scheduler.harness import BANG, HE, LLO, WOR, Harness, seqs_of
 from tests.scheduler.test_controlled import (  # noqa: F401
     FakeRuntime, controlled, next_seq_id, runtime_kind, send, step,
 )
@@ -36,7 +37,7 @@ class EffectsRuntime(FakeRuntime):
         return answer
 
 
-def test_a_controllers_steering_goes_with_its_branchs_next_seqstep_with_the_vectors_it_names():
+def test_a_controllers_steering_goes_with_its_branchs_seqstep_after_the_calls_with_the_vectors_it_names():
     h, _ = controlled(steering=WITH_V1, steering_vectors={"v1": VECTOR})
     rt = EffectsRuntime()
     seq_id = next_seq_id(h)
@@ -44,16 +45,35 @@ def test_a_controllers_steering_goes_with_its_branchs_next_seqstep_with_the_vect
     (first,) = seqs_of(steps, "c")
     assert first.steering == WITH_V1 and first.vectors == {"v1": VECTOR}  # the request's own, with its prompt
     assert rt.requests[0].pre_ops[0].vectors == {"v1": [2]}  # what the controller may steer with
-    rt.steering[seq_id] = AWAY
-    steps, _ = step(h, rt, {"c": LLO})  # set in this step's post_pre_process: from its fed token on
-    (seq,) = seqs_of(steps, "c")
-    assert seq.steering == AWAY and seq.vectors == {} and seq.tokens == [HE]
+    rt.steering[seq_id] = AWAY  # set hearing of HE: from the token this step samples (LLO) on
+    steps, _ = step(h, rt, {"c": LLO})
+    assert [(s.tokens, s.steering) for s in seqs_of(steps, "c")] == [([HE], None)]
     steps, _ = step(h, rt, {"c": WOR})
-    assert seqs_of(steps, "c")[0].steering is None  # unchanged: not sent again
+    (seq,) = seqs_of(steps, "c")
+    assert (seq.tokens, seq.steering, seq.vectors) == ([LLO], AWAY, {})
     rt.steering[seq_id] = [*AWAY, *WITH_V1]
+    steps, _ = step(h, rt)
+    assert seqs_of(steps, "c")[0].steering is None  # unchanged until the calls' step is planned
     steps, _ = step(h, rt)
     (seq,) = seqs_of(steps, "c")
     assert seq.steering == [*AWAY, *WITH_V1] and seq.vectors == {"v1": VECTOR}
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["planned after its calls", "sent ahead of its calls"])
+def test_a_steering_starts_at_the_same_token_whether_the_step_went_ahead_or_not(ahead):
+    h, _ = controlled()
+    rt = EffectsRuntime()
+    rt.pre_default = ahead
+    seq_id = next_seq_id(h)
+    step(h, rt, {"c": HE})
+    rt.steering[seq_id] = AWAY
+    fed = []
+    for token in (LLO, WOR, BANG):
+        steps, _ = step(h, rt, {"c": token})
+        fed += [(s.tokens or ["follow"], s.steering) for s in seqs_of(steps, "c")]
+    assert fed == [([HE], None), ([LLO], AWAY), ([WOR], None)]
+    assert any(isinstance(r, aici_wire.PostPreProcess) and r.ahead for r in rt.requests) == ahead
+    assert h.core.controlled.requests["c"].branches[0].steering == AWAY
 
 
 def test_a_fork_inherits_its_parents_steering_and_readouts():
@@ -62,18 +82,22 @@ def test_a_fork_inherits_its_parents_steering_and_readouts():
     parent = next_seq_id(h)
     rt.steering[parent], rt.readouts_on = AWAY, [parent]
     step(h, rt, {"c": HE})
+    steps, _ = step(h, rt, {"c": LLO})
+    assert seqs_of(steps, "c")[0].steering == AWAY
     rt.pre[parent] = {"num_forks": 2}
-    steps, _ = step(h, rt, {"c": LLO, "c/1": WOR})
+    steps, _ = step(h, rt, {"c": WOR, "c/1": WOR})
     mother, child = seqs_of(steps, "c")
     assert child.fork_of == parent and child.steering is None  # the worker's copy is steered as its parent is
-    assert mother.readouts == child.readouts == [3]
+    assert mother.readouts == child.readouts == [4]
     fork = h.core.controlled.requests["c"].branches[1]
     assert fork.steering == AWAY and fork.readouts
-    # a change in the call that forks goes with both SeqSteps
+    # a change in the call that forks again: the new fork takes it too, with the next SeqSteps
     rt.pre[parent], rt.steering[parent] = {"num_forks": 2}, []
     steps, _ = step(h, rt)
-    seqs = seqs_of(steps, "c")
-    assert len(seqs) == 3 and [s.steering for s in seqs if s.seq_id != fork.seq_id] == [[], []]
+    assert [s.steering for s in seqs_of(steps, "c")] == [None, None, None]
+    steps, _ = step(h, rt)
+    newest = h.core.controlled.requests["c"].branches[2].seq_id
+    assert {s.seq_id: s.steering for s in seqs_of(steps, "c")} == {parent: [], fork.seq_id: None, newest: []}
 
 
 def test_readouts_a_controller_asks_for_are_read_out_and_handed_back_with_the_next_call():
