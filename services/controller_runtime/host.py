@@ -189,13 +189,19 @@ class SeqHost:
         return 0
 
     def readout(self) -> bytes:
-        """The last fed position's readout (float32 [layers][concepts], little-endian; b"" none yet). The first
-        call asks the scheduler for the readout of the last position of every step that feeds this sequence."""
+        """The last fed position's readout (float32 [layers][concepts], little-endian; b"" none yet: always, from a
+        worker that reads none out). The first call asks the scheduler for the readout of the last position of every
+        step that feeds this sequence."""
         if not self.readouts_wanted:
             self.readouts_wanted = True
             if self.request.steering is not None:  # (bound: else the binding reports it)
-                self.request.effects.readouts_on.append(self.seq_id)
+                self.readouts_on()
         return self.last_readout
+
+    def readouts_on(self) -> None:
+        """Ask the scheduler for this sequence's readouts (unless the worker reads none out)."""
+        if self.request.steering.concepts:
+            self.request.effects.readouts_on.append(self.seq_id)
 
     def readout_info(self) -> dict[str, list] | None:
         """``{"concepts": [names], "layers": [0-based decoder layers]}``, the readout's order; None before the

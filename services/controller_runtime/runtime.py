@@ -296,7 +296,7 @@ class Runtime:
         host.seq_id = op.id
         host.request.steering = SteerScope.of(op, self.steering)
         if host.readouts_wanted:  # asked for in init_prompt
-            self.effects.readouts_on.append(op.id)
+            host.readouts_on()
         self.seqs[op.id] = instance
         return ""
 

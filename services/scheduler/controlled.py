@@ -542,8 +542,7 @@ class ControlledSteps:
         elif branch.fresh or request.sampling_dirty:
             seq.sampling = request.submit.sampling
             seq.cache_domain = request.submit.cache_domain
-        if tokens:
-            self._steer_step(branch, seq, branch.kv_len + len(tokens) - 1)
+        self._steer_step(branch, seq, branch.kv_len + len(tokens) - 1)  # (no tokens: the last one computed again)
         plan.per_worker[request.worker].append((branch, seq))
         plan.tokens += len(tokens)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from common import aici_wire
-from tests.controller_runtime.conftest import bound, start
-from tests.controller_runtime.wat import controller, ret_const, str_data
+from tests.controller_runtime.conftest import bound, mid, start
+from tests.controller_runtime.wat import MID_SAMPLE, controller, ret_const, str_data
 
 GUARD_WASM = (Path(__file__).resolve().parents[2] / "controllers" / "wasm" / "concept_guard.wasm").read_bytes()
 SCOPE = {"concepts": ["happy", "sad"], "readout_layers": [3, 7], "vectors": {"v1": [2, 5]}}
@@ -100,8 +100,8 @@ def readout(happy: float) -> bytes:
 def test_concept_guard_steers_against_its_concept_while_the_readout_is_above_the_threshold(runtime, guard):
     arg = {"concept": "happy", "threshold": 0.5, "scale": 6}
     assert bound(runtime, guard, 1, arg, **SCOPE)["readouts_on"] == [1]
-    mid, _ = runtime.mid_process(aici_wire.MidProcess(ops=[aici_wire.MidOp(id=1)]))
-    assert mid["seqs"]["1"]["error"] == "" and mid["seqs"]["1"]["result"] is None
+    data, _ = mid(runtime, (1, None))
+    assert data["seqs"]["1"]["error"] == "" and data["seqs"]["1"]["result"] is None
     steering, logs = [], []
     for happy in (0.25, 0.75, 1.5, 0.25, 0.0):
         reply = post(runtime, 1, readouts=[aici_wire.SeqReadout(id=1, values=readout(happy))])
@@ -117,5 +117,23 @@ def test_concept_guard_steers_against_its_concept_while_the_readout_is_above_the
 @pytest.mark.parametrize("guard", [GUARD_WASM, "native:concept_guard"], ids=["wasm", "native"])
 def test_concept_guard_stops_before_its_first_token_on_a_concept_not_read_out(runtime, guard):
     bound(runtime, guard, 1, {"concept": "angry", "threshold": 0.5, "scale": 6}, **SCOPE)
-    mid, _ = runtime.mid_process(aici_wire.MidProcess(ops=[aici_wire.MidOp(id=1)]))
-    assert mid["seqs"]["1"]["result"] == "Stop" and "no concept" in mid["seqs"]["1"]["logs"]
+    data, _ = mid(runtime, (1, None))
+    assert data["seqs"]["1"]["result"] == "Stop" and "no concept" in data["seqs"]["1"]["logs"]
+
+
+def test_a_steering_set_in_mid_process_comes_back_in_its_reply(runtime):
+    text = '[{"vector":"concept:sad","scale":3}]'
+    steer = f"(drop (call $steer (i32.const 20000) (i32.const {len(text)})))"
+    wasm = controller(mid=f"{steer} (call $ret_bias (i32.const 4096)) {ret_const(1300, MID_SAMPLE)}",
+                      data=str_data(20000, text))
+    start(runtime, wasm, 1, **SCOPE)
+    data, _ = mid(runtime, (1, None))
+    terms = [{"vector": "concept:sad", "scale": 3.0}]
+    assert data["seqs"]["1"]["error"] == "" and data["steering"] == [{"id": 1, "terms": terms}]
+
+
+def test_a_worker_that_reads_nothing_out_is_never_asked_for_readouts(runtime):
+    wasm = controller(init_prompt=f"(drop (call $readout (i32.const 0) (i32.const 0))) {ret_const(1024, '{}')}",
+                      post=f"(drop (call $readout (i32.const 0) (i32.const 0))) {POST_OK}")
+    assert bound(runtime, wasm, 1, readout_layers=[3])["readouts_on"] == []
+    assert post(runtime, 1)["readouts_on"] == []
