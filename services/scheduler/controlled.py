@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -453,10 +453,13 @@ class ControlledSteps:
             return plan
         self.runtime_fresh = False
         try:
+            self._readouts_on(reply.data, {b.seq_id for b in assign})  # asked at the binding: from its prompt on
             runnable = self._post_pre_process(post_ops, reply.data)
             for row, (branch, _) in enumerate(runnable):
                 self._plan_sample(plan, branch, row)
-            self._steer(reply.data, runnable)  # from the token this step samples on: with its next SeqStep
+            # what the calls asked for, from the next SeqSteps on, as when the step goes out ahead of its calls
+            self._readouts_on(reply.data)
+            self._steer(reply.data, runnable)
         except Exception as exc:  # a bug or a nonsensical runtime reply fails the controlled requests, not the loop
             self._fail_all(exc)
             return Plan()
@@ -557,13 +560,13 @@ class ControlledSteps:
         if branch.readouts:
             seq.readouts = [last]
 
-    def _readouts_on(self, effects: aici_wire.HostEffects) -> None:
-        """The branches whose controllers asked for readouts in a call: from their next SeqStep on."""
+    def _readouts_on(self, effects: aici_wire.HostEffects, only: Container[int] | None = None) -> None:
+        """The branches (of ``only``) whose controllers asked for readouts in a call: from their next SeqStep on."""
         for seq_id in effects.readouts_on:
-            if (branch := self.by_seq.get(seq_id)) is not None:
+            if (only is None or seq_id in only) and (branch := self.by_seq.get(seq_id)) is not None:
                 branch.readouts = True
 
-    def _steer(self, effects: aici_wire.HostEffects, forks: list[tuple[Branch, int | None]] = ()) -> None:
+    def _steer(self, effects: aici_wire.HostEffects, forks: Sequence[tuple[Branch, int | None]] = ()) -> None:
         """The steering a step's calls set, from the token that step samples on, whether the step went out before
         them or not (ABI.md "Steering and readouts"): so apply it only once that step's SeqSteps are planned. The
         forks made in the call (``forks``: (branch, clone parent)) take the steering their parent set before them."""
@@ -577,7 +580,6 @@ class ControlledSteps:
                           ) -> list[tuple[Branch, int | None]]:
         """Apply a post_pre_process reply; returns the branches to run this step, each with its clone parent."""
         self._post_outcomes(post_ops, reply)
-        self._readouts_on(reply)
         runnable: list[tuple[Branch, int | None]] = []
         defaults = set(reply.pre_default)
         for controlled in list(self.requests.values()):

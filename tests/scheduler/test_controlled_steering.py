@@ -60,18 +60,18 @@ def test_a_controllers_steering_goes_with_its_branchs_seqstep_after_the_calls_wi
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["planned after its calls", "sent ahead of its calls"])
-def test_a_steering_starts_at_the_same_token_whether_the_step_went_ahead_or_not(ahead):
+def test_a_steering_and_readouts_start_at_the_same_token_whether_the_step_went_ahead_or_not(ahead):
     h, _ = controlled()
     rt = EffectsRuntime()
     rt.pre_default = ahead
     seq_id = next_seq_id(h)
     step(h, rt, {"c": HE})
-    rt.steering[seq_id] = AWAY
+    rt.steering[seq_id], rt.readouts_on = AWAY, [seq_id]
     fed = []
     for token in (LLO, WOR, BANG):
         steps, _ = step(h, rt, {"c": token})
-        fed += [(s.tokens or ["follow"], s.steering) for s in seqs_of(steps, "c")]
-    assert fed == [([HE], None), ([LLO], AWAY), ([WOR], None)]
+        fed += [(s.tokens, s.steering, s.readouts) for s in seqs_of(steps, "c")]
+    assert fed == [([HE], None, []), ([LLO], AWAY, [4]), ([WOR], None, [5])]
     assert any(isinstance(r, aici_wire.PostPreProcess) and r.ahead for r in rt.requests) == ahead
     assert h.core.controlled.requests["c"].branches[0].steering == AWAY
 
