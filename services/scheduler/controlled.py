@@ -279,7 +279,8 @@ class ControlledSteps:
             assert request.text is not None  # a controlled request is never text_at_gateway (SchedulerCore.submit)
             root = Branch(request=request, index=0, seq_id=request.seq_id, tokens=list(request.prompt),
                           text=request.text, text_start=len(request.prompt))
-            controlled = self.requests[request.rid] = Controlled(request=request, branches=[root])
+            controlled = self.requests[request.rid] = Controlled(request=request, branches=[root],
+                                                                 vectors=dict(request.submit.steering_vectors))
             self.by_seq[root.seq_id] = root
         if request.steering_dirty:  # its Submit's steering, or a Modify's: every branch's from its next step on
             request.steering_dirty = False
