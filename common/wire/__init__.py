@@ -47,6 +47,8 @@ from common.wire.store import (
     EvergreenClose, EvergreenDrop, EvergreenFragment, EvergreenGetNodes, EvergreenNodes, EvergreenPut,
     FeedbackEntry, FeedbackRecorded, GetRequest, RecordCompletion, RecordFeedback, RecordRequest, RequestRecord,
     RequestRecordReply, ResponseDelete, ResponseGet, ResponsePut, ResponseRecord, SalienceBegin, SalienceClose,
-    SalienceEnd, SalienceFork, SalienceGet, SalienceOpen, SalienceSession,
+    SalienceEnd, SalienceFork, SalienceGet, SalienceOpen, SalienceSession, VectorDelete, VectorFound, VectorGet,
+    VectorInfo, VectorInfos, VectorList, VectorLookup, VectorPut, VectorReply, VectorTag, VectorTagInfo, VectorTagList,
+    VectorTags,
 )
 from common.wire.codec import DECODE_ERRORS, Message, WireError, decode, encode  # (WireError: what decode raises)

@@ -18,7 +18,8 @@ from common.wire.store import (
     EvergreenClose, EvergreenDrop, EvergreenGetNodes, EvergreenNodes, EvergreenPut, FeedbackRecorded, GetRequest,
     RecordCompletion, RecordFeedback, RecordRequest, RequestRecordReply, ResponseDelete, ResponseGet, ResponsePut,
     ResponseRecord, SalienceBegin, SalienceClose, SalienceEnd, SalienceFork, SalienceGet, SalienceOpen,
-    SalienceSession,
+    SalienceSession, VectorDelete, VectorFound, VectorGet, VectorInfos, VectorList, VectorLookup, VectorPut,
+    VectorReply, VectorTag, VectorTagList, VectorTags,
 )
 from common.wire.worker import Step, StepAbandon, StepMasks, StepResult, WorkerHello
 
@@ -70,6 +71,17 @@ Message = Union[
     ResponseGet,
     ResponseDelete,
     ResponseRecord,
+    VectorPut,
+    VectorGet,
+    VectorList,
+    VectorDelete,
+    VectorTag,
+    VectorTagList,
+    VectorLookup,
+    VectorReply,
+    VectorInfos,
+    VectorTags,
+    VectorFound,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

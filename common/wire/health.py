@@ -80,6 +80,7 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     controller_runtime: str = ""  # "ok", or what is wrong with it
     controller_steps: ControllerStepStats = msgspec.field(default_factory=ControllerStepStats)
     hidden_size: int = 0
+    num_layers: int = 0  # the served model's decoder layers (0: no ready worker yet)
     readout_concepts: list[str] = []
     readout_layers: list[int] = []
     parked_sessions: int = 0

@@ -1,5 +1,5 @@
 """The gateway -> session store channel: request records and feedback, Evergreen node graphs, Salience
-sessions, stored Responses."""
+sessions, stored Responses, steering vectors."""
 
 from __future__ import annotations
 
@@ -227,3 +227,100 @@ class ResponseRecord(Msg, tag="response_record"):
     input_items: str
     conversation: str
     created_at: float
+
+
+# gateway -> session store: steering vectors (docs/steering.md, "Vectors"), content-addressed: a vector's id is the
+# SHA-256 of its canonical form (common.steering). A user reaches a vector they uploaded (they hold it), one a tag
+# they see points at, and an admin every vector; to anyone else it is unknown (not_found, as an id no one stored).
+# Tags follow common.tags. Refusals: not_found, invalid_request (bad content or tag), rate_limited (past
+# steering.max_vectors_per_user).
+
+
+class VectorInfo(msgspec.Struct, kw_only=True):
+    """What is known of a stored vector without its content: ``norms[i]`` is the Euclidean norm of layer
+    ``layers[i]``'s direction; ``tags`` are the ones pointing at it that the caller sees."""
+
+    id: str
+    hidden_size: int
+    layers: list[int]
+    norms: list[float]
+    tags: list[str] = []
+    created_at: float = 0.0
+
+
+class VectorTagInfo(msgspec.Struct, kw_only=True):
+    tag: str
+    vector_id: str
+    updated_at: float
+    updated_by: str
+
+
+class VectorPut(Msg, tag="vector_put"):
+    """Store ``content`` (a canonical vector) as ``caller``'s and point ``tags`` at it, all or nothing (a refused
+    tag stores nothing); storing a vector again costs nothing. Replied with :class:`VectorReply`."""
+
+    caller: Principal
+    content: bytes
+    tags: list[str] = []
+
+
+class VectorGet(Msg, tag="vector_get"):
+    """A vector by id or tag; replied with :class:`VectorReply`."""
+
+    ref: str
+    caller: Principal
+
+
+class VectorList(Msg, tag="vector_list"):
+    """The vectors ``caller`` reaches, newest first; replied with :class:`VectorInfos`."""
+
+    caller: Principal
+
+
+class VectorDelete(Msg, tag="vector_delete"):
+    """``caller`` lets go of a vector they uploaded, and of their tags on it; the vector itself, with every tag on
+    it, goes when no uploader holds it any more (an admin's delete: at once). Replied with Ok."""
+
+    vector_id: str
+    caller: Principal
+
+
+class VectorTag(Msg, tag="vector_tag"):
+    """Point ``tags`` at a vector ``caller`` reaches, all or nothing; replied with :class:`VectorTags` (those set)."""
+
+    vector_id: str
+    tags: list[str]
+    caller: Principal
+
+
+class VectorTagList(Msg, tag="vector_tag_list"):
+    """The tags ``caller`` sees, most recently moved first; replied with :class:`VectorTags`."""
+
+    caller: Principal
+
+
+class VectorLookup(Msg, tag="vector_lookup"):
+    """Resolve a request's steering: the id each of ``refs`` (an id or a tag) names for ``caller``, and the content of
+    those not in ``cached`` (ids the gateway holds already: content never changes). Replied with
+    :class:`VectorFound`, or not_found naming the first ref ``caller`` does not reach."""
+
+    refs: list[str]
+    caller: Principal
+    cached: list[str] = []
+
+
+class VectorReply(Msg, tag="vector"):
+    info: VectorInfo
+
+
+class VectorInfos(Msg, tag="vectors"):
+    vectors: list[VectorInfo] = []
+
+
+class VectorTags(Msg, tag="vector_tags"):
+    tags: list[VectorTagInfo] = []
+
+
+class VectorFound(Msg, tag="vector_found"):
+    ids: list[str]  # refs[i]'s vector id
+    contents: dict[str, bytes] = {}  # canonical content by id, for the ids not cached

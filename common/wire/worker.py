@@ -191,6 +191,7 @@ class WorkerHello(Msg, tag="worker_hello"):
     device: str = ""
     kv_capacity_tokens: int = 0
     hidden_size: int = 0
+    num_layers: int = 0  # decoder layers (a steering layer is 0 .. num_layers - 1)
     readout_concepts: list[str] = []
     readout_layers: list[int] = []
     forward: str = ""  # its engine's backend: "paged" (the native forward, +cuda_graphs, +triton) or "transformers"

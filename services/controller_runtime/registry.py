@@ -9,11 +9,11 @@ Files are written to a temporary name and renamed, so a crash never leaves a hal
 Only artifacts this registry produced are deserialized (wasmtime artifacts must be trusted).
 
 Ownership. Modules are content-addressed: whoever names a module's id has its bytes (or was given the id), so a
-module is usable by anyone who names it. A tag is a name one user gives a module, and it is theirs: its owner is
-the user who first set it. A tag an admin set is public (the server's catalogue: every user sees and may
-instantiate it); any other tag exists only for its owner and admins (:func:`common.tenancy.may_access`):
-another user's ``get_tags`` does not list it, and instantiating it is "unknown controller module or tag", as for
-a name no one set. Only its owner or an admin may move a tag. Tags stored before owners existed stay public.
+module is usable by anyone who names it. A tag is a name one user gives a module, under the rules of
+:mod:`common.tags`: its owner is the user who first set it, an admin's is public (every user sees and may
+instantiate it), any other exists only for its owner and admins: another user's ``get_tags`` does not list it,
+and instantiating it is "unknown controller module or tag", as for a name no one set. Only its owner or an admin
+may move a tag. Tags stored before owners existed stay public.
 
 Quotas (``tenants.max_modules_per_user``, ``max_module_bytes_per_user``; :mod:`common.quotas`): a module counts,
 with its Wasm bytes, for every user who uploaded it (``uploaded_by``); uploading one again costs nothing.
@@ -31,16 +31,12 @@ from pathlib import Path
 
 import wasmtime
 
-from common import quotas
+from common import quotas, tags
 from common.config import Tenants
-from common.tenancy import may_access
 from common.wire import Principal
 from services.controller_runtime.wasm import ControllerError, WasmEngine, WasmModule
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_TAG = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]*")
-_HEX = re.compile(r"[0-9a-fA-F]+")
-MAX_TAG_LEN = 50
 
 
 class RegistryError(ValueError):
@@ -67,26 +63,7 @@ def _public(entry: dict) -> bool:
 
 def visible(entry: dict, who: Principal) -> bool:
     """Whether ``who`` sees (and may instantiate) the tag stored as ``entry`` (see the module docstring)."""
-    return _public(entry) or may_access(_owner(entry), who)
-
-
-def check_tag(tag: object, user: str, is_admin: bool) -> str:
-    """AICI's tag rules: starts with a letter, [A-Za-z0-9_.-], at most 50 chars, not hex-looking
-    (longer than 20 hex digits) so it cannot be taken for a module id; non-admins only '<user>.<name>', the
-    name without dots."""
-    if not isinstance(tag, str) or not tag:
-        raise RegistryError("a tag must be a non-empty string")
-    if len(tag) > MAX_TAG_LEN:
-        raise RegistryError(f"tag {tag!r} is longer than {MAX_TAG_LEN} characters")
-    if not _TAG.fullmatch(tag):
-        raise RegistryError(f"tag {tag!r} must start with a letter and use only letters, digits, '_', '.', '-'")
-    if len(tag) > 20 and _HEX.fullmatch(tag):
-        raise RegistryError(f"tag {tag!r} looks like a module id")
-    # one dot after the user's name: a user named 'a' cannot take (nor learn of) user 'a.b''s tag 'a.b.x'
-    if not is_admin and not (tag.startswith(f"{user}.") and "." not in tag[len(user) + 1:]):
-        raise RegistryError(f"tag {tag!r} must start with {user + '.'!r} and have no other dot (only admins may "
-                            "set other tags)")
-    return tag
+    return tags.visible(_owner(entry), _public(entry), who)
 
 
 class ModuleRegistry:
@@ -203,21 +180,23 @@ class ModuleRegistry:
                 "updated_by": entry["updated_by"], "wasm_size": meta["wasm_size"],
                 "compiled_size": meta["compiled_size"]}
 
-    def set_tags(self, module_id: object, tags: object, who: Principal) -> list[dict]:
+    def set_tags(self, module_id: object, names: object, who: Principal) -> list[dict]:
         if not isinstance(module_id, str) or not self.exists(module_id):
             raise RegistryError(f"unknown module id {module_id!r}")
-        if not isinstance(tags, list) or not tags:
+        if not isinstance(names, list) or not names:
             raise RegistryError("tags must be a non-empty list of strings")
-        checked = [check_tag(t, who.user, who.admin) for t in tags]
         now = int(time.time())
         with self._lock:
-            for tag in checked:  # all or nothing: every tag is checked before any moves
-                entry = self._tags.get(tag)
-                if entry is not None and not may_access(_owner(entry), who):
-                    raise RegistryError(f"tag {tag!r} belongs to another user; only they or an admin may move it")
+            try:  # all or nothing: every tag is checked before any moves
+                checked = [tags.check_tag(t, who.user, who.admin) for t in names]
+                for tag in checked:
+                    entry = self._tags.get(tag)
+                    tags.check_move(tag, None if entry is None else _owner(entry), who)
+            except tags.TagError as exc:
+                raise RegistryError(str(exc)) from exc
             for tag in checked:
                 entry = self._tags.get(tag)
-                owner, public = (who.user, who.admin) if entry is None else (_owner(entry), _public(entry))
+                owner, public = tags.new_tag(who) if entry is None else (_owner(entry), _public(entry))
                 self._tags[tag] = {"module_id": module_id, "updated_at": now, "updated_by": who.user,
                                    "owner": owner, "public": public}
             _write_atomic(self._tags_path, json.dumps(self._tags, indent=1).encode())

@@ -40,6 +40,7 @@ from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, fact
 from services.gateway.httputil import SSE_HEADERS, client_of, gateway_of, read_json_object, sse, tenant_of
 from services.gateway.protocol import GatewayError
 from services.gateway.side_channel import ControllerInitFailed, SideChannel, Unauthorized, caller_of
+from services.gateway.steering import resolve_steering
 from services.gateway.tenants import cache_domain
 from services.gateway.validation import (
     INT64_MAX,
@@ -48,6 +49,7 @@ from services.gateway.validation import (
     GenerationRequest,
     Int64,
     LimitChecks,
+    SteeringSpec,
     StrictModel,
     TopP,
     validate,
@@ -138,6 +140,7 @@ class RunRequest(StrictModel, LimitChecks):
     seed: Int64 | None = None
     model: str | None = None  # accepted as the vLLM variant does; must name the served model
     cache_salt: CacheSalt | None = None  # vLLM's (docs/tenants.md)
+    steering: SteeringSpec | None = None  # Tiller's activation steering (docs/steering.md)
 
     @field_validator("temperature", "top_p", "top_k", mode="before")
     @classmethod
@@ -152,9 +155,11 @@ class RunRequest(StrictModel, LimitChecks):
     def prompt_text(self) -> str:
         return self.controller_arg if self.plain and isinstance(self.controller_arg, str) else self.prompt
 
-    def sampling(self) -> wire.SamplingParams:
+    def sampling(self, prompt_len: int) -> wire.SamplingParams:
+        """``prompt_len``: where the generated positions start (steering's ``generated``, docs/steering.md)."""
         return wire.SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed
+            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed,
+            output_start=prompt_len,
         )
 
 
@@ -299,6 +304,7 @@ async def _start_run(gw: Gateway, run: RunRequest, caller: wire.Principal, admis
         raise TillerError(MODEL_LOADING_ERROR, f"the model is not ready (worker: {stage}); retry shortly")
     max_model_len = facts_of(health).max_model_len or gw.settings.limits.max_model_len
     max_tokens = context_budget(len(prompt_ids), run.max_tokens, max_model_len, max_model_len)
+    steering, vectors = await resolve_steering(gw, run.steering, admission.tenant.principal)
     rid = admission.rid
     if not run.plain:
         try:
@@ -312,12 +318,14 @@ async def _start_run(gw: Gateway, run: RunRequest, caller: wire.Principal, admis
             wire.Submit(
                 rid=rid,
                 prompt=wire.pack_tokens(prompt_ids),
-                sampling=run.sampling(),
+                sampling=run.sampling(len(prompt_ids)),
                 max_tokens=max_tokens,
                 timeout_s=gw.settings.limits.request_timeout_s,
                 controller="" if run.plain else rid,
-                cache_domain=cache_domain(admission.tenant, run.cache_salt, gw.settings),
+                cache_domain=cache_domain(admission.tenant, run.cache_salt, gw.settings, steering),
                 tenant=admission.tenant.user,
+                steering=steering,
+                steering_vectors=vectors,
             )
         )
     except BaseException:

@@ -14,7 +14,8 @@ from fastapi import FastAPI
 from common.config import Settings
 from common.model_source import load_tokenizer
 from common.service import release_freed_memory
-from services.gateway import aici_rest, embeddings, openai_api, ops, responses, rest, tokenize_api, ws
+from services.gateway import (aici_rest, embeddings, openai_api, ops, responses, rest, steering, steering_build,
+                              tokenize_api, ws)
 from services.gateway.token_gate import TokenGate
 from services.gateway.deps import Gateway
 from services.gateway.scheduler_client import SchedulerClient
@@ -28,7 +29,7 @@ from services.gateway.text import TextProcessor
 log = structlog.get_logger()
 
 # the modules whose ``router`` serves the HTTP routes and the WebSocket
-ROUTER_MODULES = (ws, rest, openai_api, embeddings, responses, tokenize_api, ops, aici_rest)
+ROUTER_MODULES = (ws, rest, openai_api, embeddings, responses, tokenize_api, ops, aici_rest, steering_build, steering)
 
 
 def create_app(settings: Settings) -> FastAPI:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.config import Settings
 from services.gateway.metrics import Metrics
@@ -12,6 +12,7 @@ from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.side_channel import SideChannel
 from services.gateway.store import StoreClient
 from services.gateway.text import TextProcessor
+from services.gateway.vector_cache import VectorCache
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Gateway:
     metrics: Metrics
     created: int  # unix time the gateway started (OpenAI's model ``created``)
     side: SideChannel | None = None  # the controller runtime's side channel (controllers, tags, instantiate)
+    vectors: VectorCache = field(default_factory=VectorCache)  # steering vectors' content by id
 
 
 def new_request_id(prefix: str) -> str:

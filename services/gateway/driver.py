@@ -9,6 +9,7 @@ Whatever way the consumer leaves (client gone, task cancelled), the scheduler's 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -31,6 +32,7 @@ from common.errors import (
 from common.wire import Principal
 from services.gateway.admission import COMPLETED, Admission
 from services.gateway.deps import Gateway
+from services.gateway.steering import resolve_steering
 from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, facts_of, worker_stage
 from services.gateway.protocol import (
     CompletionMsg,
@@ -103,6 +105,7 @@ class Generation:
         # scheduler reports them (before the first generated token)
         self.prompt_entries: list[list[LogprobEntry]] = []
         self.embedding = b""  # with request.pooling: the pooled vector (common.pooling.vector_bytes), once finished
+        self.residual = b""  # with request.residual_layers: the last prompt position's (PositionOutput.residual)
 
     @property
     def initialized(self) -> bool:
@@ -175,6 +178,7 @@ class Generation:
                 len(prompt_ids), self.request.max_tokens, self._max_model_len,
                 self.request.default_max_tokens or gw.settings.limits.default_max_tokens,
             )
+            steering, vectors = await resolve_steering(gw, self.request.steering, self.tenant.principal)
             if self.request.controller:
                 await self._instantiate(prompt_ids)
         except TillerError as exc:
@@ -213,8 +217,10 @@ class Generation:
                     controller=self.rid if self.request.controller else "",
                     session=self._session(),
                     outputs=self._prompt_scoring(prompt_ids),
-                    cache_domain=cache_domain(self.tenant, self.request.cache_salt, gw.settings),
+                    cache_domain=cache_domain(self.tenant, self.request.cache_salt, gw.settings, steering),
                     tenant=self.tenant.user,
+                    steering=steering,
+                    steering_vectors=vectors,
                 )
             )
             async for msg in self._consume(queue):
@@ -306,7 +312,9 @@ class Generation:
         request's first branch (fork index 0) is streamed here; /v1/run shows every branch."""
         if event.index and event.finish_reason is None:
             return []
-        self.prompt_entries += [self._entries(p.token_id, p.logprob, p.top) for p in event.prompt_outputs]
+        if self.request.prompt_logprobs:
+            self.prompt_entries += [self._entries(p.token_id, p.logprob, p.top) for p in event.prompt_outputs]
+        self.residual = next((p.residual for p in event.prompt_outputs if p.residual), self.residual)
         self._tokens += len(event.tokens)
         if event.finish_reason is not None:
             self._final = event
@@ -388,6 +396,9 @@ class Generation:
         (nothing comes before it), when the request asks for prompt logprobs; its embedding, when it asks one."""
         if self.request.pooling is not None:
             return wire.OutputRequest(pooling=self.request.pooling)
+        if self.request.residual_layers:
+            last = [wire.PositionSpan(start=len(prompt_ids) - 1, end=len(prompt_ids))]
+            return wire.OutputRequest(residual_ranges=last, residual_layers=list(self.request.residual_layers))
         if not self.request.prompt_logprobs:
             return None
         first = prompt_ids[0]
@@ -484,8 +495,13 @@ class Generation:
         if patch.max_tokens is not None:
             context_budget(self._prompt_len, patch.max_tokens, self._max_model_len, patch.max_tokens)
         sampling_patch = patch.to_patch()
-        await self._control(self._gw.scheduler.modify(self.rid, sampling_patch))
+        vectors: dict[str, bytes] = {}
+        if patch.steering is not None:
+            sampling_patch.steering, vectors = await resolve_steering(self._gw, patch.steering, self.tenant.principal)
+        await self._control(self._gw.scheduler.modify(self.rid, sampling_patch, vectors))
         self.request = self.request.patched(sampling_patch)
+        if patch.steering is not None:  # (what regenerate resolves again)
+            self.request = dataclasses.replace(self.request, steering=patch.steering)
 
 
 async def protocol_messages(gen: Generation, options: OutputOptions) -> AsyncIterator[dict[str, Any]]:

@@ -72,6 +72,7 @@ from services.gateway.validation import (
     MaxTokens,
     NullIsLeftOut,
     RepetitionPenalty,
+    SteeringSpec,
     StopList,
     Temperature,
     TopK,
@@ -94,7 +95,7 @@ _ERROR_TYPES = {
 _FINISH_REASONS = {"cancelled": "abort"}  # the rest (stop, length, content_filter) are OpenAI's own
 
 
-def _error_body(error: ErrorMsg) -> dict[str, Any]:
+def error_body(error: ErrorMsg) -> dict[str, Any]:
     return {
         "error": {
             "message": error.message,
@@ -107,7 +108,7 @@ def _error_body(error: ErrorMsg) -> dict[str, Any]:
 
 def error_response(error: ErrorMsg) -> JSONResponse:
     headers = {"Retry-After": str(math.ceil(error.retry_after_s))} if error.retry_after_s is not None else None
-    return JSONResponse(_error_body(error), status_code=error.http_status, headers=headers)
+    return JSONResponse(error_body(error), status_code=error.http_status, headers=headers)
 
 
 def prompt_forms(noun: str) -> Callable[[Any], list[str | list[int]]]:
@@ -257,6 +258,7 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
     skip_special_tokens: bool = True  # vLLM's: False shows special tokens' text (<|im_end|>, ...)
     priority: Int64 = 0  # vLLM's: lower runs first (the scheduler's queue and batch order)
     cache_salt: CacheSalt | None = None  # vLLM's: KV shared only with requests of the same domain and salt
+    steering: SteeringSpec | None = None  # Tiller's activation steering, beside the standard fields (docs/steering.md)
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -384,6 +386,7 @@ class _OpenAIRequest(NullIsLeftOut, LimitChecks):
                 skip_special_tokens=self.skip_special_tokens,
                 priority=self.priority,
                 cache_salt=self.cache_salt,
+                steering=self.steering,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
                 **prompt,
@@ -669,7 +672,7 @@ async def _sse_chunks(
                 finish = choice_fmt.delta("", [], _finish(msg.finish_reason), msg.stop_reason)
                 yield chunk([finish], usage_of(i, msg.usage.completion_tokens))
             elif isinstance(msg, ErrorMsg):  # the response failed: the other choices end here too
-                yield sse(_error_body(msg))
+                yield sse(error_body(msg))
                 break
     if include_usage and len(usages) == len(choices):
         yield chunk([], _total_usage([usages[i] for i in range(len(choices))], n))
@@ -690,15 +693,18 @@ async def _collect(messages: AsyncIterator[ServerMsg]) -> tuple[CompletionMsg | 
 
 
 async def collect_all(
-    choices: Sequence[Started],
+    choices: Sequence[Started], on_done: Callable[[int, int], None] | None = None,
 ) -> list[tuple[CompletionMsg, list[list[LogprobEntry]]]] | ErrorMsg:
-    """Every generation's final message and logprobs, or the first error (which ends the others)."""
+    """Every generation's final message and logprobs, or the first error (which ends the others). ``on_done``
+    hears each one that ends well: how many have, of how many."""
     tasks = [asyncio.ensure_future(_collect(c.messages)) for c in choices]
     try:
-        for next_done in asyncio.as_completed(tasks):
+        for done, next_done in enumerate(asyncio.as_completed(tasks), 1):
             final, _ = await next_done
             if isinstance(final, ErrorMsg):
                 return final
+            if on_done is not None:
+                on_done(done, len(tasks))
         return [t.result() for t in tasks]  # type: ignore[misc]  # no ErrorMsg left
     finally:
         for task in tasks:

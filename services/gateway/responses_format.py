@@ -19,7 +19,7 @@ from common.errors import INVALID_REQUEST
 from services.gateway.openai_api import ChatCompletionRequest
 from services.gateway.protocol import GatewayError, Usage
 from services.gateway.tool_calls import CallDelta, ReplyDelta, ReplyParser, ToolPlan
-from services.gateway.validation import CacheSalt, Context, NullIsLeftOut, Temperature, TopP, validate
+from services.gateway.validation import CacheSalt, Context, NullIsLeftOut, SteeringSpec, Temperature, TopP, validate
 
 # chat request fields -> the Responses fields they come from (for error messages)
 _FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
@@ -171,6 +171,7 @@ class ResponsesRequest(NullIsLeftOut):
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] = {}
     stream: bool = False
     cache_salt: CacheSalt | None = None  # vLLM's, as on chat completions: KV shared only within its domain and salt
+    steering: SteeringSpec | None = None  # as on chat completions (docs/steering.md)
     reasoning: _refused(None, {}, hint="this model does not reason (no reasoning tokens to configure)") = None
     background: _refused(False, hint="background responses are not supported; stream instead") = None
     conversation: _refused(None, hint="conversations are not supported; continue with previous_response_id") = None
@@ -221,6 +222,7 @@ class ResponsesRequest(NullIsLeftOut):
             "top_p": self.top_p,
             "response_format": self.text.format.to_chat() if self.text.format.type != "text" else None,
             "cache_salt": self.cache_salt,
+            "steering": self.steering,
         }
         if self.tools:
             body["tools"] = [t.to_chat() for t in self.tools]

@@ -209,8 +209,9 @@ class SchedulerClient:
     async def resume(self, rid: str) -> None:
         await self._command(wire.Resume(rid=rid))
 
-    async def modify(self, rid: str, patch: wire.SamplingPatch) -> None:
-        await self._command(wire.Modify(rid=rid, patch=patch))
+    async def modify(self, rid: str, patch: wire.SamplingPatch, vectors: dict[str, bytes] | None = None) -> None:
+        """``vectors``: the canonical content of the vectors ``patch.steering`` names (``Modify.steering_vectors``)."""
+        await self._command(wire.Modify(rid=rid, patch=patch, steering_vectors=vectors or {}))
 
     async def drop_session(self, key: str) -> None:
         """The KV the scheduler keeps for ``key`` between turns may go (a deleted response)."""

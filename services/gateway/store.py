@@ -1,5 +1,5 @@
 """The gateway's link to the session store: request records and Evergreen node mirroring
-(fire-and-forget, never on the token path), feedback, and lookups; and the heartbeat that keeps
+(fire-and-forget, never on the token path), feedback, lookups and steering vectors; and the heartbeat that keeps
 what this gateway holds there (:class:`Holdings`) from lapsing."""
 
 from __future__ import annotations
@@ -183,3 +183,30 @@ class StoreClient:
 
     def evergreen_close(self, session_id: str) -> None:
         self._fire(wire.EvergreenClose(session_id=session_id))
+
+    # -- steering vectors (docs/steering.md, "Vectors") -----------------------------------------
+
+    async def put_vector(self, caller: wire.Principal, content: bytes, tags: list[str]) -> wire.VectorInfo:
+        """Store a canonical vector as ``caller``'s, with ``tags`` (all or nothing)."""
+        return (await self._ask(wire.VectorPut(caller=caller, content=content, tags=tags), wire.VectorReply)).info
+
+    async def get_vector(self, ref: str, caller: wire.Principal) -> wire.VectorInfo:
+        """StoreError ``not_found``: unknown, deleted, or not ``caller``'s to reach."""
+        return (await self._ask(wire.VectorGet(ref=ref, caller=caller), wire.VectorReply)).info
+
+    async def list_vectors(self, caller: wire.Principal) -> list[wire.VectorInfo]:
+        return (await self._ask(wire.VectorList(caller=caller), wire.VectorInfos)).vectors
+
+    async def delete_vector(self, vector_id: str, caller: wire.Principal) -> None:
+        await self._ask(wire.VectorDelete(vector_id=vector_id, caller=caller), wire.Ok)
+
+    async def tag_vector(self, vector_id: str, tags: list[str], caller: wire.Principal) -> list[wire.VectorTagInfo]:
+        return (await self._ask(wire.VectorTag(vector_id=vector_id, tags=tags, caller=caller), wire.VectorTags)).tags
+
+    async def vector_tags(self, caller: wire.Principal) -> list[wire.VectorTagInfo]:
+        return (await self._ask(wire.VectorTagList(caller=caller), wire.VectorTags)).tags
+
+    async def lookup_vectors(self, refs: list[str], caller: wire.Principal, cached: list[str]) -> wire.VectorFound:
+        """The ids ``refs`` name for ``caller`` and the content of those not ``cached``; StoreError ``not_found``
+        naming the first ref ``caller`` does not reach."""
+        return await self._ask(wire.VectorLookup(refs=refs, caller=caller, cached=cached), wire.VectorFound)

@@ -19,8 +19,10 @@ domain, share KV; a salt never joins two domains.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import msgspec
 
 from common import wire
 from common.config import Settings
@@ -66,10 +68,16 @@ def domain_name(user: str, settings: Settings) -> str:
     return f"user:{user}" if len(set(settings.api_auth.tokens.values())) > 1 else ""
 
 
-def cache_domain(tenant: Tenant, salt: str | None, settings: Settings) -> str:
+def cache_domain(tenant: Tenant, salt: str | None, settings: Settings,
+                 steering: Sequence[wire.SteeringTerm] = ()) -> str:
     """``Submit.cache_domain`` for a request of ``tenant`` with ``cache_salt`` ``salt``: "" for the shared domain
-    without a salt, else a digest (user names and salts never travel to the scheduler or the workers)."""
+    without a salt, else a digest (user names and salts never travel to the scheduler or the workers). A steered
+    request's KV differs from an unsteered one's (docs/steering.md): its ``steering`` (vector ids are digests of
+    their content) is in the digest, so KV is reused only between requests steered the same way."""
     name = domain_name(tenant.user, settings)
-    if not name and not salt:
+    if not name and not salt and not steering:
         return ""
-    return hashlib.blake2b(f"{name}\0{salt or ''}".encode(), digest_size=16).hexdigest()
+    key = f"{name}\0{salt or ''}"
+    if steering:
+        key += "\0" + msgspec.json.encode(list(steering)).decode()
+    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()

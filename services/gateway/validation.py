@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from common import aici_wire
-from common.config import Embeddings, Limits, Settings
+from common.config import Embeddings, Limits, Settings, Steering
 from common.errors import INVALID_REQUEST
 from common.pooling import Pooling
 from common.wire import SamplingParams, SamplingPatch
@@ -42,12 +42,14 @@ class Context:
     served_model_name: str
     json_controller: str | None = None  # the controller enforcing JSON output (``native:<name>``), if any
     embeddings: Embeddings = field(default_factory=Embeddings)
+    steering: Steering = field(default_factory=Steering)
 
     @classmethod
     def of(cls, settings: Settings) -> Context:
         name = settings.controllers.response_format
         json_controller = f"native:{name}" if name and name in settings.controllers.native else None
-        return cls(settings.limits, settings.served_model_name, json_controller, settings.embeddings)
+        return cls(settings.limits, settings.served_model_name, json_controller, settings.embeddings,
+                   settings.steering)
 
 
 def context_of(info: ValidationInfo) -> Context:
@@ -101,6 +103,9 @@ MAX_CACHE_SALT_CHARS = 1024
 # vLLM's cache_salt: KV is shared only with requests of the same cache domain and salt (docs/tenants.md)
 CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 TopLogprobs = Annotated[Annotated[int, Field(ge=0)] | None, BeforeValidator(_logprobs_flag)]
+# A request's activation steering as the client gave it: a list of {"vector", "scale", "layers"?, "positions"?}
+# objects, checked and resolved in one place (services.gateway.steering.resolve_steering; docs/steering.md)
+SteeringSpec = list[dict[str, Any]]
 
 
 class NullIsLeftOut(BaseModel):
@@ -172,6 +177,7 @@ class Parameters(StrictModel, LimitChecks):
     seed: Int64 | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past EOS (benchmarks)
     cache_salt: CacheSalt | None = None
+    steering: SteeringSpec | None = None
 
     def request_fields(self) -> dict[str, Any]:
         """These parameters as keyword arguments of :class:`GenerationRequest`."""
@@ -190,6 +196,7 @@ class ParametersPatch(StrictModel, LimitChecks):
     repetition_penalty: RepetitionPenalty | None = None
     stop: StopList | None = None
     seed: Int64 | None = None
+    steering: SteeringSpec | None = None  # the request's whole steering from the next token on ([]: none)
 
     @model_validator(mode="after")
     def _not_empty(self) -> ParametersPatch:
@@ -198,7 +205,8 @@ class ParametersPatch(StrictModel, LimitChecks):
         return self
 
     def to_patch(self) -> SamplingPatch:
-        return SamplingPatch(**self.model_dump(exclude_unset=True))
+        """The patch without its steering, which the driver resolves (vector tags and ids) and adds."""
+        return SamplingPatch(**self.model_dump(exclude_unset=True, exclude={"steering"}))
 
 
 class Options(StrictModel, LimitChecks):
@@ -301,7 +309,10 @@ class GenerationRequest:
     park_as: str = ""
     continues: str = ""
     cache_salt: str | None = None  # vLLM's: shares KV only with requests of the same domain and salt
+    steering: SteeringSpec | None = None  # activation steering as the client gave it (docs/steering.md)
     pooling: Pooling | None = None  # with max_tokens 0: the prompt's embedding (common.pooling), not its tokens
+    # with max_tokens 0: the last prompt position's residual stream after these 0-based layers (vectors:build)
+    residual_layers: tuple[int, ...] = ()
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -328,7 +339,8 @@ class GenerationRequest:
     def patched(self, patch: SamplingPatch) -> GenerationRequest:
         """This request with a mid-stream modification applied (what ``regenerate`` runs next)."""
         changes = {
-            f.name: getattr(patch, f.name) for f in dataclasses.fields(self) if getattr(patch, f.name, None) is not None
+            f.name: getattr(patch, f.name) for f in dataclasses.fields(self)
+            if f.name != "steering" and getattr(patch, f.name, None) is not None
         }
         if "stop" in changes:
             changes["stop"] = tuple(changes["stop"])

@@ -190,6 +190,7 @@ class SchedulerCore:
             running=len(self.running),
             paused=sum(1 for r in self.requests.values() if r.paused),
             hidden_size=hello.hidden_size,
+            num_layers=hello.num_layers,
             readout_concepts=hello.readout_concepts,
             readout_layers=hello.readout_layers,
             parked_sessions=len(self.sessions.parked),

@@ -1,5 +1,5 @@
-"""Session store service: a ROUTER answering record/feedback/lookup, Evergreen node and Salience
-session messages from SQLite.
+"""Session store service: a ROUTER answering record/feedback/lookup, Evergreen node, Salience
+session and steering vector messages from SQLite.
 
 Gateways' heartbeats (``GatewayAlive``) renew the busy leases of their running Salience turns and
 keep their live Evergreen sessions' rows; what a dead gateway held lapses after ``sessions.busy_lease_s``.
@@ -25,6 +25,7 @@ from common.sockets import Router, reply_mid
 from services.session_store.db import BadRecord, Store
 from services.session_store.holders import EvergreenHolders
 from services.session_store.salience import RESOURCE_EXHAUSTED, SalienceSessions, SessionError
+from services.session_store.vectors import SteeringVectors, VectorMessage
 
 log = structlog.get_logger()
 
@@ -34,6 +35,7 @@ class SessionStore:
         implicit_user = settings.api_auth.default_user  # the owner of what a database made before owners holds
         self.store = Store(settings.db_path, implicit_user)
         self.sessions = SalienceSessions(self.store.conn, settings.sessions.ttl_s, implicit_user, settings.tenants)
+        self.vectors = SteeringVectors(self.store.conn, settings.steering)
         self.lease_s = settings.sessions.busy_lease_s
         self.evergreen_holders = EvergreenHolders(self.lease_s)
         self.rates = SlidingWindow(settings.limits.rate_limit_per_minute)  # the gateways' one window (RateHit)
@@ -69,6 +71,8 @@ class SessionStore:
             return wire.RequestRecordReply(record=record)
         if isinstance(msg, wire.ResponsePut | wire.ResponseGet | wire.ResponseDelete):
             return self._response(msg)
+        if isinstance(msg, VectorMessage):
+            return self.vectors.handle(msg)
         if isinstance(msg, wire.EvergreenPut):
             self.store.evergreen_put(msg.session_id, [(f.node_id, f.seq, f.fragment) for f in msg.fragments])
             return wire.Ok()

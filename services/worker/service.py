@@ -186,6 +186,7 @@ class WorkerService:
                 device=str(loaded.device),
                 kv_capacity_tokens=self.engine.kv_capacity_tokens,
                 hidden_size=loaded.config.get_text_config().hidden_size,
+                num_layers=loaded.config.get_text_config().num_hidden_layers,
                 readout_concepts=self.engine.readouts.concepts if self.engine.readouts else [],
                 readout_layers=self.engine.readouts.layers if self.engine.readouts else [],
                 forward=self.engine.backend,

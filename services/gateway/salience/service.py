@@ -25,7 +25,7 @@ from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, facts_of
 from services.gateway.grpc_requests import Malformed, add_servicer, client_address, tenant_of_call, text_metadata
 from services.gateway.salience.images import ImageSupport
 from services.gateway.salience.store import SessionStoreClient, SessionStoreError
-from services.gateway.salience.turn import CACHE_SALT_METADATA, Abort, Turn
+from services.gateway.salience.turn import CACHE_SALT_METADATA, STEERING_METADATA, Abort, Turn
 
 log = structlog.get_logger()
 
@@ -115,9 +115,10 @@ class SalienceServicer(pb_grpc.SalienceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvent]:  # noqa: N802
         await _parsed(self.gw, request, context)
-        salt = text_metadata(context.invocation_metadata()).get(CACHE_SALT_METADATA, "")
+        metadata = text_metadata(context.invocation_metadata())
         turn = Turn(self.gw, self.store, self.images, request, client_address(context.peer()),
-                    tenant_of_call(context, self.gw.settings), salt)
+                    tenant_of_call(context, self.gw.settings), metadata.get(CACHE_SALT_METADATA, ""),
+                    metadata.get(STEERING_METADATA, ""))
         try:
             async for event in turn.run():
                 if event.HasField("done"):

@@ -9,6 +9,7 @@ sent appended: a client that disconnects mid-turn leaves the session as far as i
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +38,7 @@ from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, facts_of, worker
 from services.gateway.salience.decoded import DecodedTokens, covers, readout_values
 from services.gateway.salience.images import ImageError, ImageSupport, check_unattached, prepare_images
 from services.gateway.salience.store import SessionStoreClient, SessionStoreError
+from services.gateway.steering import resolve_steering
 from services.gateway.tenants import Tenant, cache_domain
 from services.gateway.validation import MAX_CACHE_SALT_CHARS
 
@@ -45,6 +47,9 @@ log = structlog.get_logger()
 Done = pb.GenerateDone
 # gRPC metadata of a Generate call: vLLM's cache_salt (salience.proto has no field for it; docs/tenants.md)
 CACHE_SALT_METADATA = "tiller-cache-salt"
+# gRPC metadata of a Generate call: the turn's activation steering, as JSON (the list the other surfaces take in a
+# ``steering`` field; salience.proto has none; docs/steering.md)
+STEERING_METADATA = "tiller-steering"
 
 # scheduler failure codes -> gRPC status
 FAILURE_STATUS = {
@@ -85,7 +90,10 @@ class Turn:
     client: str  # the caller's address
     tenant: Tenant  # whose call it is (the sessions it may reach, its rate limit, its cache domain)
     cache_salt: str = ""  # the call's CACHE_SALT_METADATA ("": none)
+    steering_json: str = ""  # the call's STEERING_METADATA ("": none)
     rid: str = field(default_factory=lambda: new_request_id("sal-"))
+    steering: list[wire.SteeringTerm] = field(default_factory=list)  # resolved from ``steering_json``
+    steering_vectors: dict[str, bytes] = field(default_factory=dict)
     sent: list[int] = field(default_factory=list)  # decoded tokens the client was sent
     generated: str = ""  # their text, as the content filter reads it
     cached_tokens: int = 0
@@ -119,6 +127,7 @@ class Turn:
         self._validate(facts.vocab_size, max_len)
         try:
             await self._admission.admit(self._admission.written_tokens(req.append_tokens), "append_tokens")
+            await self._resolve_steering()
         except TillerError as exc:
             raise Abort.from_error(exc) from None
         length = self.length = req.offset + len(req.append_tokens)
@@ -236,6 +245,15 @@ class Turn:
             readout_ranges=spans["readout_ranges"],
         )
 
+    async def _resolve_steering(self) -> None:
+        if not self.steering_json:
+            return
+        try:
+            spec = json.loads(self.steering_json)
+        except ValueError as exc:
+            raise _invalid(f"{STEERING_METADATA} must be a JSON list of steering terms: {exc}") from None
+        self.steering, self.steering_vectors = await resolve_steering(self.gw, spec, self.tenant.principal)
+
     def _sampling(self, outputs: wire.OutputRequest, length: int) -> wire.SamplingParams:
         req = self.request
         decode_logprobs = any(r.end > length for r in outputs.logprob_ranges)
@@ -245,6 +263,7 @@ class Turn:
             top_p=req.top_p or 1.0,
             top_k=top_k,
             logprobs=req.logprob_top_k if decode_logprobs else None,
+            output_start=length,  # (steering's "generated" positions start here)
         )
 
     async def _images(self, length: int) -> list[wire.ImageInput]:
@@ -282,6 +301,8 @@ class Turn:
             images=session.images,
             cache_domain=self._cache_domain(),
             tenant=self.tenant.user,
+            steering=self.steering,
+            steering_vectors=self.steering_vectors,
         )
         decoded = DecodedTokens(outputs.readout_ranges)
         decoded_ids: list[int] = []
@@ -322,6 +343,8 @@ class Turn:
                 images=session.images,
                 cache_domain=self._cache_domain(),
                 tenant=self.tenant.user,
+                steering=self.steering,
+                steering_vectors=self.steering_vectors,
             )
             async for item in self._events(tail):
                 for out in item.prompt_outputs:
@@ -332,7 +355,7 @@ class Turn:
         yield pb.GenerateEvent(done=self._done(final, length))
 
     def _cache_domain(self) -> str:
-        return cache_domain(self.tenant, self.cache_salt or None, self.gw.settings)
+        return cache_domain(self.tenant, self.cache_salt or None, self.gw.settings, self.steering)
 
     def _send(self, token: pb.Token) -> pb.GenerateEvent:
         """A decoded token's event; the token counts as sent (committed to the session) from here: a
