@@ -73,8 +73,11 @@ def combine(terms: Iterable[Term], dtype: torch.dtype) -> Deltas:
                 if covers[side]:
                     scaled = term.scale * direction.float()
                     pair[side] = scaled if pair[side] is None else pair[side] + scaled
-    return Deltas({layer: tuple(None if d is None else d.to(dtype) for d in pair)  # type: ignore[misc]
-                   for layer, pair in sorted(sums.items())})
+
+    def cast(delta: torch.Tensor | None) -> torch.Tensor | None:
+        return None if delta is None else delta.to(dtype)
+
+    return Deltas({layer: (cast(prompt), cast(generated)) for layer, (prompt, generated) in sorted(sums.items())})
 
 
 def plan_rows(inputs: Sequence[SeqInput], first_row: Sequence[int], device: torch.device) -> LayerAdds:
