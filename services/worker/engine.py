@@ -32,6 +32,9 @@ Each SeqStep is applied in the order :class:`common.wire.SeqStep` gives:
    sequence's last token is then computed again (its logits are not kept between steps).
 4. **sample** from the logits after the last token.
 
+A SeqStep's ``steering`` replaces its sequence's steering from its fed tokens on (checked when admitted: a bad
+term fails the sequence; :mod:`services.worker.steering`), and the runner adds it after the layers it names.
+
 ``Step.follows`` lists, packed, the sequences that only go on decoding: each runs as a ``follow``
 SeqStep (one the engine keeps per sequence, made once) before the step's ``seqs``. The result's arrays
 (``StepResult.tokens``, ``logprobs``, ``top``) have one entry per slot, in that order.

@@ -49,8 +49,9 @@ class HFFallback:
         def hook(module: torch.nn.Module, args: object, output: object) -> object:
             hidden = output[0] if isinstance(output, tuple) else output
             add = self._adding.get(index)
-            if add is not None:  # a batch of one: the rows are the second dimension
-                hidden = hidden.index_add(1, add[0], add[1].unsqueeze(0))
+            if add is not None:
+                hidden = hidden.clone()
+                add.apply(hidden[0])  # a batch of one
                 output = (hidden, *output[1:]) if isinstance(output, tuple) else hidden
             if self._recording is not None:
                 self._recording[index] = hidden

@@ -297,3 +297,30 @@ def test_each_bad_steering_fails_its_sequence_alone() -> None:
     assert [f.seq_id for f in ran.failures] == [9] and 21 in ran.samples
     engine.free([20, 21])
     assert not engine.vectors.decoded and not engine.seqs
+
+
+class _Graphs:
+    """Stands for the CUDA graphs (none on a CPU): it counts the decode steps it would replay."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab, self.replays = vocab, 0
+
+    def fits(self, inputs) -> bool:
+        return all(len(item.tokens) == 1 for item in inputs)
+
+    def run(self, inputs) -> torch.Tensor:
+        self.replays += 1
+        return torch.zeros(len(inputs), self.vocab)
+
+
+def test_a_decode_step_with_a_steered_row_runs_eagerly() -> None:
+    model = _model("llama")
+    engine = Engine(_loaded(model), num_blocks=64)
+    graphs = engine.runner.graphs = _Graphs(engine.vocab_size)
+    seqs = {1: (SHORT, [_term(A, positions="generated")], len(SHORT)), 2: (LONG, None, len(LONG))}
+    got = _run(engine, seqs)
+    assert graphs.replays == 0
+    assert got[1] == _oracle(model, SHORT, TOKENS, _added(seqs[1][1]), len(SHORT))
+    assert got[2] == _oracle(model, LONG, TOKENS, [], len(LONG))
+    _run(engine, {3: (SHORT, None, len(SHORT))}, n=3)  # unsteered decode steps replay
+    assert graphs.replays == 2

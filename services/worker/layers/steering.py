@@ -4,8 +4,8 @@ A sequence's steering terms, resolved by the engine, become one :class:`Deltas`:
 the vector added to its prompt positions' rows and the one added to its generated positions' rows (each the
 sum of its terms' ``scale * direction`` whose ``positions`` cover them). A step's plan (:func:`plan_rows`)
 turns the steered inputs' rows into, per layer, the rows and the delta rows to add to the residual stream
-after that layer: one ``index_add_`` a steered layer, its cost proportional to the steered rows, and nothing
-at all for a step with no steered row.
+after that layer (:class:`LayerAdd`): one broadcast add or ``index_add_`` a steered layer, its cost
+proportional to the steered rows, and nothing at all for a step with no steered row.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from services.worker.transfer import to_device
 if TYPE_CHECKING:
     from services.worker.runner import SeqInput
 
-# layer -> (rows [n] int64, deltas [n, hidden]): what a step adds after that layer (``x.index_add_(0, *it)``)
-LayerAdds = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 _COVERS = {"all": (True, True), "prompt": (True, False), "generated": (False, True)}  # (prompt rows, generated)
 
@@ -33,6 +31,25 @@ class Deltas:
     ``[hidden]`` in the activations' dtype, None where nothing is added."""
 
     layers: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]
+
+
+@dataclass(frozen=True)
+class LayerAdd:
+    """What a step adds to the rows after one layer: a range of rows that all get one vector ``[hidden]`` (a
+    batch whose steered sequences share their steering), or rows ``[n]`` and their deltas ``[n, hidden]``."""
+
+    rows: slice | torch.Tensor
+    deltas: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> None:
+        """Add to ``x`` ``[rows, hidden]`` in place."""
+        if isinstance(self.rows, slice):
+            x[self.rows].add_(self.deltas)
+        else:
+            x.index_add_(0, self.rows, self.deltas)
+
+
+LayerAdds = dict[int, LayerAdd]  # by 0-based decoder layer
 
 
 @dataclass(frozen=True)
@@ -56,37 +73,43 @@ def combine(terms: Iterable[Term], dtype: torch.dtype) -> Deltas:
                 if covers[side]:
                     scaled = term.scale * direction.float()
                     pair[side] = scaled if pair[side] is None else pair[side] + scaled
-    return Deltas({layer: tuple(None if d is None else d.to(dtype) for d in pair)  # type: ignore[misc]
-                   for layer, pair in sorted(sums.items())})
+
+    def cast(delta: torch.Tensor | None) -> torch.Tensor | None:
+        return None if delta is None else delta.to(dtype)
+
+    return Deltas({layer: (cast(prompt), cast(generated)) for layer, (prompt, generated) in sorted(sums.items())})
 
 
 def plan_rows(inputs: Sequence[SeqInput], first_row: Sequence[int], device: torch.device) -> LayerAdds:
     """What a step adds after each layer: ``inputs[i]`` feeds rows ``first_row[i] ..`` at positions
     ``inputs[i].start ..``; a row whose position is before its input's ``output_start`` is a prompt position.
-    Inputs that share a :class:`Deltas` share its vectors: each layer's delta rows are gathered from the
-    distinct vectors it adds."""
-    rows: dict[int, list[int]] = {}
-    which: dict[int, list[int]] = {}
-    bank: dict[int, dict[int, tuple[int, torch.Tensor]]] = {}  # layer -> id(vector) -> (its index, it)
+    Inputs that share a :class:`Deltas` (the same terms) are taken together, so the host's work is per
+    distinct steering and layer, plus a list entry per steered row."""
+    groups: dict[int, tuple[Deltas, list[int], list[int]]] = {}  # id(deltas) -> (it, prompt rows, generated rows)
     for item, first in zip(inputs, first_row):
         if item.steering is None:
             continue
         n = len(item.tokens)
         split = min(max(item.output_start - item.start, 0), n)  # rows before it are prompt positions
-        for layer, (prompt, generated) in item.steering.layers.items():
-            for delta, lo, hi in ((prompt, 0, split), (generated, split, n)):
-                if delta is None or lo == hi:
-                    continue
-                vectors = bank.setdefault(layer, {})
-                index = vectors.setdefault(id(delta), (len(vectors), delta))[0]
-                rows.setdefault(layer, []).extend(range(first + lo, first + hi))
-                which.setdefault(layer, []).extend([index] * (hi - lo))
+        _, prompt_rows, generated_rows = groups.setdefault(id(item.steering), (item.steering, [], []))
+        prompt_rows.extend(range(first, first + split))
+        generated_rows.extend(range(first + split, first + n))
+    pieces: dict[int, list[tuple[list[int], torch.Tensor]]] = {}  # layer -> (rows, the vector they get)
+    for deltas, prompt_rows, generated_rows in groups.values():
+        for layer, (prompt, generated) in deltas.layers.items():
+            for vector, rows in ((prompt, prompt_rows), (generated, generated_rows)):
+                if vector is not None and rows:
+                    pieces.setdefault(layer, []).append((rows, vector))
     adds: LayerAdds = {}
-    for layer, vectors in bank.items():
-        stacked = [delta for _, delta in vectors.values()]
-        if len(stacked) == 1:
-            deltas = stacked[0].expand(len(rows[layer]), -1)
-        else:
-            deltas = torch.stack(stacked).index_select(0, to_device(which[layer], device))
-        adds[layer] = (to_device(rows[layer], device), deltas)
+    indices: dict[tuple[int, ...], torch.Tensor] = {}  # the layers' row indices, made once per distinct list
+    for layer, parts in pieces.items():
+        if len(parts) == 1 and max(parts[0][0]) - min(parts[0][0]) + 1 == len(parts[0][0]):  # distinct rows: a range
+            rows, vector = parts[0]
+            adds[layer] = LayerAdd(slice(min(rows), max(rows) + 1), vector)
+            continue
+        key = tuple(id(rows) for rows, _ in parts)
+        if key not in indices:
+            indices[key] = to_device([r for rows, _ in parts for r in rows], device)
+        # contiguous delta rows: index_add_ reads a broadcast (stride 0) source several times slower
+        adds[layer] = LayerAdd(indices[key], torch.cat([vector.expand(len(rows), -1) for rows, vector in parts]))
     return adds

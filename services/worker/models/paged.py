@@ -127,7 +127,7 @@ class PagedModel:
             out = layer.decode_whole(x, kv_blocks, step) if whole else None
             x = out if out is not None else layer(x, kv_slots, kv_blocks, step)
             if steering and (add := steering.get(index)) is not None:
-                x.index_add_(0, *add)  # every tensor-parallel rank adds the same to its replicated residual
+                add.apply(x)  # every tensor-parallel rank adds the same to its replicated residual stream
         if taps is not None and len(self.layers) - 1 in tapped:
             taps[len(self.layers) - 1] = x[taps[-1]]
         return x
