@@ -45,12 +45,14 @@ class PostOp(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class PreOp(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Bind the controller instantiated for ``req_id`` to the new sequence ``id``. Tiller: what its steering and
     readout host calls know (ABI.md "Steering and readouts"): the worker's readout ``concepts`` and
-    ``readout_layers``, and the layers of each vector the request's own steering carries, by id."""
+    ``readout_layers``, the model's ``num_layers`` (0: unknown), and the layers of each vector the request's own
+    steering carries, by id."""
 
     id: int
     req_id: str
     concepts: list[str] = []
     readout_layers: list[int] = []
+    num_layers: int = 0
     vectors: dict[str, list[int]] = {}
 
 

@@ -27,12 +27,13 @@ class SteerScope:
     concepts: tuple[str, ...]
     readout_layers: tuple[int, ...]
     vectors: dict[str, tuple[int, ...]]  # id -> the vector's own layers
+    num_layers: int  # the model's decoder layers (0: unknown)
     limits: Steering
 
     @classmethod
     def of(cls, op: aici_wire.PreOp, limits: Steering) -> SteerScope:
         return cls(tuple(op.concepts), tuple(op.readout_layers),
-                   {vid: tuple(layers) for vid, layers in op.vectors.items()}, limits)
+                   {vid: tuple(layers) for vid, layers in op.vectors.items()}, op.num_layers, limits)
 
     def info(self) -> dict[str, list]:
         """The readout's concept names and 0-based decoder layers, in its order (``tiller_readout_info``)."""
@@ -54,6 +55,8 @@ class SteerScope:
             if term.layers and term.vector in self.vectors and not set(term.layers) <= set(own):
                 raise SteeringRefused(f"vector {term.vector} has no direction for layers "
                                       f"{sorted(set(term.layers) - set(own))}")
+            if self.num_layers and max(term.layers, default=0) >= self.num_layers:
+                raise SteeringRefused(f"layer {max(term.layers)} is past the model's {self.num_layers} decoder layers")
             if abs(term.scale) > limits.max_scale:
                 raise SteeringRefused(f"scale {term.scale} is past the {limits.max_scale} allowed (steering.max_scale)")
             pairs += len(term.layers or own)

@@ -359,7 +359,8 @@ class ControlledSteps:
                 continue
         return aici_wire.PreOp(id=root.seq_id, req_id=request.submit.controller, vectors=vectors,
                                concepts=list(facts.readout_concepts) if facts else [],
-                               readout_layers=list(facts.readout_layers) if facts else [])
+                               readout_layers=list(facts.readout_layers) if facts else [],
+                               num_layers=facts.num_layers if facts else 0)
 
     def follow(self, running: Iterable[LiveRequest], max_len: int) -> Plan | None:
         """The next step of the sequences that sample in the step in flight, to send before its result is back

@@ -14,7 +14,7 @@ from tests.controller_runtime.conftest import bound, mid, start
 from tests.controller_runtime.wat import MID_SAMPLE, controller, ret_const, str_data
 
 GUARD_WASM = (Path(__file__).resolve().parents[2] / "controllers" / "wasm" / "concept_guard.wasm").read_bytes()
-SCOPE = {"concepts": ["happy", "sad"], "readout_layers": [3, 7], "vectors": {"v1": [2, 5]}}
+SCOPE = {"concepts": ["happy", "sad"], "readout_layers": [3, 7], "num_layers": 300, "vectors": {"v1": [2, 5]}}
 POST_OK = ret_const(1200, '{"stop":false}')
 IOV, DATA = 16384, 16512  # an iovec for fd_write, and where the host calls write
 
@@ -56,6 +56,7 @@ def test_steer_sets_the_sequence_steering_from_its_next_token_in_the_reply(runti
     ([{"vector": "concept:sad", "scale": -1e4}], "past the 1000.0 allowed (steering.max_scale)"),
     ([{"vector": "concept:sad", "scale": 1}] * 9, "9 steering terms, more than the 8"),
     ([{"vector": "concept:sad", "scale": 1, "layers": list(range(200))}] * 2, "400 (vector, layer) pairs"),
+    ([{"vector": "concept:sad", "scale": 1, "layers": [3, 300]}], "layer 300 is past the model's 300 decoder layers"),
 ])
 def test_a_steering_the_request_may_not_have_is_refused_and_logged(runtime, terms, why):
     start(runtime, steer_on_post(terms), 1, **SCOPE)
