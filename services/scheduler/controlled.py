@@ -40,7 +40,8 @@ Steering and readouts (controllers/ABI.md "Steering and readouts"): each branch 
 (``Submit.steering``, a Modify's) until its controller sets another (a reply's ``steering``), sent with its next
 SeqStep; a fork starts with its parent's. A branch whose controller asked for readouts (``readouts_on``) reads out the
 last position of every step that feeds it, and the next ``post_pre_process`` hands that readout to the runtime. (A
-steering changed mid-way seals the sequence's KV in the worker: none of its later blocks is reused.)
+steering changed mid-way leaves the sequence's cache domain as it is: its later blocks are for the worker to seal,
+``BlockTables.seal``.)
 """
 
 from __future__ import annotations
