@@ -13,7 +13,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar, Union
 import msgspec
 
 from common.errors import WireError
-from common.wire import DECODE_ERRORS
+from common.wire import DECODE_ERRORS, SteeringTerm
 
 
 # Counts and token ids a controller returns (u32 in the ABI): a negative one is an invalid result. (A backtrack of
@@ -43,10 +43,25 @@ class PostOp(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class PreOp(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Bind the controller instantiated for ``req_id`` to the new sequence ``id``."""
+    """Bind the controller instantiated for ``req_id`` to the new sequence ``id``. Tiller: what its steering and
+    readout host calls know (ABI.md "Steering and readouts"): the worker's readout ``concepts`` and
+    ``readout_layers``, the model's ``num_layers`` (0: unknown), and the layers of each vector the request's own
+    steering carries, by id."""
 
     id: int
     req_id: str
+    concepts: list[str] = []
+    readout_layers: list[int] = []
+    num_layers: int = 0
+    vectors: dict[str, list[int]] = {}
+
+
+class SeqReadout(msgspec.Struct, array_like=True):
+    """The readout of the last position the worker fed for sequence ``id``: float32 [readout layers][concepts],
+    little-endian (``SeqStep.readouts``)."""
+
+    id: int
+    values: bytes
 
 
 class PostPreProcess(MainOp, tag="post_pre_process"):
@@ -62,6 +77,9 @@ class PostPreProcess(MainOp, tag="post_pre_process"):
     # stopped nor failed them, and their pre_process is the default), in ``ahead`` order: one round trip a step
     # instead of two (``PostPreProcessReply.mid``, its mask rows in the reply's binary frame)
     mid_ahead: bool = False
+    # Tiller: the readouts the worker returned since the last call, for the sequences that asked (tiller_readout);
+    # set before any callback of this call runs
+    readouts: list[SeqReadout] = []
 
 
 class MidOp(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -134,14 +152,31 @@ class MidOutcome(SeqOutcome):
     result: MidProcessResult | None = None  # None samples, as SampleWithBias does
 
 
-class MidProcessReply(msgspec.Struct, kw_only=True):
+class SeqSteering(msgspec.Struct, kw_only=True):
+    """Sequence ``id``'s whole activation steering from its next fed token on, as its controller set it last
+    (``tiller_steer``; [] none)."""
+
+    id: int
+    terms: list[SteeringTerm]
+
+
+class HostEffects(msgspec.Struct, kw_only=True):
+    """Tiller, in every main-channel reply but ping's and tokens': what the call's controllers asked of the
+    scheduler through host calls (ABI.md "Steering and readouts"): steering changes, and the sequences that asked
+    for readouts in it (from then on, each step reads out the last position it feeds)."""
+
+    steering: list[SeqSteering] = []
+    readouts_on: list[int] = []
+
+
+class MidProcessReply(HostEffects):
     """Per sequence id (as a string); the mask rows follow in the reply's binary frame."""
 
     seqs: dict[str, MidOutcome] = {}
     num_seqs: int = 0
 
 
-class PostPreProcessReply(msgspec.Struct, kw_only=True):
+class PostPreProcessReply(HostEffects):
     """Per sequence id (as a string): post_process of the post_ops, pre_process of every bound sequence."""
 
     post_seqs: dict[str, PostOutcome] = {}

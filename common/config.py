@@ -189,7 +189,8 @@ class Controllers(BaseModel):
                       "controlled step waits longer for its calls on a busy host (see docs/controllers.md)")
     module_dir: Path | None = Field(None, description="modules, compiled cache and tags (default: <run_dir>/controllers)")
     native: dict[str, str] = Field(
-        default_factory=lambda: {"constrained": "controllers.native.constrained:ConstrainedController"},
+        default_factory=lambda: {"constrained": "controllers.native.constrained:ConstrainedController",
+                                 "concept_guard": "controllers.native.concept_guard:ConceptGuard"},
         description="trusted Python controllers, name -> 'module:Class'; instantiate them as 'native:<name>'",
     )
     response_format: str = Field(

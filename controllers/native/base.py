@@ -36,6 +36,14 @@ class Host(Protocol):
     def constraint_return_bias(self, handle: int) -> int: ...  # mask of this mid_process; 0 ok, 1 finished
     def constraint_free(self, handle: int) -> None: ...
     def return_logit_bias(self, bitset: bytes) -> None: ...  # ceil(vocab/32) LE u32 words, bit = allowed
+    # steering and readouts (ABI.md "Steering and readouts"), from the sequence's first pre_process on:
+    # the sequence's whole steering from its next fed token on ([{"vector", "scale", "layers"?, "positions"?}]);
+    # 0, or -1 with the reason in the logs
+    def steer(self, terms: list[dict[str, Any]]) -> int: ...
+    # the last fed position's readout, float32 [layers][concepts] little-endian (b"": none yet); the first call
+    # asks for one at every step
+    def readout(self) -> bytes: ...
+    def readout_info(self) -> dict[str, list] | None: ...  # {"concepts": [...], "layers": [...]}; None: not bound
 
 
 class NativeController:

@@ -7,7 +7,8 @@
  *   4. the token trie (AICI's serialized toktrie) and the walker computing a mask from a Recognizer;
  *   5. Recognizer <- StackRecognizer <- FunctionalRecognizer, and a byte-level regex FunctionalRecognizer;
  *   6. wrappers of the host-accelerated llguidance constraints;
- *   7. one generation under a JSON spec (constraint + stop strings + token limit), as constrain/declctrl use it.
+ *   7. one generation under a JSON spec (constraint + stop strings + token limit), as constrain/declctrl use it;
+ *   8. activation steering and concept readouts (Tiller's tiller_steer, tiller_readout, tiller_readout_info).
  * Everything lives in linear memory (plus the exported __stack_pointer), so the host can fork an instance by
  * copying its memory and mutable globals. */
 #ifndef TILLER_AICI_H
@@ -39,6 +40,9 @@ AICI_IMPORT(tiller_constraint_mask) int32_t tiller_constraint_mask(int32_t h, ui
 AICI_IMPORT(tiller_constraint_ff_tokens) int32_t tiller_constraint_ff_tokens(int32_t h, uint32_t *dst, uint32_t cap);
 AICI_IMPORT(tiller_constraint_rollback) int32_t tiller_constraint_rollback(int32_t h, uint32_t n);
 AICI_IMPORT(tiller_constraint_free) void tiller_constraint_free(int32_t h);
+AICI_IMPORT(tiller_steer) int32_t tiller_steer(const void *json, uint32_t len);
+AICI_IMPORT(tiller_readout) int32_t tiller_readout(void *dst, uint32_t cap);
+AICI_IMPORT(tiller_readout_info) int32_t tiller_readout_info(void *dst, uint32_t cap);
 
 /* ---------- 2. libc bits, blobs, logs ---------- */
 void *memcpy(void *dst, const void *src, size_t n);
@@ -71,6 +75,7 @@ void aici_buf_puts(aici_buf *b, const char *s);
 void aici_buf_putc(aici_buf *b, char c);
 void aici_buf_u64(aici_buf *b, uint64_t v);
 void aici_buf_i64(aici_buf *b, int64_t v);
+void aici_buf_f64(aici_buf *b, double v);   /* a JSON number, 6 decimals (finite values only) */
 void aici_buf_free(aici_buf *b);
 
 /* ---------- JSON reader (spans into the source text; no DOM) ---------- */
@@ -88,6 +93,8 @@ int aici_json_next(aici_json container, aici_json_iter *it, aici_json *key, aici
 uint32_t aici_json_len(aici_json container);   /* number of elements / members */
 /* Integer value (no fraction/exponent allowed, fits int64); 1 on success. */
 int aici_json_int(aici_json v, int64_t *out);
+/* Any JSON number as a double; 1 on success. */
+int aici_json_f64(aici_json v, double *out);
 /* Unescaped string into fresh NUL-terminated memory (\uXXXX incl. surrogate pairs -> UTF-8); NULL if not a string. */
 char *aici_json_str(aici_json v, uint32_t *len);
 /* 1 iff v is a string whose unescaped value equals s. */
@@ -307,5 +314,20 @@ void aici_gen_declare(const aici_gen *g);
 /* Generated text (bytes up to the first stop string, without EOS), fresh memory. */
 char *aici_gen_text(aici_gen *g, uint32_t *len);
 void aici_gen_free(aici_gen *g);
+
+/* ---------- 8. steering and readouts (ABI.md "Steering and readouts"; both from the first pre_process on) ------ */
+/* Replaces this sequence's activation steering, from the next token fed on, with a JSON list of terms
+ * [{"vector": "concept:<name>" | an id of the request's own steering, "scale", "layers"?, "positions"?}]
+ * ("[]": none); 0, or -1 with the reason in the logs. */
+static inline int32_t aici_steer(const char *json, uint32_t len) { return tiller_steer(json, len); }
+/* The same with one readout concept's direction at its default layers (the readout layers); scale 0 clears. */
+int32_t aici_steer_concept(const char *name, double scale);
+/* The last fed position's readout, float32 [layers][concepts]: at most cap floats written at dst; returns how many
+ * it holds (0: none yet). The first call (any callback, init_prompt included) asks for a readout at every step:
+ * each callback after a step then sees the readout of the last position that step fed. */
+static inline uint32_t aici_readout(float *dst, uint32_t cap) { return (uint32_t)tiller_readout(dst, cap * 4) / 4; }
+/* The index of concept `name` in the readout, and its shape in *n_layers, *n_concepts; -1: not one of its concepts
+ * (the reason in the logs), or not bound yet. */
+int32_t aici_readout_concept(const char *name, uint32_t *n_layers, uint32_t *n_concepts);
 
 #endif

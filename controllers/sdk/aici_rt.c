@@ -112,6 +112,16 @@ void aici_buf_i64(aici_buf *b, int64_t v) {
     if (v < 0) { aici_buf_putc(b, '-'); aici_buf_u64(b, (uint64_t)0 - (uint64_t)v); }
     else aici_buf_u64(b, (uint64_t)v);
 }
+void aici_buf_f64(aici_buf *b, double v) {
+    if (v < 0) { aici_buf_putc(b, '-'); v = -v; }
+    if (v > 1e18) v = 1e18;
+    uint64_t whole = (uint64_t)v, frac = (uint64_t)((v - (double)whole) * 1e6 + 0.5);
+    if (frac >= 1000000) { whole++; frac -= 1000000; }
+    char digits[7] = {'.'};
+    for (int i = 6; i > 0; i--, frac /= 10) digits[i] = (char)('0' + frac % 10);
+    aici_buf_u64(b, whole);
+    aici_buf_put(b, digits, 7);
+}
 void aici_buf_free(aici_buf *b) { free(b->p); b->p = NULL; b->n = b->cap = 0; }
 
 /* ---------- blobs, logs, host helpers ---------- */

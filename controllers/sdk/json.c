@@ -174,6 +174,26 @@ int aici_json_int(aici_json v, int64_t *out) {
     return 1;
 }
 
+int aici_json_f64(aici_json v, double *out) {
+    if (aici_json_type(v) != AICI_J_NUMBER) return 0;   /* (validated as a JSON number by aici_json_parse) */
+    uint32_t i = 0;
+    int neg = v.p[0] == '-';
+    if (neg) i++;
+    double acc = 0, scale = 1;
+    for (; i < v.n && v.p[i] >= '0' && v.p[i] <= '9'; i++) acc = acc * 10 + (v.p[i] - '0');
+    if (i < v.n && v.p[i] == '.')
+        for (i++; i < v.n && v.p[i] >= '0' && v.p[i] <= '9'; i++) acc += (v.p[i] - '0') * (scale /= 10);
+    if (i < v.n && (v.p[i] == 'e' || v.p[i] == 'E')) {
+        int eneg = 0, e = 0;
+        if (++i < v.n && (v.p[i] == '+' || v.p[i] == '-')) eneg = v.p[i++] == '-';
+        for (; i < v.n && v.p[i] >= '0' && v.p[i] <= '9'; i++) e = e < 400 ? e * 10 + (v.p[i] - '0') : e;
+        for (; e > 0; e--) acc = eneg ? acc / 10 : acc * 10;
+    }
+    if (i != v.n) return 0;
+    *out = neg ? -acc : acc;
+    return 1;
+}
+
 static void put_utf8(aici_buf *b, uint32_t cp) {
     char t[4];
     if (cp < 0x80) { t[0] = (char)cp; aici_buf_put(b, t, 1); }

@@ -1,6 +1,6 @@
 """Host facilities of one controlled sequence, shared by Wasm and native controllers: variable
-storage (per request, shared by forks), tokenizer access, constraints, the logit-bias row of the
-current mid_process, captured logs, and the per-call result."""
+storage (per request, shared by forks), tokenizer access, constraints, steering and readouts, the logit-bias
+row of the current mid_process, captured logs, and the per-call result."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from services.controller_runtime.constraints import Constraint, ConstraintError
+from services.controller_runtime.steering import Effects, SteeringRefused, SteerScope
 from services.controller_runtime.tokenizer import TokenizerInfo
 
 # ctypes.memmove without releasing the GIL: the copies are a few KB, and a release hands the GIL to the
@@ -83,6 +84,8 @@ class RequestState:
     storage: VariableStore = field(default_factory=VariableStore)
     live_seqs: int = 0
     user: str = "local"  # who instantiated it: its controller time is charged to them
+    steering: SteerScope | None = None  # what its controllers may steer with and read out (None: not bound yet)
+    effects: Effects = field(default_factory=Effects)  # the runtime's: what the call under way reports
 
 
 class SeqHost:
@@ -100,6 +103,8 @@ class SeqHost:
         self._next_handle = 1
         self.logs = bytearray()
         self.storage_log: list[dict] = []
+        self.readouts_wanted = False  # the controller asked for readouts (tiller_readout)
+        self.last_readout = b""  # the last fed position's readout (b"": none yet)
         self.begin_call(None)
 
     # -- per call -------------------------------------------------------------------------------------
@@ -169,6 +174,41 @@ class SeqHost:
             raise HostError(f"storage command is not JSON: {exc}") from exc
         return json.dumps(self.storage_cmd(cmd)).encode()
 
+    # -- steering and readouts (ABI.md "Steering and readouts") ---------------------------------------------
+    def steer(self, terms: bytes | list) -> int:
+        """Replace this sequence's steering from its next fed token on: 0, or -1 with the reason in the logs."""
+        scope = self.request.steering
+        if scope is None:
+            self.log(b"steering error: steering is set from the sequence's first pre_process on\n")
+            return -1
+        try:
+            self.request.effects.steering[self.seq_id] = scope.terms(terms)
+        except SteeringRefused as exc:
+            self.log(f"steering error: {exc}\n".encode())
+            return -1
+        return 0
+
+    def readout(self) -> bytes:
+        """The last fed position's readout (float32 [layers][concepts], little-endian; b"" none yet: always, from a
+        worker that reads none out). The first call asks the scheduler for the readout of the last position of every
+        step that feeds this sequence."""
+        if not self.readouts_wanted:
+            self.readouts_wanted = True
+            if self.request.steering is not None:  # (bound: else the binding reports it)
+                self.readouts_on()
+        return self.last_readout
+
+    def readouts_on(self) -> None:
+        """Ask the scheduler for this sequence's readouts (unless the worker reads none out)."""
+        if self.request.steering.concepts:
+            self.request.effects.readouts_on.append(self.seq_id)
+
+    def readout_info(self) -> dict[str, list] | None:
+        """``{"concepts": [names], "layers": [0-based decoder layers]}``, the readout's order; None before the
+        sequence's first pre_process."""
+        scope = self.request.steering
+        return None if scope is None else scope.info()
+
     # -- masks -----------------------------------------------------------------------------------------
     def mask_target(self) -> int:
         """Where this op's mask row is (the logit bias is set from now on); HostError outside mid_process."""
@@ -215,4 +255,5 @@ class SeqHost:
         child.seq_id = seq_id
         child.constraints = {h: c.fork() for h, c in self.constraints.items()}
         child._next_handle = self._next_handle
+        child.readouts_wanted, child.last_readout = self.readouts_wanted, self.last_readout
         return child

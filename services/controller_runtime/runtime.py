@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import structlog
 
 from common import aici_wire
-from common.config import Controllers
+from common.config import Controllers, Steering
 from common.errors import INVALID_REQUEST, RATE_LIMITED
 from common.wire import Principal
 from controllers.native.base import NativeController
@@ -26,6 +26,7 @@ from services.controller_runtime.budget import CpuShare, OpClock, UserBudgets
 from services.controller_runtime.host import RequestState, SeqHost, VariableStore
 from services.controller_runtime.instances import SAMPLE, Instance, NativeInstance, WasmInstance
 from services.controller_runtime.registry import ModuleRegistry, RegistryError
+from services.controller_runtime.steering import Effects, SteerScope
 from services.controller_runtime.tokenizer import TokenizerInfo
 from services.controller_runtime.wasm import ControllerError, WasmController, WasmEngine
 
@@ -119,8 +120,11 @@ class CallLedger:
 
 class Runtime:
     def __init__(self, settings: Controllers, tokenizer: TokenizerInfo, engine: WasmEngine,
-                 registry: ModuleRegistry, natives: dict[str, type[NativeController]]) -> None:
+                 registry: ModuleRegistry, natives: dict[str, type[NativeController]],
+                 steering: Steering | None = None) -> None:
         self.settings = settings
+        self.steering = steering or Steering()  # the bounds of what controllers may steer with (tiller_steer)
+        self.effects = Effects()  # what the main-channel call under way reports besides its results
         self.tokenizer = tokenizer
         self.engine = engine
         self.registry = registry
@@ -155,7 +159,7 @@ class Runtime:
         if refusal := self.budgets.refusal(user, time.monotonic()):
             raise OverBudget(refusal)
         request = RequestState(req_id, module_arg_bytes(module_arg), VariableStore(self.settings.max_storage_bytes),
-                               user=user)
+                               user=user, effects=self.effects)
         host = SeqHost(self.tokenizer, request, CAPABILITIES, self.settings.max_log_bytes, self.settings.max_constraints)
         cpu = CpuShare()
         instance: Instance | None = None
@@ -232,6 +236,9 @@ class Runtime:
         if req.reset:  # a restarted scheduler: the sequences bound so far belong to requests that are gone
             self.free(list(self.seqs))
         self.free(req.freed)
+        for readout in req.readouts:
+            if (instance := self.seqs.get(readout.id)) is not None:
+                instance.host.last_readout = readout.values
         with self._main_call() as ledger:
             post_seqs = self._posts(req, ledger)
             pre_seqs: dict[str, aici_wire.PreOutcome] = {}
@@ -252,8 +259,10 @@ class Runtime:
                     waiting.append(seq_id)
                 else:
                     pre_seqs[key] = self._pre(instance, ledger)
-        return aici_wire.PostPreProcessReply(post_seqs=post_seqs, pre_seqs=pre_seqs, waiting=waiting,
-                                             pre_default=defaults)
+        reply = aici_wire.PostPreProcessReply(post_seqs=post_seqs, pre_seqs=pre_seqs, waiting=waiting,
+                                              pre_default=defaults)
+        self.effects.into(reply)
+        return reply
 
     def post_pre_mid(self, req: aici_wire.PostPreProcess) -> tuple[aici_wire.PostPreProcessReply, bytearray]:
         """post_pre_process, then (``req.mid_ahead``) mid_process for the ``ahead`` sequences that go on: those whose
@@ -283,7 +292,11 @@ class Runtime:
         if entry is None:
             return f"no instantiated controller for req_id {op.req_id!r}"
         instance = entry[1]
-        instance.host.seq_id = op.id
+        host = instance.host
+        host.seq_id = op.id
+        host.request.steering = SteerScope.of(op, self.steering)
+        if host.readouts_wanted:  # asked for in init_prompt
+            host.readouts_on()
         self.seqs[op.id] = instance
         return ""
 
@@ -433,7 +446,9 @@ class Runtime:
                 used_ms[user] = used_ms.get(user, 0.0) + micros / 1000
                 seqs[str(seq_id)] = seq_result(aici_wire.MidOutcome, host, micros, error=error,
                                                result=None if error or result is SAMPLE else _as_replied(result))
-        return aici_wire.MidProcessReply(seqs=seqs, num_seqs=len(req.ops)), rows
+        reply = aici_wire.MidProcessReply(seqs=seqs, num_seqs=len(req.ops))
+        self.effects.into(reply)
+        return reply, rows
 
 
 def _as_replied(result: aici_wire.MidProcessResult) -> aici_wire.MidProcessResult | None:

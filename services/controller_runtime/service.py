@@ -51,7 +51,7 @@ class ControllerRuntime:
         self.engine = WasmEngine(cfg, self.tokenizer)
         self.registry = ModuleRegistry(settings.controller_module_dir, self.engine, settings.tenants)
         self.runtime = Runtime(cfg, self.tokenizer, self.engine, self.registry,
-                               load_native_controllers(cfg.native))
+                               load_native_controllers(cfg.native), settings.steering)
         ctx = zmq.asyncio.Context.instance()
         self.main = self._bind(ctx, settings.endpoint("controller_main"))
         self.side = self._bind(ctx, settings.endpoint("controller_side"))

@@ -11,6 +11,7 @@ misuse ends only the sequence whose call it was.
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import struct
 import threading
@@ -617,6 +618,26 @@ def _define_imports(engine: WasmEngine) -> None:
     def constraint_free(inst: WasmController, v) -> None:
         inst.host.constraint_free(v[0])
 
+    def steer(inst: WasmController, v) -> int:
+        return inst.host.steer(inst.read(v[0], v[4]))
+
+    def copy_out(inst: WasmController, v, data: bytes) -> int:
+        """Write at most ``cap`` (v[4]) bytes of ``data`` at ``dst`` (v[0]); returns its whole length."""
+        n = min(v[4] & 0xFFFFFFFF, len(data))
+        if n:
+            memmove(inst.guest_address(v[0], n), data, n)
+        return len(data)
+
+    def readout(inst: WasmController, v) -> int:
+        return copy_out(inst, v, inst.host.readout())
+
+    def readout_info(inst: WasmController, v) -> int:
+        info = inst.host.readout_info()
+        if info is None:
+            inst.host.log(b"readout error: the readout is known from the sequence's first pre_process on\n")
+            return -1
+        return copy_out(inst, v, json.dumps(info, separators=(",", ":")).encode())
+
     env = [
         ("aici_host_read_blob", 3, 1, read_blob),
         ("aici_host_module_arg", 0, 1, lambda i, v: BLOB_MODULE_ARG),
@@ -638,6 +659,9 @@ def _define_imports(engine: WasmEngine) -> None:
         ("tiller_constraint_ff_tokens", 3, 1, constraint_ff_tokens),
         ("tiller_constraint_rollback", 2, 1, constraint_rollback),
         ("tiller_constraint_free", 1, 0, constraint_free),
+        ("tiller_steer", 2, 1, steer),
+        ("tiller_readout", 2, 1, readout),
+        ("tiller_readout_info", 2, 1, readout_info),
     ]
     for name, nparams, nresults, fn in env:
         define("env", name, [I32] * nparams, [I32] * nresults, fn)

@@ -35,13 +35,20 @@ request ends when its last branch does. Sequences without a controller never rea
 
 Each branch keeps the *logical* token list the controller sees and ``kv_len``, how many of them the
 worker holds; what lies beyond is fed on the branch's next step.
+
+Steering and readouts (controllers/ABI.md "Steering and readouts"): each branch has its own steering, the request's
+(``Submit.steering``, a Modify's) until its controller sets another (a reply's ``steering``), sent with its next
+SeqStep; a fork starts with its parent's. A branch whose controller asked for readouts (``readouts_on``) reads out the
+last position of every step that feeds it, and the next ``post_pre_process`` hands that readout to the runtime. (A
+steering changed mid-way leaves the sequence's cache domain as it is: its later blocks are for the worker to seal,
+``BlockTables.seal``.)
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -50,6 +57,7 @@ import structlog
 from common import aici_wire, wire
 from common.config import Controllers
 from common.errors import INTERNAL_ERROR, SERVICE_UNAVAILABLE
+from common.steering import SteeringError, decode
 from common.textstream import TextStream
 from services.scheduler.requests import LiveRequest, State, length_reached, stop_token
 
@@ -76,6 +84,7 @@ class Host(Protocol):
     prefill_chunk_tokens: int
 
     def max_model_len(self) -> int: ...
+    def model_facts(self) -> wire.WorkerHello | None: ...
     def new_seq_id(self) -> int: ...
     def reserve(self, worker: bytes, tokens: int) -> None: ...
     def free_seq(self, worker: bytes, seq_id: int) -> None: ...
@@ -108,6 +117,10 @@ class Branch:
     pre_default: bool = False  # its controller flagged pre_process as the default at its last call: it may go ahead
     held: bool = False  # went ahead, but its pre_process waits for the next step: fed, not sampled
     event: wire.TokenEvent | None = None  # what this step has to say about the branch
+    steering: list[wire.SteeringTerm] = field(default_factory=list)  # what its fed tokens are steered with
+    steering_dirty: bool = False  # ``steering`` goes with its next SeqStep
+    readouts: bool = False  # its controller reads out the last position of each step that feeds it
+    readout: bytes = b""  # the last such readout, for the next post_pre_process (b"": none new)
 
     @property
     def unfed(self) -> list[int]:
@@ -170,6 +183,7 @@ class Controlled:
     branches: list[Branch]
     indices: itertools.count = field(default_factory=lambda: itertools.count(1))
     suspended_steps: int = 0  # consecutive steps in which every live branch was suspended
+    vectors: dict[str, bytes] = field(default_factory=dict)  # every vector its steering carried, by id
 
     def live(self) -> list[Branch]:
         return [b for b in self.branches if b.finished is None]
@@ -266,8 +280,14 @@ class ControlledSteps:
             assert request.text is not None  # a controlled request is never text_at_gateway (SchedulerCore.submit)
             root = Branch(request=request, index=0, seq_id=request.seq_id, tokens=list(request.prompt),
                           text=request.text, text_start=len(request.prompt))
-            controlled = self.requests[request.rid] = Controlled(request=request, branches=[root])
+            controlled = self.requests[request.rid] = Controlled(request=request, branches=[root],
+                                                                 vectors=dict(request.submit.steering_vectors))
             self.by_seq[root.seq_id] = root
+        if request.steering_dirty:  # its Submit's steering, or a Modify's: every branch's from its next step on
+            request.steering_dirty = False
+            controlled.vectors |= request.submit.steering_vectors
+            for branch in controlled.live():
+                branch.steering, branch.steering_dirty = list(request.submit.steering), True
         return controlled
 
     def begin(self, running: Iterable[LiveRequest], budget: int, may_go_ahead: bool = False
@@ -312,16 +332,36 @@ class ControlledSteps:
     def _request(self, assign: list[Branch]) -> aici_wire.PostPreProcess:
         """The next ``post_pre_process``: what the runtime has not heard yet (post_ops, ended sequences) and the
         roots to bind to their controllers (``assign``)."""
-        post_ops = []
+        post_ops, readouts = [], []
         for controlled in self.requests.values():
             for b in controlled.live():
                 if b.assigned and (b.report_tokens or b.report_backtrack):
                     post_ops.append(aici_wire.PostOp(id=b.seq_id, tokens=b.report_tokens, backtrack=b.report_backtrack))
                     b.report_tokens, b.report_backtrack = [], 0
-        pre_ops = [aici_wire.PreOp(id=b.seq_id, req_id=b.request.submit.controller) for b in assign]
+                if b.readout:
+                    readouts.append(aici_wire.SeqReadout(id=b.seq_id, values=b.readout))
+                    b.readout = b""
+        pre_ops = [self._binding(b) for b in assign]
         freed, self.freed = self.freed, []
         self._assign, self._post_ops = assign, post_ops
-        return aici_wire.PostPreProcess(post_ops=post_ops, pre_ops=pre_ops, freed=freed, reset=self.runtime_fresh)
+        return aici_wire.PostPreProcess(post_ops=post_ops, pre_ops=pre_ops, freed=freed, reset=self.runtime_fresh,
+                                        readouts=readouts)
+
+    def _binding(self, root: Branch) -> aici_wire.PreOp:
+        """The op binding ``root`` to its controller, with what its steering and readout host calls know: the
+        worker's readout concepts and layers, and the layers of each vector its request's steering carries."""
+        request = root.request
+        facts = self.host.model_facts()
+        vectors = {}
+        for vector_id, data in self.requests[request.rid].vectors.items():
+            try:
+                vectors[vector_id] = decode(data).layers
+            except SteeringError:  # (checked by the gateway: a vector the worker would refuse too)
+                continue
+        return aici_wire.PreOp(id=root.seq_id, req_id=request.submit.controller, vectors=vectors,
+                               concepts=list(facts.readout_concepts) if facts else [],
+                               readout_layers=list(facts.readout_layers) if facts else [],
+                               num_layers=facts.num_layers if facts else 0)
 
     def follow(self, running: Iterable[LiveRequest], max_len: int) -> Plan | None:
         """The next step of the sequences that sample in the step in flight, to send before its result is back
@@ -361,6 +401,7 @@ class ControlledSteps:
                 seq = wire.SeqStep(seq_id=b.seq_id, tokens=list(splice), mask_row=row)
             else:
                 seq = wire.SeqStep(seq_id=b.seq_id, tokens=[], follow=True, mask_row=row)
+            self._steer_step(b, seq, len(b.tokens) + (len(splice) if splice else 1) - 1)
             if b.request.sampling_dirty:
                 seq.sampling = b.request.submit.sampling
             plan.per_worker[b.request.worker].append((b, seq))
@@ -415,9 +456,13 @@ class ControlledSteps:
             return plan
         self.runtime_fresh = False
         try:
+            self._readouts_on(reply.data, {b.seq_id for b in assign})  # asked at the binding: from its prompt on
             runnable = self._post_pre_process(post_ops, reply.data)
             for row, (branch, _) in enumerate(runnable):
                 self._plan_sample(plan, branch, row)
+            # what the calls asked for, from the next SeqSteps on, as when the step goes out ahead of its calls
+            self._readouts_on(reply.data)
+            self._steer(reply.data, runnable)
         except Exception as exc:  # a bug or a nonsensical runtime reply fails the controlled requests, not the loop
             self._fail_all(exc)
             return Plan()
@@ -503,8 +548,36 @@ class ControlledSteps:
         elif branch.fresh or request.sampling_dirty:
             seq.sampling = request.submit.sampling
             seq.cache_domain = request.submit.cache_domain
+        self._steer_step(branch, seq, branch.kv_len + len(tokens) - 1)  # (no tokens: the last one computed again)
         plan.per_worker[request.worker].append((branch, seq))
         plan.tokens += len(tokens)
+
+    def _steer_step(self, branch: Branch, seq: wire.SeqStep, last: int) -> None:
+        """``seq``'s steering, when the branch's changed since its last SeqStep, and the readout of ``last`` (the
+        last position it feeds) when the branch's controller reads them out."""
+        if branch.steering_dirty:
+            vectors = self.requests[branch.request.rid].vectors
+            seq.steering = list(branch.steering)
+            seq.vectors = {t.vector: vectors[t.vector] for t in branch.steering if t.vector in vectors}
+            branch.steering_dirty = False
+        if branch.readouts:
+            seq.readouts = [last]
+
+    def _readouts_on(self, effects: aici_wire.HostEffects, only: Container[int] | None = None) -> None:
+        """The branches (of ``only``) whose controllers asked for readouts in a call: from their next SeqStep on."""
+        for seq_id in effects.readouts_on:
+            if (only is None or seq_id in only) and (branch := self.by_seq.get(seq_id)) is not None:
+                branch.readouts = True
+
+    def _steer(self, effects: aici_wire.HostEffects, forks: Sequence[tuple[Branch, int | None]] = ()) -> None:
+        """The steering a step's calls set, from the token that step samples on, whether the step went out before
+        them or not (ABI.md "Steering and readouts"): so apply it only once that step's SeqSteps are planned. The
+        forks made in the call (``forks``: (branch, clone parent)) take the steering their parent set before them."""
+        for change in effects.steering:
+            targets = [self.by_seq.get(change.id), *(b for b, parent in forks if parent == change.id)]
+            for branch in targets:
+                if branch is not None and branch.finished is None:
+                    branch.steering, branch.steering_dirty = list(change.terms), True
 
     def _post_pre_process(self, post_ops: list[aici_wire.PostOp], reply: aici_wire.PostPreProcessReply
                           ) -> list[tuple[Branch, int | None]]:
@@ -537,6 +610,8 @@ class ControlledSteps:
             return None
         try:
             self._post_outcomes(post_ops, reply.data)
+            self._readouts_on(reply.data)  # (from their next step on: this one went out)
+            self._steer(reply.data)
             waiting, defaults = set(reply.data.waiting), set(reply.data.pre_default)
             kept: list[tuple[Branch, int | None]] = []
             rows: list[int] = []
@@ -649,6 +724,9 @@ class ControlledSteps:
         child.text.released = len(child.text.text)
         if parent.kv_len > 0 and not parent.fresh:  # the parent is live in the worker: copy its KV
             child.fork_of, child.kv_len, child.kv_backtrack = parent.seq_id, parent.kv_len, parent.kv_backtrack
+        # its parent's steering and readouts: the worker's copy has the steering the parent's last SeqStep gave
+        child.steering, child.readouts = list(parent.steering), parent.readouts
+        child.steering_dirty = parent.steering_dirty or (child.fork_of is None and bool(child.steering))
         controlled.branches.append(child)
         self.by_seq[child.seq_id] = child
         self.host.reserve(request.worker, request.needed_tokens)
@@ -656,6 +734,8 @@ class ControlledSteps:
 
     def _mid_process(self, mid: PendingMid, reply: MainReply) -> None:
         seqs = reply.data.seqs
+        self._readouts_on(reply.data)  # (from their next step on: this one is under way)
+        self._steer(reply.data)
         mid.frame = reply.frames[0] if reply.frames else None
         if mid.frame is not None and mid.rows is not None and mid.rows != list(range(mid.num_rows)):
             mid.frame = spread_rows(mid.frame, mid.rows, mid.num_rows)
@@ -707,15 +787,17 @@ class ControlledSteps:
     # -- results ------------------------------------------------------------------------------------
 
     def apply(self, branch: Branch, seq: wire.SeqStep, sampled: wire.SampledToken | None, failure: str | None,
-              max_len: int) -> None:
-        """The worker ran ``seq`` for ``branch`` (and sampled ``sampled``, or failed it with ``failure``):
-        advance it and note what the controller must hear."""
+              max_len: int, readouts: list[wire.ReadoutResult] | None = None) -> None:
+        """The worker ran ``seq`` for ``branch`` (and sampled ``sampled``, or failed it with ``failure``; ``readouts``:
+        its answers to ``seq.readouts``): advance it and note what the controller must hear."""
         request = branch.request
         if branch.finished or request.state is State.FINISHED:
             return
         if failure is not None:
             self._end(branch, "fail", error=f"the worker failed this sequence: {failure}")
             return
+        if readouts:
+            branch.readout = readouts[-1].values
         branch.fresh = False
         branch.fork_of = None
         branch.kv_backtrack = 0

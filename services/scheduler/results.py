@@ -152,7 +152,7 @@ class Results:
         for slot, (request, seq) in enumerate(dispatch.batch, first):
             if isinstance(request, Branch):
                 self.controlled.apply(request, seq, sampled(slot) if tokens[slot] >= 0 else None,
-                                      failures.get(seq.seq_id), max_len)
+                                      failures.get(seq.seq_id), max_len, result.readouts.get(seq.seq_id))
                 continue
             request.in_flight -= 1
             if seq.fork_of is not None:

@@ -32,6 +32,9 @@ Each SeqStep is applied in the order :class:`common.wire.SeqStep` gives:
    sequence's last token is then computed again (its logits are not kept between steps).
 4. **sample** from the logits after the last token.
 
+A SeqStep's ``steering`` replaces its sequence's steering from its fed tokens on (checked when admitted: a bad
+term fails the sequence; :mod:`services.worker.steering`), and the runner adds it after the layers it names.
+
 ``Step.follows`` lists, packed, the sequences that only go on decoding: each runs as a ``follow``
 SeqStep (one the engine keeps per sequence, made once) before the step's ``seqs``. The result's arrays
 (``StepResult.tokens``, ``logprobs``, ``top``) have one entry per slot, in that order.
@@ -68,6 +71,7 @@ from services.worker.models import family_of, unsupported_reason
 from services.worker.models.paged import PagedModel
 from services.worker.readouts import Readouts
 from services.worker.runner import Runner, SeqInput
+from services.worker.steering import Steering, SteeringInvalid, Vectors
 from services.worker.tensor_parallel import Ranks
 from services.worker.sampler import SeqSampler, mask_allows_any, masked_scores, sample, validate_params
 from services.worker.transfer import to_device
@@ -83,6 +87,7 @@ class _Seq:
     forks: int = 0  # forks made of this sequence so far (seeds each fork's generator apart)
     last_sample: int | None = None  # sampled and not fed yet: what a ``follow`` SeqStep feeds
     follow: SeqStep | None = None  # the follow SeqStep that stands for it in ``Step.follows`` (made once)
+    steering: Steering | None = None  # what it adds to the residual stream (None: nothing)
 
 
 def layer_kernels(loaded: LoadedModel, gpu_kernels: str) -> KernelChoice:
@@ -127,6 +132,7 @@ class Forwarded:
     cached: dict[int, int]
     scores: dict[int, list[ScoreResult]]
     readouts: dict[int, list[ReadoutResult]]
+    residuals: dict[int, list[ReadoutResult]]
     pooled: dict[int, bytes]
     elapsed_s: float  # time spent on the step so far (not counting a wait for its masks)
     slots: dict[int, int]  # seq_id -> its slot (``Step.slot_ids``)
@@ -137,7 +143,7 @@ def _plain_decode(s: SeqStep, tokens: list[int]) -> bool:
     """One token fed and sampled after, nothing else asked (see Engine._admit_decode)."""
     return (
         len(tokens) == 1 and s.sample and s.sampling is None and not s.backtrack and s.fork_of is None
-        and not s.images and not s.scores and not s.readouts and not s.pool
+        and not s.images and not s.scores and not s.readouts and not s.pool and not s.residuals and s.steering is None
     )
 
 
@@ -222,6 +228,9 @@ class Engine:
             self.runner = fallback
             self.backend = "transformers"
         self.readouts = readouts
+        text = config.get_text_config()
+        self.num_layers = text.num_hidden_layers
+        self.vectors = Vectors(self.num_layers, text.hidden_size, loaded.dtype, loaded.device, readouts)
         self.seqs: dict[int, _Seq] = {}
         self.fed_tokens = 0  # tokens fed by accepted SeqSteps, and how many of them the cache gave
         self.cached_tokens = 0
@@ -363,10 +372,10 @@ class Engine:
             logits = self.runner.forward(inputs)  # one row per sampling sequence, in order
         for s in accepted:
             self.tables.commit(s.seq_id, self.seqs[s.seq_id].tokens)
-        scores, readouts, pooled = self._position_outputs(inputs, {s.seq_id: s for s in accepted})
+        scores, readouts, residuals, pooled = self._position_outputs(inputs, {s.seq_id: s for s in accepted})
         sampling = [s for s in accepted if s.sample]  # each has an input: the last fed token is computed
         slots = {s.seq_id: slot for slot, s in enumerate(batch)}  # a repeated id failed: its slot does not matter
-        return Forwarded(step, failures, sampling, logits, cached, scores, readouts, pooled,
+        return Forwarded(step, failures, sampling, logits, cached, scores, readouts, residuals, pooled,
                          time.perf_counter() - started, slots, len(batch))
 
     def _batch(self, step: Step) -> list[SeqStep]:
@@ -450,6 +459,7 @@ class Engine:
             cached_tokens=forwarded.cached,
             scores=forwarded.scores,
             readouts=forwarded.readouts,
+            residuals=forwarded.residuals,
             pooled=forwarded.pooled,
             kv_free_tokens=self.tables.empty_tokens,
             kv_cached_tokens=self.tables.cached_tokens,
@@ -457,16 +467,18 @@ class Engine:
             blocks_gone=blocks_gone,
         )
 
-    def _position_outputs(
-        self, inputs: list[SeqInput], steps: dict[int, SeqStep]
-    ) -> tuple[dict[int, list[ScoreResult]], dict[int, list[ReadoutResult]], dict[int, bytes]]:
-        """Answers to the steps' ``scores``, ``readouts`` and ``pool`` from the runner's captured hidden states."""
+    def _position_outputs(self, inputs: list[SeqInput], steps: dict[int, SeqStep]) -> tuple[
+        dict[int, list[ScoreResult]], dict[int, list[ReadoutResult]], dict[int, list[ReadoutResult]], dict[int, bytes]
+    ]:
+        """Answers to the steps' ``scores``, ``readouts``, ``residuals`` and ``pool`` from the runner's captured
+        hidden states."""
         captured = getattr(self.runner, "captured", None)
         scores: dict[int, list[ScoreResult]] = {}
         readouts: dict[int, list[ReadoutResult]] = {}
+        residuals: dict[int, list[ReadoutResult]] = {}
         pooled: dict[int, bytes] = {}
         if captured is None:
-            return scores, readouts, pooled
+            return scores, readouts, residuals, pooled
         runner = self.runner
         assert isinstance(runner, (PagedModel, HFFallback))
         row_of: dict[tuple[int, int], int] = {}
@@ -500,7 +512,12 @@ class Engine:
                 index = to_device([row_of[(seq_id, p)] for p in s.pool], self.device)
                 states = runner.final_norm_of(captured.final[index]).float()
                 pooled[seq_id] = vector_bytes(states.sum(0).cpu().numpy())
-        return scores, readouts, pooled
+            if s.residuals:
+                index = to_device([row_of[(seq_id, p)] for p in s.residuals], self.device)
+                states = torch.stack([captured.layers[layer][index] for layer in s.residual_layers], dim=1)
+                values = states.float().cpu().numpy().astype("<f4")  # [positions, layers, hidden]
+                residuals[seq_id] = [ReadoutResult(p, values[j].tobytes()) for j, p in enumerate(s.residuals)]
+        return scores, readouts, residuals, pooled
 
     def _mask_rows(self, seqs: list[SeqStep], frame: bytes | memoryview | None) -> _Masks:
         """The packed mask rows these sequences refer to, in host memory; a frame too short for a
@@ -540,7 +557,8 @@ class Engine:
             raise _Invalid(f"sequence {s.seq_id}: cannot fork unknown sequence {s.fork_of}")
         self.tables.fork(s.fork_of, s.seq_id)
         self.runner.fork(s.fork_of, s.seq_id)
-        self.seqs[s.seq_id] = _Seq(sampler=parent.sampler.fork(parent.forks), tokens=list(parent.tokens))
+        self.seqs[s.seq_id] = _Seq(sampler=parent.sampler.fork(parent.forks), tokens=list(parent.tokens),
+                                   steering=parent.steering)
         parent.forks += 1
 
     def _truncate(self, seq_id: int, seq: _Seq, length: int) -> None:
@@ -558,18 +576,24 @@ class Engine:
             raise _Invalid(f"sequence {s.seq_id}: {exc}") from exc
 
     def _capture(self, s: SeqStep, start: int, end: int) -> tuple[int, ...]:
-        """The positions whose hidden states ``s.scores``, ``s.readouts`` and ``s.pool`` need, validated:
-        they must be fed in this step, i.e. in ``[start, end)``."""
-        capture = tuple(sorted({q.position for q in s.scores} | set(s.readouts) | set(s.pool)))
+        """The positions whose hidden states ``s.scores``, ``s.readouts``, ``s.residuals`` and ``s.pool`` need,
+        validated: they must be fed in this step, i.e. in ``[start, end)``."""
+        capture = tuple(sorted({q.position for q in s.scores} | set(s.readouts) | set(s.pool) | set(s.residuals)))
         if not capture:
             return capture
         if isinstance(self.runner, HFFallback) and not self.runner.can_capture:
-            raise _Invalid(f"sequence {s.seq_id}: per-position logprobs, readouts and embeddings need a decoder with "
-                           "layers and a final norm; this model's transformers class has none")
+            raise _Invalid(f"sequence {s.seq_id}: per-position logprobs, readouts, residuals and embeddings need a "
+                           "decoder with layers and a final norm; this model's transformers class has none")
         if s.readouts and self.readouts is None:
             raise _Invalid(f"sequence {s.seq_id}: this worker has no readouts configured")
+        if s.residuals and not s.residual_layers:
+            raise _Invalid(f"sequence {s.seq_id}: residuals need residual_layers")
+        if any(not 0 <= layer < self.num_layers for layer in s.residual_layers):
+            raise _Invalid(f"sequence {s.seq_id}: residual layers must be in [0, {self.num_layers})")
         if len(set(s.pool)) != len(s.pool):
             raise _Invalid(f"sequence {s.seq_id}: pooled positions must differ")
+        if len(set(s.residuals)) != len(s.residuals):
+            raise _Invalid(f"sequence {s.seq_id}: residual positions must differ")
         if capture[0] < start or capture[-1] >= end:
             raise _Invalid(f"sequence {s.seq_id}: output positions must be among those fed, [{start}, {end})")
         if any(not 0 <= q.target < self.vocab_size for q in s.scores):
@@ -603,7 +627,28 @@ class Engine:
             self.tables.reserve(s.seq_id, start + 1)
         seq.tokens.append(token)
         seq.last_sample = None
-        return SeqInput(seq_id=s.seq_id, tokens=tokens, start=start, logits=True)
+        return self._input(seq, s.seq_id, tokens, start, True)
+
+    @staticmethod
+    def _input(seq: _Seq, seq_id: int, tokens: list[int], start: int, logits: bool, capture: tuple[int, ...] = (),
+               layers: tuple[int, ...] = ()) -> SeqInput:
+        """What the runner computes for ``seq``: ``tokens`` fed at ``start``, under its steering."""
+        steering = seq.steering
+        if steering is None:
+            return SeqInput(seq_id=seq_id, tokens=tokens, start=start, logits=logits, capture=capture, layers=layers)
+        return SeqInput(seq_id=seq_id, tokens=tokens, start=start, logits=logits, capture=capture, layers=layers,
+                        steering=steering.deltas, output_start=seq.sampler.params.output_start)
+
+    def _steering(self, s: SeqStep) -> Steering | None:
+        """The steering ``s`` sets, checked (call only when it sets one)."""
+        assert s.steering is not None
+        if s.steering and isinstance(self.runner, HFFallback) and not self.runner.can_steer:
+            raise _Invalid(f"sequence {s.seq_id}: steering needs a decoder with layers; this model's transformers "
+                           "class has none")
+        try:
+            return self.vectors.resolve(s.steering, s.vectors)
+        except SteeringInvalid as exc:
+            raise _Invalid(f"sequence {s.seq_id}: {exc}") from exc
 
     @contextmanager
     def _pool_errors(self, seq_id: int, end: int) -> Iterator[None]:
@@ -648,6 +693,7 @@ class Engine:
         if s.sample:
             _check_mask(s, masks)
         capture = self._capture(s, length if tokens else length - 1, end)
+        steering = self._steering(s) if s.steering is not None else None
 
         if seq is None:
             assert s.sampling is not None
@@ -655,6 +701,8 @@ class Engine:
             self.tables.set_domain(s.seq_id, s.cache_domain)
         elif s.sampling is not None:
             seq.sampler.update(s.sampling)
+        if s.steering is not None:
+            seq.steering = steering
         if s.backtrack:
             self._truncate(s.seq_id, seq, length)
         feed = tokens
@@ -676,5 +724,5 @@ class Engine:
             return None, hits
         if s.images:
             self._stage_images(s, seq.tokens, first)
-        item = SeqInput(seq_id=s.seq_id, tokens=feed[first - start :], start=first, logits=s.sample, capture=capture)
-        return item, hits
+        layers = tuple(s.residual_layers) if s.residuals else ()
+        return self._input(seq, s.seq_id, feed[first - start :], first, s.sample, capture, layers), hits

@@ -7,18 +7,26 @@ from typing import Protocol
 
 import torch
 
+from services.worker.layers.steering import Deltas
+
 
 @dataclass(frozen=True)
 class SeqInput:
     """Feed ``tokens`` to ``seq_id`` at positions ``start ..``; ``logits``: return the logits of
     its last token. The engine has already reserved KV blocks for ``start + len(tokens)`` tokens.
-    ``capture``: positions (among those fed) whose hidden states the runner keeps in ``captured``."""
+    ``capture``: positions (among those fed) whose hidden states the runner keeps in ``captured``, after the
+    runner's own tapped layers and after ``layers`` too. ``steering``: what the sequence adds to the residual
+    stream after each layer (:mod:`services.worker.layers.steering`), positions before ``output_start``
+    being its prompt's."""
 
     seq_id: int
     tokens: list[int]
     start: int
     logits: bool
     capture: tuple[int, ...] = ()
+    layers: tuple[int, ...] = ()
+    steering: Deltas | None = None
+    output_start: int = 0
 
 
 @dataclass(frozen=True)

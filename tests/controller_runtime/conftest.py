@@ -65,14 +65,21 @@ def runtime(tmp_path: Path, engine: WasmEngine, tokenizer: TokenizerInfo) -> Run
     return wire_runtime(LIMITS, tmp_path, engine, tokenizer)
 
 
-def start(runtime: Runtime, wasm_or_ref: bytes | str, seq_id: int, arg: object = "", prompt=(1,)) -> dict:
-    """Upload (bytes) or reference a controller, instantiate it as req 'r<seq_id>' and bind it to ``seq_id``;
-    returns that sequence's first pre_process result."""
+def start(runtime: Runtime, wasm_or_ref: bytes | str, seq_id: int, arg: object = "", prompt=(1,),
+          **bind: Any) -> dict:
+    """Upload (bytes) or reference a controller, instantiate it as req 'r<seq_id>' and bind it to ``seq_id`` (the
+    PreOp's other fields ``bind``); returns that sequence's first pre_process result."""
+    return bound(runtime, wasm_or_ref, seq_id, arg, prompt, **bind)["pre_seqs"][str(seq_id)]
+
+
+def bound(runtime: Runtime, wasm_or_ref: bytes | str, seq_id: int, arg: object = "", prompt=(1,),
+          **bind: Any) -> dict:
+    """As :func:`start`, returning the whole reply of the binding call."""
     ref = wasm_or_ref if isinstance(wasm_or_ref, str) else runtime.registry.create(wasm_or_ref, "test")["module_id"]
     ok, result = runtime.instantiate(f"r{seq_id}", list(prompt), ref, arg)
     assert ok, result
-    data = runtime.post_pre_process(aici_wire.PostPreProcess(pre_ops=[aici_wire.PreOp(id=seq_id, req_id=f"r{seq_id}")]))
-    return data["pre_seqs"][str(seq_id)]
+    op = aici_wire.PreOp(id=seq_id, req_id=f"r{seq_id}", **bind)
+    return runtime.post_pre_process(aici_wire.PostPreProcess(pre_ops=[op]))
 
 
 def mid(runtime: Runtime, *ops: tuple[int, int | None]) -> tuple[dict, bytearray]:

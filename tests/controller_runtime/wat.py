@@ -25,6 +25,9 @@ _IMPORTS = """
   (import "env" "tiller_constraint_return_bias" (func $c_bias (param i32) (result i32)))
   (import "env" "tiller_constraint_mask" (func $c_mask (param i32 i32) (result i32)))
   (import "env" "tiller_constraint_ff_tokens" (func $c_ff (param i32 i32 i32) (result i32)))
+  (import "env" "tiller_steer" (func $steer (param i32 i32) (result i32)))
+  (import "env" "tiller_readout" (func $readout (param i32 i32) (result i32)))
+  (import "env" "tiller_readout_info" (func $readout_info (param i32 i32) (result i32)))
   (import "wasi_snapshot_preview1" "fd_write" (func $fd_write (param i32 i32 i32 i32) (result i32)))
 """
 

@@ -201,6 +201,23 @@ static void test_get(void) {
     out(&b);
 }
 
+/* Each of "numbers" read as a double and written back with 6 decimals (null: not a number). */
+static void test_f64(void) {
+    aici_json numbers, v;
+    aici_json_get(arg, "numbers", &numbers);
+    aici_buf b = {0};
+    aici_buf_puts(&b, "{\"values\":[");
+    aici_json_iter it = {0};
+    for (int first = 1; aici_json_next(numbers, &it, NULL, &v); first = 0) {
+        double d;
+        if (!first) aici_buf_putc(&b, ',');
+        if (aici_json_f64(v, &d)) aici_buf_f64(&b, d);
+        else aici_buf_puts(&b, "null");
+    }
+    aici_buf_puts(&b, "]}");
+    out(&b);
+}
+
 static void test_oom(void) {
     for (uint32_t i = 0;; i++) {
         char *p = malloc(1 << 20);
@@ -240,6 +257,7 @@ static void init_prompt(const uint32_t *prompt, uint32_t n) {
     else if (aici_json_str_eq(op, "mask")) test_mask_init();
     else if (aici_json_str_eq(op, "vars")) test_vars();
     else if (aici_json_str_eq(op, "get")) test_get();
+    else if (aici_json_str_eq(op, "f64")) test_f64();
     else if (aici_json_str_eq(op, "oom")) test_oom();
     else if (aici_json_str_eq(op, "declare")) test_declare();
 }

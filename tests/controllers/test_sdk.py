@@ -86,6 +86,14 @@ def test_json_object_lookup_unescapes_keys(host, sdk_test_wasm):
     assert [None if v is None else json.loads(v) for v in res["values"]] == [1, 2, 3, [4], 5, None, {"dup": 7}]
 
 
+def test_json_numbers_as_doubles_and_back(host, sdk_test_wasm):
+    """aici_json_f64 reads any JSON number, aici_buf_f64 writes it with 6 decimals (concept_guard's arguments, logs)."""
+    numbers = [0, -0.5, 30, 1e9, 2.5e-3, -6.163343, 12.3456789, 1e-7, "7", None]
+    _, res = run_op(host, sdk_test_wasm, {"op": "f64", "numbers": numbers})
+    assert res["values"] == [None if not isinstance(x, (int, float)) else pytest.approx(round(x, 6), abs=1e-9)
+                             for x in numbers]
+
+
 def test_out_of_memory_traps_cleanly(host, sdk_test_wasm):
     with pytest.raises(ControllerFailed) as exc:
         Run(host, sdk_test_wasm, {"op": "oom"}, "x", pick_lowest)

@@ -506,6 +506,30 @@ async def test_a_splice_and_a_stop_under_pipelined_steps(stack, test_module, hf_
     assert after["followed_steps"] - before["followed_steps"] == 6
 
 
+def guard_readouts(fork: ForkOut) -> list[tuple[float, str]]:
+    """concept_guard's log: per step, the readout it read and whether it steers from then on (one per token heard of:
+    none for the last, after which the request ends)."""
+    return [(float(v), state) for v, state in re.findall(r"concept_guard: (-?[0-9.]+) (on|off)", fork.logs)]
+
+
+async def test_concept_guard_lowers_its_concepts_readout_by_steering_against_it(stack, modules):
+    """concept_guard (controllers/src/concept_guard.c, and its native twin) on the real stack. Unguarded (a
+    threshold never reached) and guarded, the first two readouts are the same: the prompt's last position's, above
+    the threshold, so the guard steers against the concept from the token the step samples on (ABI.md "Steering and
+    readouts"), and that token's readout, on the same tokens as unguarded, falls well below the unguarded one."""
+    prompt, guard = "I am so happy today! I feel", {"concept": "happy", "scale": 30}
+    free = await run(stack, modules["concept_guard"], {**guard, "threshold": 1e9}, prompt=prompt, max_tokens=4)
+    unguarded = guard_readouts(free.forks[0])
+    assert free.forks[0].error == "" and len(unguarded) == 3 and {s for _, s in unguarded} == {"off"}, free.forks
+    threshold = unguarded[0][0] - 1.0
+    for controller in (modules["concept_guard"], "native:concept_guard"):
+        out = await run(stack, controller, {**guard, "threshold": threshold}, prompt=prompt, max_tokens=4)
+        guarded = guard_readouts(out.forks[0])
+        assert out.forks[0].error == "" and len(guarded) == 3, out.forks
+        assert [v for v, _ in guarded[:2]] == pytest.approx([v for v, _ in unguarded[:2]], abs=0.05), guarded
+        assert guarded[0][1] == "on" and guarded[2][0] < unguarded[2][0] - 5.0, (guarded, unguarded)
+
+
 async def test_websocket_config_takes_a_controller(stack, modules):
     config = {"prompt": "Is fire cold? Answer:", "controller": modules["yesno"], "parameters": {"max_tokens": 8,
                                                                                                "temperature": 0}}

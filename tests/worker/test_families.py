@@ -1,6 +1,7 @@
 """Every native family (services/worker/models/) at random weights from a small config, against transformers on
 the same weights (fp32): a batch of prompts of mixed lengths decoded together, a prefix reused across requests,
-a fork, readouts equal to the fallback's, and two tensor-parallel ranks (gloo) equal to one."""
+a fork, readouts equal to the fallback's, and two tensor-parallel ranks (gloo) equal to one, some of their
+inputs steered (every rank adds the same deltas to its replicated residual stream)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from common.wire import SeqStep, Step, samples_by_seq
 from services.worker.engine import Engine
 from services.worker.kv_cache import PagedKVCache
 from services.worker.layers.parallel import Shard
+from services.worker.layers.steering import Term, combine
 from services.worker.model_loader import LoadedModel
 from services.worker.models import FAMILIES, family_of
 from services.worker.models.tiny import tiny_configs
@@ -116,7 +118,8 @@ def test_readouts_equal_the_fallbacks(family) -> None:
 
 
 def _forward(model: torch.nn.Module, shard: Shard | None) -> torch.Tensor:
-    """The logits of a step of :data:`PROMPTS` (as prefills) and then of a decode step, on ``shard``."""
+    """The logits of a step of :data:`PROMPTS` (as prefills) and then of a decode step, on ``shard``; the first
+    and last prompts steered (prompt and generated positions apart, the boundary inside the prompt)."""
     config = model.config
     heads = config.num_key_value_heads if shard is None else shard.num_kv_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -125,9 +128,16 @@ def _forward(model: torch.nn.Module, shard: Shard | None) -> torch.Tensor:
     runner = family_of(config).build(model, cache, 128, None, "torch", shard)
     for seq_id, prompt in enumerate(PROMPTS):
         cache.tables.reserve(seq_id, len(prompt) + 1)
+    g = torch.Generator().manual_seed(2)
+    hidden = config.hidden_size
+    deltas = combine([Term({0: torch.randn(hidden, generator=g), 2: torch.randn(hidden, generator=g)}, 2.0, "prompt"),
+                      Term({1: torch.randn(hidden, generator=g)}, -1.0, "all")], torch.float32)
+    steer = {0: dict(steering=deltas, output_start=2), 2: dict(steering=deltas, output_start=30)}
     with torch.inference_mode():
-        prefill = runner.forward([SeqInput(seq_id=i, tokens=p, start=0, logits=True) for i, p in enumerate(PROMPTS)])
-        decode = runner.forward([SeqInput(seq_id=i, tokens=[7], start=len(p), logits=True) for i, p in enumerate(PROMPTS)])
+        prefill = runner.forward([SeqInput(seq_id=i, tokens=p, start=0, logits=True, **steer.get(i, {}))
+                                  for i, p in enumerate(PROMPTS)])
+        decode = runner.forward([SeqInput(seq_id=i, tokens=[7], start=len(p), logits=True, **steer.get(i, {}))
+                                 for i, p in enumerate(PROMPTS)])
     return torch.cat([prefill, decode])
 
 

@@ -3,8 +3,8 @@
 One step flattens every token of every sequence into rows. Decode rows are the tokens of single-token
 inputs and of short ones (:data:`DECODE_ROWS_MAX`: a controller's splice); they attend all at once.
 Longer inputs are prefills, attended one by one. The plan holds the index tensors (slots, block
-tables, masks) that every layer uses, built once. Its own module so that the models
-(:mod:`services.worker.models`) and the CUDA-graph replay of their decode steps
+tables, masks, the steered rows and their deltas) that every layer uses, built once. Its own module so
+that the models (:mod:`services.worker.models`) and the CUDA-graph replay of their decode steps
 (:mod:`services.worker.cuda_graphs`) both use it without importing each other.
 """
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.worker.kv_cache import NULL_BLOCK, PagedKVCache
+from services.worker.layers.steering import LayerAdds, plan_rows
 from services.worker.runner import SeqInput
 from services.worker.transfer import to_device
 
@@ -49,6 +50,7 @@ class StepPlan:
     num_decode: int
     prefills: list[Prefill]
     window_decode: torch.Tensor | None = None  # the decode rows' key mask within a sliding window
+    steering: LayerAdds = field(default_factory=dict)  # what is added to the rows after each layer (steering)
     cos: torch.Tensor = field(init=False)  # the rotation's tables at each row's position (torch's ops)
     sin: torch.Tensor = field(init=False)
     positions: torch.Tensor = field(init=False)  # each row's position (the fused ops index the tables)
@@ -102,6 +104,7 @@ def plan_step(inputs: list[SeqInput], cache: PagedKVCache, in_place: bool, windo
         decode=_plan_decode(cache, decode, in_place) if decode else None,
         num_decode=len(decode),
         prefills=prefills,
+        steering=plan_rows(inputs, first_row, device),
     )
     if window is not None and plan.decode is not None:
         _, mask = plan.decode

@@ -3,8 +3,9 @@
 One step flattens every token of every sequence into rows (:func:`services.worker.layers.plan.plan_step`):
 the embedding, each decoder layer and the final norm run once per step over all rows, each projection one
 matmul. A family (one file under :mod:`services.worker.models`) gives the runner its embedding, its decoder
-layers (:class:`DecoderLayer`), its final norm and head; the runner plans the step, rotates, captures the
-hidden states readouts and scores ask for, and replays pure-decode steps from CUDA graphs when enabled.
+layers (:class:`DecoderLayer`), its final norm and head; the runner plans the step, rotates, adds the
+sequences' steering to the residual stream after the layers it names, captures the hidden states readouts,
+scores and residuals ask for, and replays pure-decode steps from CUDA graphs when enabled (unsteered ones).
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ class PagedModel:
         tables = self.cache.tables
         capture = [row for item in inputs for row in item.capture]
         self.captured = None
-        if self.graphs is not None and not capture and self.graphs.fits(inputs):
+        # A steered step runs eagerly: the graphs' static buffers hold no steering table yet (a later GPU
+        # task), so a decode step with any steered row skips the replay.
+        if (self.graphs is not None and not capture and self.graphs.fits(inputs)
+                and all(item.steering is None for item in inputs)):
             bs = tables.block_size
             fresh = [tables.seqs[item.seq_id][item.start // bs] for item in inputs if item.start % bs == 0]
             if fresh:
@@ -89,10 +93,11 @@ class PagedModel:
         device = self.device
         rows = plan_step(inputs, self.cache, in_place=self.kernels.ops is not None, window=self.window)
         taps: dict[int, torch.Tensor] | None = None
+        tapped = self.tap_layers.union(*(item.layers for item in inputs))
         if capture:
             captured = [rows.first_row[i] + p - item.start for i, item in enumerate(inputs) for p in item.capture]
             taps = {-1: to_device(captured, device)}
-        x = self._layers(to_device(rows.ids, device), to_device(rows.positions, device), rows.plan, taps)
+        x = self._layers(to_device(rows.ids, device), to_device(rows.positions, device), rows.plan, taps, tapped)
         if taps is not None:
             rows_t = taps.pop(-1)
             self.captured = Captured(final=x[rows_t], layers=taps)
@@ -103,26 +108,27 @@ class PagedModel:
             x = x[to_device(wanted, device)]
         return self._logits(x)
 
-    def _layers(
-        self, ids: torch.Tensor, positions: torch.Tensor, step: StepPlan, taps: dict[int, torch.Tensor] | None = None
-    ) -> torch.Tensor:
+    def _layers(self, ids: torch.Tensor, positions: torch.Tensor, step: StepPlan,
+                taps: dict[int, torch.Tensor] | None = None, tapped: frozenset[int] = frozenset()) -> torch.Tensor:
         """The hidden states after the last decoder layer, one row per fed token. ``taps``, when
-        given, holds the captured rows under key -1 and receives them after each tapped layer."""
+        given, holds the captured rows under key -1 and receives them after each layer of ``tapped``.
+        The step's steering is added to the residual stream after each layer it names, before any tap."""
         x = F.embedding(ids, self.embed)
         fused = self.kernels.ops is not None
         self.rotary.prepare(step, positions, self.num_heads, self.num_kv_heads, fused)
         # decode-only steps run a layer per call where the kernels and the weights allow
         whole = fused and self.kernels.whole_layers and step.decode is not None and not step.prefills
+        steering = step.steering
         for index, (layer, kv_slots, kv_blocks) in enumerate(
             zip(self.layers, self.cache.layer_slots, self.cache.layer_blocks)
         ):
-            if taps is not None and index - 1 in self.tap_layers:
+            if taps is not None and index - 1 in tapped:
                 taps[index - 1] = x[taps[-1]]
-            if whole and (out := layer.decode_whole(x, kv_blocks, step)) is not None:
-                x = out
-                continue
-            x = layer(x, kv_slots, kv_blocks, step)
-        if taps is not None and len(self.layers) - 1 in self.tap_layers:
+            out = layer.decode_whole(x, kv_blocks, step) if whole else None
+            x = out if out is not None else layer(x, kv_slots, kv_blocks, step)
+            if steering and (add := steering.get(index)) is not None:
+                add.apply(x)  # every tensor-parallel rank adds the same to its replicated residual stream
+        if taps is not None and len(self.layers) - 1 in tapped:
             taps[len(self.layers) - 1] = x[taps[-1]]
         return x
 
