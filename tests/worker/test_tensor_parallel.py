@@ -1,18 +1,21 @@
 """A worker of two tensor-parallel ranks (gloo, fp32) as real processes: its greedy tokens equal
 the single-rank engine's on the same dense weights and torch's ops (what a rank runs) token for
-token, through prefill, batched decode, prefix-cache hits, forks and masks that follow their step."""
+token, through prefill, batched decode (a steered sequence among them: the followers get its vector from the
+Step), prefix-cache hits, forks and masks that follow their step."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 from transformers import AutoConfig
 
 from common import wire
 from common.model_source import resolve_model
 from common.config import Settings
+from common.steering import SteeringVector, encode, vector_id
 from services.worker.engine import Engine
 from services.worker.model_loader import LoadedModel
 from services.worker.layers.parallel import Shard, split
@@ -44,6 +47,15 @@ def dense_engine(loaded: LoadedModel) -> Engine:
     return Engine(dataclasses.replace(loaded, linears=None, kernel=False), num_blocks=256)
 
 
+def _steered(seq_id: int, prompt: list[int], hidden: int) -> wire.SeqStep:
+    """``prompt`` under a vector on two layers, strong enough to change the greedy tokens."""
+    rng = np.random.default_rng(0)
+    vector = SteeringVector.of({layer: rng.standard_normal(hidden) for layer in (3, 20)})
+    data = encode(vector)
+    return wire.SeqStep(seq_id=seq_id, tokens=prompt, sampling=GREEDY, cache_domain="steered",
+                        steering=[wire.SteeringTerm(vector=vector_id(data), scale=1.0)], vectors={vector_id(data): data})
+
+
 def _request(scheduler: Scheduler, step: wire.Step, mask: bytes | None = None) -> dict[int, wire.SampledToken]:
     """Send ``step`` (and its StepMasks with ``mask``), and return its samples."""
     if mask is None:
@@ -62,6 +74,12 @@ def test_two_ranks_generate_what_one_does(tmp_path: Path, scheduler: Scheduler, 
     driver = Driver(dense_engine)
     expected = [driver.generate(100 + i, p, TOKENS) for i, p in enumerate(prompts)]
     expected_shared = driver.generate(110, shared + prompts[0], TOKENS)
+    hidden = dense_engine.loaded.config.hidden_size
+    steered = [driver.step([_steered(120, prompts[0], hidden)]).samples[120].token_id]
+    while len(steered) < TOKENS:
+        steered.append(driver.step([], follows=[120]).samples[120].token_id)
+    dense_engine.free([120])
+    assert steered != expected[0]
 
     process = _start_worker(tmp_path, TILLER_DISTRIBUTED__TENSOR_PARALLEL="2")
     try:
@@ -69,13 +87,13 @@ def test_two_ranks_generate_what_one_does(tmp_path: Path, scheduler: Scheduler, 
         assert hello.kv_capacity_tokens >= 4 * 2048
         # Both prompts in one step, then batched decode steps.
         seqs = [wire.SeqStep(seq_id=i, tokens=p, sampling=GREEDY) for i, p in enumerate(prompts)]
-        samples = _request(scheduler, wire.Step(step_id=1, seqs=seqs))
-        got = {i: [samples[i].token_id] for i in range(2)}
+        samples = _request(scheduler, wire.Step(step_id=1, seqs=seqs + [_steered(2, prompts[0], hidden)]))
+        got = {i: [samples[i].token_id] for i in range(3)}
         for step_id in range(2, TOKENS + 1):  # they follow: each rank feeds its own last samples
-            samples = _request(scheduler, wire.Step(step_id=step_id, seqs=[], follows=wire.pack_ids([0, 1])))
-            for i in range(2):
+            samples = _request(scheduler, wire.Step(step_id=step_id, seqs=[], follows=wire.pack_ids([0, 1, 2])))
+            for i in range(3):
                 got[i].append(samples[i].token_id)
-        assert [got[0], got[1]] == expected
+        assert [got[0], got[1], got[2]] == expected + [steered]
 
         # A prompt whose leading blocks the cache holds (after a first sequence computed them), a
         # fork of it, and a step whose masks follow it (a mask allowing only the expected token).
