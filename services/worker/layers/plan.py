@@ -49,8 +49,9 @@ class StepPlan:
     num_decode: int
     prefills: list[Prefill]
     window_decode: torch.Tensor | None = None  # the decode rows' key mask within a sliding window
-    cos: torch.Tensor = field(init=False)  # the rotation's tables at each row's position (torch's ops)
-    sin: torch.Tensor = field(init=False)
+    # by rotary table (:class:`services.worker.layers.attention.Rotary`): its cos and sin at each row's
+    # position (torch's ops)
+    rotations: dict[object, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     positions: torch.Tensor = field(init=False)  # each row's position (the fused ops index the tables)
 
 
