@@ -104,15 +104,18 @@ def test_readouts_equal_the_fallbacks(family) -> None:
     readouts = Readouts(concepts=["a", "b", "c"], layers=[0, 2], matrix=torch.randn(3, hidden, generator=torch.Generator().manual_seed(1)))
     prompt = PROMPTS[1]
     step = Step(step_id=1, seqs=[SeqStep(seq_id=1, tokens=prompt, sampling=GREEDY, readouts=[0, 9, len(prompt) - 1])])
-    values = []
+    values, logprobs = [], []
     for native in (True, False):
         engine = Engine(_loaded(model), num_blocks=16, readouts=readouts, native=native)
         assert engine.backend == ("paged" if native else "transformers")
         result = engine.step(step)
         values.append([np.frombuffer(r.values, dtype="<f4") for r in result.readouts[1]])
-        assert samples_by_seq(step, result)[1].token_id == _generate(model, prompt, 1)[0]
+        sampled = samples_by_seq(step, result)[1]
+        assert sampled.token_id == _generate(model, prompt, 1)[0]
+        logprobs.append(sampled.logprob)  # the logits themselves (a soft cap leaves the greedy tokens as they are)
     for native, fallback in zip(*values):
         np.testing.assert_allclose(native, fallback, rtol=1e-4, atol=1e-4)
+    assert logprobs[0] == pytest.approx(logprobs[1], abs=1e-4)
 
 
 def _forward(model: torch.nn.Module, shard: Shard | None) -> torch.Tensor:
