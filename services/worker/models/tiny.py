@@ -3,13 +3,13 @@ benchmarks: nothing downloaded. Not a family file (it defines no ``FAMILY``)."""
 
 from __future__ import annotations
 
-from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, PretrainedConfig,
+from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, PretrainedConfig,
                           Qwen2Config, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32, "rope_theta": 10000.0}
-# a soft cap of a Gemma's logits small enough to bend those of random weights
-GEMMA_LOGIT_CAP = 1.0
+# soft caps of a Gemma's logits and attention logits small enough to bend those of random weights
+GEMMA_LOGIT_CAP, GEMMA_ATTENTION_CAP = 1.0, 0.25
 # Gemma 3's local and global bases, the global one scaled (as its 4B and larger checkpoints are)
 GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
@@ -40,4 +40,7 @@ def tiny_configs(hidden: int = 64, layers: int = 3, heads: int = 4, kv_heads: in
         "gemma3": Gemma3TextConfig(**small, head_dim=head_dim, layer_types=gemma_layers, sliding_window=window,
                                    rope_parameters=GEMMA3_ROPE, query_pre_attn_scalar=head_dim + 8,
                                    final_logit_softcapping=GEMMA_LOGIT_CAP),
+        "gemma2": Gemma2Config(**small, head_dim=head_dim, layer_types=gemma_layers, sliding_window=window,
+                               query_pre_attn_scalar=head_dim + 8, attn_logit_softcapping=GEMMA_ATTENTION_CAP,
+                               final_logit_softcapping=GEMMA_LOGIT_CAP),
     }
