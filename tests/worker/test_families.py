@@ -11,14 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, PretrainedConfig
 
 from common.wire import SeqStep, Step, samples_by_seq
 from services.worker.engine import Engine
 from services.worker.kv_cache import PagedKVCache
 from services.worker.layers.parallel import Shard
 from services.worker.model_loader import LoadedModel
-from services.worker.models import FAMILIES, family_of
+from services.worker.models import FAMILIES, family_of, unsupported_reason
 from services.worker.models.tiny import tiny_configs
 from services.worker.readouts import Readouts
 from services.worker.runner import SeqInput
@@ -31,6 +31,12 @@ TOKENS = 12
 
 def test_every_family_is_tested_here() -> None:
     assert {config.model_type for config in CONFIGS.values()} == set(FAMILIES)
+
+
+def test_a_configuration_its_family_refuses_says_why() -> None:
+    embedding_gemma = Gemma3TextConfig.from_dict(CONFIGS["gemma3"].to_dict() | {"use_bidirectional_attention": True})
+    assert "bidirectional attention" in unsupported_reason(embedding_gemma, 128)
+    assert unsupported_reason(CONFIGS["gemma3"], 128) is None
 
 
 def _model(config: PretrainedConfig) -> torch.nn.Module:
