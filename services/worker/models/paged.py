@@ -79,6 +79,7 @@ class PagedModel:
             max_batch=max_batch,
             max_blocks=max_blocks,
             in_place=self.kernels.ops is not None,
+            window=self.window,
         )
 
     def forward(self, inputs: list[SeqInput]) -> torch.Tensor:
