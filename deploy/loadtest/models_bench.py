@@ -1,7 +1,8 @@
 """Decode tokens/s of every native family at a small random-weight config: the native paged forward against
 the transformers fallback on the same weights, at batch 1 and 16, in one run (nothing downloaded).
 
-    .venv/bin/python deploy/loadtest/models_bench.py [--hidden 512] [--layers 4] [--batch 1 16] [--steps 32] [--only gemma3 ...]
+    .venv/bin/python deploy/loadtest/models_bench.py [--hidden 512] [--layers 4] [--batch 1 16] [--steps 32]
+        [--only NAME ...]
 
 Each sequence is fed a 32-token prompt, then every sequence decodes ``--steps`` tokens in steps of the
 whole batch (the native forward batches them; the fallback runs them one by one, as it serves them). The
