@@ -2,6 +2,7 @@
 the transformers fallback on the same weights, at batch 1 and 16, in one run (nothing downloaded).
 
     .venv/bin/python deploy/loadtest/models_bench.py [--hidden 512] [--layers 4] [--batch 1 16] [--steps 32]
+        [--only NAME ...]
 
 Each sequence is fed a 32-token prompt, then every sequence decodes ``--steps`` tokens in steps of the
 whole batch (the native forward batches them; the fallback runs them one by one, as it serves them). The
@@ -48,8 +49,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="these configs of models/tiny.py (default: all)")
     args = parser.parse_args()
     configs = tiny_configs(hidden=args.hidden, layers=args.layers, heads=8, kv_heads=4, vocab=4096, window=64)
+    if args.only:
+        configs = {name: configs[name] for name in args.only}
     print(f"hidden={args.hidden} layers={args.layers} steps={args.steps} threads={torch.get_num_threads()} "
           "(decode tokens/s, CPU time; native / fallback)")
     print(f"{'family':<16}" + "".join(f"{f'batch {b}':>30}" for b in args.batch))

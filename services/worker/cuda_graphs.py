@@ -23,7 +23,7 @@ import torch
 
 from services.worker.kv_cache import NULL_BLOCK, PagedKVCache
 from services.worker.runner import SeqInput
-from services.worker.layers.plan import StepPlan
+from services.worker.layers.plan import StepPlan, window_decode
 
 # The forward captured: token ids, positions and the step plan -> float32 logits, one row per token.
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, StepPlan], torch.Tensor]
@@ -39,10 +39,12 @@ class DecodeGraphs:
     sequences whose block tables hold up to ``max_blocks`` blocks."""
 
     def __init__(
-        self, forward: DecodeForward, cache: PagedKVCache, *, max_batch: int, max_blocks: int, in_place: bool = False
+        self, forward: DecodeForward, cache: PagedKVCache, *, max_batch: int, max_blocks: int, in_place: bool = False,
+        window: int | None = None,
     ) -> None:
         """``in_place``: the forward's attention reads the blocks in place (its decode plan is the
-        block tables and lengths, not a flat gather and a key mask)."""
+        block tables and lengths, not a flat gather and a key mask); ``window``: the sliding window of
+        the model's windowed layers (never in place: the plan has their key mask too)."""
         self.forward = forward
         self.cache = cache
         self.block_size = cache.tables.block_size
@@ -50,6 +52,7 @@ class DecodeGraphs:
         self.max_width = _bucket(max_blocks)
         self.device = device = cache.kv.device
         self.in_place = in_place
+        self.window = window
         # sections of the staging buffers: ids | positions | slots | lengths | block tables (row-major)
         n = self.max_batch
         self._sections = (0, n, 2 * n, 3 * n, 4 * n)
@@ -135,6 +138,8 @@ class DecodeGraphs:
             num_decode=batch,
             prefills=[],
         )
+        if self.window is not None:
+            step.window_decode = window_decode(decode[1], lengths, self.window)
         return self.forward(buf[ids_at : ids_at + batch], buf[pos_at : pos_at + batch], step)
 
     def _capture(self, batch: int, width: int) -> None:

@@ -702,6 +702,8 @@ class Engine:
         elif s.sampling is not None:
             seq.sampler.update(s.sampling)
         if s.steering is not None:
+            if steering is not seq.steering and seq.tokens:  # changed mid-way: its KV from here is not its chain's
+                self.tables.seal(s.seq_id)
             seq.steering = steering
         if s.backtrack:
             self._truncate(s.seq_id, seq, length)

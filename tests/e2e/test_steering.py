@@ -139,7 +139,7 @@ async def test_chat_rest_run_salience_and_evergreen_take_the_same_steering(stack
     assert chat.json()["choices"][0]["message"]["content"] == chat_expected, chat.text
     rest = http.post("/v1/generate", json={"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
                                            "steering": steering})
-    assert rest.json()["text"] == _decoded(stack, plain_expected), rest.text
+    assert rest.json()["generated_text"] == _decoded(stack, plain_expected), rest.text
     run = http.post("/v1/run", json={"controller": "none", "controller_arg": PROMPT, "max_tokens": TOKENS,
                                      "steering": steering})
     texts = [fork["text"] for event in parse_sse(run.text)[1:-1] for fork in event["forks"]]

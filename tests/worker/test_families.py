@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, PretrainedConfig
 
 from common.wire import SeqStep, Step, samples_by_seq
 from services.worker.engine import Engine
@@ -20,7 +20,7 @@ from services.worker.kv_cache import PagedKVCache
 from services.worker.layers.parallel import Shard
 from services.worker.layers.steering import Term, combine
 from services.worker.model_loader import LoadedModel
-from services.worker.models import FAMILIES, family_of
+from services.worker.models import FAMILIES, family_of, unsupported_reason
 from services.worker.models.tiny import tiny_configs
 from services.worker.readouts import Readouts
 from services.worker.runner import SeqInput
@@ -33,6 +33,12 @@ TOKENS = 12
 
 def test_every_family_is_tested_here() -> None:
     assert {config.model_type for config in CONFIGS.values()} == set(FAMILIES)
+
+
+def test_a_configuration_its_family_refuses_says_why() -> None:
+    embedding_gemma = Gemma3TextConfig.from_dict(CONFIGS["gemma3"].to_dict() | {"use_bidirectional_attention": True})
+    assert "bidirectional attention" in unsupported_reason(embedding_gemma, 128)
+    assert unsupported_reason(CONFIGS["gemma3"], 128) is None
 
 
 def _model(config: PretrainedConfig) -> torch.nn.Module:
@@ -106,15 +112,18 @@ def test_readouts_equal_the_fallbacks(family) -> None:
     readouts = Readouts(concepts=["a", "b", "c"], layers=[0, 2], matrix=torch.randn(3, hidden, generator=torch.Generator().manual_seed(1)))
     prompt = PROMPTS[1]
     step = Step(step_id=1, seqs=[SeqStep(seq_id=1, tokens=prompt, sampling=GREEDY, readouts=[0, 9, len(prompt) - 1])])
-    values = []
+    values, logprobs = [], []
     for native in (True, False):
         engine = Engine(_loaded(model), num_blocks=16, readouts=readouts, native=native)
         assert engine.backend == ("paged" if native else "transformers")
         result = engine.step(step)
         values.append([np.frombuffer(r.values, dtype="<f4") for r in result.readouts[1]])
-        assert samples_by_seq(step, result)[1].token_id == _generate(model, prompt, 1)[0]
+        sampled = samples_by_seq(step, result)[1]
+        assert sampled.token_id == _generate(model, prompt, 1)[0]
+        logprobs.append(sampled.logprob)  # the logits themselves (a soft cap leaves the greedy tokens as they are)
     for native, fallback in zip(*values):
         np.testing.assert_allclose(native, fallback, rtol=1e-4, atol=1e-4)
+    assert logprobs[0] == pytest.approx(logprobs[1], abs=1e-4)
 
 
 def _forward(model: torch.nn.Module, shard: Shard | None) -> torch.Tensor:

@@ -203,7 +203,9 @@ def test_a_change_mid_stream_and_forks(native: bool) -> None:
                                  steering=steer, vectors={A[0]: A[1]})])
     t = first.samples[10].token_id
     ran = driver.step([SeqStep(seq_id=11, fork_of=10, tokens=[t]), SeqStep(seq_id=12, fork_of=10, tokens=[t], steering=[]),
-                       SeqStep(seq_id=10, tokens=[t])])
+                       SeqStep(seq_id=10, tokens=[t], steering=steer)])
+    # the fork whose steering changed names no more blocks (its KV from there is not its chain's); the others do
+    assert engine.tables.sealed == {12}
     got = {i: [t, ran.samples[i].token_id] for i in (10, 11, 12)}
     for _ in range(TOKENS - 2):
         ran = driver.step([], follows=[10, 11, 12])

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from common.wire import SamplingParams, SeqStep
 from services.worker.engine import Engine
 from services.worker.model_loader import LoadedModel
+from services.worker.models.tiny import tiny_configs
 from services.worker.runner import SeqInput
 from services.worker.sampler import SeqSampler, sample
 from tests.worker.conftest import Driver
@@ -71,6 +72,19 @@ def _decode_batch(engine: Engine, prompts: list[list[int]], n: int, follow: bool
             o.append(result.samples[i].token_id)
     engine.free(ids)
     return out
+
+
+@pytest.mark.parametrize("name", ["mistral-window", "gemma3"])
+def test_graph_decode_of_a_windowed_model_equals_eager(name: str) -> None:
+    """A replayed decode's windowed layers attend within the window too (the captured plan has its mask)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_configs()[name], dtype=torch.float32).to("cuda").eval()
+    windowed = LoadedModel(model=model, config=model.config, name=name, device=torch.device("cuda"),
+                           dtype=torch.float32, eos_token_ids=[], max_model_len=128)
+    graphed, eager = Engine(windowed, num_blocks=64, cuda_graph_batch=4), Engine(windowed, num_blocks=64)
+    assert graphed.backend == "paged+cuda_graphs"
+    prompts = [[(7 * i + 3) % 512 for i in range(length)] for length in (3, 21)]  # the window is 8 keys
+    assert _decode_batch(graphed, prompts, 12) == _decode_batch(eager, prompts, 12)
 
 
 def test_graph_decode_equals_eager_and_transformers(loaded: LoadedModel) -> None:

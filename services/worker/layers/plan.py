@@ -51,8 +51,9 @@ class StepPlan:
     prefills: list[Prefill]
     window_decode: torch.Tensor | None = None  # the decode rows' key mask within a sliding window
     steering: LayerAdds = field(default_factory=dict)  # what is added to the rows after each layer (steering)
-    cos: torch.Tensor = field(init=False)  # the rotation's tables at each row's position (torch's ops)
-    sin: torch.Tensor = field(init=False)
+    # by rotary table (:class:`services.worker.layers.attention.Rotary`): its cos and sin at each row's
+    # position (torch's ops)
+    rotations: dict[object, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     positions: torch.Tensor = field(init=False)  # each row's position (the fused ops index the tables)
 
 
@@ -107,11 +108,15 @@ def plan_step(inputs: list[SeqInput], cache: PagedKVCache, in_place: bool, windo
         steering=plan_rows(inputs, first_row, device),
     )
     if window is not None and plan.decode is not None:
-        _, mask = plan.decode
-        lengths = to_device([length for _, length in decode], device)
-        first = (lengths - window).view(-1, 1, 1, 1)  # each row's first key inside the window
-        plan.window_decode = mask & (torch.arange(mask.shape[-1], device=device) >= first)
+        plan.window_decode = window_decode(plan.decode[1], to_device([length for _, length in decode], device), window)
     return StepRows(ids, positions, plan, first_row, last_row)
+
+
+def window_decode(mask: torch.Tensor, lengths: torch.Tensor, window: int) -> torch.Tensor:
+    """The decode rows' key ``mask`` ``[n, 1, 1, keys]`` within a sliding ``window``: each row (``lengths``,
+    the keys it attends to) sees its last ``window`` keys."""
+    first = (lengths - window).view(-1, 1, 1, 1)  # each row's first key inside the window
+    return mask & (torch.arange(mask.shape[-1], device=mask.device) >= first)
 
 
 def _plan_decode(cache: PagedKVCache, decode: list[tuple[int, int]], in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ without rotary, projections fused in the checkpoint) build on :func:`build` with
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -20,7 +21,7 @@ from services.worker.kv_cache import PagedKVCache
 from services.worker.layers.attention import PagedAttention, Rotary
 from services.worker.layers.kernels import KernelChoice, Kernels
 from services.worker.layers.mlp import GatedMLP
-from services.worker.layers.norm import RMSNorm
+from services.worker.layers.norm import NormedOutput, RMSNorm
 from services.worker.layers.parallel import Shard, column_parallel, row_parallel
 from services.worker.layers.plan import StepPlan
 from services.worker.models.family import Family
@@ -90,12 +91,22 @@ def llama_modules(layer: nn.Module) -> Modules:
 def build(model: PreTrainedModel, cache: PagedKVCache, max_positions: int, linears: LinearFactory | None = None,
           kernels: KernelChoice = "torch", shard: Shard | None = None, *, qk_norms: bool = False,
           modules: Callable[[nn.Module], Modules] = llama_modules, rotated: Sequence[bool] | None = None,
-          sparse: SparseMlp | None = None) -> PagedModel:
+          sparse: SparseMlp | None = None, norm_offset: float = 0.0, sandwich_norms: bool = False,
+          attention_scale: float | None = None, attention_softcap: float | None = None,
+          rope_keys: Sequence[str] | None = None, embed_scale: float | None = None,
+          logit_softcap: float | None = None) -> PagedModel:
     """The runner of a Llama-shaped ``model`` over ``cache``: its projections made by ``linears`` (default:
     the model's dense weights, fused), its other ops on ``kernels``, this rank's ``shard`` of every layer
     (default: the whole model). Options: ``qk_norms``, each attention has per-head q and k norms (Qwen3's);
     ``modules``, where a layer's projections are; ``rotated``, by layer, whether it applies rotary (all do
-    by default); ``sparse``, the MLP of the layers that have experts instead of a gated MLP."""
+    by default); ``sparse``, the MLP of the layers that have experts instead of a gated MLP;
+    ``norm_offset``, every norm scales by ``norm_offset + weight`` (Gemma's ``1 + w``, kept in float32);
+    ``sandwich_norms``, the attention's and the MLP's outputs are normed too before their residual adds
+    (``post_attention_layernorm``, ``post_feedforward_layernorm``; the MLP's input norm is then
+    ``pre_feedforward_layernorm``); ``attention_scale`` and ``attention_softcap``, see
+    :class:`~services.worker.layers.attention.PagedAttention`; ``rope_keys``, by layer, the ``layer_type``
+    the model's rotary module makes that layer's table for (Gemma 3's local and global bases); ``embed_scale``
+    and ``logit_softcap``, see :class:`~services.worker.models.paged.PagedModel`."""
     linears = linears or DenseLinears()
     config = model.config
     shard = shard or Shard.whole(config)
@@ -105,14 +116,22 @@ def build(model: PreTrainedModel, cache: PagedKVCache, max_positions: int, linea
     act_dtype = cache.kv.dtype  # the activations' (a bfloat16 checkpoint's tiles serve float32 ones)
     base = model.model
     windows = sliding_windows(config, max_positions)
-    # the fused ops' attention reads every key in place: a model with a window runs torch's
-    chosen = Kernels() if any(windows) else Kernels.of(kernels, cache.kv, head_dim, config.hidden_act)
-    rotary = Rotary(base.rotary_emb, max_positions, head_dim, act_dtype, cache.kv.device)
-    act = F.silu if config.hidden_act == "silu" else base.layers[0].mlp.act_fn
+    hidden_act = getattr(config, "hidden_act", None) or config.hidden_activation  # (Gemma's name for it)
+    # the fused ops' attention reads every key in place and caps no logits: such a model runs torch's
+    in_place = not any(windows) and attention_softcap is None
+    chosen = Kernels.of(kernels, cache.kv, head_dim, hidden_act) if in_place else Kernels()
+    rotaries = {key: Rotary(base.rotary_emb if key is None else partial(base.rotary_emb, layer_type=key), max_positions,
+                            head_dim, act_dtype, cache.kv.device) for key in dict.fromkeys(rope_keys or [None])}
+    act = F.silu if hidden_act == "silu" else base.layers[0].mlp.act_fn
     intermediate = config.intermediate_size
 
     def norm(module: torch.nn.Module, kernels: Kernels | None = chosen) -> RMSNorm:
-        return RMSNorm(module.weight.detach().to(act_dtype), eps, kernels)
+        weight = module.weight.detach()
+        return RMSNorm(weight.float() + norm_offset if norm_offset else weight.to(act_dtype), eps, kernels)
+
+    def normed(linear: Linear, layer: nn.Module, name: str) -> Linear:
+        """``linear``, its output normed by the layer's norm ``name`` where the layers have sandwich norms."""
+        return NormedOutput(linear, norm(getattr(layer, name))) if sandwich_norms else linear
 
     layers = []
     for index, layer in enumerate(base.layers):
@@ -122,24 +141,29 @@ def build(model: PreTrainedModel, cache: PagedKVCache, max_positions: int, linea
         parts = modules(layer)
         qkv, o = linears.layer(parts[0]), linears.layer(parts[1])
         (h0, h1), (c0, c1) = shard.heads, shard.columns
-        mlp = experts or GatedMLP(column_parallel(linears.layer(parts[2]), shard.gate_up_columns(intermediate), shard),
-                                  row_parallel(linears.layer(parts[3]), c0, c1, shard), shard.intermediate, act, chosen)
+        mlp = experts or GatedMLP(
+            column_parallel(linears.layer(parts[2]), shard.gate_up_columns(intermediate), shard),
+            normed(row_parallel(linears.layer(parts[3]), c0, c1, shard), layer, "post_feedforward_layernorm"),
+            shard.intermediate, act, chosen)
         layers.append(LlamaLayer(
             input_norm=norm(layer.input_layernorm),
             qkv=column_parallel(qkv, shard.qkv_columns(heads, kv_heads, head_dim), shard),
-            attention=PagedAttention(shard.num_heads, shard.num_kv_heads, head_dim, rotary, chosen, q_norm, k_norm,
-                                     rotates=True if rotated is None else rotated[index], windowed=windows[index]),
-            o=row_parallel(o, h0 * head_dim, h1 * head_dim, shard),
-            post_norm=norm(layer.post_attention_layernorm),
+            attention=PagedAttention(shard.num_heads, shard.num_kv_heads, head_dim,
+                                     rotaries[None if rope_keys is None else rope_keys[index]], chosen, q_norm, k_norm,
+                                     rotates=True if rotated is None else rotated[index], windowed=windows[index],
+                                     scale=attention_scale, softcap=attention_softcap),
+            o=normed(row_parallel(o, h0 * head_dim, h1 * head_dim, shard), layer, "post_attention_layernorm"),
+            post_norm=norm(layer.pre_feedforward_layernorm if sandwich_norms else layer.post_attention_layernorm),
             mlp=mlp,
         ))
     if shard.world > 1:  # the transformers layers still point at the whole fused matrices: let them go
         for param in base.layers.parameters():
             param.data = param.data.new_empty(0)
     return PagedModel(cache, embed=base.embed_tokens.weight.detach().to(act_dtype), layers=layers,
-                      final_norm=norm(base.norm), head=linears.head(model.get_output_embeddings()), rotary=rotary,
-                      heads=shard.num_heads, kv_heads=shard.num_kv_heads, kernels=chosen,
-                      window=config.sliding_window if any(windows) else None)
+                      final_norm=norm(base.norm), head=linears.head(model.get_output_embeddings()),
+                      rotaries=list(rotaries.values()), heads=shard.num_heads, kv_heads=shard.num_kv_heads,
+                      kernels=chosen, window=config.sliding_window if any(windows) else None, embed_scale=embed_scale,
+                      logit_softcap=logit_softcap)
 
 
 def sliding_windows(config: PretrainedConfig, max_positions: int) -> list[bool]:

@@ -10,6 +10,7 @@ scores and residuals ask for, and replays pure-decode steps from CUDA graphs whe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -40,20 +41,24 @@ class PagedModel:
     """The native runner (see the module docstring). Implements :class:`services.worker.runner.Runner`."""
 
     def __init__(self, cache: PagedKVCache, *, embed: torch.Tensor, layers: list[DecoderLayer], final_norm: RMSNorm,
-                 head: Linear, rotary: Rotary, heads: int, kv_heads: int, kernels: Kernels,
-                 window: int | None = None) -> None:
-        """``heads`` and ``kv_heads``: this rank's (every layer's); ``window``: the sliding window of the
-        layers that have one (the step plan makes their masks)."""
+                 head: Linear, rotaries: Sequence[Rotary], heads: int, kv_heads: int, kernels: Kernels,
+                 window: int | None = None, embed_scale: float | None = None,
+                 logit_softcap: float | None = None) -> None:
+        """``rotaries``: the rotary tables the layers rotate with (one per base); ``heads`` and
+        ``kv_heads``: this rank's (every layer's); ``window``: the sliding window of the layers that have one
+        (the step plan makes their masks); ``embed_scale``: multiplies the token embeddings; ``logit_softcap``:
+        the logits become ``logit_softcap * tanh(logits / logit_softcap)``."""
         self.cache = cache
         self.device = cache.kv.device
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm
         self.head = head
-        self.rotary = rotary
+        self.rotaries = tuple(rotaries)
         self.num_heads, self.num_kv_heads = heads, kv_heads
         self.kernels = kernels
         self.window = window
+        self.embed_scale, self.logit_softcap = embed_scale, logit_softcap
         self.graphs: DecodeGraphs | None = None
         self.tap_layers: frozenset[int] = frozenset()  # decoder layers whose hidden states captures keep
         self.captured: Captured | None = None  # the last forward's captures (None: none asked)
@@ -75,6 +80,7 @@ class PagedModel:
             max_batch=max_batch,
             max_blocks=max_blocks,
             in_place=self.kernels.ops is not None,
+            window=self.window,
         )
 
     def forward(self, inputs: list[SeqInput]) -> torch.Tensor:
@@ -114,8 +120,11 @@ class PagedModel:
         given, holds the captured rows under key -1 and receives them after each layer of ``tapped``.
         The step's steering is added to the residual stream after each layer it names, before any tap."""
         x = F.embedding(ids, self.embed)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         fused = self.kernels.ops is not None
-        self.rotary.prepare(step, positions, self.num_heads, self.num_kv_heads, fused)
+        for rotary in self.rotaries:
+            rotary.prepare(step, positions, self.num_heads, self.num_kv_heads, fused)
         # decode-only steps run a layer per call where the kernels and the weights allow
         whole = fused and self.kernels.whole_layers and step.decode is not None and not step.prefills
         steering = step.steering
@@ -137,4 +146,7 @@ class PagedModel:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states."""
-        return self.head(self.final_norm(h)).float()
+        logits = self.head(self.final_norm(h)).float()
+        if self.logit_softcap is None:
+            return logits
+        return torch.tanh(logits / self.logit_softcap) * self.logit_softcap
