@@ -175,7 +175,7 @@ async def test_a_websocket_modify_changes_the_steering_from_the_next_token(stack
     n = 24
     config_msg = greedy_config(prompt=PROMPT, max_tokens=n)
     config_msg["parameters"]["steering"] = [{"vector": vector, "scale": 1.0}]
-    async with websockets.connect(f"{stack.ws_url}/generate") as ws:
+    async with websockets.connect(stack.ws_url) as ws:
         await send(ws, {"type": "config", **config_msg})
         seen = []
         while not any(m["type"] == "token" for m in seen):
@@ -184,7 +184,7 @@ async def test_a_websocket_modify_changes_the_steering_from_the_next_token(stack
         await send(ws, {"type": "control", "action": "modify", "parameters": {"steering": []}})
         await send(ws, {"type": "control", "action": "resume"})
         messages = seen + await collect(ws)
-    assert any(m["type"] == "status" and m.get("stage") == "modify" for m in messages), messages
+    assert any(m["type"] == "status" and m["operation"] == "modify" for m in messages), messages
     got = token_ids(messages)
     steered = oracle(ids, [(directions, 1.0, "all")], n)
     assert len(got) == n and got != steered  # the modify changed something
