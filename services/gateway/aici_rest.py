@@ -33,13 +33,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common import aici_wire, wire
 from common.admission import context_budget
-from common.errors import CONTENT_FILTER, ERROR_TRAITS, INTERNAL_ERROR, INVALID_REQUEST, MODEL_LOADING_ERROR, TillerError
+from common.errors import CONTENT_FILTER, INTERNAL_ERROR, INVALID_REQUEST, MODEL_LOADING_ERROR, TillerError
 from services.gateway.admission import Admission
 from services.gateway.deps import Gateway, new_request_id
 from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, StreamItem, facts_of, worker_stage
-from services.gateway.httputil import SSE_HEADERS, client_of, gateway_of, read_json_object, sse, tenant_of
+from services.gateway.httputil import (SSE_HEADERS, answer, client_of, error_json, gateway_of, read_json_object, sse,
+                                      tenant_of)
 from services.gateway.protocol import GatewayError
-from services.gateway.side_channel import ControllerInitFailed, SideChannel, Unauthorized, caller_of
+from services.gateway.side_channel import ControllerInitFailed, SideChannel, caller_of
 from services.gateway.steering import resolve_steering
 from services.gateway.tenants import cache_domain
 from services.gateway.validation import (
@@ -65,12 +66,6 @@ PLAIN_FINISH = ABORTED | {"stop": "eos"}
 NONE_CONTROLLER = "none"
 
 
-def _error(exc: TillerError, status: int | None = None) -> JSONResponse:
-    if status is None:
-        status = 401 if isinstance(exc, Unauthorized) else ERROR_TRAITS.get(exc.code, ERROR_TRAITS[INTERNAL_ERROR])[2]
-    return JSONResponse({"error": {"type": exc.code, "message": exc.message}}, status_code=status)
-
-
 def _side(gw: Gateway) -> SideChannel:
     if gw.side is None:
         raise TillerError(INTERNAL_ERROR, "the controller runtime's side channel is not configured")
@@ -90,12 +85,12 @@ async def upload_controller(request: Request) -> Response:
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit:
-                return _error(TillerError(INVALID_REQUEST, f"the module exceeds {limit} bytes"), status=413)
+                return error_json(TillerError(INVALID_REQUEST, f"the module exceeds {limit} bytes"), status=413)
         if not body:
             raise TillerError(INVALID_REQUEST, "the body must be the controller's Wasm module (it is empty)")
         return JSONResponse(await _side(gw).mk_module(caller, bytes(body)))
     except TillerError as exc:
-        return _error(exc)
+        return error_json(exc)
 
 
 class SetTags(StrictModel):
@@ -105,23 +100,15 @@ class SetTags(StrictModel):
 
 @router.get("/v1/controllers/tags")
 async def get_tags(request: Request) -> Response:
-    gw = gateway_of(request)
-    try:
-        return JSONResponse(await _side(gw).get_tags(caller_of(request, gw.settings)))
-    except TillerError as exc:
-        return _error(exc)
+    return await answer(request, lambda gw, caller: _side(gw).get_tags(caller))
 
 
 @router.post("/v1/controllers/tags")
 async def set_tags(request: Request) -> Response:
-    gw = gateway_of(request)
-    try:
-        caller = caller_of(request, gw.settings)
-        body = validate(SetTags, await read_json_object(request),
-                        Context.of(gw.settings))
-        return JSONResponse(await _side(gw).set_tags(caller, body.module_id, body.tags))
-    except TillerError as exc:
-        return _error(exc)
+    async def moved(gw: Gateway, caller: wire.Principal) -> Any:
+        body = validate(SetTags, await read_json_object(request), Context.of(gw.settings))
+        return await _side(gw).set_tags(caller, body.module_id, body.tags)
+    return await answer(request, moved)
 
 
 # -- run ------------------------------------------------------------------------------------------
@@ -344,14 +331,14 @@ async def run(request: Request) -> Response:
         run_request = validate(RunRequest, body, Context.of(gw.settings))
     except TillerError as exc:
         gw.metrics.refused("aici", exc.code)
-        return _error(exc)
+        return error_json(exc)
     admission = Admission(gw, rid=new_request_id("run-"), surface="aici", client=client_of(request),
                           tenant=tenant_of(request))
     try:
         events = await _start_run(gw, run_request, caller, admission)
     except TillerError as exc:
         admission.end(exc.code)
-        return _error(exc)
+        return error_json(exc)
     except BaseException:
         admission.end(INTERNAL_ERROR)
         raise

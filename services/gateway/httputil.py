@@ -5,16 +5,20 @@ disconnects."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import HTTPConnection, Request
+from starlette.responses import JSONResponse
 
-from common.errors import INVALID_REQUEST
+from common.wire import Principal
+from common.errors import ERROR_TRAITS, INTERNAL_ERROR, INVALID_REQUEST, TillerError
 from services.gateway.deps import Gateway
 from services.gateway.json_body import parse_json
 from services.gateway.protocol import GatewayError
+from services.gateway.side_channel import Unauthorized, caller_of
+from services.gateway.store import NOT_FOUND
 from services.gateway.tenants import Tenant, identify
 
 T = TypeVar("T")
@@ -116,3 +120,21 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+def error_json(exc: TillerError, status: int | None = None) -> JSONResponse:
+    """The error of the AICI REST and steering routes, ``{"error": {"type", "message"}}``: 401 for a caller no
+    token names, 404 for what the store does not have, else the code's status (``status`` overrides)."""
+    if status is None:
+        status = (401 if isinstance(exc, Unauthorized) else 404 if exc.code == NOT_FOUND
+                  else ERROR_TRAITS.get(exc.code, ERROR_TRAITS[INTERNAL_ERROR])[2])
+    return JSONResponse({"error": {"type": exc.code, "message": exc.message}}, status_code=status)
+
+
+async def answer(request: Request, handle: Callable[[Gateway, Principal], Awaitable[Any]]) -> JSONResponse:
+    """What ``handle(gateway, caller)`` returns, as JSON; a TillerError (the caller's too) as :func:`error_json`."""
+    gw = gateway_of(request)
+    try:
+        return JSONResponse(await handle(gw, caller_of(request, gw.settings)))
+    except TillerError as exc:
+        return error_json(exc)

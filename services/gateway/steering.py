@@ -29,15 +29,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from common import wire
-from common.errors import ERROR_TRAITS, INTERNAL_ERROR, INVALID_REQUEST, MODEL_LOADING_ERROR, TillerError
+from common.errors import INTERNAL_ERROR, INVALID_REQUEST, MODEL_LOADING_ERROR, TillerError
 from common.steering import CONCEPT_PREFIX, SteeringError, SteeringVector, encode
 from common.steering_formats import parse
 from common.wire import Principal, SteeringTerm
 from services.gateway.deps import Gateway
-from services.gateway.httputil import gateway_of, read_json_object
+from services.gateway.httputil import answer, error_json, gateway_of, read_json_object
 from services.gateway.protocol import GatewayError
 from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, facts_of
-from services.gateway.side_channel import Unauthorized, caller_of
+from services.gateway.side_channel import caller_of
 from services.gateway.store import NOT_FOUND, StoreError
 from services.gateway.validation import Context, StrictModel, validate
 from services.gateway.vector_cache import CachedVector
@@ -47,13 +47,6 @@ router = APIRouter()
 
 SPEC = 'a list of {"vector": id | tag | "concept:<name>", "scale": number, "layers": [ints], "positions": ' \
        '"all" | "prompt" | "generated"}'
-
-
-def _error(exc: TillerError, status: int | None = None) -> JSONResponse:
-    if status is None:
-        status = (401 if isinstance(exc, Unauthorized) else 404 if exc.code == NOT_FOUND
-                  else ERROR_TRAITS.get(exc.code, ERROR_TRAITS[INTERNAL_ERROR])[2])
-    return JSONResponse({"error": {"type": exc.code, "message": exc.message}}, status_code=status)
 
 
 async def model_facts(gw: Gateway) -> wire.ModelFacts:
@@ -126,9 +119,9 @@ async def upload_vector(request: Request) -> Response:
             raise GatewayError(INVALID_REQUEST, f"not a steering vector: {exc}") from None
         stored = await store_vector(gw, vector, caller, tags, "the uploaded vector")
     except _TooLarge as exc:
-        return _error(exc, status=413)
+        return error_json(exc, status=413)
     except TillerError as exc:
-        return _error(exc)
+        return error_json(exc)
     return JSONResponse(stored)
 
 
@@ -143,33 +136,25 @@ async def store_vector(gw: Gateway, vector: SteeringVector, who: Principal, tags
 
 @router.get("/v1/steering/vectors")
 async def list_vectors(request: Request) -> Response:
-    gw = gateway_of(request)
-    try:
-        vectors = await gw.store.list_vectors(caller_of(request, gw.settings))
-    except TillerError as exc:
-        return _error(exc)
-    return JSONResponse({"vectors": [_vector_json(v) for v in vectors]})
+    async def listed(gw: Gateway, caller: Principal) -> dict[str, Any]:
+        return {"vectors": [_vector_json(v) for v in await gw.store.list_vectors(caller)]}
+    return await answer(request, listed)
 
 
 @router.get("/v1/steering/vectors/{ref}")
 async def get_vector(request: Request, ref: str) -> Response:
-    gw = gateway_of(request)
-    try:
-        return JSONResponse(_vector_json(await gw.store.get_vector(ref, caller_of(request, gw.settings))))
-    except TillerError as exc:
-        return _error(exc)
+    async def found(gw: Gateway, caller: Principal) -> dict[str, Any]:
+        return _vector_json(await gw.store.get_vector(ref, caller))
+    return await answer(request, found)
 
 
 @router.delete("/v1/steering/vectors/{vector_id}")
 async def delete_vector(request: Request, vector_id: str) -> Response:
-    gw = gateway_of(request)
-    try:
-        caller = caller_of(request, gw.settings)
+    async def deleted(gw: Gateway, caller: Principal) -> dict[str, Any]:
         await gw.store.delete_vector(vector_id, caller)
-    except TillerError as exc:
-        return _error(exc)
-    log.info("steering.vector_deleted", vector_id=vector_id, user=caller.user)
-    return JSONResponse({"id": vector_id, "deleted": True})
+        log.info("steering.vector_deleted", vector_id=vector_id, user=caller.user)
+        return {"id": vector_id, "deleted": True}
+    return await answer(request, deleted)
 
 
 # -- tags -------------------------------------------------------------------------------------------
@@ -182,24 +167,17 @@ class SetTags(StrictModel):
 
 @router.get("/v1/steering/tags")
 async def get_tags(request: Request) -> Response:
-    gw = gateway_of(request)
-    try:
-        tags = await gw.store.vector_tags(caller_of(request, gw.settings))
-    except TillerError as exc:
-        return _error(exc)
-    return JSONResponse({"tags": [_tag_json(t) for t in tags]})
+    async def seen(gw: Gateway, caller: Principal) -> dict[str, Any]:
+        return {"tags": [_tag_json(t) for t in await gw.store.vector_tags(caller)]}
+    return await answer(request, seen)
 
 
 @router.post("/v1/steering/tags")
 async def set_tags(request: Request) -> Response:
-    gw = gateway_of(request)
-    try:
-        caller = caller_of(request, gw.settings)
+    async def moved(gw: Gateway, caller: Principal) -> dict[str, Any]:
         body = validate(SetTags, await read_json_object(request), Context.of(gw.settings))
-        tags = await gw.store.tag_vector(body.vector_id, body.tags, caller)
-    except TillerError as exc:
-        return _error(exc)
-    return JSONResponse({"tags": [_tag_json(t) for t in tags]})
+        return {"tags": [_tag_json(t) for t in await gw.store.tag_vector(body.vector_id, body.tags, caller)]}
+    return await answer(request, moved)
 
 
 # -- a request's steering ---------------------------------------------------------------------------

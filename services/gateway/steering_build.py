@@ -29,8 +29,7 @@ from services.gateway.httputil import SSE_HEADERS, gateway_of, read_json_object,
 from services.gateway.openai_api import (Refused, Started, close_all, collect_all, error_body, error_response,
                                          start_all)
 from services.gateway.protocol import ErrorMsg, GatewayError
-from services.gateway.scheduler_client import HEALTH_MAX_AGE_S, facts_of
-from services.gateway.steering import store_vector
+from services.gateway.steering import check_fits, model_facts, model_shape, store_vector
 from services.gateway.validation import ChatMessage, Context, GenerationRequest, StrictModel, context_of, validate
 from services.gateway.vector_build import Method, contrastive_vector, residual_rows
 
@@ -86,14 +85,9 @@ class BuildRequest(StrictModel):
 @router.post("/v1/steering/vectors:build")
 async def build(request: Request) -> Response:
     gw = gateway_of(request)
-    context = Context.of(gw.settings)
     try:
-        parsed = validate(BuildRequest, await read_json_object(request), context)
-        facts = facts_of(await gw.scheduler.health(max_age=HEALTH_MAX_AGE_S))
-        outside = [layer for layer in parsed.layers if facts.num_layers and layer >= facts.num_layers]
-        if outside:
-            raise GatewayError(INVALID_REQUEST, f"layers {outside} are outside the model's {facts.num_layers} "
-                               "decoder layers (0-based)", param="layers")
+        parsed = validate(BuildRequest, await read_json_object(request), Context.of(gw.settings))
+        check_fits("the build", None, parsed.layers, model_shape(await model_facts(gw)), param="layers")
         await _check_lengths(gw, parsed, gw.settings.steering.max_build_tokens)
     except TillerError as exc:
         return error_response(ErrorMsg.from_error(exc))
