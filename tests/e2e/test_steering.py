@@ -22,6 +22,7 @@ import websockets
 
 from common.protos.salience.v1 import salience_pb2 as pb
 from common.protos.salience.v1 import salience_pb2_grpc as pb_grpc
+from services.gateway.salience.service import CACHED_TOKENS_TRAILER
 from tests.e2e.test_evergreen import config, eot, generate as eg_generate, msg, parent, run_session, text
 from tests.gateway.support import collect, greedy_config, parse_sse, send, token_ids
 
@@ -216,10 +217,13 @@ def test_steered_kv_is_never_reused_unsteered_nor_the_reverse(stack, http, vecto
     cached(None)
 
 
-def test_a_vector_built_from_pairs_is_their_mean_difference(stack, http, hf_model):
-    pairs = [("I love this, it is wonderful", "I hate this, it is awful"),
-             ("What a great day", "What a terrible day"),
-             ("She smiled with joy", "She cried with grief")]
+JOYFUL = ["wonderful", "great", "lovely", "delightful", "happy", "cheerful", "bright", "joyful"]
+GLOOMY = ["awful", "terrible", "dreadful", "miserable", "sad", "gloomy", "dark", "grim"]
+
+
+def test_a_vector_built_from_sixteen_pairs_is_their_mean_difference(stack, http, hf_model):
+    pairs = [(f"{who} day was {good}", f"{who} day was {bad}") for who in ("My", "Her")
+             for good, bad in zip(JOYFUL, GLOOMY)]
     layer = 10
     body = {"pairs": [{"positive": p, "negative": n} for p, n in pairs], "layers": [layer], "stream": True,
             "tags": []}
@@ -260,6 +264,31 @@ def test_bad_steering_is_refused_on_each_http_surface(stack, http, steering, mes
         assert reply.status_code == 400, (path, reply.text)
         assert message in reply.text, (path, reply.text)
     assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+async def test_a_session_turn_reuses_the_kv_its_steered_turn_before_left(stack, vector, directions, oracle):
+    """Two Salience turns under the same steering: the second reuses the first's parked KV (the cached-tokens
+    trailer) and both decode as the oracle steered at every position of the whole session."""
+    steering = (("tiller-steering", json.dumps([{"vector": vector, "scale": 1.0}])),)
+    first_ids, more = stack.tokenizer(PROMPT).input_ids, stack.tokenizer(" And tomorrow").input_ids
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.settings.grpc_port}") as channel:
+        stub = pb_grpc.SalienceStub(channel)
+        session = (await stub.OpenSession(pb.OpenSessionRequest(model=stack.settings.served_model_name))).session_id
+
+        async def turn(append: list[int], offset: int) -> tuple[list[int], int]:
+            call = stub.Generate(pb.GenerateRequest(session_id=session, append_tokens=append, offset=offset,
+                                                    max_tokens=TOKENS, top_k=1), metadata=steering,
+                                 timeout=RPC_TIMEOUT_S)
+            ids = [e.token.id async for e in call if e.HasField("token") and not e.token.is_prefill]
+            trailers = dict(await call.trailing_metadata() or ())
+            return ids, int(trailers[CACHED_TOKENS_TRAILER])
+
+        first, _ = await turn(first_ids, 0)
+        second, cached = await turn(more, len(first_ids) + len(first))
+    assert first == oracle(first_ids, [(directions, 1.0, "all")])
+    history = first_ids + first + more
+    assert second == oracle(history, [(directions, 1.0, "all")])
+    assert cached == len(first_ids) + len(first) - 1  # all the first turn fed (its last token never was)
 
 
 async def test_bad_steering_on_grpc_is_invalid_argument(stack, vector):
