@@ -1,0 +1,86 @@
+"""A tiny random-weight GGUF of one llama.cpp architecture, written as llama.cpp names and lays out its tensors,
+with the embedded model's tokenizer (a gpt2 BPE of 49,152 tokens, copied from its ``tokenizer.*`` metadata)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import quantize
+
+HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 64, 4, 2, 128, 2
+HEAD_DIM = HIDDEN // HEADS
+
+
+@dataclass(frozen=True)
+class Family:
+    """``arch``'s layer tensors: name → rows (their inputs are ``HIDDEN``, ffn_down's ``FFN``); ``biases``: the
+    matrices with a bias; ``keys``: metadata beyond the common ones."""
+
+    arch: str
+    matrices: dict[str, int]
+    biases: tuple[str, ...] = ()
+    keys: dict[str, int | float] = field(default_factory=dict)
+
+
+_SEPARATE = {"attn_q": HEADS * HEAD_DIM, "attn_k": KV_HEADS * HEAD_DIM, "attn_v": KV_HEADS * HEAD_DIM,
+             "attn_output": HIDDEN, "ffn_gate": FFN, "ffn_up": FFN, "ffn_down": HIDDEN}
+FAMILIES = {
+    "qwen2": Family("qwen2", _SEPARATE, biases=("attn_q", "attn_k", "attn_v")),
+    "phi3": Family("phi3", {"attn_qkv": (HEADS + 2 * KV_HEADS) * HEAD_DIM, "attn_output": HIDDEN,
+                            "ffn_up": 2 * FFN, "ffn_down": HIDDEN}, keys={"rope.dimension_count": HEAD_DIM}),
+}
+
+
+def _copy_tokenizer(source: Path, writer: GGUFWriter) -> int:
+    """The source's ``tokenizer.*`` metadata into ``writer``; returns its vocabulary size."""
+    reader = GGUFReader(str(source))
+    for found in reader.fields.values():
+        if found.name.startswith("tokenizer."):
+            kind = found.types[0]
+            writer.add_key_value(found.name, found.contents(), kind,
+                                 sub_type=found.types[-1] if kind == GGUFValueType.ARRAY else None)
+    return len(reader.fields["tokenizer.ggml.tokens"].contents())
+
+
+def _quantized(writer: GGUFWriter, name: str, weights: np.ndarray, kind: GGMLQuantizationType) -> None:
+    writer.add_tensor(name, quantize(weights, kind), raw_dtype=kind)
+
+
+def write_gguf(family: Family, tokenizer_source: Path, target: Path, seed: int = 0) -> Path:
+    """``target``: ``family``'s model of the sizes above, its matrices Q4_1 and Q8_0 by turns, the embedding and
+    output Q8_0 (untied), norms and biases float32."""
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(target), family.arch)
+    vocab = _copy_tokenizer(tokenizer_source, writer)
+    common = {"context_length": 2048, "embedding_length": HIDDEN, "block_count": LAYERS, "feed_forward_length": FFN,
+              "attention.head_count": HEADS, "attention.head_count_kv": KV_HEADS, "rope.freq_base": 10000.0,
+              "attention.layer_norm_rms_epsilon": 1e-6, "vocab_size": vocab}
+    for key, value in {**common, **family.keys}.items():
+        kind = GGUFValueType.FLOAT32 if isinstance(value, float) else GGUFValueType.UINT32
+        writer.add_key_value(f"{family.arch}.{key}", value, kind)
+
+    def normal(*shape: int, std: float) -> np.ndarray:
+        return rng.normal(0, std, size=shape).astype(np.float32)
+
+    _quantized(writer, "token_embd.weight", normal(vocab, HIDDEN, std=1.0), GGMLQuantizationType.Q8_0)
+    kinds = [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+    for layer in range(LAYERS):
+        prefix = f"blk.{layer}"
+        writer.add_tensor(f"{prefix}.attn_norm.weight", 1 + normal(HIDDEN, std=0.1))
+        writer.add_tensor(f"{prefix}.ffn_norm.weight", 1 + normal(HIDDEN, std=0.1))
+        for index, (name, rows) in enumerate(family.matrices.items()):
+            inputs = FFN if name == "ffn_down" else HIDDEN
+            _quantized(writer, f"{prefix}.{name}.weight", normal(rows, inputs, std=inputs ** -0.5),
+                       kinds[(layer + index) % 2])
+            if name in family.biases:
+                writer.add_tensor(f"{prefix}.{name}.bias", normal(rows, std=0.5))
+    writer.add_tensor("output_norm.weight", 1 + normal(HIDDEN, std=0.1))
+    _quantized(writer, "output.weight", normal(vocab, HIDDEN, std=0.5), GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
