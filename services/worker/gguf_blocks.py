@@ -128,16 +128,39 @@ def _unpermute(blocks: Blocks, heads: int) -> Blocks:
     return blocks.rows(order)
 
 
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type: bytes
+_STRING, _ARRAY = 8, 9
+
+
 def architecture(path: Path) -> str:
-    """A GGUF's ``general.architecture``."""
-    import gguf
+    """A GGUF's ``general.architecture``, read from its header alone (``gguf.GGUFReader`` parses every
+    field, a tokenizer's too: seconds, at every start)."""
+    with path.open("rb") as f:
+        def number(size: int) -> int:
+            return int.from_bytes(f.read(size), "little")
 
-    return _architecture(gguf.GGUFReader(str(path)))
+        def skip(kind: int) -> None:
+            if kind == _STRING:
+                f.seek(number(8), 1)
+            elif kind == _ARRAY:
+                inner, count = number(4), number(8)
+                if inner in _SCALAR:
+                    f.seek(_SCALAR[inner] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(inner)
+            else:
+                f.seek(_SCALAR[kind], 1)
 
-
-def _architecture(reader) -> str:  # reader: gguf.GGUFReader
-    field = reader.get_field("general.architecture")
-    return "" if field is None else str(field.contents())
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is no GGUF file")
+        f.seek(4 + 8, 1)  # version, tensor count
+        for _ in range(number(8)):
+            key, kind = f.read(number(8)), number(4)
+            if key == b"general.architecture" and kind == _STRING:
+                return f.read(number(8)).decode()
+            skip(kind)
+    return ""
 
 
 def hf_name(gguf_name: str, arch: Arch = ARCHS["llama"]) -> str | None:
@@ -160,7 +183,7 @@ def read_blocks(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Bloc
     from services.worker import gguf_kquants
 
     reader = gguf.GGUFReader(str(path))
-    name_of_arch = _architecture(reader)
+    name_of_arch = architecture(path)
     if name_of_arch not in ARCHS:
         raise ValueError(f"Tiller reads no GGUF blocks of architecture {name_of_arch!r} (it reads {', '.join(ARCHS)})")
     arch = ARCHS[name_of_arch]

@@ -1,8 +1,9 @@
 """A tiny random-weight GGUF of one llama.cpp architecture, written as llama.cpp names and lays out its tensors,
-with the embedded model's tokenizer (a gpt2 BPE of 49,152 tokens, copied from its ``tokenizer.*`` metadata)."""
+with the embedded model's tokenizer (a gpt2 BPE, copied from its ``tokenizer.*`` metadata) cut to 2,048 tokens."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
-HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 64, 4, 2, 128, 2
+HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, VOCAB = 64, 4, 2, 128, 2, 2048
 HEAD_DIM = HIDDEN // HEADS
 
 
@@ -34,15 +35,25 @@ FAMILIES = {
 }
 
 
-def _copy_tokenizer(source: Path, writer: GGUFWriter) -> int:
-    """The source's ``tokenizer.*`` metadata into ``writer``; returns its vocabulary size."""
+@functools.cache
+def _tokenizer_fields(source: Path, vocab: int) -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]:
+    """The source's ``tokenizer.*`` metadata (name, value, type, array element type), cut to its first ``vocab``
+    tokens and the merges among them (a BPE's tokens come in merge order, so the cut is a tokenizer too, and
+    parses in a fraction of the time a 49,152-token one does)."""
     reader = GGUFReader(str(source))
+    kept = set(reader.fields["tokenizer.ggml.tokens"].contents()[:vocab])
+    fields = []
     for found in reader.fields.values():
-        if found.name.startswith("tokenizer."):
-            kind = found.types[0]
-            writer.add_key_value(found.name, found.contents(), kind,
-                                 sub_type=found.types[-1] if kind == GGUFValueType.ARRAY else None)
-    return len(reader.fields["tokenizer.ggml.tokens"].contents())
+        if not found.name.startswith("tokenizer."):
+            continue
+        value = found.contents()
+        if found.name == "tokenizer.ggml.merges":
+            value = [m for m in value if m.replace(" ", "") in kept and all(part in kept for part in m.split(" "))]
+        elif found.name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+            value = value[:vocab]
+        kind = found.types[0]
+        fields.append((found.name, value, kind, found.types[-1] if kind == GGUFValueType.ARRAY else None))
+    return fields
 
 
 def _quantized(writer: GGUFWriter, name: str, weights: np.ndarray, kind: GGMLQuantizationType) -> None:
@@ -54,10 +65,11 @@ def write_gguf(family: Family, tokenizer_source: Path, target: Path, seed: int =
     output Q8_0 (untied), norms and biases float32."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(target), family.arch)
-    vocab = _copy_tokenizer(tokenizer_source, writer)
+    for name, value, kind, sub_type in _tokenizer_fields(tokenizer_source, VOCAB):
+        writer.add_key_value(name, value, kind, sub_type=sub_type)
     common = {"context_length": 2048, "embedding_length": HIDDEN, "block_count": LAYERS, "feed_forward_length": FFN,
               "attention.head_count": HEADS, "attention.head_count_kv": KV_HEADS, "rope.freq_base": 10000.0,
-              "attention.layer_norm_rms_epsilon": 1e-6, "vocab_size": vocab}
+              "attention.layer_norm_rms_epsilon": 1e-6, "vocab_size": VOCAB}
     for key, value in {**common, **family.keys}.items():
         kind = GGUFValueType.FLOAT32 if isinstance(value, float) else GGUFValueType.UINT32
         writer.add_key_value(f"{family.arch}.{key}", value, kind)
@@ -65,7 +77,7 @@ def write_gguf(family: Family, tokenizer_source: Path, target: Path, seed: int =
     def normal(*shape: int, std: float) -> np.ndarray:
         return rng.normal(0, std, size=shape).astype(np.float32)
 
-    _quantized(writer, "token_embd.weight", normal(vocab, HIDDEN, std=1.0), GGMLQuantizationType.Q8_0)
+    _quantized(writer, "token_embd.weight", normal(VOCAB, HIDDEN, std=1.0), GGMLQuantizationType.Q8_0)
     kinds = [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
     for layer in range(LAYERS):
         prefix = f"blk.{layer}"
@@ -78,7 +90,7 @@ def write_gguf(family: Family, tokenizer_source: Path, target: Path, seed: int =
             if name in family.biases:
                 writer.add_tensor(f"{prefix}.{name}.bias", normal(rows, std=0.5))
     writer.add_tensor("output_norm.weight", 1 + normal(HIDDEN, std=0.1))
-    _quantized(writer, "output.weight", normal(vocab, HIDDEN, std=0.5), GGMLQuantizationType.Q8_0)
+    _quantized(writer, "output.weight", normal(VOCAB, HIDDEN, std=0.5), GGMLQuantizationType.Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
