@@ -52,6 +52,7 @@ class Arch:
 ARCHS = {
     "llama": Arch(_NAMES, permuted_qk=True),
     "qwen2": Arch(_NAMES),
+    "qwen3": Arch(_NAMES),
     "phi3": Arch({"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
                   "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}),
 }

@@ -17,21 +17,31 @@ HEAD_DIM = HIDDEN // HEADS
 
 @dataclass(frozen=True)
 class Family:
-    """``arch``'s layer tensors: name → rows (their inputs are ``HIDDEN``, ffn_down's ``FFN``); ``biases``: the
-    matrices with a bias; ``keys``: metadata beyond the common ones."""
+    """``arch``'s layer tensors: name → rows (their inputs are ``HIDDEN``, ffn_down's ``FFN``, attn_output's
+    attn_q's rows); ``biases``: the matrices with a bias; ``norms``: a layer's norms and their sizes; ``keys``:
+    metadata beyond the common ones."""
 
     arch: str
     matrices: dict[str, int]
     biases: tuple[str, ...] = ()
+    norms: dict[str, int] = field(default_factory=lambda: {"attn_norm": HIDDEN, "ffn_norm": HIDDEN})
     keys: dict[str, int | float] = field(default_factory=dict)
 
 
-_SEPARATE = {"attn_q": HEADS * HEAD_DIM, "attn_k": KV_HEADS * HEAD_DIM, "attn_v": KV_HEADS * HEAD_DIM,
-             "attn_output": HIDDEN, "ffn_gate": FFN, "ffn_up": FFN, "ffn_down": HIDDEN}
+def _separate(head_dim: int = HEAD_DIM) -> dict[str, int]:
+    return {"attn_q": HEADS * head_dim, "attn_k": KV_HEADS * head_dim, "attn_v": KV_HEADS * head_dim,
+            "attn_output": HIDDEN, "ffn_gate": FFN, "ffn_up": FFN, "ffn_down": HIDDEN}
+
+
+QWEN3_HEAD_DIM = 128  # transformers' Qwen3 default: its GGUF loader reads no head size (every Qwen3's is 128)
 FAMILIES = {
-    "qwen2": Family("qwen2", _SEPARATE, biases=("attn_q", "attn_k", "attn_v")),
+    "llama": Family("llama", _separate(), keys={"rope.dimension_count": HEAD_DIM}),  # q and k rows permuted
+    "qwen2": Family("qwen2", _separate(), biases=("attn_q", "attn_k", "attn_v")),
     "phi3": Family("phi3", {"attn_qkv": (HEADS + 2 * KV_HEADS) * HEAD_DIM, "attn_output": HIDDEN,
                             "ffn_up": 2 * FFN, "ffn_down": HIDDEN}, keys={"rope.dimension_count": HEAD_DIM}),
+    "qwen3": Family("qwen3", _separate(QWEN3_HEAD_DIM),
+                    norms={"attn_norm": HIDDEN, "ffn_norm": HIDDEN, "attn_q_norm": QWEN3_HEAD_DIM,
+                           "attn_k_norm": QWEN3_HEAD_DIM}, keys={"attention.key_length": QWEN3_HEAD_DIM}),
 }
 
 
@@ -81,10 +91,10 @@ def write_gguf(family: Family, tokenizer_source: Path, target: Path, seed: int =
     kinds = [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
     for layer in range(LAYERS):
         prefix = f"blk.{layer}"
-        writer.add_tensor(f"{prefix}.attn_norm.weight", 1 + normal(HIDDEN, std=0.1))
-        writer.add_tensor(f"{prefix}.ffn_norm.weight", 1 + normal(HIDDEN, std=0.1))
+        for name, size in family.norms.items():
+            writer.add_tensor(f"{prefix}.{name}.weight", 1 + normal(size, std=0.1))
         for index, (name, rows) in enumerate(family.matrices.items()):
-            inputs = FFN if name == "ffn_down" else HIDDEN
+            inputs = {"ffn_down": FFN, "attn_output": family.matrices.get("attn_q", HIDDEN)}.get(name, HIDDEN)
             _quantized(writer, f"{prefix}.{name}.weight", normal(rows, inputs, std=inputs ** -0.5),
                        kinds[(layer + index) % 2])
             if name in family.biases:

@@ -22,7 +22,7 @@ from tests.worker.gguf_writer import FAMILIES, LAYERS, write_gguf
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_gguf(request, tmp_path_factory, worker_settings) -> tuple[str, Path, Path]:
-    """(arch, the file, a cache whose kernels are the session's)."""
+    """(the transformers model type, the file, a cache whose kernels are the session's)."""
     embedded = resolve_model(Settings()).gguf
     assert embedded is not None
     folder = tmp_path_factory.mktemp(request.param)
@@ -34,10 +34,10 @@ def family_gguf(request, tmp_path_factory, worker_settings) -> tuple[str, Path, 
 
 @pytest.mark.parametrize("weights", ["auto", "fp32"])
 def test_a_gguf_of_another_family_is_served_natively_as_transformers_reads_it(family_gguf, weights, gguf_kernel) -> None:
-    arch, path, cache = family_gguf
+    model_type, path, cache = family_gguf
     loaded = load_model(Settings(model=str(path), device="cpu", weights=weights, cache_dir=cache),
                         lambda progress, message: None)
-    assert loaded.config.model_type == arch and loaded.config.num_hidden_layers == LAYERS
+    assert loaded.config.model_type == model_type and loaded.config.num_hidden_layers == LAYERS
     assert loaded.weights == ("gguf" if weights == "auto" else "fp32")
     engine = Engine(loaded, num_blocks=32)
     assert engine.fallback_reason is None
