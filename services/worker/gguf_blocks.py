@@ -11,8 +11,8 @@ and, unpacked by :mod:`services.worker.gguf_kquants`, Q5_0, Q5_1 and the K-quant
 nibble.
 
 How llama.cpp names and lays out each architecture's projections is :data:`ARCHS`: only Llama's q and k
-projections have the rows of each head interleaved for its rotary layout (Qwen2's, Phi-3's and the others'
-are written as they are); they are put back in transformers' order here, as transformers does when it
+projections have the rows of each head interleaved for its rotary layout (Qwen2's, Qwen3's, Phi-3's and
+Gemma's are written as they are); they are put back in transformers' order here, as transformers does when it
 loads a GGUF (rows are whole blocks, so reordering them keeps every block intact). Phi-3's fused
 ``attn_qkv`` and ``ffn_up`` (gate|up) are transformers' own fused ``qkv_proj`` and ``gate_up_proj``.
 """
@@ -53,6 +53,8 @@ ARCHS = {
     "llama": Arch(_NAMES, permuted_qk=True),
     "qwen2": Arch(_NAMES),
     "qwen3": Arch(_NAMES),
+    "gemma2": Arch(_NAMES),
+    "gemma3": Arch(_NAMES),
     "phi3": Arch({"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
                   "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}),
 }

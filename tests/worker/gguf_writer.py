@@ -26,6 +26,7 @@ class Family:
     biases: tuple[str, ...] = ()
     norms: dict[str, int] = field(default_factory=lambda: {"attn_norm": HIDDEN, "ffn_norm": HIDDEN})
     keys: dict[str, int | float] = field(default_factory=dict)
+    tied: bool = False  # no output.weight: the output projection is the embedding's
 
 
 def _separate(head_dim: int = HEAD_DIM) -> dict[str, int]:
@@ -42,6 +43,13 @@ FAMILIES = {
     "qwen3": Family("qwen3", _separate(QWEN3_HEAD_DIM),
                     norms={"attn_norm": HIDDEN, "ffn_norm": HIDDEN, "attn_q_norm": QWEN3_HEAD_DIM,
                            "attn_k_norm": QWEN3_HEAD_DIM}, keys={"attention.key_length": QWEN3_HEAD_DIM}),
+    "gemma2": Family("gemma2", _separate(), norms={"attn_norm": HIDDEN, "post_attention_norm": HIDDEN,
+                                                   "ffn_norm": HIDDEN, "post_ffw_norm": HIDDEN},
+                     keys={"attention.key_length": HEAD_DIM, "attention.sliding_window": 4096}, tied=True),
+    "gemma3_text": Family("gemma3", _separate(), norms={"attn_norm": HIDDEN, "post_attention_norm": HIDDEN,
+                                                        "ffn_norm": HIDDEN, "post_ffw_norm": HIDDEN,
+                                                        "attn_q_norm": HEAD_DIM, "attn_k_norm": HEAD_DIM},
+                          keys={"attention.key_length": HEAD_DIM, "attention.sliding_window": 4096}, tied=True),
 }
 
 
@@ -72,7 +80,7 @@ def _quantized(writer: GGUFWriter, name: str, weights: np.ndarray, kind: GGMLQua
 
 def write_gguf(family: Family, tokenizer_source: Path, target: Path, seed: int = 0) -> Path:
     """``target``: ``family``'s model of the sizes above, its matrices Q4_1 and Q8_0 by turns, the embedding and
-    output Q8_0 (untied), norms and biases float32."""
+    output Q8_0, norms and biases float32."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(target), family.arch)
     for name, value, kind, sub_type in _tokenizer_fields(tokenizer_source, VOCAB):
@@ -100,7 +108,8 @@ def write_gguf(family: Family, tokenizer_source: Path, target: Path, seed: int =
             if name in family.biases:
                 writer.add_tensor(f"{prefix}.{name}.bias", normal(rows, std=0.5))
     writer.add_tensor("output_norm.weight", 1 + normal(HIDDEN, std=0.1))
-    _quantized(writer, "output.weight", normal(VOCAB, HIDDEN, std=0.5), GGMLQuantizationType.Q8_0)
+    if not family.tied:
+        _quantized(writer, "output.weight", normal(VOCAB, HIDDEN, std=0.5), GGMLQuantizationType.Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,5 +1,6 @@
-"""A GGUF of another family than Llama (Qwen2: q/k/v biases, rotary rows as they are; Phi-3: fused attn_qkv and
-gate|up ffn_up) is served natively, its blocks on Tiller's kernel with ``weights=auto`` and dense with ``fp32``,
+"""A GGUF of each family Tiller reads the blocks of (Llama: q and k rows permuted; Qwen2: q/k/v biases, rows as
+they are; Qwen3: q/k norms; Phi-3: fused attn_qkv and gate|up ffn_up; Gemma 2: sandwich norms, tied output) is
+served natively, its blocks on Tiller's kernel with ``weights=auto`` and dense with ``fp32``,
 and its greedy tokens equal transformers' loading the same file (which dequantizes it)."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def family_gguf(request, tmp_path_factory, worker_settings) -> tuple[str, Path, 
 
 
 @pytest.mark.parametrize("weights", ["auto", "fp32"])
-def test_a_gguf_of_another_family_is_served_natively_as_transformers_reads_it(family_gguf, weights, gguf_kernel) -> None:
+def test_a_gguf_of_each_family_is_served_natively_as_transformers_reads_it(family_gguf, weights, gguf_kernel) -> None:
     model_type, path, cache = family_gguf
     loaded = load_model(Settings(model=str(path), device="cpu", weights=weights, cache_dir=cache),
                         lambda progress, message: None)
@@ -41,7 +42,8 @@ def test_a_gguf_of_another_family_is_served_natively_as_transformers_reads_it(fa
     assert loaded.weights == ("gguf" if weights == "auto" else "fp32")
     engine = Engine(loaded, num_blocks=32)
     assert engine.fallback_reason is None
-    if weights == "auto":  # every projection's blocks as they ship, the output's too
-        assert all(isinstance(p, BlockLinear) for layer in engine.runner.layers for p in layer.projections())
+    if weights == "auto":  # every projection's blocks as they ship (Gemma's post-normed inside a NormedOutput)
+        assert all(isinstance(getattr(p, "linear", p), BlockLinear)
+                   for layer in engine.runner.layers for p in layer.projections())
     oracle = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     assert_greedy_as_transformers(engine, oracle, 12)
