@@ -165,8 +165,8 @@ def load_model(settings: Settings, progress: Progress, keep_dense: bool = False)
     progress(2, f"resolving model {settings.model}")
     source = resolve_model(settings, weights=True)
     config = AutoConfig.from_pretrained(source.directory)
-    blocks = source.gguf is not None and gguf_blocks.architecture(source.gguf) in gguf_blocks.ARCHS
-    mode = weights_mode(settings.weights, device.type, blocks, source.pretrained_weights,
+    readable = source.gguf is not None and gguf_blocks.architecture(source.gguf) in gguf_blocks.ARCHS  # its blocks
+    mode = weights_mode(settings.weights, device.type, readable, source.pretrained_weights,
                         sharded=settings.distributed.tensor_parallel > 1,
                         kernel=lambda: kernel_build.load(settings.cache_dir))
     limit = settings.limits.max_model_len
