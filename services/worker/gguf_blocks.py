@@ -8,9 +8,13 @@ Supported block types (llama.cpp's layouts; each block starts with float16 field
 
 and, unpacked by :mod:`services.worker.gguf_kquants`, Q5_0, Q5_1 and the K-quants Q4_K, Q5_K and Q6_K
 (so the Q4_K_M and Q5_K_M mixes, which combine them with Q8_0 per tensor). A 4-bit block keeps weight ``j`` in the low nibble of byte ``j`` and weight ``j + 16`` in its high
-nibble. llama.cpp stores Llama's q and k projections with the rows of each head interleaved for its
-rotary layout; they are put back in transformers' order here, as transformers does when it loads a
-GGUF (rows are whole blocks, so reordering them keeps every block intact).
+nibble.
+
+How llama.cpp names and lays out each architecture's projections is :data:`ARCHS`: only Llama's q and k
+projections have the rows of each head interleaved for its rotary layout (Qwen2's, Qwen3's, Phi-3's and
+Gemma's are written as they are); they are put back in transformers' order here, as transformers does when it
+loads a GGUF (rows are whole blocks, so reordering them keeps every block intact). Phi-3's fused
+``attn_qkv`` and ``ffn_up`` (gate|up) are transformers' own fused ``qkv_proj`` and ``gate_up_proj``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,27 @@ _NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """How llama.cpp writes one ``general.architecture``'s projections: ``names`` maps a layer tensor's
+    name (``blk.N.<name>.weight``) to transformers' module under ``model.layers.N``; ``permuted_qk``:
+    q and k rows are interleaved per head (undone on reading)."""
+
+    names: dict[str, str]
+    permuted_qk: bool = False
+
+
+ARCHS = {
+    "llama": Arch(_NAMES, permuted_qk=True),
+    "qwen2": Arch(_NAMES),
+    "qwen3": Arch(_NAMES),
+    "gemma2": Arch(_NAMES),
+    "gemma3": Arch(_NAMES),
+    "phi3": Arch({"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+                  "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}),
 }
 
 
@@ -106,36 +131,75 @@ def _unpermute(blocks: Blocks, heads: int) -> Blocks:
     return blocks.rows(order)
 
 
-def hf_name(gguf_name: str) -> str | None:
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type: bytes
+_STRING, _ARRAY = 8, 9
+
+
+def architecture(path: Path) -> str:
+    """A GGUF's ``general.architecture``, read from its header alone (``gguf.GGUFReader`` parses every
+    field, a tokenizer's too: seconds, at every start)."""
+    with path.open("rb") as f:
+        def number(size: int) -> int:
+            return int.from_bytes(f.read(size), "little")
+
+        def skip(kind: int) -> None:
+            if kind == _STRING:
+                f.seek(number(8), 1)
+            elif kind == _ARRAY:
+                inner, count = number(4), number(8)
+                if inner in _SCALAR:
+                    f.seek(_SCALAR[inner] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(inner)
+            else:
+                f.seek(_SCALAR[kind], 1)
+
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is no GGUF file")
+        f.seek(4 + 8, 1)  # version, tensor count
+        for _ in range(number(8)):
+            key, kind = f.read(number(8)), number(4)
+            if key == b"general.architecture" and kind == _STRING:
+                return f.read(number(8)).decode()
+            skip(kind)
+    return ""
+
+
+def hf_name(gguf_name: str, arch: Arch = ARCHS["llama"]) -> str | None:
     """transformers' parameter name of a GGUF weight matrix (None: not a projection or embedding)."""
     if gguf_name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if gguf_name == "output.weight":
         return "lm_head.weight"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
-    if match is None or match[2] not in _NAMES:
+    if match is None or match[2] not in arch.names:
         return None
-    return f"model.layers.{match[1]}.{_NAMES[match[2]]}.weight"
+    return f"model.layers.{match[1]}.{arch.names[match[2]]}.weight"
 
 
 def read_blocks(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Blocks]:
-    """Every quantized weight matrix of a Llama-architecture GGUF of a supported type, by
-    transformers' parameter name; other tensors (norms, float tensors) are left out."""
+    """Every quantized weight matrix of a GGUF of an architecture in :data:`ARCHS`, of a supported
+    type, by transformers' parameter name; other tensors (norms, biases, float tensors) are left out."""
     import gguf
 
     from services.worker import gguf_kquants
 
     reader = gguf.GGUFReader(str(path))
+    name_of_arch = architecture(path)
+    if name_of_arch not in ARCHS:
+        raise ValueError(f"Tiller reads no GGUF blocks of architecture {name_of_arch!r} (it reads {', '.join(ARCHS)})")
+    arch = ARCHS[name_of_arch]
     found: dict[str, Blocks] = {}
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None or (kind not in _LAYOUT and kind not in gguf_kquants.SIZES):
             continue
         blocks = decode(kind, tensor.data) if kind in _LAYOUT else gguf_kquants.decode(kind, tensor.data)
-        if ".attn_q." in tensor.name:
+        if arch.permuted_qk and ".attn_q." in tensor.name:
             blocks = _unpermute(blocks, num_heads)
-        elif ".attn_k." in tensor.name:
+        elif arch.permuted_qk and ".attn_k." in tensor.name:
             blocks = _unpermute(blocks, num_kv_heads)
         found[name] = blocks
     return found

@@ -26,7 +26,7 @@ from common import model_cache
 from common.config import Settings
 from common.model_source import resolve_model, tokenizer_class
 from common.vision import VisionSpec
-from services.worker import kernel_build
+from services.worker import gguf_blocks, kernel_build
 from services.worker.packed_cache import LAYOUTS, PackedStore, cache_key, cache_path
 from services.worker.models import unsupported_reason
 from services.worker.quantized import LinearFactory, linear_factory, weights_mode
@@ -165,7 +165,8 @@ def load_model(settings: Settings, progress: Progress, keep_dense: bool = False)
     progress(2, f"resolving model {settings.model}")
     source = resolve_model(settings, weights=True)
     config = AutoConfig.from_pretrained(source.directory)
-    mode = weights_mode(settings.weights, device.type, source.gguf is not None, source.pretrained_weights,
+    readable = source.gguf is not None and gguf_blocks.architecture(source.gguf) in gguf_blocks.ARCHS  # its blocks
+    mode = weights_mode(settings.weights, device.type, readable, source.pretrained_weights,
                         sharded=settings.distributed.tensor_parallel > 1,
                         kernel=lambda: kernel_build.load(settings.cache_dir))
     limit = settings.limits.max_model_len

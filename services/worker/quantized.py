@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from services.worker.gguf_blocks import GROUP, Blocks, read_blocks
+from services.worker.gguf_blocks import ARCHS, GROUP, Blocks, read_blocks
 from services.worker.gguf_linear import BlockLinear, dense_packable
 from services.worker.packed_cache import PackedStore
 
@@ -358,7 +358,8 @@ class Int8Linears:
 def weights_mode(setting: str, device: str, has_gguf: bool, pretrained: bool, sharded: bool = False,
                  kernel: Callable[[], bool] = lambda: False) -> str:
     """The ``weights`` setting resolved for a model on ``device`` (``sharded``: tensor parallel,
-    which splits dense weights): 'fp32' (dense), 'gguf', 'gguf-bf16' or 'int8'; a combination that
+    which splits dense weights; ``has_gguf``: shipped as a GGUF whose blocks Tiller reads, see
+    :data:`~services.worker.gguf_blocks.ARCHS`): 'fp32' (dense), 'gguf', 'gguf-bf16' or 'int8'; a combination that
     cannot work raises ValueError with the reason. ``kernel``: whether :class:`BlockLinear`'s library
     is there (asked only for 'auto' on a GGUF model): then 'auto' is 'gguf', its blocks exactly."""
     if setting == "auto":
@@ -370,8 +371,8 @@ def weights_mode(setting: str, device: str, has_gguf: bool, pretrained: bool, sh
     if setting != "fp32" and device != "cpu":
         raise ValueError(f"weights={setting!r} runs on packed CPU kernels; device is {device!r} (use 'fp32')")
     if setting.startswith("gguf") and not (has_gguf and pretrained):
-        raise ValueError(f"weights={setting!r} needs a model shipped as a GGUF with its trained weights (the default "
-                         "model); use 'int8' or 'fp32'")
+        raise ValueError(f"weights={setting!r} needs a model shipped as a GGUF of an architecture whose blocks Tiller "
+                         f"reads ({', '.join(ARCHS)}) with its trained weights; use 'int8' or 'fp32'")
     return setting
 
 
