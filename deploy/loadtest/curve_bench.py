@@ -39,7 +39,7 @@ def main() -> None:
         for name in order:
             figures = run_once(ROOT, args, work / f"{round_no}-{name}.json", configs[name])
             runs[name].append(figures)
-            print_round(round_no, name, figures, args.streams)
+            print_round(round_no, name, figures)
     report(runs, "curve", "plain", args.streams)
 
 

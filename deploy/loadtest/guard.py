@@ -1,10 +1,11 @@
 """The speed guard: this tree against a base revision on the real default model, on its default
 weights (``auto``: the GGUF's blocks on Tiller's kernel) and on dense ``fp32`` (what a safetensors
-model gets), at one stream and 16, alternated round by round in one run (``ab_stack.py``). Run it
+model gets), at one stream and at each ``--streams`` count (default 16; the journal's guard: ``--streams 16
+64``), alternated round by round in one run (``ab_stack.py``). Run it
 before resolving any change to the worker or the step loop and quote what it prints: a ratio below
 1 on tokens/s (or above 1 on CPU per token) beyond the rounds' spread is a regression.
 
-    python deploy/loadtest/guard.py --base main [--rounds 3] [--tokens 128] [--streams 16]
+    python deploy/loadtest/guard.py --base main [--rounds 3] [--tokens 128] [--streams 16 64]
 """
 
 from __future__ import annotations
