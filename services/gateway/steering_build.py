@@ -69,17 +69,21 @@ class BuildRequest(StrictModel):
         """Positives and negatives, pair by pair: text ``2i`` is pair i's positive, ``2i + 1`` its negative."""
         return [text for pair in self.pairs for text in (pair.positive, pair.negative)]
 
-    def to_requests(self) -> list[GenerationRequest]:
+    def renderings(self) -> list[GenerationRequest]:
+        """Each text as the gateway renders and tokenizes a prompt (:meth:`texts` order)."""
         requests = []
         for text in self.texts():
             if isinstance(text, str):
-                shape: dict[str, Any] = {"prompt": text}
+                requests.append(GenerationRequest(prompt=text))
             else:
                 ends_open = text[-1].role == "assistant"
-                shape = {"messages": [m.model_dump() for m in text], "add_generation_prompt": not ends_open,
-                         "continue_final_message": ends_open}
-            requests.append(GenerationRequest(**shape, max_tokens=0, residual_layers=tuple(self.layers)))
+                requests.append(GenerationRequest(messages=[m.model_dump() for m in text],
+                                                  add_generation_prompt=not ends_open, continue_final_message=ends_open))
         return requests
+
+    def to_requests(self, prompts: list[list[int]]) -> list[GenerationRequest]:
+        """The prefill-only requests of the texts' token ids, asking their last position's residual stream."""
+        return [GenerationRequest(prompt_ids=ids, max_tokens=0, residual_layers=tuple(self.layers)) for ids in prompts]
 
 
 @router.post("/v1/steering/vectors:build")
@@ -88,30 +92,34 @@ async def build(request: Request) -> Response:
     try:
         parsed = validate(BuildRequest, await read_json_object(request), Context.of(gw.settings))
         check_fits("the build", None, parsed.layers, model_shape(await model_facts(gw)), param="layers")
-        await _check_lengths(gw, parsed, gw.settings.steering.max_build_tokens)
+        requests = parsed.to_requests(await _prompts(gw, parsed, gw.settings.steering.max_build_tokens))
     except TillerError as exc:
         return error_response(ErrorMsg.from_error(exc))
     if not parsed.stream:
-        result = await _run(request, parsed, lambda done, total: None)
+        result = await _run(request, parsed, requests, lambda done, total: None)
         if isinstance(result, ErrorMsg):
             return error_response(result)
         return JSONResponse(result)
-    return StreamingResponse(_events(request, parsed), media_type="text/event-stream", headers=SSE_HEADERS)
+    return StreamingResponse(_events(request, parsed, requests), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _check_lengths(gw: Any, parsed: BuildRequest, cap: int) -> None:
-    """Every text within ``steering.max_build_tokens`` tokens, once rendered (the refusal names the text)."""
-    for i, req in enumerate(parsed.to_requests()):
-        _, ids = await gw.text.prompt(req)
+async def _prompts(gw: Any, parsed: BuildRequest, cap: int) -> list[list[int]]:
+    """Each text's token ids, rendered once; each within ``steering.max_build_tokens`` (a refusal names the text)."""
+    prompts = []
+    for i, rendering in enumerate(parsed.renderings()):
+        _, ids = await gw.text.prompt(rendering)
         if len(ids) > cap:
             side = "positive" if i % 2 == 0 else "negative"
             raise GatewayError(INVALID_REQUEST, f"pairs[{i // 2}].{side} is {len(ids)} tokens, more than the "
                                f"{cap} a build text may have (steering.max_build_tokens)", param="pairs")
+        prompts.append(ids)
+    return prompts
 
 
-async def _events(request: Request, parsed: BuildRequest) -> AsyncIterator[bytes]:
+async def _events(request: Request, parsed: BuildRequest, requests: list[GenerationRequest]) -> AsyncIterator[bytes]:
     progress: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
-    task = asyncio.ensure_future(_run(request, parsed, lambda done, total: progress.put_nowait((done, total))))
+    task = asyncio.ensure_future(_run(request, parsed, requests,
+                                      lambda done, total: progress.put_nowait((done, total))))
     try:
         while not task.done() or not progress.empty():
             getter = asyncio.ensure_future(progress.get())
@@ -127,10 +135,11 @@ async def _events(request: Request, parsed: BuildRequest) -> AsyncIterator[bytes
         task.cancel()
 
 
-async def _run(request: Request, parsed: BuildRequest, on_done: Callable[[int, int], None]) -> dict[str, Any] | ErrorMsg:
-    """Run the texts, build the vector, store it: its stored answer, or the first error."""
+async def _run(request: Request, parsed: BuildRequest, requests: list[GenerationRequest],
+               on_done: Callable[[int, int], None]) -> dict[str, Any] | ErrorMsg:
+    """Run the texts' ``requests``, build the vector, store it: its stored answer, or the first error."""
     gw = gateway_of(request)
-    started = await start_all(request, parsed.to_requests(), new_request_id("build-"))
+    started = await start_all(request, requests, new_request_id("build-"))
     if isinstance(started, Refused):
         return started.error
     try:

@@ -633,11 +633,9 @@ class Engine:
     def _input(seq: _Seq, seq_id: int, tokens: list[int], start: int, logits: bool, capture: tuple[int, ...] = (),
                layers: tuple[int, ...] = ()) -> SeqInput:
         """What the runner computes for ``seq``: ``tokens`` fed at ``start``, under its steering."""
-        steering = seq.steering
-        if steering is None:
-            return SeqInput(seq_id=seq_id, tokens=tokens, start=start, logits=logits, capture=capture, layers=layers)
+        steering = None if seq.steering is None else seq.steering.deltas
         return SeqInput(seq_id=seq_id, tokens=tokens, start=start, logits=logits, capture=capture, layers=layers,
-                        steering=steering.deltas, output_start=seq.sampler.params.output_start)
+                        steering=steering, output_start=seq.sampler.params.output_start)
 
     def _steering(self, s: SeqStep) -> Steering | None:
         """The steering ``s`` sets, checked (call only when it sets one)."""
